@@ -1,0 +1,25 @@
+"""The qerl command line and the demo it runs."""
+
+import pytest
+
+from qerl_kit.cli import build_parser, main
+
+
+def test_demo_runs_and_reports(capsys):
+    assert main(["demo", "--seed", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "linear layers converted" in out and "top-1 agreement" in out
+
+
+def test_quantize_command_prints_report(capsys):
+    assert main(["quantize", "llama-tiny", "--format", "mxfp4"]) == 0
+    out = capsys.readouterr().out
+    assert "mxfp4: 14 linear layers converted" in out and "quantization scales" in out
+
+
+def test_help_explains_each_option(capsys):
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["quantize", "--help"])
+    out = capsys.readouterr().out
+    for flag in ("--format", "--skip", "--trust-remote-code"):
+        assert flag in out
