@@ -1,0 +1,153 @@
+"""Load GSM8K / MATH-500 problems and build prompts.
+
+- ``load_gsm8k(path_or_split)`` / ``load_math500(path_or_split)`` read local JSON Lines files (the
+  layout of the project's ``shared/data``) or, given a split name such as ``"test"``, fall back to
+  Hugging Face ``datasets`` (``openai/gsm8k`` "main", ``HuggingFaceH4/MATH-500``; imported lazily).
+- Each row is a plain dict with ``prompt`` (the question text), ``answer`` (the gold final answer)
+  and the original columns. For GSM8K the original ``answer`` column (the worked solution ending in
+  ``#### N``) is kept as ``solution`` and ``answer`` becomes the number ``N`` (thousands separators
+  removed: "#### 1,600" -> "1600"). ``datasets.Dataset.from_list(rows)`` turns the list into a
+  dataset for TRL.
+- A malformed row (bad JSON, not an object, missing/empty field, GSM8K solution without a numeric
+  ``#### N``) raises ``ValueError("<file>:<line>: ...")`` with the 1-based line number; blank lines
+  are skipped.
+- ``build_prompt(tokenizer, question, ...)`` uses the tokenizer's chat template when it has one,
+  else a plain ``"Question: ...\\nAnswer:"`` template; ``build_messages`` gives the conversational form.
+
+Deviation from official QeRL / verl preprocessing: none in content (same GSM8K instruction suffix);
+we validate every row instead of silently keeping rows without a parsable answer.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any, Iterable
+
+from .rewards import parse_number
+
+__all__ = [
+    "load_gsm8k", "load_math500", "read_jsonl", "build_prompt", "build_messages",
+    "GSM8K_SUFFIX", "MATH_SUFFIX",
+]
+
+GSM8K_SUFFIX = ' Let\'s think step by step and output the final answer after "####".'
+MATH_SUFFIX = " Please reason step by step, and put your final answer within \\boxed{}."
+
+_HF_SOURCES = {
+    "gsm8k": ("openai/gsm8k", "main"),
+    "math500": ("HuggingFaceH4/MATH-500", None),
+}
+
+
+def read_jsonl(path: str | os.PathLike) -> list[tuple[int, Any]]:
+    """(1-based line number, parsed JSON) for every non-blank line; ValueError names file:line."""
+    out = []
+    with open(path, encoding="utf-8") as f:
+        for lineno, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                out.append((lineno, json.loads(line)))
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path}:{lineno}: invalid JSON ({e.msg})") from None
+    return out
+
+
+def _field(row: Any, key: str, where: str) -> str:
+    if not isinstance(row, dict):
+        raise ValueError(f"{where}: expected a JSON object, got {type(row).__name__}")
+    if key not in row or row[key] is None:
+        raise ValueError(f"{where}: missing field {key!r} (has {sorted(row)})")
+    value = row[key]
+    if isinstance(value, bool) or not isinstance(value, (str, int, float)):
+        raise ValueError(f"{where}: field {key!r} must be a string, got {type(value).__name__}")
+    value = str(value).strip()
+    if not value:
+        raise ValueError(f"{where}: field {key!r} is empty")
+    return value
+
+
+def _gsm8k_row(row: Any, where: str) -> dict[str, Any]:
+    question = _field(row, "question", where)
+    solution = _field(row, "answer", where)
+    if "####" not in solution:
+        raise ValueError(f"{where}: GSM8K solution has no '#### <answer>' line")
+    final = solution.rsplit("####", 1)[1].strip()
+    if not final:
+        raise ValueError(f"{where}: empty answer after '####'")
+    if parse_number(final) is None:
+        raise ValueError(f"{where}: answer after '####' is not a number: {final!r}")
+    out = {k: v for k, v in row.items() if k != "answer"}
+    out.update(prompt=question, answer=final.replace(",", ""), solution=solution)
+    return out
+
+
+def _math500_row(row: Any, where: str) -> dict[str, Any]:
+    problem = _field(row, "problem", where)
+    answer = _field(row, "answer", where)
+    return {**row, "prompt": problem, "answer": answer}
+
+
+def _looks_like_path(s: str) -> bool:
+    return os.sep in s or "/" in s or s.endswith((".jsonl", ".json")) or s.startswith(".")
+
+
+def _load(kind: str, path_or_split: str | os.PathLike, convert, limit: int | None) -> list[dict]:
+    p = Path(path_or_split)
+    if p.is_file():
+        rows: Iterable[tuple[str, Any]] = ((f"{p}:{n}", r) for n, r in read_jsonl(p))
+    elif isinstance(path_or_split, os.PathLike) or _looks_like_path(str(path_or_split)):
+        raise FileNotFoundError(f"{kind}: no such file: {path_or_split}")
+    else:
+        rows = _from_hub(kind, str(path_or_split))
+    out = []
+    for where, row in rows:
+        if limit is not None and len(out) >= limit:
+            break
+        out.append(convert(row, where))
+    return out
+
+
+def _from_hub(kind: str, split: str) -> Iterable[tuple[str, Any]]:
+    try:
+        import datasets
+    except ImportError as e:
+        raise ImportError(f"{kind}: {split!r} is not a local file, and loading the split from the "
+                          "Hugging Face Hub needs the `datasets` package: `pip install datasets` "
+                          "(or pass the path of a local .jsonl file)") from e
+    name, config = _HF_SOURCES[kind]
+    ds = datasets.load_dataset(name, config, split=split) if config else datasets.load_dataset(name, split=split)
+    return ((f"{name}[{split}] row {i + 1}", dict(r)) for i, r in enumerate(ds))
+
+
+def load_gsm8k(path_or_split: str | os.PathLike = "test", *, limit: int | None = None) -> list[dict]:
+    """GSM8K rows ``{prompt, answer, question, solution}`` from a JSONL file or an HF split name."""
+    return _load("gsm8k", path_or_split, _gsm8k_row, limit)
+
+
+def load_math500(path_or_split: str | os.PathLike = "test", *, limit: int | None = None) -> list[dict]:
+    """MATH-500 rows ``{prompt, answer, problem, solution, subject, level, unique_id}``."""
+    return _load("math500", path_or_split, _math500_row, limit)
+
+
+def build_messages(question: str, system_prompt: str | None = None,
+                   suffix: str = GSM8K_SUFFIX) -> list[dict[str, str]]:
+    """Conversational prompt (TRL's conversational dataset format)."""
+    msgs = [{"role": "system", "content": system_prompt}] if system_prompt else []
+    return msgs + [{"role": "user", "content": f"{question}{suffix or ''}"}]
+
+
+def build_prompt(tokenizer: Any, question: str, system_prompt: str | None = None,
+                 suffix: str = GSM8K_SUFFIX) -> str:
+    """Prompt text for generation: the tokenizer's chat template (with the generation prompt) when it
+    has one, else ``"[system\\n\\n]Question: <question><suffix>\\nAnswer:"``. ``tokenizer`` may be None."""
+    if tokenizer is not None and getattr(tokenizer, "chat_template", None) is not None:
+        text = tokenizer.apply_chat_template(build_messages(question, system_prompt, suffix),
+                                             tokenize=False, add_generation_prompt=True)
+        if not isinstance(text, str):
+            raise TypeError(f"apply_chat_template(tokenize=False) returned {type(text).__name__}, not str")
+        return text
+    head = f"{system_prompt}\n\n" if system_prompt else ""
+    return f"{head}Question: {question}{suffix or ''}\nAnswer:"

@@ -1,0 +1,422 @@
+"""Verifiable rewards for math RL: GSM8K numbers, MATH ``\\boxed{}`` answers, output format.
+
+Every ``*_reward`` function has TRL's reward-function signature
+``fn(prompts, completions, **columns) -> list[float | None]``: dataset columns arrive as lists
+aligned with ``completions`` (``answer=[...]``), unknown keyword arguments (``completion_ids``,
+``trainer_state``, ``log_extra`` ...) are ignored, and completions/prompts may be plain strings or
+conversational ``[{"role": "assistant", "content": ...}]`` lists. ``None`` means "not applicable"
+(the gold answer itself is unusable), as in TRL.
+
+- ``gsm8k_reward``: final number of the completion (``#### N`` > ``\\boxed{N}`` > ``<answer>N</answer>``
+  > last number) equals the gold number, compared exactly as ``fractions.Fraction``
+  ("1,000" == "$1000" == "1000.0"; "0.75" == "3/4"; "0.333" != "1/3").
+- ``math_reward``: last ``\\boxed{}``/``\\fbox{}`` of the completion vs. the gold answer (a bare answer or
+  a full solution holding ``\\boxed``): normalized string equality first, then math-verify.
+- ``format_reward`` / ``make_format_reward``: regex format checks (``#### N`` final line by default,
+  or ``<think>...</think><answer>...</answer>``).
+
+Deviations from TRL / official QeRL:
+
+- The official QeRL eval compared only the FIRST CHARACTER of the answer ("75" matched gold "72").
+  We compare whole numbers exactly (tests pin "75" vs "72" -> 0).
+- TRL's ``accuracy_reward`` parses the whole completion with math-verify; ``math_reward`` requires a
+  ``\\boxed{}`` (no box -> 0.0) and skips math-verify when the normalized strings already agree.
+- math-verify's timeouts use ``signal.alarm``, which only works in the main thread. Called from any
+  other thread (POSIX), the comparison runs in a helper subprocess with a hard deadline, so it
+  neither crashes nor hangs. Predicted answers longer than ``MAX_ANSWER_CHARS`` score 0.0.
+- Malformed model output never raises: it scores 0.0. Missing/misaligned columns (a caller bug) raise.
+
+Nothing here evaluates model text with eval/exec/sympify; only math-verify's own parser sees it.
+math-verify is imported lazily (``pip install math-verify`` or the ``qerl_kit[rewards]`` extra).
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import logging
+import math
+import os
+import re
+import select
+import subprocess
+import sys
+import threading
+from fractions import Fraction
+from typing import Any, Callable, Sequence
+
+__all__ = [
+    "gsm8k_reward", "math_reward", "format_reward", "think_format_reward", "make_format_reward",
+    "score_gsm8k", "score_math", "extract_gsm8k_answer", "parse_number", "last_boxed",
+    "completion_text", "FORMAT_PATTERNS", "MAX_ANSWER_CHARS",
+]
+
+logger = logging.getLogger(__name__)
+
+MAX_ANSWER_CHARS = 1000  # longer predicted \boxed{} contents score 0.0 without reaching math-verify
+PARSING_TIMEOUT = 2      # seconds, per math-verify parse call
+VERIFY_TIMEOUT = 2       # seconds, per math-verify comparison
+RewardFn = Callable[..., "list[float | None]"]
+
+# ----------------------------------------------------------------------------- text helpers
+
+def completion_text(x: Any) -> str:
+    """Plain text of a completion or prompt: a string, a message dict, or a list of messages.
+
+    For conversational input the assistant messages are joined (all messages if none is an
+    assistant's); list-of-parts content (``[{"type": "text", "text": ...}]``) is flattened.
+    """
+    if x is None:
+        return ""
+    if isinstance(x, str):
+        return x
+    if isinstance(x, dict):
+        c = x.get("content", x.get("text", ""))
+        if isinstance(c, (list, tuple)):
+            return "".join(p.get("text", "") if isinstance(p, dict) else str(p) for p in c)
+        return "" if c is None else str(c)
+    if isinstance(x, (list, tuple)):
+        msgs = [m for m in x if isinstance(m, dict) and m.get("role") == "assistant"] or list(x)
+        return "\n".join(completion_text(m) for m in msgs)
+    return str(x)
+
+
+def _column(name: str, values: Any, n: int) -> list:
+    if values is None:
+        raise ValueError(f"this reward function needs a {name!r} column (got none); pass "
+                         f"{name}=[...] aligned with completions, or add the column to the dataset")
+    if isinstance(values, (str, bytes)) or not hasattr(values, "__len__"):
+        values = [values] * n  # a single gold for the whole batch
+    values = list(values)
+    if len(values) != n:
+        raise ValueError(f"column {name!r} has {len(values)} entries for {n} completions")
+    return values
+
+
+# ----------------------------------------------------------------------------- GSM8K numbers
+
+# A number: optional sign and $, "1,000"-style groups or plain digits, optional decimals, optional
+# "/d" fraction. Every quantifier is over a disjoint character class: no catastrophic backtracking.
+_NUM = r"(?<![\w.])-?\$?(?:(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?|\.\d+)(?:/\d+)?"
+_NUM_RE = re.compile(_NUM)
+_HASH_RE = re.compile(r"####[ \t]*(" + _NUM + r")")
+_ANSWER_TAG_RE = re.compile(r"<answer>((?:(?!</answer>).){0,2000}?)</answer>", re.S)
+_LATEX_FRAC_RE = re.compile(r"\\[dt]?frac\{(-?\d+)\}\{(-?\d+)\}")
+
+
+def parse_number(s: str) -> Fraction | None:
+    """Exact value of one number string ("1,000", "$18.00", "-3/4", "18."), else None."""
+    s = s.strip().rstrip(".").replace(",", "").replace("$", "").replace("\\%", "").rstrip("%").strip()
+    if not re.fullmatch(r"-?(?:\d+(?:\.\d+)?|\.\d+)(?:/\d+)?", s):
+        return None
+    try:
+        return Fraction(s)
+    except (ValueError, ZeroDivisionError):
+        return None
+
+
+def _clean_latex_number(s: str) -> str:
+    s = s.replace("\u2212", "-").replace("{,}", ",").replace("\\$", "$").replace("\\!", "").replace("\\,", "")
+    return _LATEX_FRAC_RE.sub(r"\1/\2", s)
+
+
+def _number_in_span(span: str) -> Fraction | None:
+    """The span as a whole number if it is one, else the last number inside it."""
+    span = _clean_latex_number(span)
+    whole = parse_number(span)
+    if whole is not None:
+        return whole
+    nums = _NUM_RE.findall(span)
+    return parse_number(nums[-1]) if nums else None
+
+
+def extract_gsm8k_answer(text: str) -> Fraction | None:
+    """Model's final number: ``#### N``, else last ``\\boxed{N}``, else ``<answer>N</answer>``, else
+    the last number in the text. Returns None when there is no number at all."""
+    text = completion_text(text)
+    hashes = _HASH_RE.findall(text)
+    if hashes and (v := parse_number(hashes[-1])) is not None:
+        return v
+    boxed = last_boxed(text)
+    if boxed is not None and (v := _number_in_span(boxed)) is not None:
+        return v
+    tags = _ANSWER_TAG_RE.findall(text)
+    if tags and (v := _number_in_span(tags[-1])) is not None:
+        return v
+    nums = _NUM_RE.findall(_clean_latex_number(text))
+    return parse_number(nums[-1]) if nums else None
+
+
+def _gsm8k_gold(gold: Any) -> Fraction | None:
+    if isinstance(gold, bool) or gold is None:
+        return None
+    if isinstance(gold, (int, Fraction)):
+        return Fraction(gold)
+    if isinstance(gold, float):
+        return Fraction(str(gold)) if math.isfinite(gold) else None
+    s = str(gold)
+    if "####" in s:
+        m = _HASH_RE.findall(s)
+        return parse_number(m[-1]) if m else None
+    return parse_number(_clean_latex_number(s))
+
+
+def score_gsm8k(completion: Any, gold: Any) -> float | None:
+    """1.0 / 0.0 for one completion; None when ``gold`` (a ``#### N`` solution or a number) has no
+    parsable final number."""
+    g = _gsm8k_gold(gold)
+    if g is None:
+        return None
+    try:
+        return 1.0 if extract_gsm8k_answer(completion) == g else 0.0
+    except Exception:  # never let model output crash a training step
+        logger.debug("gsm8k scoring failed", exc_info=True)
+        return 0.0
+
+
+def gsm8k_reward(prompts: Sequence[Any] | None = None, completions: Sequence[Any] = (),
+                 answer: Sequence[Any] | None = None, **kwargs: Any) -> list[float | None]:
+    """TRL reward: 1.0 when the completion's final number equals the gold ``answer`` number."""
+    golds = _column("answer", answer, len(completions))
+    return [score_gsm8k(c, g) for c, g in zip(completions, golds)]
+
+
+# ----------------------------------------------------------------------------- MATH \boxed answers
+
+_BOX_RE = re.compile(r"\\(?:boxed|fbox)(?![A-Za-z])")
+
+
+def last_boxed(text: str) -> str | None:
+    """Content of the last ``\\boxed{...}``/``\\fbox{...}`` (balanced braces, ``\\{`` skipped) or of
+    ``\\boxed 5`` (up to ``$`` or end of line). None if absent or the last one is unterminated."""
+    text = completion_text(text)
+    starts = [m.end() for m in _BOX_RE.finditer(text)]
+    if not starts:
+        return None
+    i = starts[-1]
+    j = i
+    while j < len(text) and text[j] in " \t":
+        j += 1
+    if j >= len(text):
+        return None
+    if text[j] != "{":
+        if j == i:  # "\boxed5" is not the spaced form
+            return None
+        content = re.split(r"[$\n]", text[j:], maxsplit=1)[0].strip()
+        return content or None
+    depth, k = 0, j
+    while k < len(text):
+        ch = text[k]
+        if ch == "\\":
+            k += 2
+            continue
+        if ch == "{":
+            depth += 1
+        elif ch == "}":
+            depth -= 1
+            if depth == 0:
+                return text[j + 1:k]
+        k += 1
+    return None
+
+
+_TEXT_WRAP_RE = re.compile(r"\\(?:text|textbf|mathrm|mbox)\{([^{}]*)\}")
+
+
+def _normalize_latex(s: str) -> str:
+    """Conservative string normalization: equal outputs are the same answer."""
+    s = s.strip().strip("$").strip()
+    s = re.sub(r"\\(?:left|right)(?![A-Za-z])", "", s)
+    s = re.sub(r"\\[dt]frac(?![A-Za-z])", r"\\frac", s)
+    s = re.sub(r"\\[!,;: ]", "", s)
+    s = re.sub(r"\^\{?\\circ\}?", "", s)
+    s = _TEXT_WRAP_RE.sub(r"\1", s)
+    s = s.replace("\\%", "").replace("{,}", ",")
+    s = re.sub(r"\s+", "", s)
+    return s.rstrip(".")
+
+
+def _gold_answer(gold: Any) -> str | None:
+    if gold is None or isinstance(gold, bool):
+        return None
+    s = str(gold)
+    if _BOX_RE.search(s):
+        b = last_boxed(s)
+        s = b if b is not None else ""
+    s = s.strip().strip("$").strip()
+    return s or None
+
+
+# math-verify runs in the calling thread when that is the main thread (signal.alarm timeouts work)
+# and in a helper subprocess otherwise; the worker enforces the same timeouts in its main thread
+# and the parent adds a hard deadline on top (killing the worker if it is exceeded).
+_WORKER_SRC = r"""
+import json, sys
+from math_verify import parse, verify
+from math_verify.errors import TimeoutException
+sys.stdout.write('{"ready": true}\n'); sys.stdout.flush()
+for line in sys.stdin:
+    q = json.loads(line)
+    try:
+        g = parse(q["g"], parsing_timeout=q["pt"])
+        ok = bool(g) and verify(g, parse(q["p"], parsing_timeout=q["pt"]), timeout_seconds=q["vt"])
+        out = {"gold": bool(g), "ok": bool(ok)}
+    except (Exception, TimeoutException) as e:
+        out = {"gold": True, "ok": False}
+    sys.stdout.write(json.dumps(out) + "\n"); sys.stdout.flush()
+"""
+_worker_lock = threading.Lock()
+_worker: subprocess.Popen | None = None
+_worker_state = {"broken": False, "atexit": False}
+
+
+def _kill_worker() -> None:
+    global _worker
+    if _worker is not None:
+        try:
+            _worker.kill()
+            _worker.wait(timeout=5)
+        except Exception:
+            pass
+        _worker = None
+
+
+def _readline(proc: subprocess.Popen, timeout: float) -> dict | None:
+    ready, _, _ = select.select([proc.stdout], [], [], timeout)
+    line = proc.stdout.readline() if ready else ""
+    return json.loads(line) if line else None
+
+
+def _worker_deadline(pt: int, vt: int) -> float:
+    # verify() compares up to 2x2 parsed candidates, each under its own timeout
+    return 2 * pt + 4 * vt + 5.0
+
+
+def _verify_in_worker(gold: str, pred: str, pt: int, vt: int) -> tuple[bool, bool] | None:
+    """(gold_parsed, equivalent) from the worker; None when the worker is unavailable."""
+    global _worker
+    with _worker_lock:
+        if _worker_state["broken"]:
+            return None
+        try:
+            if _worker is None or _worker.poll() is not None:
+                _worker = subprocess.Popen([sys.executable, "-c", _WORKER_SRC], stdin=subprocess.PIPE,
+                                           stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+                if not _worker_state["atexit"]:
+                    _worker_state["atexit"] = True
+                    atexit.register(_kill_worker)
+                if _readline(_worker, 120.0) is None:
+                    _worker_state["broken"] = True
+                    raise RuntimeError("math-verify worker did not start")
+            _worker.stdin.write(json.dumps({"g": gold, "p": pred, "pt": pt, "vt": vt}) + "\n")
+            _worker.stdin.flush()
+            out = _readline(_worker, _worker_deadline(pt, vt))
+            if out is None:  # deadline passed or worker died: kill it, score 0
+                _kill_worker()
+                return True, False
+            return bool(out["gold"]), bool(out["ok"])
+        except Exception:
+            logger.warning("math-verify worker failed; falling back to string comparison", exc_info=True)
+            _kill_worker()
+            return None
+
+
+def _import_math_verify():
+    try:
+        import math_verify
+        from math_verify.errors import TimeoutException
+    except ImportError as e:
+        raise ImportError("math_reward needs math-verify: `pip install math-verify` "
+                          "(or `pip install qerl_kit[rewards]`)") from e
+    return math_verify, TimeoutException
+
+
+def _math_verify_equal(gold: str, pred: str, parsing_timeout: int = PARSING_TIMEOUT,
+                       verify_timeout: int = VERIFY_TIMEOUT) -> tuple[bool, bool] | None:
+    """math-verify on two bare answers. Returns (gold_parsed, equivalent), or None when it could not
+    run at all (worker unavailable in a non-main thread)."""
+    mv, timeout_exc = _import_math_verify()
+    g_src, p_src = "$\\boxed{" + gold + "}$", "$\\boxed{" + pred + "}$"
+    pt, vt = max(1, math.ceil(parsing_timeout)), max(1, math.ceil(verify_timeout))
+    if os.name == "posix" and threading.current_thread() is not threading.main_thread():
+        return _verify_in_worker(g_src, p_src, pt, vt)
+    try:
+        g = mv.parse(g_src, parsing_timeout=pt)
+        if not g:
+            return False, False
+        return True, bool(mv.verify(g, mv.parse(p_src, parsing_timeout=pt), timeout_seconds=vt))
+    except (Exception, timeout_exc):  # TimeoutException is a BaseException
+        logger.debug("math-verify failed", exc_info=True)
+        return True, False
+
+
+def score_math(completion: Any, gold: Any, *, parsing_timeout: int = PARSING_TIMEOUT,
+               verify_timeout: int = VERIFY_TIMEOUT) -> float | None:
+    """1.0 / 0.0 for one completion's last ``\\boxed{}`` against ``gold`` (bare answer or a solution
+    with ``\\boxed``); None when the gold has no usable answer."""
+    g = _gold_answer(gold)
+    if g is None:
+        return None
+    try:
+        p = last_boxed(completion)
+        if p is None or not p.strip() or len(p) > MAX_ANSWER_CHARS:
+            return 0.0
+        if _normalize_latex(p) == _normalize_latex(g):
+            return 1.0
+        res = _math_verify_equal(g, p, parsing_timeout, verify_timeout)
+    except ImportError:
+        raise
+    except Exception:
+        logger.debug("math scoring failed", exc_info=True)
+        return 0.0
+    if res is None:
+        return 0.0
+    gold_ok, equal = res
+    if not gold_ok:
+        return None
+    return 1.0 if equal else 0.0
+
+
+def math_reward(prompts: Sequence[Any] | None = None, completions: Sequence[Any] = (),
+                answer: Sequence[Any] | None = None, solution: Sequence[Any] | None = None,
+                **kwargs: Any) -> list[float | None]:
+    """TRL reward: last ``\\boxed{}`` vs. the ``answer`` column (else ``solution``), via math-verify."""
+    if answer is None and solution is None:
+        raise ValueError("math_reward needs an 'answer' (bare answer) or 'solution' (with \\boxed) column")
+    golds = _column("answer" if answer is not None else "solution",
+                    answer if answer is not None else solution, len(completions))
+    return [score_math(c, g) for c, g in zip(completions, golds)]
+
+
+# ----------------------------------------------------------------------------- format
+
+FORMAT_PATTERNS: dict[str, str] = {
+    # last non-empty line is "#### <number>" (GSM8K / tiny-task shape)
+    "final_answer": r"(?:\A|\n)[ \t]*####[ \t]*" + _NUM + r"[ \t]*\.?\s*\Z",
+    # exactly: <think>...</think> then <answer>...</answer>, nothing else (tempered tokens: linear time)
+    "think_answer": r"\A\s*<think>(?:(?!</think>)[\s\S])*</think>\s*"
+                    r"<answer>(?:(?!</answer>)[\s\S])+</answer>\s*\Z",
+}
+
+
+def make_format_reward(pattern: str = "final_answer", score: float = 1.0, *, flags: int = 0,
+                       name: str | None = None) -> RewardFn:
+    """TRL reward giving ``score`` when ``re.search(pattern, completion)`` matches, else 0.0.
+
+    ``pattern`` is a key of ``FORMAT_PATTERNS`` or your own regex (anchor it with ``\\A``/``\\Z``).
+    """
+    key = pattern if pattern in FORMAT_PATTERNS else None
+    rx = re.compile(FORMAT_PATTERNS[key] if key else pattern, flags)
+    score = float(score)
+
+    def reward(prompts: Sequence[Any] | None = None, completions: Sequence[Any] = (),
+               **kwargs: Any) -> list[float | None]:
+        return [score if rx.search(completion_text(c)) else 0.0 for c in completions]
+
+    reward.__name__ = reward.__qualname__ = name or (f"format_reward_{key}" if key else "format_reward")
+    reward.__doc__ = f"TRL format reward: {score} if the completion matches {rx.pattern!r}, else 0.0."
+    return reward
+
+
+format_reward = make_format_reward("final_answer", name="format_reward")
+think_format_reward = make_format_reward("think_answer", name="think_format_reward")
