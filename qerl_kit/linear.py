@@ -53,12 +53,12 @@ class QuantLinear(nn.Module):
         self.register_buffer("bias", None if bias is None else bias.detach().clone())
 
     # Subclasses rebuild their format's tensor from the buffers.
-    def qweight(self):  # pragma: no cover - abstract
+    def quant_tensor(self):  # pragma: no cover - abstract
         raise NotImplementedError
 
     def dequantized_weight(self, dtype: torch.dtype | None = None) -> torch.Tensor:
         """A fresh dense copy of the weight [out, in] (for references and tests; not cached)."""
-        return self.qweight().dequantize(dtype or self.compute_dtype)
+        return self.quant_tensor().dequantize(dtype or self.compute_dtype)
 
     @property
     def weight(self) -> torch.Tensor:
@@ -94,7 +94,7 @@ class NVFP4Linear(QuantLinear):
     def quantize_weight(w: torch.Tensor, global_scale=None) -> nvfp4.NVFP4Tensor:
         return nvfp4.quantize(w, global_scale=global_scale)
 
-    def qweight(self) -> nvfp4.NVFP4Tensor:
+    def quant_tensor(self) -> nvfp4.NVFP4Tensor:
         return nvfp4.NVFP4Tensor(self.packed, self.scales, self.global_scale)
 
 
@@ -106,7 +106,7 @@ class MXFP4Linear(QuantLinear):
     def quantize_weight(w: torch.Tensor) -> mxfp4.MXFP4Tensor:
         return mxfp4.quantize(w)
 
-    def qweight(self) -> mxfp4.MXFP4Tensor:
+    def quant_tensor(self) -> mxfp4.MXFP4Tensor:
         return mxfp4.MXFP4Tensor(self.packed, self.scales)
 
 
@@ -118,7 +118,7 @@ class NF4Linear(QuantLinear):
     def quantize_weight(w: torch.Tensor) -> nf4.NF4Tensor:
         return nf4.quantize(w)
 
-    def qweight(self) -> nf4.NF4Tensor:
+    def quant_tensor(self) -> nf4.NF4Tensor:
         return nf4.NF4Tensor(self.packed, self.absmax)
 
 

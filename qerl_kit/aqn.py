@@ -1,0 +1,215 @@
+"""Adaptive Quantization Noise (AQN): staged Gaussian noise merged into RMSNorm scales.
+
+QeRL adds channel-wise noise ``Z ~ N(0, sigma^2)`` to the scale vector ``w`` of every RMSNorm
+whose output feeds quantized projections: the input norm before q/k/v and the post-attention
+norm before gate/up. Since ``RMSNorm(x) = w * x_hat``, the next layer sees
+``(w + Z) * x_hat = x_hat * w * (1 + Z/w)``: a row-wise multiplicative perturbation of its
+weights, with no extra parameters and no change to the 4-bit kernels.
+
+Schedule: ``stages`` (K) intervals split ``total_steps`` evenly. Stage 0 is noise-free
+(quantization noise only); stage k >= 1 uses
+``sigma_k = sigma_start * (sigma_end / sigma_start) ** ((k - 1) / (K - 2))``, so stage 1 is
+exactly sigma_start and stage K-1 exactly sigma_end (the official code's exponent; the paper
+prints (k-1)/(K-1), which never reaches sigma_end). Defaults 1e-2 -> 5e-4 with K = 10 follow the
+paper's Table 4.
+
+Where we depart from the official code, on purpose:
+
+* Norms are found by structure, not by class name: a probe forward pass records which norm's
+  output tensor is the very input of quantized projections. So Qwen2, Qwen3 and Llama work
+  (Qwen3's q/k norms and the final norm feed no quantized projection and are left alone), and
+  finding none is an error. The official code matched transformers' class names inside vLLM,
+  whose norms are vLLM's own class, so its noise most likely never applied.
+* Every application starts from a saved clean copy, and ``restore`` copies the exact original
+  bits back, so noise never accumulates over steps (the official code relied on re-syncing
+  norms). A state-dict hook substitutes the clean values while noise is on, so noise never
+  reaches a saved checkpoint.
+* Noise is resampled at every ``apply`` (one rollout step) by default; ``resample="forward"``
+  draws fresh noise at every forward call of each norm instead (the paper's wording).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from qerl_kit.linear import QuantLinear
+
+
+def find_noise_norms(model: nn.Module, probe_ids: torch.Tensor | None = None) -> list[nn.Module]:
+    """The norm modules (1-D ``weight``) whose output is the input of a quantized projection.
+
+    Found by a probe forward pass: a norm's output tensor must be the very tensor object that a
+    ``QuantLinear`` receives. Works through peft wrappers (LoRA, modules_to_save copies).
+    """
+    outputs: dict[int, nn.Module] = {}
+    keep: list[torch.Tensor] = []  # keep probe tensors alive so ids stay unique
+    found: dict[int, nn.Module] = {}
+
+    def norm_hook(module, _inputs, output):
+        if isinstance(output, torch.Tensor):
+            keep.append(output)
+            outputs[id(output)] = module
+
+    def linear_hook(_module, inputs):
+        x = inputs[0] if inputs else None
+        if isinstance(x, torch.Tensor) and id(x) in outputs:
+            norm = outputs[id(x)]
+            found[id(norm)] = norm
+
+    handles = []
+    for module in model.modules():
+        weight = getattr(module, "weight", None)
+        if isinstance(module, QuantLinear):
+            handles.append(module.register_forward_pre_hook(linear_hook))
+        elif isinstance(weight, nn.Parameter) and weight.ndim == 1 and not list(module.children()):
+            handles.append(module.register_forward_hook(norm_hook))
+    if not any(isinstance(m, QuantLinear) for m in model.modules()):
+        for h in handles:
+            h.remove()
+        raise ValueError("AQN found no quantized linear layers in the model; quantize it first "
+                         "(qerl_kit.quantize.quantize_model), or use find_noise_norms on a "
+                         "quantized model")
+    if probe_ids is None:
+        device = next(model.parameters()).device
+        probe_ids = torch.arange(1, 5, device=device).unsqueeze(0)
+    try:
+        with torch.no_grad():
+            model(input_ids=probe_ids)
+    finally:
+        for h in handles:
+            h.remove()
+    return list(found.values())
+
+
+@dataclass
+class AQN:
+    """The AQN schedule and the noise it applies; all state (RNG, clean copies) lives here."""
+
+    sigma_start: float = 1e-2
+    sigma_end: float = 5e-4
+    stages: int = 10
+    total_steps: int = 600
+    seed: int = 0
+    resample: str = "step"  # "step": once per apply(); "forward": fresh noise at every forward
+    _generator: torch.Generator = field(init=False, repr=False)
+    _clean: dict[int, tuple[nn.Module, torch.Tensor]] = field(init=False, repr=False, default_factory=dict)
+    _norms: dict[int, list[nn.Module]] = field(init=False, repr=False, default_factory=dict)
+    _handles: list = field(init=False, repr=False, default_factory=list)
+
+    def __post_init__(self):
+        if self.stages < 3:
+            raise ValueError(f"AQN needs at least 3 stages (a noise-free stage 0 and a decay from "
+                             f"sigma_start to sigma_end over stages 1..K-1); got stages={self.stages}")
+        if not (self.sigma_start > 0 and self.sigma_end > 0):
+            raise ValueError(f"sigma_start and sigma_end must be positive; got {self.sigma_start}, {self.sigma_end}")
+        if self.total_steps < self.stages:
+            raise ValueError(f"total_steps ({self.total_steps}) must be at least the number of stages ({self.stages})")
+        if self.resample not in ("step", "forward"):
+            raise ValueError(f"resample must be 'step' or 'forward'; got {self.resample!r}")
+        self._generator = torch.Generator().manual_seed(self.seed)
+
+    # ---- the schedule (pure) -------------------------------------------------------------
+    def stage(self, step: int) -> int:
+        """The stage of ``step`` (0-based steps): floor(step / (total_steps / stages)), capped."""
+        return min(int(step * self.stages // self.total_steps), self.stages - 1) if step >= 0 else 0
+
+    def sigma(self, step: int) -> float:
+        """The noise std at ``step``: 0 in stage 0, then exponential decay start -> end."""
+        k = self.stage(step)
+        if k == 0:
+            return 0.0
+        ratio = self.sigma_end / self.sigma_start
+        return self.sigma_start * math.pow(ratio, (k - 1) / (self.stages - 2))
+
+    def schedule(self) -> list[tuple[int, float]]:
+        """(first step, sigma) of every stage, for plots and sliders."""
+        return [(math.ceil(k * self.total_steps / self.stages), self.sigma(math.ceil(k * self.total_steps / self.stages)))
+                for k in range(self.stages)]
+
+    # ---- applying noise ------------------------------------------------------------------
+    def norms(self, model: nn.Module) -> list[nn.Module]:
+        """The norms this AQN perturbs in ``model`` (found once per model, by structure)."""
+        key = id(model)
+        if key not in self._norms:
+            norms = find_noise_norms(model)
+            if not norms:
+                raise ValueError("AQN found no norm whose output feeds a quantized projection; "
+                                 "refusing to run as a silent no-op")
+            self._norms[key] = norms
+        return self._norms[key]
+
+    def _draw(self, weight: torch.Tensor, sigma: float) -> torch.Tensor:
+        z = torch.randn(weight.shape, generator=self._generator, dtype=torch.float32)
+        return (z * sigma).to(weight.device)
+
+    def _perturb(self, norm: nn.Module, sigma: float) -> None:
+        clean = self._clean[id(norm)][1]
+        noisy = clean.to(torch.float32) + self._draw(clean, sigma)
+        norm.weight.data.copy_(noisy.to(clean.dtype))
+
+    def apply(self, model: nn.Module, step: int, sigma: float | None = None) -> int:
+        """Add fresh noise (std ``sigma``, default ``self.sigma(step)``) to each found norm.
+
+        Returns the number of norm vectors perturbed; 0 in the noise-free stage. Noise is always
+        drawn around the clean weights, so calling ``apply`` twice does not accumulate noise.
+        """
+        norms = self.norms(model)
+        self.restore(model)
+        sigma = self.sigma(step) if sigma is None else float(sigma)
+        if sigma == 0.0:
+            return 0
+        for norm in norms:
+            self._clean[id(norm)] = (norm, norm.weight.detach().clone())
+            self._handles.append(norm._register_state_dict_hook(self._clean_state_dict_hook))
+            if self.resample == "forward":
+                self._handles.append(norm.register_forward_pre_hook(
+                    lambda module, _inputs, s=sigma: self._perturb(module, s)))
+            self._perturb(norm, sigma)
+        return len(norms)
+
+    def restore(self, model: nn.Module | None = None) -> int:
+        """Put the exact original norm weights back; returns how many were restored."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+        restored = 0
+        for norm, clean in self._clean.values():
+            norm.weight.data.copy_(clean)
+            restored += 1
+        self._clean.clear()
+        return restored
+
+    @property
+    def active(self) -> bool:
+        return bool(self._clean)
+
+    @contextlib.contextmanager
+    def noise(self, model: nn.Module, step: int, sigma: float | None = None):
+        """``with aqn.noise(model, step): rollouts = ...`` applies noise and always restores it."""
+        count = self.apply(model, step, sigma)
+        try:
+            yield count
+        finally:
+            self.restore(model)
+
+    def _clean_state_dict_hook(self, module, state_dict, prefix, _metadata):
+        entry = self._clean.get(id(module))
+        if entry is not None and prefix + "weight" in state_dict:
+            state_dict[prefix + "weight"] = entry[1].clone()
+
+    # ---- checkpointing -------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        return {"config": {"sigma_start": self.sigma_start, "sigma_end": self.sigma_end,
+                           "stages": self.stages, "total_steps": self.total_steps,
+                           "seed": self.seed, "resample": self.resample},
+                "generator": self._generator.get_state()}
+
+    def load_state_dict(self, state: dict) -> None:
+        for key, value in state["config"].items():
+            setattr(self, key, value)
+        self._generator.set_state(state["generator"])
