@@ -16,7 +16,8 @@ paper's Table 4.
 Where we depart from the official code, on purpose:
 
 * Norms are found by structure, not by class name: a probe forward pass records which norm's
-  output tensor is the very input of quantized projections. So Qwen2, Qwen3 and Llama work
+  output tensor is the very input of quantized projections (of the linear projections in an
+  unquantized model, for the bf16 + AQN ablation). So Qwen2, Qwen3 and Llama work
   (Qwen3's q/k norms and the final norm feed no quantized projection and are left alone), and
   finding none is an error. The official code matched transformers' class names inside vLLM,
   whose norms are vLLM's own class, so its noise most likely never applied.
@@ -40,11 +41,25 @@ from torch import nn
 from qerl_kit.linear import QuantLinear
 
 
-def find_noise_norms(model: nn.Module, probe_ids: torch.Tensor | None = None) -> list[nn.Module]:
-    """The norm modules (1-D ``weight``) whose output is the input of a quantized projection.
+def _projection_layers(model: nn.Module) -> list[nn.Module]:
+    """The layers whose input norms AQN perturbs: the quantized linears, or, in a model with none
+    (the bf16 + AQN ablation), every nn.Linear except the output head and LoRA's own matrices."""
+    quantized = [m for m in model.modules() if isinstance(m, QuantLinear)]
+    if quantized:
+        return quantized
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    lora_parts = {id(m) for name, m in model.named_modules() if ".lora_" in name}
+    return [m for m in model.modules()
+            if isinstance(m, nn.Linear) and m is not head and id(m) not in lora_parts]
 
-    Found by a probe forward pass: a norm's output tensor must be the very tensor object that a
-    ``QuantLinear`` receives. Works through peft wrappers (LoRA, modules_to_save copies).
+
+def find_noise_norms(model: nn.Module, probe_ids: torch.Tensor | None = None) -> list[nn.Module]:
+    """The norm modules (1-D ``weight``) whose output is the input of a projection layer.
+
+    Projection layers are the quantized linears (or, in an unquantized model, the linear layers
+    other than the output head). Found by a probe forward pass: a norm's output tensor must be
+    the very tensor object a projection receives. Works through peft wrappers (LoRA,
+    modules_to_save copies).
     """
     outputs: dict[int, nn.Module] = {}
     keep: list[torch.Tensor] = []  # keep probe tensors alive so ids stay unique
@@ -61,19 +76,16 @@ def find_noise_norms(model: nn.Module, probe_ids: torch.Tensor | None = None) ->
             norm = outputs[id(x)]
             found[id(norm)] = norm
 
-    handles = []
+    targets = _projection_layers(model)
+    if not targets:
+        raise ValueError("AQN found no projection layers (quantized or linear) in the model")
+    target_ids = {id(m) for m in targets}
+    handles = [m.register_forward_pre_hook(linear_hook) for m in targets]
     for module in model.modules():
         weight = getattr(module, "weight", None)
-        if isinstance(module, QuantLinear):
-            handles.append(module.register_forward_pre_hook(linear_hook))
-        elif isinstance(weight, nn.Parameter) and weight.ndim == 1 and not list(module.children()):
+        if (id(module) not in target_ids and isinstance(weight, nn.Parameter) and weight.ndim == 1
+                and not list(module.children())):
             handles.append(module.register_forward_hook(norm_hook))
-    if not any(isinstance(m, QuantLinear) for m in model.modules()):
-        for h in handles:
-            h.remove()
-        raise ValueError("AQN found no quantized linear layers in the model; quantize it first "
-                         "(qerl_kit.quantize.quantize_model), or use find_noise_norms on a "
-                         "quantized model")
     if probe_ids is None:
         device = next(model.parameters()).device
         probe_ids = torch.arange(1, 5, device=device).unsqueeze(0)

@@ -64,9 +64,13 @@ def test_perturbed_norm_counts_by_structure(arch, wrap):
     assert aqn.apply(model, step=0) == 0  # stage 0 is noise-free
 
 
-def test_no_quantized_layers_or_no_norms_is_an_error():
-    with pytest.raises(ValueError, match="no quantized linear"):
-        AQN(total_steps=10).apply(build_model("qwen2-tiny"), step=5)
+def test_unquantized_model_gets_the_same_norms_for_the_bf16_ablation():
+    model = build_model("qwen2-tiny")
+    assert len(find_noise_norms(model)) == 4
+    assert len(find_noise_norms(attach_lora(model, r=4))) == 4
+
+
+def test_no_norms_is_an_error():
 
     class NoNorms(torch.nn.Module):
         def __init__(self):
