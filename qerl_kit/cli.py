@@ -1,4 +1,4 @@
-"""The ``qerl`` command line: ``qerl demo`` (the main job) and ``qerl quantize``."""
+"""The ``qerl`` command line: ``demo`` (the main job), ``train``, ``eval`` and ``quantize``."""
 
 from __future__ import annotations
 
@@ -30,6 +30,54 @@ def _cmd_quantize(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_train(args: argparse.Namespace) -> int:
+    from qerl_kit.build import build_datasets, build_policy
+    from qerl_kit.config import load_config, preset, save_config
+    from qerl_kit.trainer import Trainer
+
+    cfg = load_config(args.config) if args.config else preset(args.preset)
+    if args.output_dir:
+        cfg = cfg.replace(output_dir=args.output_dir)
+    policy, tokenizer, report = build_policy(cfg.model, seed=cfg.seed)
+    if report is not None:
+        print(report.summary())
+    train, evals, reward_fns = build_datasets(cfg.data, seed=cfg.seed)
+    trainer = Trainer(policy, tokenizer, train, reward_fns, cfg, eval_dataset=evals,
+                      progress="text" if args.no_widgets else "auto")
+    if not args.fresh:
+        step = trainer.resume()
+        if step:
+            print(f"resumed from step {step} in {cfg.output_dir}")
+    trainer.output_dir.mkdir(parents=True, exist_ok=True)
+    save_config(cfg, trainer.output_dir / "config.yaml")
+    trainer.train(args.steps)
+    trainer.save()
+    if args.eval:
+        result = trainer.evaluate()
+        print(f"held-out accuracy: {result.accuracy:.3f}")
+    return 0
+
+
+def _cmd_eval(args: argparse.Namespace) -> int:
+    from qerl_kit.build import build_datasets, load_base
+    from qerl_kit.config import DataConfig, ModelConfig
+    from qerl_kit.evaluate import evaluate
+    from qerl_kit.lora import load_lora
+    from qerl_kit.quantize import quantize_model
+
+    mcfg = ModelConfig(name=args.model, format=args.format, trust_remote_code=args.trust_remote_code)
+    model, tokenizer = load_base(mcfg)
+    if args.format != "none":
+        quantize_model(model, fmt=args.format)
+    if args.adapter:
+        model = load_lora(model, args.adapter)  # the adapter is applied (the official eval forgot)
+    _, evals, reward_fns = build_datasets(DataConfig(dataset=args.dataset, eval_size=args.limit))
+    result = evaluate(model, tokenizer, evals, reward_fns[0], samples=args.samples,
+                      temperature=args.temperature, top_p=args.top_p, max_new_tokens=args.max_new_tokens)
+    print(result)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="qerl", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -51,6 +99,32 @@ def build_parser() -> argparse.ArgumentParser:
     quant.add_argument("--trust-remote-code", action="store_true",
                        help="allow a model directory's own Python code to run (off by default)")
     quant.set_defaults(func=_cmd_quantize)
+
+    train = sub.add_parser("train", help="run GRPO/DAPO from a YAML config (resumes from its last checkpoint)")
+    train.add_argument("--config", help="a YAML file: optional `preset: name` plus sections "
+                                        "(model, data, rollout, loss, optim, aqn) overriding it")
+    train.add_argument("--preset", default="tiny-cpu", help="a named preset when no --config is given "
+                                                            "(tiny-cpu, paper-gsm8k, paper-bigmath)")
+    train.add_argument("--steps", type=int, default=None, help="steps to run now (default: to total_steps)")
+    train.add_argument("--output-dir", help="where checkpoints and metrics.jsonl go (overrides the config)")
+    train.add_argument("--fresh", action="store_true", help="ignore existing checkpoints instead of resuming")
+    train.add_argument("--eval", action="store_true", help="evaluate on the held-out split at the end")
+    train.add_argument("--no-widgets", action="store_true", help="plain text progress bar")
+    train.set_defaults(func=_cmd_train)
+
+    ev = sub.add_parser("eval", help="pass@1 of a (quantized) model with an optional LoRA adapter")
+    ev.add_argument("--model", default="tiny", help="'tiny' or a local HF model directory")
+    ev.add_argument("--format", default="nvfp4", choices=["nvfp4", "mxfp4", "nf4", "none"],
+                    help="quantize the base to this format first (none: keep it dense)")
+    ev.add_argument("--adapter", help="a peft adapter directory (e.g. runs/latest/checkpoint-60)")
+    ev.add_argument("--dataset", default="arith", help="arith, gsm8k, math500 or a GSM8K-style .jsonl")
+    ev.add_argument("--limit", type=int, default=200, help="number of held-out problems")
+    ev.add_argument("--samples", type=int, default=1, help="samples per problem (pass@1 is averaged)")
+    ev.add_argument("--temperature", type=float, default=0.0, help="0 is greedy; the paper used 0.6")
+    ev.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling (the paper used 0.95)")
+    ev.add_argument("--max-new-tokens", type=int, default=256, help="completion length limit")
+    ev.add_argument("--trust-remote-code", action="store_true", help="allow a model's own code (off by default)")
+    ev.set_defaults(func=_cmd_eval)
     return parser
 
 
