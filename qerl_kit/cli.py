@@ -19,6 +19,10 @@ def _cmd_quantize(args: argparse.Namespace) -> int:
     from qerl_kit.models import PRESETS, build_model, load_model
     from qerl_kit.quantize import memory_report, quantize_model
 
+    if args.out and args.format != "nvfp4":
+        print(f"qerl quantize: --out writes a compressed-tensors NVFP4 checkpoint; --format "
+              f"{args.format} cannot be exported (use --format nvfp4)", file=sys.stderr)
+        return 2
     if args.model in PRESETS:
         model = build_model(args.model, dtype=torch.bfloat16)
     else:
@@ -27,6 +31,13 @@ def _cmd_quantize(args: argparse.Namespace) -> int:
     print(report)
     print()
     print(memory_report(model))
+    if args.out:
+        from qerl_kit.export import save_nvfp4
+
+        source = None if args.model in PRESETS else args.model
+        save_nvfp4(model, args.out, source_dir=source, max_shard_size=args.shard_size)
+        print(f"\nwrote an NVFP4 (compressed-tensors nvfp4-pack-quantized) checkpoint to {args.out}; "
+              f"serve it with: vllm serve {args.out}")
     return 0
 
 
@@ -98,6 +109,10 @@ def build_parser() -> argparse.ArgumentParser:
                        help="layer names (or name parts) to keep dense")
     quant.add_argument("--trust-remote-code", action="store_true",
                        help="allow a model directory's own Python code to run (off by default)")
+    quant.add_argument("--out", metavar="DIR",
+                       help="also write a vLLM-loadable NVFP4 checkpoint (compressed-tensors) to DIR")
+    quant.add_argument("--shard-size", default="2GB",
+                       help="with --out: largest safetensors shard, e.g. 2GB or 500MB (default 2GB)")
     quant.set_defaults(func=_cmd_quantize)
 
     train = sub.add_parser("train", help="run GRPO/DAPO from a YAML config (resumes from its last checkpoint)")
