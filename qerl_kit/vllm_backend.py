@@ -1,0 +1,298 @@
+"""vLLM rollouts on an exported NVFP4 checkpoint, with LoRA hot-swap and AQN on vLLM's own norms.
+
+``VLLMEngine(checkpoint_dir, tokenizer)`` starts ``vllm.LLM`` in this process on a checkpoint
+written by ``qerl_kit.export.save_nvfp4`` (vLLM runs it with its W4A16-FP4 Marlin kernels) with
+LoRA enabled, and implements the rollout interface of ``qerl_kit.rollout``:
+``generate(prompts, n, sampling) -> Rollouts`` with each sampled token's log-prob.
+
+* ``sync_adapter(peft_model, aqn=None, step=None)`` after each update: the LoRA matrices go to a
+  fresh directory on tmpfs (``/dev/shm``) and the next ``generate`` uses a ``LoRARequest`` with a
+  fresh int id; the previous id is removed from vLLM and its directory deleted. The base is never
+  rewritten. Trained norms (``train_norms=True``) and AQN noise go into vLLM's norm weights, found
+  by structure on the HF side (``qerl_kit.aqn``) and resolved by name on vLLM's model, with the
+  count asserted (the official code matched transformers' class names and never hit vLLM's own).
+* ``sleep()`` / ``wake_up()`` (or ``with engine.awake():``) free vLLM's memory while training.
+
+Targets vLLM >= 0.10.1 (``CompressedTensorsW4A16Fp4`` + Marlin on Hopper, ``logprobs_mode`` from
+0.10.2 is used when present). Not exercised by CI: vLLM cannot run on our machines; tests cover
+everything around it with a fake ``vllm`` module (see docs/export-vllm.md).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import os
+import shutil
+import tempfile
+import time
+from pathlib import Path
+from typing import Sequence
+
+import torch
+from torch import nn
+
+from qerl_kit.rollout import Rollouts, SamplingParams
+
+__all__ = ["VLLMEngine", "AdapterWriter", "vllm_norm_names", "hf_norm_names", "resolve_norms",
+           "import_vllm", "require_cuda"]
+
+INSTALL_HINT = "pip install 'qerl_kit[vllm]'"
+VLLM_LORA_RANKS = (8, 16, 32, 64, 128, 256, 320, 512)
+
+
+def import_vllm():
+    try:
+        import vllm
+    except ImportError as err:
+        raise ImportError(f"the vLLM rollout backend needs vLLM >= 0.10.1 and a CUDA GPU: {INSTALL_HINT} "
+                          "(or use qerl_kit.rollout.HFEngine, which runs anywhere)") from err
+    return vllm
+
+
+def require_cuda() -> None:
+    if not torch.cuda.is_available():
+        raise RuntimeError("the vLLM rollout backend needs a CUDA GPU and none is visible; on this machine "
+                           "use qerl_kit.rollout.HFEngine")
+
+
+# ---- norm names: HF (peft) -> vLLM ------------------------------------------------------------
+def vllm_norm_names(hf_norm_names: Sequence[str]) -> list[str]:
+    """Module names on vLLM's model of the HF norms: peft's prefix and wrappers stripped.
+
+    vLLM's Qwen2/Qwen3/Llama keep HF's names (``model.layers.{i}.input_layernorm``), so
+    ``base_model.model.model.layers.3.input_layernorm.modules_to_save.default`` maps to
+    ``model.layers.3.input_layernorm``. Order is kept, duplicates dropped.
+    """
+    out: list[str] = []
+    for name in hf_norm_names:
+        parts = name.split(".")
+        if parts[:2] == ["base_model", "model"]:
+            parts = parts[2:]
+        if "modules_to_save" in parts:
+            parts = parts[:parts.index("modules_to_save")]
+        parts = [p for p in parts if p != "original_module"]
+        clean = ".".join(parts)
+        if clean not in out:
+            out.append(clean)
+    return out
+
+
+def hf_norm_names(model: nn.Module, norms: Sequence[nn.Module]) -> list[str]:
+    """Names of ``norms`` inside ``model``."""
+    names = {id(m): n for n, m in model.named_modules()}
+    if any(id(m) not in names for m in norms):
+        raise ValueError("some norm modules are not inside the model")
+    return [names[id(m)] for m in norms]
+
+
+def resolve_norms(model: nn.Module, names: Sequence[str], expected: int) -> list[nn.Module]:
+    """The modules ``names`` on (vLLM's) ``model``; each must have a 1-D weight, and the count must be
+    ``expected`` (the number of norms found on the HF side), else AQN would silently do less."""
+    modules = []
+    for name in names:
+        try:
+            module = model.get_submodule(name)
+        except AttributeError:
+            raise ValueError(f"vLLM's model has no module {name!r}; its norm names differ from the HF "
+                             "model's (pass a name_map to VLLMEngine)") from None
+        weight = getattr(module, "weight", None)
+        if not isinstance(weight, torch.Tensor) or weight.ndim != 1:
+            raise ValueError(f"{name!r} on vLLM's model is a {type(module).__name__} without a 1-D weight")
+        modules.append(module)
+    if len(modules) != expected:
+        raise ValueError(f"found {len(modules)} norms on vLLM's model, expected {expected} (HF side)")
+    return modules
+
+
+class _LoadNorms:
+    """Copies norm vectors into (vLLM's) model; a picklable callable for ``LLM.apply_model``."""
+
+    def __init__(self, values: dict[str, torch.Tensor], expected: int):
+        self.values, self.expected = values, expected
+
+    def __call__(self, model: nn.Module) -> int:
+        modules = resolve_norms(model, list(self.values), self.expected)
+        with torch.no_grad():
+            for module, value in zip(modules, self.values.values()):
+                module.weight.data.copy_(value.to(module.weight.device, module.weight.dtype))
+        return len(modules)
+
+
+# ---- adapters on tmpfs --------------------------------------------------------------------------
+class AdapterWriter:
+    """Writes each adapter version to a fresh directory (tmpfs when there is one) with a fresh int id."""
+
+    def __init__(self, root: str | Path | None = None):
+        if root is None:
+            root = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
+        self.root = Path(tempfile.mkdtemp(prefix="qerl-lora-", dir=root))
+        self._ids = itertools.count(1)  # vLLM wants lora_int_id > 0
+        self.current: tuple[int, Path] | None = None
+
+    def write(self, peft_model, adapter_name: str = "default") -> tuple[int, Path]:
+        """Save the LoRA matrices (not modules_to_save copies: norms go separately) as a peft adapter."""
+        from peft import get_peft_model_state_dict
+        from safetensors.torch import save_file
+
+        lora_id = next(self._ids)
+        path = self.root / f"adapter-{lora_id}"
+        path.mkdir()
+        state = get_peft_model_state_dict(peft_model, adapter_name=adapter_name)
+        tensors = {k: v.detach().to("cpu").contiguous() for k, v in sorted(state.items()) if "lora_" in k}
+        if not tensors:
+            raise ValueError("the peft model has no LoRA tensors to send to vLLM")
+        save_file(tensors, str(path / "adapter_model.safetensors"), metadata={"format": "pt"})
+        config = peft_model.peft_config[adapter_name]
+        saved, config.modules_to_save = config.modules_to_save, None
+        try:
+            config.save_pretrained(str(path))
+        finally:
+            config.modules_to_save = saved
+        previous, self.current = self.current, (lora_id, path)
+        if previous is not None:
+            shutil.rmtree(previous[1], ignore_errors=True)
+        return lora_id, path
+
+    def cleanup(self) -> None:
+        shutil.rmtree(self.root, ignore_errors=True)
+        self.current = None
+
+
+# ---- the engine ---------------------------------------------------------------------------------
+class VLLMEngine:
+    """``vllm.LLM`` on an exported NVFP4 checkpoint; ``generate`` fills ``qerl_kit.rollout.Rollouts``."""
+
+    def __init__(self, checkpoint_dir: str | Path, tokenizer, *, gpu_memory_utilization: float = 0.3,
+                 max_lora_rank: int = 64, enable_sleep_mode: bool = True, max_model_len: int | None = None,
+                 seed: int = 0, dtype: str = "bfloat16", logprobs_mode: str | None = "processed_logprobs",
+                 stop_token_ids: Sequence[int] | None = None, add_special_tokens: bool = False,
+                 adapter_root: str | Path | None = None, name_map=None, **llm_kwargs):
+        vllm = import_vllm()
+        require_cuda()
+        from vllm.lora.request import LoRARequest
+
+        self._vllm, self._LoRARequest = vllm, LoRARequest
+        self.tokenizer, self.add_special_tokens = tokenizer, add_special_tokens
+        self.max_lora_rank = next((r for r in VLLM_LORA_RANKS if r >= max_lora_rank), max_lora_rank)
+        eos, pad = getattr(tokenizer, "eos_token_id", None), getattr(tokenizer, "pad_token_id", None)
+        self.pad_token_id = int(pad if pad is not None else (eos if eos is not None else 0))
+        self.stop_token_ids = list(stop_token_ids or [])
+        self.name_map = name_map or (lambda name: name)  # HF-side clean name -> vLLM module name
+        self.enable_sleep_mode, self.asleep = enable_sleep_mode, False
+        self.adapters = AdapterWriter(adapter_root)
+        self.lora_request = None
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # engine in this process: apply_model
+        kwargs = dict(model=str(checkpoint_dir), enable_lora=True, max_lora_rank=self.max_lora_rank,
+                      max_loras=1, gpu_memory_utilization=gpu_memory_utilization,
+                      enable_sleep_mode=enable_sleep_mode, dtype=dtype, seed=seed, trust_remote_code=False)
+        if max_model_len is not None:
+            kwargs["max_model_len"] = max_model_len
+        if logprobs_mode is not None:
+            kwargs["logprobs_mode"] = logprobs_mode
+        kwargs.update(llm_kwargs)
+        try:
+            self.llm = vllm.LLM(**kwargs)
+        except TypeError as err:  # vLLM 0.10.1 has no logprobs_mode: raw log-probs (temperature 1)
+            if "logprobs_mode" not in str(err):
+                raise
+            kwargs.pop("logprobs_mode")
+            self.llm = vllm.LLM(**kwargs)
+        self.logprobs_mode = kwargs.get("logprobs_mode", "raw_logprobs")
+
+    # -- weights ---------------------------------------------------------------------------------
+    def sync_adapter(self, peft_model, *, aqn=None, step: int | None = None, adapter_name: str = "default"):
+        """Send the current adapter (and norms: trained copies and/or AQN noise) to vLLM."""
+        rank = peft_model.peft_config[adapter_name].r
+        if rank > self.max_lora_rank:
+            raise ValueError(f"the adapter's rank {rank} exceeds the engine's max_lora_rank {self.max_lora_rank}")
+        lora_id, path = self.adapters.write(peft_model, adapter_name)
+        old, self.lora_request = self.lora_request, self._LoRARequest(f"qerl-{lora_id}", lora_id, str(path))
+        if old is not None:
+            self._remove_lora(old.lora_int_id)
+        if aqn is not None or peft_model.peft_config[adapter_name].modules_to_save:
+            self.sync_norms(peft_model, aqn=aqn, step=step)
+        if hasattr(self.llm, "reset_prefix_cache"):
+            self.llm.reset_prefix_cache()
+        return self.lora_request
+
+    def _remove_lora(self, lora_id: int) -> None:
+        for owner in (self.llm, getattr(self.llm, "llm_engine", None)):
+            if owner is not None and hasattr(owner, "remove_lora"):
+                owner.remove_lora(lora_id)
+                return
+
+    def sync_norms(self, hf_model: nn.Module, *, aqn=None, step: int | None = None) -> int:
+        """Copy the HF model's projection norms (plus AQN noise at ``step``) into vLLM's; returns the count."""
+        from qerl_kit.aqn import find_noise_norms
+
+        norms = aqn.norms(hf_model) if aqn is not None else find_noise_norms(hf_model)
+        names = [self.name_map(n) for n in vllm_norm_names(hf_norm_names(hf_model, norms))]
+        if aqn is not None and step is None:
+            raise ValueError("sync_norms with aqn needs the training step (for the noise schedule)")
+        context = aqn.noise(hf_model, step) if aqn is not None else contextlib.nullcontext()
+        with context:  # noise is drawn around clean weights and removed from the HF model after
+            values = {n: m.weight.detach().to("cpu", copy=True) for n, m in zip(names, norms)}
+        counts = self._apply_to_model(_LoadNorms(values, expected=len(norms)))
+        if any(c != len(norms) for c in counts):
+            raise RuntimeError(f"vLLM workers updated {counts} norms, expected {len(norms)} each")
+        return len(norms)
+
+    def _apply_to_model(self, fn) -> list:
+        if hasattr(self.llm, "apply_model"):
+            return list(self.llm.apply_model(fn))
+        runner = self.llm.llm_engine.model_executor.driver_worker.model_runner  # vLLM 0.10.x, V0
+        return [fn(runner.model)]
+
+    # -- memory ----------------------------------------------------------------------------------
+    def sleep(self, level: int = 1) -> None:
+        if self.enable_sleep_mode and not self.asleep:
+            self.llm.sleep(level=level)
+            self.asleep = True
+
+    def wake_up(self) -> None:
+        if self.asleep:
+            self.llm.wake_up()
+            self.asleep = False
+
+    @contextlib.contextmanager
+    def awake(self):
+        """``with engine.awake(): engine.sync_adapter(...); engine.generate(...)``; sleeps after."""
+        self.wake_up()
+        try:
+            yield self
+        finally:
+            self.sleep()
+
+    # -- rollouts --------------------------------------------------------------------------------
+    def generate(self, prompts: list[str], n: int = 1, sampling: SamplingParams | None = None) -> Rollouts:
+        if isinstance(prompts, str) or not prompts or not all(isinstance(p, str) for p in prompts):
+            raise TypeError("prompts must be a non-empty list of strings")
+        if not isinstance(n, int) or n < 1:
+            raise ValueError(f"n (samples per prompt) must be an int >= 1; got {n!r}")
+        if self.asleep:
+            raise RuntimeError("the vLLM engine is asleep; call wake_up() (or use `with engine.awake():`)")
+        sampling = sampling or SamplingParams()
+        start = time.perf_counter()
+        ids = self.tokenizer(list(prompts), add_special_tokens=self.add_special_tokens)["input_ids"]
+        params = self._vllm.SamplingParams(
+            n=n, max_tokens=sampling.max_new_tokens, temperature=sampling.temperature, top_p=sampling.top_p,
+            top_k=sampling.top_k or -1, seed=sampling.seed, logprobs=0, skip_special_tokens=True,
+            stop_token_ids=self.stop_token_ids or None)
+        outputs = self.llm.generate([{"prompt_token_ids": list(p)} for p in ids], params,
+                                    lora_request=self.lora_request, use_tqdm=False)
+        rows = []
+        for prompt, prompt_ids, out in zip(prompts, ids, outputs):
+            for c in sorted(out.outputs, key=lambda c: c.index):
+                toks = list(c.token_ids)
+                if c.logprobs is None or len(c.logprobs) != len(toks):
+                    raise RuntimeError("vLLM returned no per-token log-probs (SamplingParams.logprobs=0)")
+                rows.append((prompt, list(prompt_ids), toks, [float(lp[t].logprob) for lp, t in zip(c.logprobs, toks)],
+                             c.text, "stop" if c.finish_reason == "stop" else "length"))
+        seconds = time.perf_counter() - start
+        tokens = sum(len(r[2]) for r in rows)
+        stats = {"rollout/tokens": tokens, "rollout/seconds": seconds, "rollout/tokens_per_s": tokens / max(seconds, 1e-9)}
+        return Rollouts.from_lists(*zip(*rows), group_size=n, pad_token_id=self.pad_token_id, stats=stats)
+
+    def close(self) -> None:
+        self.adapters.cleanup()
