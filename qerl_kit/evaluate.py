@@ -1,0 +1,155 @@
+"""Evaluate a policy: pass@1 over a dataset with a TRL-style reward function.
+
+``evaluate(model, tokenizer, rows, gsm8k_reward, samples=4)`` renders each row's prompt, samples
+``samples`` completions per problem through a rollout engine (``HFEngine`` by default), scores
+them with the reward function, and returns an ``EvalResult``: accuracy (mean pass@1), per-problem
+completions and scores, mean completion length. It prints a summary in a terminal and renders a
+table in a notebook.
+
+* The model is evaluated as given: a peft ``PeftModel`` is evaluated **with its adapter**. (The
+  official QeRL evaluation loaded the base weights and forgot the LoRA adapter, so it measured the
+  base model; ``tests/test_evaluate.py`` pins that an adapter changes the result.)
+* Correct means ``reward >= 1.0``; ``None`` ("not applicable") counts as incorrect. pass@1 of a
+  problem is its fraction of correct samples; ``accuracy`` is the mean over problems.
+* Greedy (``temperature=0``) samples once per problem: the samples would all be the same.
+* The reward function gets TRL's keyword arguments: ``prompts`` (the rows' ``prompt`` column),
+  ``completions`` (texts), ``completion_ids`` (lists of ids, stop token included) and every other
+  dataset column as a list aligned with the completions (``answer=[...]``).
+* Problems are sent to the engine ``batch_size`` at a time (each becomes ``batch_size * samples``
+  sequences); chunk i is seeded with ``seed + i``.
+"""
+
+from __future__ import annotations
+
+import html
+import warnings
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable
+
+from qerl_kit.rollout import HFEngine, RolloutEngine, SamplingParams
+from qerl_kit.table import html_table, text_table
+
+__all__ = ["evaluate", "EvalResult", "CORRECT_THRESHOLD"]
+
+CORRECT_THRESHOLD = 1.0  # a completion is correct iff its reward is >= this
+
+
+def _is_correct(score: float | None) -> bool:
+    return score is not None and score >= CORRECT_THRESHOLD
+
+
+def _short(text: Any, limit: int = 80) -> str:
+    text = " ".join(str(text).split())
+    return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
+@dataclass(frozen=True)
+class EvalResult:
+    accuracy: float                 # mean over problems of pass@1 (fraction of correct samples)
+    per_problem: list[dict]         # index, prompt, answer, completions, scores, lengths, pass_rate
+    samples: int                    # completions per problem
+    mean_length: float              # mean completion length in tokens (stop token included)
+    temperature: float = 0.0
+    stats: dict = field(default_factory=dict)  # rollout/* timing summed over chunks
+
+    @property
+    def num_problems(self) -> int:
+        return len(self.per_problem)
+
+    def summary(self) -> str:
+        mode = "greedy" if self.temperature == 0 else f"temperature {self.temperature:g}"
+        return (f"accuracy {self.accuracy:.4f} (pass@1, {self.samples} sample(s) per problem, {mode}) "
+                f"on {self.num_problems} problems; mean completion length {self.mean_length:.1f} tokens")
+
+    def example_rows(self, k: int = 3, limit: int = 80) -> list[dict]:
+        return [{"#": p["index"], "prompt": _short(p["prompt"], limit), "answer": _short(p["answer"], 20),
+                 "completion": _short(p["completions"][0], limit) if p["completions"] else "",
+                 "pass@1": p["pass_rate"]} for p in self.per_problem[:k]]
+
+    def __str__(self) -> str:
+        return self.summary() + "\n" + text_table(self.example_rows())
+
+    def _repr_html_(self) -> str:
+        return f"<p>{html.escape(self.summary())}</p>" + html_table(self.example_rows(5, 200),
+                                                                    caption="first problems")
+
+    def to_dataframe(self):
+        """One row per problem (pandas is imported lazily)."""
+        try:
+            import pandas as pd
+        except ImportError as e:
+            raise ImportError("EvalResult.to_dataframe needs pandas: `pip install pandas` "
+                              "(or the qerl_kit[notebook] extra)") from e
+        return pd.DataFrame(self.per_problem)
+
+
+def _default_prompt_fn(tokenizer: Any, row: dict) -> str:
+    from qerl_kit.data import build_prompt
+
+    return build_prompt(tokenizer, row["prompt"])
+
+
+def evaluate(model: Any, tokenizer: Any, dataset: Iterable[dict], reward_fn: Callable[..., list],
+             *, samples: int = 1, temperature: float = 0.6, top_p: float = 0.95,
+             max_new_tokens: int = 512, batch_size: int = 16, engine: RolloutEngine | None = None,
+             prompt_fn: Callable[[Any, dict], str] | None = None, seed: int | None = 0) -> EvalResult:
+    """pass@1 of ``model`` (adapter applied, if any) on ``dataset`` rows with a ``prompt`` column.
+
+    ``engine`` overrides the default ``HFEngine(model, tokenizer)`` (e.g. a vLLM engine; then
+    ``model`` may be None). ``prompt_fn(tokenizer, row)`` renders a row; the default is
+    ``qerl_kit.data.build_prompt(tokenizer, row["prompt"])`` (chat template when there is one).
+    """
+    rows = [dict(r) for r in dataset]
+    if not rows:
+        raise ValueError("the dataset is empty: nothing to evaluate")
+    missing = [i for i, r in enumerate(rows) if "prompt" not in r]
+    if missing:
+        raise ValueError(f"rows {missing[:5]} have no 'prompt' column (keys of row {missing[0]}: "
+                         f"{sorted(rows[missing[0]])})")
+    if not isinstance(samples, int) or samples < 1:
+        raise ValueError(f"samples must be an int >= 1; got {samples!r}")
+    if not isinstance(batch_size, int) or batch_size < 1:
+        raise ValueError(f"batch_size must be an int >= 1; got {batch_size!r}")
+    if temperature == 0 and samples > 1:
+        warnings.warn(f"temperature=0 is greedy: the {samples} samples would be identical; sampling once",
+                      stacklevel=2)
+        samples = 1
+    if engine is None:
+        if model is None:
+            raise ValueError("pass a model (evaluated with HFEngine) or an engine")
+        engine = HFEngine(model, tokenizer)
+    prompt_fn = prompt_fn or _default_prompt_fn
+    columns = [k for k in dict.fromkeys(k for r in rows for k in r) if k != "prompt"]
+    per_problem: list[dict] = []
+    stats: dict[str, float] = {}
+    for chunk_index, start in enumerate(range(0, len(rows), batch_size)):
+        chunk = rows[start:start + batch_size]
+        sampling = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature,
+                                  top_p=top_p if temperature > 0 else 1.0,
+                                  seed=None if seed is None else seed + chunk_index)
+        out = engine.generate([prompt_fn(tokenizer, r) for r in chunk], samples, sampling)
+        repeated = [r for r in chunk for _ in range(samples)]
+        ids = [c[m.bool()].tolist() for c, m in zip(out.completion_ids, out.completion_mask)]
+        scores = reward_fn(prompts=[r["prompt"] for r in repeated], completions=list(out.texts),
+                           completion_ids=ids, **{k: [r.get(k) for r in repeated] for k in columns})
+        scores = list(scores)
+        if len(scores) != len(repeated):
+            raise ValueError(f"reward_fn returned {len(scores)} scores for {len(repeated)} completions")
+        lengths = out.completion_lengths.tolist()
+        for j, row in enumerate(chunk):
+            s = slice(j * samples, (j + 1) * samples)
+            got = [None if x is None else float(x) for x in scores[s]]
+            per_problem.append({"index": start + j, "prompt": row["prompt"], "answer": row.get("answer"),
+                                "completions": list(out.texts[s]), "scores": got, "lengths": lengths[s],
+                                "finish_reasons": list(out.finish_reasons[s]),
+                                "pass_rate": sum(map(_is_correct, got)) / samples})
+        for key, value in getattr(out, "stats", {}).items():
+            if key != "rollout/tokens_per_s":
+                stats[key] = stats.get(key, 0.0) + value
+    if stats.get("rollout/seconds"):
+        stats["rollout/tokens_per_s"] = stats.get("rollout/tokens", 0.0) / stats["rollout/seconds"]
+    all_lengths = [L for p in per_problem for L in p["lengths"]]
+    return EvalResult(accuracy=sum(p["pass_rate"] for p in per_problem) / len(per_problem),
+                      per_problem=per_problem, samples=samples,
+                      mean_length=sum(all_lengths) / len(all_lengths), temperature=float(temperature),
+                      stats=stats)
