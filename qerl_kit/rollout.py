@@ -172,11 +172,25 @@ class Rollouts:
                         dtype=torch.float32),
                    list(texts), list(finish_reasons), group_size, pad_token_id, dict(stats or {}))
 
+    def select(self, rows: Sequence[int] | Tensor) -> "Rollouts":
+        """These rows (whole groups, e.g. the groups DAPO keeps), with all-padding columns trimmed."""
+        idx = torch.as_tensor(rows, dtype=torch.long, device=self.prompt_ids.device).flatten()
+        if len(idx) % self.group_size:
+            raise ValueError(f"selected {len(idx)} rows: not whole groups of {self.group_size}")
+        pm, cm = self.prompt_mask[idx], self.completion_mask[idx]
+        P = self.prompt_ids.shape[1] - (int(pm.sum(1).max()) if len(idx) else 0)  # first kept column
+        C = int(cm.sum(1).max()) if len(idx) else 0
+        rows_l = idx.tolist()
+        return Rollouts([self.prompts[i] for i in rows_l], self.prompt_ids[idx, P:], pm[:, P:],
+                        self.completion_ids[idx, :C], cm[:, :C], self.logprobs[idx, :C],
+                        [self.texts[i] for i in rows_l], [self.finish_reasons[i] for i in rows_l],
+                        self.group_size, self.pad_token_id, dict(self.stats))
+
     @classmethod
-    def cat(cls, parts: Sequence["Rollouts"]) -> "Rollouts":
-        """Concatenate rollouts (e.g. micro-batches, or DAPO's refills) with one group size."""
+    def concat(cls, parts: Sequence["Rollouts"]) -> "Rollouts":
+        """Concatenate rollouts (micro-batches, DAPO refills) of one group size, re-padding."""
         if not parts:
-            raise ValueError("Rollouts.cat needs at least one Rollouts")
+            raise ValueError("Rollouts.concat needs at least one Rollouts")
         if len({p.group_size for p in parts}) != 1:
             raise ValueError(f"cannot concatenate group sizes {sorted({p.group_size for p in parts})}")
         pad, P = parts[0].pad_token_id, max(p.prompt_ids.shape[1] for p in parts)
@@ -331,7 +345,7 @@ class HFEngine:
         with _inference(self.model), _seeded(sampling.seed, self.device):
             parts = [self._generate_batch(prompts[i:i + step], encoded[i:i + step], n, sampling)
                      for i in range(0, len(prompts), step)]
-        out = parts[0] if len(parts) == 1 else Rollouts.cat(parts)
+        out = parts[0] if len(parts) == 1 else Rollouts.concat(parts)
         seconds = time.perf_counter() - start
         tokens = int(out.completion_mask.sum())
         out.stats = {"rollout/tokens": tokens, "rollout/seconds": seconds,

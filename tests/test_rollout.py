@@ -279,17 +279,27 @@ def test_from_lists_cat_and_to(model, tok):
     assert_same(rebuilt, r, atol=0)
     halves = [Rollouts.from_lists(r.prompts[s], [[5, 6]] * 4, [[7]] * 4, [[-0.5]] * 4, r.texts[s],
                                   r.finish_reasons[s], 2, PAD) for s in (slice(0, 4), slice(4, 8))]
-    both = Rollouts.cat([r, *halves])
+    both = Rollouts.concat([r, *halves])
     assert len(both) == 16 and both.completion_ids.shape[1] == r.completion_ids.shape[1]
     assert torch.equal(both.prompt_ids[8:, -2:], torch.tensor([[5, 6]] * 8))
     assert (both.prompt_mask[8:, :-2] == 0).all() and both.logprobs[8:, 0].eq(-0.5).all()
+    # select: whole groups, padding columns trimmed; concat of selections = the original rows
+    short = Rollouts.from_lists(["a", "a"], [[5], [5]], [[7], [7]], [[-1.0], [-2.0]], ["", ""],
+                                ["stop"] * 2, 2, PAD)
+    padded = Rollouts.concat([r, short])
+    back = padded.select(torch.arange(len(padded) - 2, len(padded)))
+    assert back.prompt_ids.shape == (2, 1) and back.completion_ids.shape == (2, 1)
+    assert_same(back, short, atol=0)
+    assert_same(Rollouts.concat([padded.select(range(0, 4)), padded.select(range(4, 8))]), r, atol=0)
+    with pytest.raises(ValueError, match="whole groups"):
+        r.select([0, 1, 2])
     moved = r.to("cpu")
     assert moved is not r and torch.equal(moved.completion_ids, r.completion_ids)
     with pytest.raises(ValueError, match="groups of 3"):
         Rollouts.from_lists(r.prompts[:4], [[5]] * 4, [[7]] * 4, [[0.0]] * 4, r.texts[:4],
                             r.finish_reasons[:4], 3, PAD)
     with pytest.raises(ValueError, match="group sizes"):
-        Rollouts.cat([r, Rollouts.from_lists(r.prompts[:1], [[5]], [[7]], [[0.0]], ["x"], ["stop"], 1, PAD)])
+        Rollouts.concat([r, Rollouts.from_lists(r.prompts[:1], [[5]], [[7]], [[0.0]], ["x"], ["stop"], 1, PAD)])
 
 
 def test_errors(model, tok):
