@@ -19,6 +19,7 @@ Files are deterministic: saving, loading and saving again gives byte-identical f
 
 from __future__ import annotations
 
+import contextlib
 import json
 import shutil
 import warnings
@@ -273,6 +274,27 @@ def _materialize_buffers(model: nn.Module, device) -> None:
             model._init_weights(module)
 
 
+def _load_tensors(model: nn.Module, weight_map: dict[str, str], get, dtype: torch.dtype) -> None:
+    """Swap the checkpoint's quantized Linears for NVFP4Linear, then assign every dense tensor."""
+    keys = set(weight_map)
+    quantized = sorted(k[:-len(ct_format.PACKED) - 1] for k in keys if k.endswith("." + ct_format.PACKED))
+    if not quantized:
+        raise ValueError(f"the checkpoint has no '*.{ct_format.PACKED}' tensors: not an NVFP4 checkpoint")
+    done = set()
+    for name in quantized:
+        module_name, _, child = name.rpartition(".")
+        try:
+            parent = model.get_submodule(module_name)
+        except AttributeError:
+            raise ValueError(f"checkpoint quantizes {name!r}, which the model does not have") from None
+        setattr(parent, child, _quant_layer(getattr(parent, child, None), name, get, keys, dtype))
+        done.update(f"{name}.{s}" for s in (ct_format.PACKED, ct_format.SCALE, ct_format.GLOBAL_SCALE,
+                                            "bias", "input_global_scale"))
+    for key in [k for k in weight_map if k not in done]:
+        tensor = get(key)
+        _set_tensor(model, key, tensor.to(dtype) if tensor.is_floating_point() else tensor)
+
+
 def load_nvfp4(path: str | Path, *, device: str | torch.device = "cpu", dtype: torch.dtype = torch.bfloat16,
                adapter_dir: str | Path | None = None, is_trainable: bool = False) -> nn.Module:
     """Load a compressed-tensors NVFP4 checkpoint (ours or llm-compressor's) into NVFP4Linear layers.
@@ -292,23 +314,10 @@ def load_nvfp4(path: str | Path, *, device: str | torch.device = "cpu", dtype: t
                       "4-bit weights and computes activations in " + str(dtype), stacklevel=2)
     model = _skeleton(path, dtype)
     weight_map = ct_format.read_weight_map(path)
-    keys = set(weight_map)
-    handles = {f: safe_open(str(path / f), framework="pt", device=str(device)) for f in sorted(set(weight_map.values()))}
-    get = lambda key: handles[weight_map[key]].get_tensor(key)  # noqa: E731
-    quantized = sorted(k[:-len(ct_format.PACKED) - 1] for k in keys if k.endswith("." + ct_format.PACKED))
-    if not quantized:
-        raise ValueError(f"{path} has no '*.{ct_format.PACKED}' tensors: not an NVFP4 checkpoint")
-    done = set()
-    for name in quantized:
-        module_name, _, child = name.rpartition(".")
-        parent = model.get_submodule(module_name)
-        layer = _quant_layer(getattr(parent, child, None), name, get, keys, dtype)
-        setattr(parent, child, layer)
-        done.update(f"{name}.{s}" for s in (ct_format.PACKED, ct_format.SCALE, ct_format.GLOBAL_SCALE,
-                                            "bias", "input_global_scale"))
-    for key in [k for k in weight_map if k not in done]:
-        tensor = get(key)
-        _set_tensor(model, key, tensor.to(dtype) if tensor.is_floating_point() else tensor)
+    with contextlib.ExitStack() as stack:
+        handles = {f: stack.enter_context(safe_open(str(path / f), framework="pt", device=str(device)))
+                   for f in sorted(set(weight_map.values()))}
+        _load_tensors(model, weight_map, lambda key: handles[weight_map[key]].get_tensor(key), dtype)
     if getattr(model.config, "tie_word_embeddings", False):
         model.tie_weights()
     _materialize_buffers(model, device)

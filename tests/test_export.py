@@ -294,6 +294,10 @@ def test_clear_errors(tmp_path):
     quantize_model(m, skip=("lm_head", "k_proj"))
     with pytest.raises(ValueError, match="mixes NVFP4 and dense"):
         save_nvfp4(m, tmp_path / "z")
+    m = build_model("qwen2-tiny", dtype=torch.bfloat16)
+    quantize_model(m, skip=())
+    with pytest.raises(ValueError, match="lm_head"):
+        save_nvfp4(m, tmp_path / "v")
     with pytest.raises(ValueError, match="adapter_dir"):
         save_nvfp4(_quantized(), tmp_path / "w", adapter_dir=tmp_path / "a")
     # loading: a dense checkpoint, and a non-NVFP4 quantization config
