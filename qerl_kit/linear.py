@@ -20,19 +20,38 @@ from qerl_kit import mxfp4, nf4, nvfp4
 
 
 class _FrozenQuantMatmul(torch.autograd.Function):
-    """y = x @ W^T + b with W dequantized on the fly in forward and again in backward."""
+    """y = x @ W^T + b with W dequantized on the fly in forward and again in backward.
+
+    NVFP4 layers go through ``qerl_kit.kernels`` (fused Triton kernels on CUDA, which never build
+    the dense weight; this same reference elsewhere, see ``qerl_kit.kernels.backend``); MXFP4
+    and NF4 always take the reference path.
+    """
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, layer: "QuantLinear") -> torch.Tensor:
         ctx.layer = layer
         bias = None if layer.bias is None else layer.bias.to(x.dtype)
+        if layer.fmt == "nvfp4":
+            from qerl_kit import kernels
+
+            if kernels.resolve(x) is kernels.Backend.TRITON:
+                return kernels.nvfp4_linear(x, layer.packed, layer.scales, layer.global_scale, bias,
+                                            backend=kernels.Backend.TRITON)
         return F.linear(x, layer.dequantized_weight(x.dtype), bias)
 
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor):
         grad_x = None
         if ctx.needs_input_grad[0]:
-            grad_x = grad_out @ ctx.layer.dequantized_weight(grad_out.dtype)
+            layer = ctx.layer
+            if layer.fmt == "nvfp4":
+                from qerl_kit import kernels
+
+                if kernels.resolve(grad_out) is kernels.Backend.TRITON:
+                    grad_x = kernels.nvfp4_dgrad(grad_out, layer.packed, layer.scales,
+                                                 layer.global_scale, backend=kernels.Backend.TRITON)
+                    return grad_x, None
+            grad_x = grad_out @ layer.dequantized_weight(grad_out.dtype)
         return grad_x, None
 
 

@@ -1,0 +1,64 @@
+"""Fused NVFP4 kernels (Triton) behind a backend switch, with plain-PyTorch references.
+
+The two entry points take the packed weight of an ``NVFP4Linear`` (``packed``, ``scales``,
+``global_scale``) and never build a dense copy of it on the Triton path::
+
+    y  = nvfp4_linear(x, packed, scales, global_scale, bias)   # x [..., K] -> [..., N]
+    dx = nvfp4_dgrad(dy, packed, scales, global_scale)         # dy [..., N] -> [..., K]
+
+Which implementation runs is decided by ``backend`` (``set_backend``, ``QERL_KERNEL_BACKEND``):
+Triton on CUDA when it imports, the reference (dequantize + torch matmul) elsewhere. Forward
+calls with at most ``DECODE_MAX_M`` rows go to the decode kernel (``nvfp4_gemv_triton``), larger
+ones to the tiled GEMM (``nvfp4_gemm_triton``); the input gradient uses ``nvfp4_dgrad_triton``.
+Each kernel is also a ``torch.ops.qerl_kit.*`` custom op, so ``torch.compile`` and CUDA graphs can
+capture it (run one eager call per shape first: that is when the autotuner picks a config).
+
+Importing this package does not import Triton; the kernel modules load on first use.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from qerl_kit.kernels.backend import (ENV_VAR, Backend, get_backend, resolve, set_backend,
+                                      triton_status)
+from qerl_kit.kernels.reference import nvfp4_dgrad_ref, nvfp4_linear_ref
+
+DECODE_MAX_M = 64
+
+__all__ = [
+    "Backend", "ENV_VAR", "DECODE_MAX_M", "get_backend", "set_backend", "resolve", "triton_status",
+    "nvfp4_linear", "nvfp4_dgrad", "nvfp4_linear_ref", "nvfp4_dgrad_ref",
+]
+
+
+def _ops():
+    # Importing the kernel modules registers torch.ops.qerl_kit.nvfp4_{gemm,gemv,dgrad}.
+    from qerl_kit.kernels import nvfp4_dgrad_triton, nvfp4_gemm_triton, nvfp4_gemv_triton  # noqa: F401
+
+    return torch.ops.qerl_kit
+
+
+def nvfp4_linear(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor,
+                 global_scale: torch.Tensor, bias: torch.Tensor | None = None,
+                 backend: Backend | str | None = None) -> torch.Tensor:
+    """y = x @ W^T + bias with W the NVFP4 weight [N, K]; x [..., K] -> y [..., N]."""
+    if resolve(x, backend) is Backend.REFERENCE:
+        return nvfp4_linear_ref(x, packed, scales, global_scale, bias)
+    k = packed.shape[1] * 2
+    x2 = x.reshape(-1, k)
+    if bias is not None and bias.dtype != x.dtype:
+        bias = bias.to(x.dtype)
+    ops = _ops()
+    op = ops.nvfp4_gemv if x2.shape[0] <= DECODE_MAX_M else ops.nvfp4_gemm
+    return op(x2, packed, scales, global_scale, bias).reshape(*x.shape[:-1], packed.shape[0])
+
+
+def nvfp4_dgrad(dy: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor,
+                global_scale: torch.Tensor, backend: Backend | str | None = None) -> torch.Tensor:
+    """dx = dy @ W with W the NVFP4 weight [N, K]; dy [..., N] -> dx [..., K]."""
+    if resolve(dy, backend) is Backend.REFERENCE:
+        return nvfp4_dgrad_ref(dy, packed, scales, global_scale)
+    dy2 = dy.reshape(-1, packed.shape[0])
+    dx = _ops().nvfp4_dgrad(dy2, packed, scales, global_scale)
+    return dx.reshape(*dy.shape[:-1], packed.shape[1] * 2)

@@ -1,0 +1,43 @@
+"""Plain-PyTorch references for the NVFP4 kernels (the oracles; they run on any device).
+
+Every kernel in this package computes one of these functions from the packed weight
+(``packed`` uint8 [N, K/2], ``scales`` float8_e4m3fn [N, K/16], ``global_scale`` float32 [1]; see
+``qerl_kit.nvfp4``) without ever materialising the dense weight W [N, K] in memory:
+
+* ``nvfp4_linear_ref(x, ...)``: y = x @ W^T + bias   (forward; x [..., K] -> y [..., N])
+* ``nvfp4_dgrad_ref(dy, ...)``: dx = dy @ W          (input gradient; dy [..., N] -> dx [..., K])
+
+The references dequantize W to the activation dtype (``value * scale / global_scale`` in
+float32, rounded once) and call torch's matmul, exactly what ``NVFP4Linear`` does on the
+reference path. ``dtype=torch.float32`` gives the float32 references the tests measure error
+against.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from qerl_kit import nvfp4
+
+
+def dequantize(packed: torch.Tensor, scales: torch.Tensor, global_scale: torch.Tensor,
+               dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """Dense W [N, K] from the three NVFP4 tensors."""
+    return nvfp4.dequantize(nvfp4.NVFP4Tensor(packed, scales, global_scale), dtype)
+
+
+def nvfp4_linear_ref(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor,
+                     global_scale: torch.Tensor, bias: torch.Tensor | None = None,
+                     dtype: torch.dtype | None = None) -> torch.Tensor:
+    """y = x @ W^T + bias, computed in ``dtype`` (x's dtype by default)."""
+    dtype = dtype or x.dtype
+    w = dequantize(packed, scales, global_scale, dtype)
+    return F.linear(x.to(dtype), w, None if bias is None else bias.to(dtype))
+
+
+def nvfp4_dgrad_ref(dy: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor,
+                    global_scale: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """dx = dy @ W, computed in ``dtype`` (dy's dtype by default)."""
+    dtype = dtype or dy.dtype
+    return dy.to(dtype) @ dequantize(packed, scales, global_scale, dtype)

@@ -1,0 +1,277 @@
+"""NVFP4 Triton kernels against their plain-PyTorch references.
+
+On a machine without CUDA the kernels run in Triton's CPU interpreter at small shapes. The
+interpreter must be switched on (``TRITON_INTERPRET=1``) before Triton is first imported, and in
+a full test run other modules import it earlier (peft -> torch._dynamo -> triton); then this
+module re-runs itself in a subprocess with the variable set. With a GPU the same tests run
+compiled, and the ``gpu`` tests add real layer shapes, the inline-PTX dequantization and CUDA
+graph capture. Speed is measured in bench/bench_nvfp4_gemm.py, never here.
+
+    python -m pytest tests/test_kernels.py -q
+"""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+# The interpreter is on if TRITON_INTERPRET was set before Triton's first import.
+_INTERPRETER_READY = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+if not torch.cuda.is_available() and "triton" not in sys.modules:
+    os.environ["TRITON_INTERPRET"] = "1"
+    _INTERPRETER_READY = True
+
+triton = pytest.importorskip("triton", reason="the NVFP4 kernels need triton (pip install triton)")
+
+from qerl_kit import nvfp4  # noqa: E402
+from qerl_kit.kernels import (Backend, backend, nvfp4_dgrad, nvfp4_dgrad_ref, nvfp4_linear,  # noqa: E402
+                              nvfp4_linear_ref, set_backend)
+from qerl_kit.kernels.nvfp4_dgrad_triton import nvfp4_dgrad as dgrad_kernel  # noqa: E402
+from qerl_kit.kernels.nvfp4_gemm_triton import nvfp4_gemm as gemm_kernel  # noqa: E402
+from qerl_kit.kernels.nvfp4_gemv_triton import nvfp4_gemv as gemv_kernel  # noqa: E402
+from qerl_kit.linear import NVFP4Linear  # noqa: E402
+
+CUDA = torch.cuda.is_available()
+DEVICE = "cuda" if CUDA else "cpu"
+IN_PROCESS = CUDA or _INTERPRETER_READY
+
+
+@pytest.fixture(autouse=True)
+def _kernels_runnable(request):
+    if not IN_PROCESS and request.node.name != "test_kernels_in_an_interpreter_subprocess":
+        pytest.skip("Triton was imported before TRITON_INTERPRET=1 could be set: "
+                    "test_kernels_in_an_interpreter_subprocess runs these tests")
+
+
+@pytest.mark.skipif(IN_PROCESS, reason="the kernel tests run in this process")
+def test_kernels_in_an_interpreter_subprocess():
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    root = Path(__file__).resolve().parents[1]
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__],
+                          cwd=root, env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
+
+
+MS, NS, KS = [1, 3, 16, 33], [32, 48], [64, 96]
+TOL = {torch.bfloat16: 1e-2, torch.float16: 2e-3}  # relative error vs a float32 reference
+
+
+def _weight(n, k, seed, device=DEVICE):
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(n, k, generator=g) * torch.exp(torch.randn(n, 1, generator=g))  # spread of scales
+    return nvfp4.quantize(w).to(device)
+
+
+def _randn(*shape, dtype, seed, device=DEVICE):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(*shape, generator=g).to(device=device, dtype=dtype)
+
+
+def _rel(a, b):
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+def _check(out, ref32, dtype):
+    assert out.dtype == dtype and out.shape == ref32.shape
+    assert torch.isfinite(out).all()
+    assert _rel(out, ref32) < TOL[dtype]
+
+
+# -- every kernel, several shapes, fresh inputs ----------------------------------------------------
+
+@pytest.mark.parametrize("k", KS)
+@pytest.mark.parametrize("n", NS)
+@pytest.mark.parametrize("m", MS)
+def test_forward_kernels_match_reference(m, n, k):
+    q = _weight(n, k, seed=m * 1000 + n * 10 + k)
+    x = _randn(m, k, dtype=torch.bfloat16, seed=m + n + k)
+    bias = _randn(n, dtype=torch.bfloat16, seed=7)
+    ref32 = nvfp4_linear_ref(x, q.packed, q.scales, q.global_scale, bias, dtype=torch.float32)
+    _check(gemm_kernel(x, q.packed, q.scales, q.global_scale, bias), ref32, torch.bfloat16)
+    _check(gemv_kernel(x, q.packed, q.scales, q.global_scale, bias), ref32, torch.bfloat16)
+    y = gemv_kernel(x, q.packed, q.scales, q.global_scale, None)
+    _check(y, nvfp4_linear_ref(x, q.packed, q.scales, q.global_scale, dtype=torch.float32), torch.bfloat16)
+
+
+@pytest.mark.parametrize("k", KS)
+@pytest.mark.parametrize("n", NS)
+@pytest.mark.parametrize("m", MS)
+def test_dgrad_kernel_matches_reference(m, n, k):
+    q = _weight(n, k, seed=m * 999 + n + k)
+    dy = _randn(m, n, dtype=torch.bfloat16, seed=m * n + k)
+    ref32 = nvfp4_dgrad_ref(dy, q.packed, q.scales, q.global_scale, dtype=torch.float32)
+    _check(dgrad_kernel(dy, q.packed, q.scales, q.global_scale), ref32, torch.bfloat16)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_tile_variants_and_fp16(dtype):
+    """Transposed (swap-AB) products, wider tiles, ragged K/N, and fp16 activations."""
+    m, n, k = 33, 48, 96
+    q = _weight(n, k, seed=11)
+    x = _randn(m, k, dtype=dtype, seed=12)
+    dy = _randn(m, n, dtype=dtype, seed=13)
+    bias = _randn(n, dtype=dtype, seed=14)
+    ref = nvfp4_linear_ref(x, q.packed, q.scales, q.global_scale, bias, dtype=torch.float32)
+    dref = nvfp4_dgrad_ref(dy, q.packed, q.scales, q.global_scale, dtype=torch.float32)
+    for swap in (False, True):
+        cfg = dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=64, SWAP_AB=swap, GROUP_M=2)
+        _check(gemm_kernel(x, q.packed, q.scales, q.global_scale, bias, config=cfg), ref, dtype)
+        _check(dgrad_kernel(dy, q.packed, q.scales, q.global_scale, config=cfg), dref, dtype)
+    for rows in (1, 2, 33):
+        cfg = dict(BLOCK_N=32, BLOCK_K=64, USE_DOT=rows > 1)
+        _check(gemv_kernel(x[:rows], q.packed, q.scales, q.global_scale, bias, config=cfg), ref[:rows], dtype)
+
+
+def test_strided_and_batched_inputs_through_the_dispatcher():
+    q = _weight(32, 64, seed=3)
+    x = _randn(2, 5, 128, dtype=torch.bfloat16, seed=4)[..., ::2]  # non-contiguous last dim
+    with set_backend("triton"):
+        y = nvfp4_linear(x, q.packed, q.scales, q.global_scale)
+        dx = nvfp4_dgrad(y, q.packed, q.scales, q.global_scale)
+    ref = nvfp4_linear_ref(x, q.packed, q.scales, q.global_scale, dtype=torch.float32)
+    assert y.shape == (2, 5, 32) and _rel(y, ref) < TOL[torch.bfloat16]
+    dref = nvfp4_dgrad_ref(y, q.packed, q.scales, q.global_scale, dtype=torch.float32)
+    assert dx.shape == (2, 5, 64) and _rel(dx, dref) < TOL[torch.bfloat16]
+
+
+def test_dequantization_is_exact_for_every_code_and_scale_byte():
+    """Every packed byte (both nibbles) under every finite E4M3 scale byte: the weight the kernel
+    multiplies equals the reference's (portable path; the GPU test covers the FAST path)."""
+    k = 512
+    finite = torch.tensor([b for b in range(256) if b not in (0x7F, 0xFF)], dtype=torch.uint8)
+    n = finite.numel()  # 254 rows, one scale byte each
+    packed = torch.arange(256, dtype=torch.uint8).repeat(n, 1).to(DEVICE)  # every byte in every row
+    scales = finite[:, None].expand(n, k // 16).contiguous().view(torch.float8_e4m3fn).to(DEVICE)
+    gs = torch.tensor([3.0], device=DEVICE)
+    # x = identity picks out W^T one product at a time (exact in float32 accumulation)
+    eye = torch.eye(k, dtype=torch.float32, device=DEVICE)
+    w_ref = nvfp4_linear_ref(eye, packed, scales, gs, dtype=torch.float32)  # [k, n] = W^T
+    cfg = dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=128, SWAP_AB=False, GROUP_M=8)
+    for dtype in (torch.bfloat16, torch.float16):
+        w_kernel = gemm_kernel(eye.to(dtype), packed, scales, gs, config=cfg, FAST=False)
+        expect = w_ref.to(dtype)
+        same = (w_kernel == expect) | (torch.isinf(w_kernel) & (w_kernel == expect))
+        assert same.all(), f"{dtype}: {(~same).sum().item()} weights differ"
+
+
+def test_zero_rows_and_shape_errors():
+    q = _weight(32, 64, seed=5)
+    x = torch.empty(0, 64, dtype=torch.bfloat16, device=DEVICE)
+    assert gemm_kernel(x, q.packed, q.scales, q.global_scale).shape == (0, 32)
+    with pytest.raises(ValueError, match="columns"):
+        gemm_kernel(torch.zeros(2, 32, dtype=torch.bfloat16, device=DEVICE), q.packed, q.scales,
+                    q.global_scale)
+    with pytest.raises(TypeError, match="bfloat16 or float16"):
+        gemv_kernel(torch.zeros(2, 64, device=DEVICE), q.packed, q.scales, q.global_scale)
+
+
+# -- the backend switch and NVFP4Linear ------------------------------------------------------------
+
+def test_backend_switch_env_context_and_errors(monkeypatch):
+    x = torch.zeros(1, 64, dtype=torch.bfloat16)
+    assert backend._parse("Triton") is Backend.TRITON and backend._parse(None) is Backend.AUTO
+    with pytest.raises(ValueError, match="unknown kernel backend"):
+        set_backend("cuda")
+    before = backend.get_backend()
+    with set_backend("reference") as chosen:
+        assert chosen is Backend.REFERENCE and backend.resolve(x) is Backend.REFERENCE
+        with set_backend(Backend.TRITON):
+            assert backend.get_backend() is Backend.TRITON
+        assert backend.get_backend() is Backend.REFERENCE
+    assert backend.get_backend() is before
+    assert backend.resolve(x, "auto") is Backend.REFERENCE  # AUTO never picks Triton for CPU tensors
+    assert backend.resolve(x.float(), "auto") is Backend.REFERENCE
+    if not CUDA:
+        with pytest.raises(TypeError, match="bfloat16 or float16"):
+            backend.resolve(x.float(), "triton")
+        monkeypatch.setenv("TRITON_INTERPRET", "0")
+        backend.triton_status.cache_clear()
+        try:
+            assert backend.triton_status()[0] is False
+            with pytest.raises(RuntimeError, match="cannot run on cpu"):
+                backend.resolve(x, "triton")
+        finally:
+            monkeypatch.undo()
+            backend.triton_status.cache_clear()
+
+
+@pytest.mark.parametrize("rows", [3, 70])  # decode kernel and tiled GEMM
+def test_nvfp4_linear_forward_and_backward_through_kernels(rows):
+    torch.manual_seed(rows)
+    lin = torch.nn.Linear(64, 48, bias=True).to(torch.bfloat16)
+    layer = NVFP4Linear.from_linear(lin).to(DEVICE)
+    x = torch.randn(2, rows, 64, dtype=torch.bfloat16, device=DEVICE, requires_grad=True)
+    g = torch.randn(2, rows, 48, dtype=torch.bfloat16, device=DEVICE)
+    with set_backend("triton"):
+        y = layer(x)
+        y.backward(g)
+    x_ref = x.detach().float().requires_grad_(True)
+    w = layer.dequantized_weight(torch.float32)
+    y_ref = torch.nn.functional.linear(x_ref, w, layer.bias.float())
+    y_ref.backward(g.float())
+    assert _rel(y, y_ref) < TOL[torch.bfloat16] and _rel(x.grad, x_ref.grad) < TOL[torch.bfloat16]
+
+
+def test_ops_are_registered_with_fake_implementations():
+    q = _weight(32, 64, seed=9)
+    x = _randn(3, 64, dtype=torch.bfloat16, seed=10)
+    ops = torch.ops.qerl_kit
+    for op, args in [(ops.nvfp4_gemv, (x, q.packed, q.scales, q.global_scale, None)),
+                     (ops.nvfp4_gemm, (x, q.packed, q.scales, q.global_scale, None)),
+                     (ops.nvfp4_dgrad, (x[:, :32].contiguous(), q.packed, q.scales, q.global_scale))]:
+        torch.library.opcheck(op, args, test_utils="test_faketensor")
+
+
+# -- GPU only: real layer shapes, the inline-PTX path, CUDA graphs ---------------------------------
+
+REAL = [(3584, 3584), (4608, 3584), (18944, 3584), (3584, 18944), (1024, 8192)]  # N x K (Qwen2.5)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("n,k", REAL, ids=lambda v: str(v))
+def test_gpu_real_shapes(n, k):
+    q = _weight(n, k, seed=n + k, device="cuda")
+    bias = _randn(n, dtype=torch.bfloat16, seed=1, device="cuda")
+    torch.empty(64 << 20, device="cuda").fill_(float("nan"))  # poison the allocator's free blocks
+    for m in (1, 8, 64, 256, 2048):
+        x = _randn(m, k, dtype=torch.bfloat16, seed=m, device="cuda")
+        ref = nvfp4_linear_ref(x, q.packed, q.scales, q.global_scale, bias, dtype=torch.float32)
+        _check(nvfp4_linear(x, q.packed, q.scales, q.global_scale, bias), ref, torch.bfloat16)
+        dy = _randn(m, n, dtype=torch.bfloat16, seed=m + 1, device="cuda")
+        dref = nvfp4_dgrad_ref(dy, q.packed, q.scales, q.global_scale, dtype=torch.float32)
+        _check(nvfp4_dgrad(dy, q.packed, q.scales, q.global_scale), dref, torch.bfloat16)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_gpu_fast_dequant_matches_portable_path(dtype):
+    """Inline-PTX dequantization vs the exact integer path: weights within one ulp, outputs close."""
+    n, k = 512, 1024
+    q = _weight(n, k, seed=21, device="cuda")
+    eye = torch.eye(k, dtype=dtype, device="cuda")
+    fast = gemm_kernel(eye, q.packed, q.scales, q.global_scale, FAST=True).float()
+    exact = gemm_kernel(eye, q.packed, q.scales, q.global_scale, FAST=False).float()
+    assert torch.equal(exact, nvfp4_linear_ref(eye.float(), q.packed, q.scales, q.global_scale).to(dtype).float())
+    ulp = torch.finfo(dtype).eps * exact.abs()
+    assert ((fast - exact).abs() <= ulp + 1e-30).all()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
+def test_gpu_decode_captures_in_a_cuda_graph():
+    q = _weight(4608, 3584, seed=31, device="cuda")
+    x = _randn(8, 3584, dtype=torch.bfloat16, seed=32, device="cuda")
+    y_eager = nvfp4_linear(x, q.packed, q.scales, q.global_scale)  # warm-up: autotunes
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y_graph = nvfp4_linear(x, q.packed, q.scales, q.global_scale)
+    x.copy_(_randn(8, 3584, dtype=torch.bfloat16, seed=33, device="cuda"))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(y_graph, nvfp4_linear(x, q.packed, q.scales, q.global_scale))
+    assert not torch.equal(y_graph, y_eager)
