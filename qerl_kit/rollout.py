@@ -80,7 +80,7 @@ class SamplingParams:
 def _pad(rows: Sequence[Tensor], pad: float | int, left: bool, dtype=None) -> Tensor:
     """Stack 1-D tensors of different lengths into [len(rows), max_len], padded left or right."""
     width = max((len(r) for r in rows), default=0)
-    ref = rows[0] if len(rows) else torch.zeros(0)
+    ref = rows[0] if len(rows) else torch.zeros(0, dtype=torch.long)
     out = torch.full((len(rows), width), pad, dtype=dtype or ref.dtype, device=ref.device)
     for i, r in enumerate(rows):
         if len(r):
