@@ -1,5 +1,7 @@
 """NVFP4 reference: bit-exactness with compressed-tensors, rounding rules, errors."""
 
+import zlib
+
 import pytest
 import torch
 
@@ -16,6 +18,8 @@ def _weight(shape, dtype, magnitude, seed):
     w = torch.randn(shape, generator=g) * magnitude
     # Heavy-tailed rows and a spread of block amaxes exercise small and saturated block scales.
     w = w * torch.exp(torch.randn(shape[0], 1, generator=g) * 1.5)
+    if dtype == torch.float16:  # stay finite: fp16 tops out at 65504
+        w = w.clamp(-6e4, 6e4)
     return w.to(dtype)
 
 
@@ -30,10 +34,8 @@ def _assert_same(ours: nvfp4.NVFP4Tensor, ref, msg=""):
 @pytest.mark.parametrize("magnitude", MAGNITUDES)
 @pytest.mark.parametrize("shape", SHAPES, ids=str)
 def test_bit_exact_with_compressed_tensors(shape, magnitude, dtype):
-    seed = hash((shape, magnitude, str(dtype))) % 2**31
+    seed = zlib.crc32(repr((shape, magnitude, str(dtype))).encode())  # stable across processes
     w = _weight(shape, dtype, magnitude, seed)
-    if dtype == torch.float16 and magnitude > 1e3:
-        w = w.clamp(-6e4, 6e4)
     ours = nvfp4.quantize(w)
     _assert_same(ours, ct_quantize(w), f"{shape} {magnitude} {dtype}")
     deq = ct_dequantize(ours.packed, ours.scales, ours.global_scale)
