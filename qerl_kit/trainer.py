@@ -1,0 +1,344 @@
+"""The GRPO/DAPO loop on a 4-bit base: rollouts under AQN, rewards, advantages, clipped updates.
+
+``Trainer(model, tokenizer, dataset, reward_fns, config)`` owns all training state (optimizer,
+scheduler, step, AQN, metrics), so ``train(steps)`` can be called again and again from a
+notebook, with a slider changed in between (``trainer.set_lr(...)``, ``trainer.aqn.sigma_start``).
+One step:
+
+1. sample ``batch_size / group_size`` prompts (seeded by (seed, step), so a resumed run draws
+   the same prompts), and generate ``group_size`` completions each with the policy under AQN
+   noise (``with aqn.noise(...)``); the noise is removed before any training forward;
+2. score them with TRL-style reward functions, add DAPO overlong shaping if asked, optionally
+   drop groups whose rewards are all equal and refill (dynamic sampling);
+3. group-normalized advantages; the clean policy's log-probs (``old``), the reference's
+   (adapter disabled) when ``beta > 0``, entropy, and truncated importance weights between the
+   rollout log-probs (noisy, sampled) and the clean training log-probs;
+4. ``mu`` optimizer steps on the batch in micro-batches, with gradient clipping and the lr
+   schedule; then metrics (TRL's names where one exists) and, every ``save_every`` steps, a
+   checkpoint from which ``resume()`` continues exactly.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from pathlib import Path
+from typing import Callable, Sequence
+
+import torch
+
+from qerl_kit import checkpoint as ckpt
+from qerl_kit import grpo
+from qerl_kit.aqn import AQN
+from qerl_kit.config import TrainConfig
+from qerl_kit.logprobs import batched_logprobs, completion_logprobs
+from qerl_kit.rollout import HFEngine, Rollouts, SamplingParams
+from qerl_kit.sampling_filters import filter_groups, overlong_penalty
+
+
+def _default_prompt_fn(tokenizer, row) -> str:
+    from qerl_kit.data import build_prompt
+
+    return build_prompt(tokenizer, row["prompt"])
+
+
+def _make_optimizer(params, cfg):
+    if cfg.optimizer == "adamw8bit":
+        try:
+            import bitsandbytes as bnb
+        except ImportError as err:
+            raise ImportError("optim.optimizer='adamw8bit' needs bitsandbytes: pip install "
+                              "'qerl_kit[gpu]' (or pick optimizer='adamw')") from err
+        return bnb.optim.AdamW8bit(params, lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay)
+    return torch.optim.AdamW(params, lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay)
+
+
+def _lr_lambda(cfg, total_steps: int) -> Callable[[int], float]:
+    warmup = int(cfg.warmup_ratio * total_steps)
+
+    def fn(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        frac = (step - warmup) / max(total_steps - warmup, 1)
+        if cfg.schedule == "linear":
+            return max(0.0, 1 - frac)
+        if cfg.schedule == "cosine":
+            return 0.5 * (1 + math.cos(math.pi * min(frac, 1.0)))
+        return 1.0
+    return fn
+
+
+class Trainer:
+    """GRPO/DAPO on a (quantized) LoRA model; see the module docstring for one step."""
+
+    def __init__(self, model, tokenizer, dataset: Sequence[dict], reward_fns: Sequence[Callable],
+                 config: TrainConfig, *, engine=None, eval_dataset: Sequence[dict] | None = None,
+                 prompt_fn: Callable | None = None, accuracy_fn: Callable | None = None,
+                 progress: str = "auto"):
+        if not dataset:
+            raise ValueError("Trainer needs a non-empty dataset")
+        if not reward_fns:
+            raise ValueError("Trainer needs at least one reward function")
+        trainable = [p for p in model.parameters() if p.requires_grad]
+        if not trainable:
+            raise ValueError("the model has no trainable parameters; attach LoRA first "
+                             "(qerl_kit.lora.attach_lora)")
+        self.model, self.tokenizer, self.config = model, tokenizer, config
+        self.dataset, self.eval_dataset = list(dataset), eval_dataset
+        self.reward_fns = list(reward_fns)
+        self.accuracy_fn = accuracy_fn or self.reward_fns[0]
+        self.prompt_fn = prompt_fn or _default_prompt_fn
+        self.engine = engine or HFEngine(model, tokenizer)
+        self.progress = progress
+        self.aqn = AQN(config.aqn.sigma_start, config.aqn.sigma_end, config.aqn.stages,
+                       config.total_steps, seed=config.seed, resample=config.aqn.resample) \
+            if config.aqn.enabled else None
+        self.optimizer = _make_optimizer(trainable, config.optim)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, _lr_lambda(config.optim, config.total_steps))
+        self.step = 0
+        self.history: list[dict] = []
+        self.output_dir = Path(config.output_dir)
+        self.stop_requested = False  # a widget's stop button sets this; the current step finishes
+        if config.model.gradient_checkpointing:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            if hasattr(model, "enable_input_require_grads"):
+                model.enable_input_require_grads()
+
+    # ---- controls a notebook can call between chunks ----------------------------------------
+    def set_lr(self, lr: float) -> None:
+        """Change the base learning rate (the schedule keeps multiplying it)."""
+        for group in self.optimizer.param_groups:
+            group["initial_lr"] = lr
+        self.scheduler.base_lrs = [lr for _ in self.scheduler.base_lrs]
+        for group, fn in zip(self.optimizer.param_groups, self.scheduler.lr_lambdas):
+            group["lr"] = lr * fn(self.scheduler.last_epoch)
+
+    @property
+    def metrics(self):
+        """Metrics so far as a pandas DataFrame (one row per step)."""
+        import pandas as pd
+
+        return pd.DataFrame(self.history)
+
+    # ---- one step --------------------------------------------------------------------------
+    def _rows(self, step: int, round_: int = 0) -> list[dict]:
+        g = torch.Generator().manual_seed(self.config.seed * 1_000_003 + step * 101 + round_)
+        idx = torch.randint(len(self.dataset), (self.config.rollout.prompts_per_step,), generator=g)
+        return [self.dataset[i] for i in idx.tolist()]
+
+    def _sampling(self, step: int, round_: int) -> SamplingParams:
+        r = self.config.rollout
+        return SamplingParams(max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p,
+                              top_k=r.top_k, seed=self.config.seed * 7919 + step * 31 + round_)
+
+    def _score(self, rows: list[dict], rollouts: Rollouts) -> tuple[torch.Tensor, dict, torch.Tensor]:
+        G = self.config.rollout.group_size
+        columns = {k: [row[k] for row in rows for _ in range(G)] for k in rows[0] if k != "prompt"}
+        ids = [c[m.bool()].tolist() for c, m in zip(rollouts.completion_ids, rollouts.completion_mask)]
+        per_fn, metrics = [], {}
+        for fn in self.reward_fns:
+            scores = fn(prompts=rollouts.prompts, completions=rollouts.texts, completion_ids=ids, **columns)
+            per_fn.append(scores)
+            vals = torch.tensor([float("nan") if s is None else float(s) for s in scores])
+            name = getattr(fn, "__name__", type(fn).__name__)
+            metrics[f"rewards/{name}/mean"] = vals.nanmean().item()
+            metrics[f"rewards/{name}/std"] = vals[~vals.isnan()].std().item() if (~vals.isnan()).sum() > 1 else 0.0
+        rewards = grpo.combine_rewards(per_fn)
+        acc_scores = per_fn[self.reward_fns.index(self.accuracy_fn)] if self.accuracy_fn in self.reward_fns else \
+            self.accuracy_fn(prompts=rollouts.prompts, completions=rollouts.texts, completion_ids=ids, **columns)
+        correct = torch.tensor([1.0 if (s is not None and s >= 1.0) else 0.0 for s in acc_scores])
+        lc = self.config.loss
+        if lc.overlong_buffer > 0:
+            rewards = rewards + overlong_penalty(rollouts.completion_mask.sum(1), self.config.rollout.max_new_tokens,
+                                                 lc.overlong_buffer, lc.overlong_penalty)
+        return rewards, metrics, correct
+
+    def _collect(self, step: int):
+        """Rollouts, rewards and per-step metrics, with DAPO dynamic sampling when enabled."""
+        cfg, G = self.config, self.config.rollout.group_size
+        kept: list[tuple[Rollouts, torch.Tensor, torch.Tensor, torch.Tensor]] = []
+        n_kept, rounds, t_rollout, metrics, stats = 0, 0, 0.0, {}, {}
+        target = cfg.rollout.prompts_per_step
+        while True:
+            rows = self._rows(step, rounds)
+            prompts = [self.prompt_fn(self.tokenizer, row) for row in rows]
+            t0 = time.perf_counter()
+            if self.aqn is not None:
+                with self.aqn.noise(self.model, step) as count:
+                    rollouts = self.engine.generate(prompts, G, self._sampling(step, rounds))
+                metrics["aqn/sigma"], metrics["aqn/stage"], metrics["aqn/norms"] = \
+                    self.aqn.sigma(step), self.aqn.stage(step), count
+            else:
+                rollouts = self.engine.generate(prompts, G, self._sampling(step, rounds))
+            t_rollout += time.perf_counter() - t0
+            stats = getattr(rollouts, "stats", {}) or {}
+            rewards, reward_metrics, correct = self._score(rows, rollouts)
+            if rounds == 0:
+                metrics.update(reward_metrics)
+                metrics["reward"], metrics["accuracy"] = rewards.nanmean().item(), correct.mean().item()
+                metrics["frac_reward_zero_std"] = grpo.frac_reward_zero_std(rewards, G)
+            rounds += 1
+            keep = filter_groups(rewards, G) if cfg.loss.dynamic_sampling else torch.ones(len(rows), dtype=torch.bool)
+            last = not cfg.loss.dynamic_sampling or rounds >= cfg.loss.max_sampling_rounds
+            if last and n_kept + int(keep.sum()) < target:
+                keep = torch.ones(len(rows), dtype=torch.bool)  # out of rounds: fill with what we have
+            idx = [g * G + j for g in keep.nonzero().flatten().tolist()[: target - n_kept] for j in range(G)]
+            if idx:
+                kept.append((rollouts, torch.tensor(idx), rewards, correct))
+                n_kept += len(idx) // G
+            if n_kept >= target:
+                break
+        metrics["time/rollout"] = t_rollout
+        metrics["rollout/tokens_per_s"] = stats.get("rollout/tokens_per_s", float("nan"))
+        if cfg.loss.dynamic_sampling:
+            metrics["sampling/rounds"] = rounds
+        batch = Rollouts.concat([r.select(i) for r, i, _, _ in kept]) if len(kept) > 1 or \
+            len(kept[0][1]) != len(kept[0][0].texts) else kept[0][0]
+        rewards = torch.cat([rw[i] for _, i, rw, _ in kept])
+        return batch, rewards, metrics
+
+    def train_step(self) -> dict:
+        cfg, lc, step = self.config, self.config.loss, self.step
+        G, temp = cfg.rollout.group_size, cfg.rollout.temperature
+        start = time.perf_counter()
+        batch, rewards, metrics = self._collect(step)
+        mask = batch.completion_mask.float()
+        if lc.mask_truncated:
+            mask = mask * torch.tensor([r != "length" for r in batch.finish_reasons], dtype=mask.dtype)[:, None]
+        adv = grpo.group_advantages(rewards, G, scale=lc.scale_rewards)
+        t0 = time.perf_counter()
+        self.model.eval()
+        old_logp, entropy = batched_logprobs(self.model, batch, temp, lc.micro_batch, with_entropy=True)
+        ref_logp = None
+        if lc.beta > 0:
+            with self.model.disable_adapter():
+                ref_logp = batched_logprobs(self.model, batch, temp, lc.micro_batch)
+        is_w = None
+        if lc.is_correction:
+            is_w, is_stats = grpo.importance_weights(old_logp, batch.logprobs, mask, mode=lc.is_correction, cap=lc.is_cap)
+            metrics.update(is_stats)
+        metrics["time/logprob"] = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        self.model.train()
+        loss_fn, n = grpo.LOSSES[lc.loss], mask.shape[0]
+        kwargs = dict(eps_low=lc.eps_low, eps_high=lc.eps_high, beta=lc.beta)
+        total_tokens = mask.sum().clamp(min=1)
+        for _ in range(lc.mu):
+            loss_sum = 0.0
+            for s in range(0, n, lc.micro_batch):
+                sl = slice(s, s + lc.micro_batch)
+                logp = completion_logprobs(self.model, batch.prompt_ids[sl], batch.prompt_mask[sl],
+                                           batch.completion_ids[sl], batch.completion_mask[sl], temp)
+                extra = {"num_tokens": total_tokens} if lc.loss == "dapo" else {}
+                loss = loss_fn(logp, old_logp[sl], adv[sl], mask[sl],
+                               ref_logp=None if ref_logp is None else ref_logp[sl],
+                               is_weights=None if is_w is None else is_w[sl], **kwargs, **extra)
+                if lc.loss != "dapo":  # sequence-mean losses: weight each chunk by its share
+                    loss = loss * (logp.shape[0] / n)
+                loss.backward()
+                loss_sum += loss.item()
+            params = [p for p in self.model.parameters() if p.requires_grad]
+            grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.optim.max_grad_norm)
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
+        self.scheduler.step()
+        self.model.eval()
+        metrics["time/update"] = time.perf_counter() - t0
+        eps_high = lc.eps_high if lc.eps_high is not None else (0.28 if lc.loss == "dapo" else lc.eps_low)
+        with torch.no_grad():
+            new_logp = batched_logprobs(self.model, batch, temp, lc.micro_batch) if lc.mu > 1 else old_logp
+        metrics.update(grpo.clip_stats(new_logp, old_logp, adv, mask, lc.eps_low, eps_high))
+        lengths = batch.completion_mask.sum(1).float()
+        metrics.update({
+            "step": step + 1, "loss": loss_sum, "grad_norm": float(grad_norm), "lr": self.scheduler.get_last_lr()[0],
+            "reward_std": rewards.std().item() if rewards.numel() > 1 else 0.0,
+            "entropy": ((entropy * mask).sum() / mask.sum().clamp(min=1)).item(),
+            "completions/mean_length": lengths.mean().item(),
+            "completions/clipped_ratio": sum(r == "length" for r in batch.finish_reasons) / len(batch.finish_reasons),
+            "num_tokens": int(batch.completion_mask.sum()),
+        })
+        if ref_logp is not None:
+            metrics["kl"] = grpo.kl_k3(old_logp, ref_logp, mask).item()
+        metrics["time/step"] = time.perf_counter() - start
+        self.step += 1
+        return metrics
+
+    # ---- the loop ----------------------------------------------------------------------------
+    def train(self, steps: int | None = None, callback: Callable[[dict], None] | None = None) -> "Trainer":
+        """Run ``steps`` more steps (default: up to ``config.total_steps``); callable repeatedly."""
+        steps = self.config.total_steps - self.step if steps is None else steps
+        self.stop_requested = False
+        bar = self._bar(steps)
+        for _ in range(steps):
+            if self.stop_requested:
+                break
+            row = self.train_step()
+            if self.config.eval_every and self.step % self.config.eval_every == 0 and self.eval_dataset:
+                row["eval/accuracy"] = self.evaluate().accuracy
+            self.history.append(row)
+            self._log(row)
+            if self.config.save_every and self.step % self.config.save_every == 0:
+                self.save()
+            if bar is not None:
+                bar.update(1)
+                bar.set_postfix(reward=f"{row['reward']:.3f}", acc=f"{row['accuracy']:.2f}",
+                                entropy=f"{row['entropy']:.3f}")
+            if callback is not None:
+                callback(row)
+        if bar is not None:
+            bar.close()
+        return self
+
+    def _bar(self, steps: int):
+        if self.progress == "none" or steps <= 0:
+            return None
+        if self.progress == "text":
+            from tqdm import tqdm
+        else:
+            from tqdm.auto import tqdm
+        return tqdm(total=steps, desc=f"GRPO step {self.step}", unit="step")
+
+    def _log(self, row: dict) -> None:
+        self.output_dir.mkdir(parents=True, exist_ok=True)
+        with open(self.output_dir / "metrics.jsonl", "a") as f:
+            f.write(json.dumps(row) + "\n")
+
+    def evaluate(self, dataset: Sequence[dict] | None = None, **kwargs):
+        """Held-out accuracy with the adapter applied (greedy unless ``temperature`` is given)."""
+        from qerl_kit.evaluate import evaluate
+
+        data = dataset if dataset is not None else self.eval_dataset
+        if not data:
+            raise ValueError("no evaluation dataset: pass one here or as Trainer(eval_dataset=...)")
+        kwargs.setdefault("temperature", 0.0)
+        kwargs.setdefault("max_new_tokens", self.config.rollout.max_new_tokens)
+        return evaluate(self.model, self.tokenizer, data, self.accuracy_fn, engine=self.engine,
+                        prompt_fn=self.prompt_fn, **kwargs)
+
+    # ---- checkpoints -------------------------------------------------------------------------
+    def save(self) -> Path:
+        state = {"step": self.step, "optimizer": self.optimizer.state_dict(),
+                 "scheduler": self.scheduler.state_dict(), "rng": ckpt.rng_state(),
+                 "aqn": self.aqn.state_dict() if self.aqn else None,
+                 "history": json.dumps(self.history), "config": json.dumps(self.config.to_dict())}
+        return ckpt.save_checkpoint(self.output_dir, self.step, self.model, state, self.config.keep_checkpoints)
+
+    def resume(self, checkpoint: str | Path | None = None) -> int:
+        """Continue from ``checkpoint`` (default: the newest under output_dir); returns its step."""
+        path = Path(checkpoint) if checkpoint else ckpt.latest_checkpoint(self.output_dir)
+        if path is None:
+            return self.step
+        state = ckpt.load_state(path)
+        ckpt.load_adapter_weights(self.model, path)
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        ckpt.set_rng_state(state["rng"])
+        if self.aqn is not None and state["aqn"] is not None:
+            self.aqn.load_state_dict(state["aqn"])
+        self.step = int(state["step"])
+        self.history = json.loads(state["history"])
+        # the metrics file keeps exactly the checkpointed steps; later ones are redone
+        self.output_dir.mkdir(parents=True, exist_ok=True)
+        (self.output_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in self.history))
+        return self.step

@@ -1,0 +1,139 @@
+"""The GRPO loop end to end on CPU: finite metrics, chunks, resume equality, loss variants."""
+
+import json
+import math
+
+import pytest
+import torch
+
+from qerl_kit.config import TrainConfig, from_dict
+from qerl_kit.lora import attach_lora
+from qerl_kit.models import build_model
+from qerl_kit.quantize import quantize_model
+from qerl_kit.trainer import Trainer
+from tests.test_rollout import make_tokenizer
+
+DATA = [{"prompt": p, "answer": a} for p, a in
+        [("ab", "a"), ("cd", "c"), ("ef", "e"), ("gh", "g"), ("ij", "i"), ("kl", "k")]]
+
+
+def first_char_reward(prompts, completions, answer, **_):
+    """1 when the completion starts with the answer's letter (learnable by a tiny random model)."""
+    return [1.0 if c[:1] == a else 0.0 for c, a in zip(completions, answer)]
+
+
+def ascii_reward(prompts, completions, **_):
+    """Share of plain ASCII characters: varies within every group, so advantages are non-zero."""
+    return [sum(ch.isascii() for ch in c) / max(len(c), 1) for c in completions]
+
+
+def _prompt(tokenizer, row):
+    return row["prompt"]
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def _policy(seed=0):
+    model = build_model("qwen2-tiny", seed=seed)
+    quantize_model(model)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(4.0)
+    return attach_lora(model, r=4, seed=seed)
+
+
+def _config(tmp_path, **over):
+    base = dict(rollout=dict(batch_size=8, group_size=4, max_new_tokens=6, temperature=1.0),
+                loss=dict(loss="dapo", micro_batch=4), optim=dict(lr=5e-3),
+                aqn=dict(enabled=True, stages=3), total_steps=6, save_every=0, output_dir=str(tmp_path / "run"))
+    for key, value in over.items():
+        base[key] = {**base.get(key, {}), **value} if isinstance(value, dict) else value
+    return from_dict(base)
+
+
+def _trainer(tmp_path, seed=0, **over):
+    return Trainer(_policy(seed), make_tokenizer(), DATA, [first_char_reward, ascii_reward],
+                   _config(tmp_path, **over), prompt_fn=_prompt, progress="none")
+
+
+def test_steps_run_end_to_end_with_finite_trl_named_metrics(tmp_path):
+    trainer = _trainer(tmp_path)
+    trainer.train(2)
+    trainer.train(1)  # chunks continue where the last one stopped
+    assert trainer.step == 3 and [r["step"] for r in trainer.history] == [1, 2, 3]
+    row = trainer.history[-1]
+    for key in ("reward", "reward_std", "accuracy", "entropy", "clip_ratio/low_mean", "clip_ratio/high_mean",
+                "clip_ratio/region_mean", "completions/mean_length", "completions/clipped_ratio",
+                "frac_reward_zero_std", "aqn/sigma", "rollout/tokens_per_s", "time/rollout", "time/logprob",
+                "time/update", "rewards/first_char_reward/mean", "rewards/ascii_reward/mean", "loss", "grad_norm",
+                "sampling/sampling_logp_difference/mean", "sampling/importance_sampling_ratio/mean"):
+        assert key in row and math.isfinite(row[key]), key
+    assert trainer.history[0]["aqn/sigma"] == 0.0 and trainer.history[2]["aqn/sigma"] > 0  # stage 0, then 1
+    assert trainer.history[2]["aqn/norms"] == 4
+    lines = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(x)["step"] for x in lines] == [1, 2, 3]
+    assert list(trainer.metrics.columns).count("reward") == 1 and len(trainer.metrics) == 3
+
+
+def test_only_the_adapter_changes_and_the_base_stays_packed(tmp_path):
+    trainer = _trainer(tmp_path)
+    base = {n: b.clone() for n, b in trainer.model.named_buffers()}
+    lora = {n: p.detach().clone() for n, p in trainer.model.named_parameters() if p.requires_grad}
+    trainer.train(2)
+    assert all(torch.equal(b, base[n]) for n, b in trainer.model.named_buffers())
+    changed = [n for n, p in trainer.model.named_parameters() if p.requires_grad and not torch.equal(p, lora[n])]
+    assert changed  # lora_B starts at zero and moves
+
+
+def test_resume_after_a_kill_gives_the_same_next_steps(tmp_path):
+    full = _trainer(tmp_path / "a", save_every=2)
+    full.train(4)
+    killed = _trainer(tmp_path / "b", save_every=2)
+    killed.train(3)  # "killed" after step 3: checkpoint-2 is the last one
+    assert (tmp_path / "b" / "run" / "checkpoint-2").is_dir()
+    resumed = _trainer(tmp_path / "b", save_every=2)
+    assert resumed.resume() == 2
+    assert len(resumed.history) == 2  # nothing before the checkpoint is lost
+    resumed.train(2)
+    for key in ("reward", "entropy", "loss", "grad_norm", "completions/mean_length"):
+        assert [r[key] for r in resumed.history] == pytest.approx([r[key] for r in full.history], rel=1e-5, abs=1e-7), key
+    steps = [json.loads(x)["step"] for x in (tmp_path / "b" / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [1, 2, 3, 4]
+
+
+@pytest.mark.parametrize("loss", ["grpo", "dapo", "dr_grpo"])
+def test_loss_variants_kl_and_mu(tmp_path, loss):
+    trainer = _trainer(tmp_path, loss=dict(loss=loss, beta=0.05, mu=2), aqn=dict(enabled=False))
+    trainer.train(1)
+    row = trainer.history[0]
+    assert math.isfinite(row["kl"]) and row["kl"] >= 0 and "aqn/sigma" not in row
+
+
+def test_dynamic_sampling_refills_and_overlong_shaping(tmp_path):
+    trainer = _trainer(tmp_path, loss=dict(dynamic_sampling=True, max_sampling_rounds=3,
+                                           overlong_buffer=2, overlong_penalty=0.5))
+    trainer.train(1)
+    assert 1 <= trainer.history[0]["sampling/rounds"] <= 3
+
+
+def test_set_lr_between_chunks(tmp_path):
+    trainer = _trainer(tmp_path)
+    trainer.train(1)
+    trainer.set_lr(1e-4)
+    trainer.train(1)
+    assert trainer.history[-1]["lr"] == pytest.approx(1e-4)
+
+
+def test_constructor_errors(tmp_path):
+    plain = build_model("qwen2-tiny")
+    for p in plain.parameters():
+        p.requires_grad_(False)
+    with pytest.raises(ValueError, match="no trainable parameters"):
+        Trainer(plain, make_tokenizer(), DATA, [first_char_reward], TrainConfig())
+    with pytest.raises(ValueError, match="non-empty dataset"):
+        Trainer(_policy(), make_tokenizer(), [], [first_char_reward], TrainConfig())
