@@ -30,6 +30,7 @@ from qerl_kit import nvfp4  # noqa: E402
 from qerl_kit.kernels import (Backend, backend, nvfp4_dgrad, nvfp4_dgrad_ref, nvfp4_linear,  # noqa: E402
                               nvfp4_linear_ref, set_backend)
 from qerl_kit.kernels.nvfp4_dgrad_triton import nvfp4_dgrad as dgrad_kernel  # noqa: E402
+from qerl_kit.kernels.nvfp4_gemm_triton import nvfp4_dequantize  # noqa: E402
 from qerl_kit.kernels.nvfp4_gemm_triton import nvfp4_gemm as gemm_kernel  # noqa: E402
 from qerl_kit.kernels.nvfp4_gemv_triton import nvfp4_gemv as gemv_kernel  # noqa: E402
 from qerl_kit.linear import NVFP4Linear  # noqa: E402
@@ -120,9 +121,16 @@ def test_tile_variants_and_fp16(dtype):
         cfg = dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=64, SWAP_AB=swap, GROUP_M=2)
         _check(gemm_kernel(x, q.packed, q.scales, q.global_scale, bias, config=cfg), ref, dtype)
         _check(dgrad_kernel(dy, q.packed, q.scales, q.global_scale, config=cfg), dref, dtype)
-    for rows in (1, 2, 33):
-        cfg = dict(BLOCK_N=32, BLOCK_K=64, USE_DOT=rows > 1)
-        _check(gemv_kernel(x[:rows], q.packed, q.scales, q.global_scale, bias, config=cfg), ref[:rows], dtype)
+    for strategy in ("fused", "dense"):  # dense: a transient dequantized W, then torch's matmul
+        _check(gemm_kernel(x, q.packed, q.scales, q.global_scale, bias, strategy=strategy), ref, dtype)
+        _check(dgrad_kernel(dy, q.packed, q.scales, q.global_scale, strategy=strategy), dref, dtype)
+    for rows, use_dot, split, prefetch in [(1, False, 1, False), (1, False, 2, True), (1, True, 2, False),
+                                           (2, True, 1, False), (33, True, 3, False)]:
+        cfg = dict(BLOCK_N=32, BLOCK_K=32, USE_DOT=use_dot, SPLIT_K=split,  # split-K: last slice sums
+                   PREFETCH=prefetch)
+        for _ in range(2):  # the second call finds the arrival counters reset by the first
+            y = gemv_kernel(x[:rows], q.packed, q.scales, q.global_scale, bias, config=cfg)
+            _check(y, ref[:rows], dtype)
 
 
 def test_strided_and_batched_inputs_through_the_dispatcher():
@@ -153,8 +161,9 @@ def test_dequantization_is_exact_for_every_code_and_scale_byte():
     for dtype in (torch.bfloat16, torch.float16):
         w_kernel = gemm_kernel(eye.to(dtype), packed, scales, gs, config=cfg, FAST=False)
         expect = w_ref.to(dtype)
-        same = (w_kernel == expect) | (torch.isinf(w_kernel) & (w_kernel == expect))
-        assert same.all(), f"{dtype}: {(~same).sum().item()} weights differ"
+        assert torch.equal(w_kernel, expect), f"{dtype}: {(w_kernel != expect).sum().item()} weights differ"
+        dense = nvfp4_dequantize(packed, scales, gs, dtype, FAST=False)  # the dense strategy's kernel
+        assert torch.equal(dense.T, expect)
 
 
 def test_zero_rows_and_shape_errors():
@@ -259,6 +268,8 @@ def test_gpu_fast_dequant_matches_portable_path(dtype):
     assert torch.equal(exact, nvfp4_linear_ref(eye.float(), q.packed, q.scales, q.global_scale).to(dtype).float())
     ulp = torch.finfo(dtype).eps * exact.abs()
     assert ((fast - exact).abs() <= ulp + 1e-30).all()
+    dense = nvfp4_dequantize(q.packed, q.scales, q.global_scale, dtype).float().T  # FAST path
+    assert ((dense - exact).abs() <= ulp + 1e-30).all()
 
 
 @pytest.mark.gpu

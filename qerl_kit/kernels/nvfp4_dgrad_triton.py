@@ -22,13 +22,14 @@ from __future__ import annotations
 
 import torch
 
-from qerl_kit.kernels.nvfp4_gemm_triton import HAS_TRITON, check_nvfp4_operands, launch_options, m_bucket
+from qerl_kit.kernels.nvfp4_gemm_triton import (DENSE_MIN_M, HAS_TRITON, check_nvfp4_operands, launch_options,
+                                                m_bucket, nvfp4_dequantize, pick_strategy)
 
 if HAS_TRITON:
     import triton
     import triton.language as tl
 
-    from qerl_kit.kernels.nvfp4_gemm_triton import _quick_bench, dequant_nvfp4, mma
+    from qerl_kit.kernels.nvfp4_gemm_triton import _quick_bench, acc_fix, dequant_nvfp4, mma
 
     def even_n(args) -> bool:
         return args["N"] % args["BLOCK_N"] == 0
@@ -43,7 +44,7 @@ if HAS_TRITON:
         # strides
         stride_dym, stride_dyn, stride_pn, stride_sn, stride_dxm, stride_dxk,
         # meta-parameters
-        FAST: tl.constexpr, NATIVE_FP8: tl.constexpr, INTERPRET: tl.constexpr,
+        FAST: tl.constexpr, INTERPRET: tl.constexpr,
         EVEN_N: tl.constexpr, SWAP_AB: tl.constexpr, BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     ):
@@ -83,7 +84,7 @@ if HAS_TRITON:
                 p = tl.load(p_ptrs, mask=offs_n[:, None] < N - n0, other=0)
                 s = tl.load(s_ptrs, mask=offs_n[:, None] < N - n0, other=0)
             w_even, w_odd = dequant_nvfp4(p, s, gscale, BLOCK_N, BLOCK_K, dy_ptr.dtype.element_ty,
-                                          FAST, NATIVE_FP8, INTERPRET)
+                                          FAST, INTERPRET)
             if SWAP_AB:
                 dy_t = tl.trans(dy)
                 acc_even = mma(tl.trans(w_even), dy_t, acc_even, INTERPRET)
@@ -98,6 +99,7 @@ if HAS_TRITON:
             acc_even = tl.trans(acc_even)
             acc_odd = tl.trans(acc_odd)
         acc = tl.reshape(tl.join(acc_even, acc_odd), (BLOCK_M, BLOCK_K))  # interleave columns
+        acc = acc * acc_fix(dy_ptr.dtype.element_ty, FAST)
 
         rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         cols = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
@@ -108,31 +110,59 @@ if HAS_TRITON:
         return triton.Config(dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SWAP_AB=swap, GROUP_M=group_m),
                              num_warps=warps, num_stages=stages)
 
+    # From the H200 sweep: 128x64x128 (4 stages) and 256x64x128 led; SWAP_AB and BLOCK_N=128 lost.
     DGRAD_CONFIGS = [
         _cfg(128, 64, 128, 8, 4),
-        _cfg(128, 64, 256, 8, 3),
-        _cfg(128, 128, 128, 8, 3),
+        _cfg(256, 64, 128, 8, 3),
         _cfg(64, 64, 128, 4, 4),
     ]
     INTERPRETER_CONFIG = dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=32, SWAP_AB=False, GROUP_M=4)
 
+    def _prune(configs, named_args, **kwargs):
+        skip = 64 if named_args["M"] > 512 else 256  # BLOCK_M
+        return [c for c in configs if c.kwargs["BLOCK_M"] != skip]
+
     _nvfp4_dgrad_tuned = triton.autotune(DGRAD_CONFIGS, key=["M_BUCKET", "N", "K"],
+                                         prune_configs_by={"early_config_prune": _prune},
                                          do_bench=_quick_bench)(_nvfp4_dgrad_kernel)
 
 
 def nvfp4_dgrad(dy: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor,
-                global_scale: torch.Tensor, config: dict | None = None, **options) -> torch.Tensor:
-    """dx = dy @ W for dy [M, N]; ``config`` pins the tile config (else autotuned)."""
+                global_scale: torch.Tensor, config: dict | None = None, strategy: str | None = None,
+                **options) -> torch.Tensor:
+    """dx = dy @ W for dy [M, N]. ``strategy`` as in ``nvfp4_gemm``: "fused" (this kernel,
+    ``config`` pins its tiles), "dense" (transient bf16 W + cuBLAS) or None (timed choice for
+    M >= DENSE_MIN_M, else fused)."""
     if not HAS_TRITON:
         raise ImportError("the NVFP4 Triton kernels need triton (pip install triton)")
     n, k = packed.shape[0], packed.shape[1] * 2
     check_nvfp4_operands(dy, packed, scales, global_scale, n, "dy")
     m = dy.shape[0]
+    if strategy is None:
+        if config is not None or options or not dy.is_cuda or m < DENSE_MIN_M:
+            strategy = "fused"
+        else:
+            key = ("dgrad", m_bucket(m), n, k, dy.dtype, dy.device)
+            strategy = pick_strategy(key, lambda: _fused_dgrad(dy, packed, scales, global_scale, None),
+                                     lambda: _dense_dgrad(dy, packed, scales, global_scale))
+    if strategy == "dense":
+        return _dense_dgrad(dy, packed, scales, global_scale)
+    if strategy != "fused":
+        raise ValueError(f"strategy must be 'fused', 'dense' or None; got {strategy!r}")
+    return _fused_dgrad(dy, packed, scales, global_scale, config, **options)
+
+
+def _dense_dgrad(dy, packed, scales, global_scale):
+    return dy @ nvfp4_dequantize(packed, scales, global_scale, dy.dtype)
+
+
+def _fused_dgrad(dy, packed, scales, global_scale, config, **options):
+    n, k, m = packed.shape[0], packed.shape[1] * 2, dy.shape[0]
     opts = {**launch_options(dy.device), **options}
     dx = torch.empty((m, k), dtype=torch.float32 if opts["INTERPRET"] else dy.dtype, device=dy.device)
     if m == 0:
         return dx.to(dy.dtype)
-    args = (dy, packed, scales if opts["NATIVE_FP8"] else scales.view(torch.uint8), global_scale, dx,
+    args = (dy, packed, scales.view(torch.uint8), global_scale, dx,
             m, n, k, m_bucket(m), dy.stride(0), dy.stride(1), packed.stride(0), scales.stride(0),
             dx.stride(0), dx.stride(1))
 

@@ -37,7 +37,7 @@ Dequantization (``dequant_nvfp4``), two interchangeable paths with identical inp
 
 Scales are loaded as raw bytes and decoded arithmetically (E4M3 bits shifted into an fp16, times
 2^8; exact for every finite code, subnormals included), so no float8 support is needed from the
-interpreter; ``NATIVE_FP8`` uses the hardware conversion instead.
+interpreter (on the H200 the hardware fp8 conversion measured no faster).
 
 The launcher checks, allocates the output with ``torch.empty`` on x's device and launches: no
 host synchronisation, so it can be captured in a CUDA graph (after a warm-up call has run the
@@ -65,30 +65,38 @@ if HAS_TRITON:
 
     # 4 packed bytes in $4, their 4 group scales as bf16x2 in $5 (bytes 0,1) and $6 (bytes 2,3).
     # Out: even (low-nibble) weights of bytes 0,1 in $0 and 2,3 in $1; odd ones in $2, $3.
-    _NIBBLES_TO_BF16 = """
+    # After prmt each 16-bit lane holds one byte in its high half: high nibble at bits 12..15,
+    # low nibble at 8..11. Sign -> bit 15, magnitude -> bits 6..8 reads as e2m1 * 2^-126 (bf16,
+    # exact, subnormal for codes 0 and 0.5); one multiply by scale * 2^94 leaves W * 2^-32
+    # (the kernels multiply their float32 accumulators by 2^32 at the end).
+    _BF16_ASM = """
     {
-    .reg .b32 t, a, b, z, k, nz;
+    .reg .b32 t, a, b, z, nz;
     mov.b32 z, 0;
-    mov.b32 k, 0x7E807E80;
     mov.b32 nz, 0x80008000;
     prmt.b32 t, $4, z, 0x1404;
     shr.b32 a, t, 2; and.b32 a, a, 0x01C001C0; shl.b32 b, t, 4; and.b32 b, b, 0x80008000; or.b32 a, a, b;
-    fma.rn.bf16x2 a, a, k, nz; fma.rn.bf16x2 $0, a, $5, nz;
+    fma.rn.bf16x2 $0, a, $5, nz;
     shr.b32 a, t, 6; and.b32 a, a, 0x01C001C0; and.b32 b, t, 0x80008000; or.b32 a, a, b;
-    fma.rn.bf16x2 a, a, k, nz; fma.rn.bf16x2 $2, a, $5, nz;
+    fma.rn.bf16x2 $2, a, $5, nz;
     prmt.b32 t, $4, z, 0x3424;
     shr.b32 a, t, 2; and.b32 a, a, 0x01C001C0; shl.b32 b, t, 4; and.b32 b, b, 0x80008000; or.b32 a, a, b;
-    fma.rn.bf16x2 a, a, k, nz; fma.rn.bf16x2 $1, a, $6, nz;
+    fma.rn.bf16x2 $1, a, $6, nz;
     shr.b32 a, t, 6; and.b32 a, a, 0x01C001C0; and.b32 b, t, 0x80008000; or.b32 a, a, b;
-    fma.rn.bf16x2 a, a, k, nz; fma.rn.bf16x2 $3, a, $6, nz;
+    fma.rn.bf16x2 $3, a, $6, nz;
     }
     """
-    # The same for fp16: magnitude bits to 9..11, exponent fix 2^14 (0x7400).
-    _NIBBLES_TO_FP16 = (_NIBBLES_TO_BF16.replace("0x7E807E80", "0x74007400")
-                        .replace("0x01C001C0", "0x0E000E00")
-                        .replace("shr.b32 a, t, 2;", "shl.b32 a, t, 1;")
-                        .replace("shr.b32 a, t, 6;", "shr.b32 a, t, 3;")
-                        .replace("bf16x2", "f16x2"))
+    # fp16: magnitude -> bits 9..11 reads as e2m1 * 2^-14; fp16's range is too small to fold
+    # 2^14 into the scale, so it takes two multiplies (by 2^14, exact, then by the scale).
+    _FP16_ASM = (_BF16_ASM.replace("0x01C001C0", "0x0E000E00")
+                 .replace("shr.b32 a, t, 2;", "shl.b32 a, t, 1;").replace("shr.b32 a, t, 6;", "shr.b32 a, t, 3;")
+                 .replace("mov.b32 z, 0;", "mov.b32 z, 0;\n    mov.b32 k, 0x74007400;")
+                 .replace(".reg .b32 t, a, b, z, nz;", ".reg .b32 t, a, b, z, nz, k;")
+                 .replace("fma.rn.bf16x2 $", "fma.rn.f16x2 a, a, k, nz; fma.rn.f16x2 $"))
+    _NIBBLES_TO_BF16 = tl.constexpr(_BF16_ASM)  # jit code reads globals only as constexpr
+    _NIBBLES_TO_FP16 = tl.constexpr(_FP16_ASM)
+    BF16_FOLD = tl.constexpr(2.0 ** 94)  # 2^126 (subnormal encoding) * 2^-32 (kept in the acc)
+    BF16_ACC_FIX = tl.constexpr(2.0 ** 32)
 
     @triton.jit
     def _e2m1_to_f32(c):
@@ -99,10 +107,11 @@ if HAS_TRITON:
 
     @triton.jit
     def _e4m3_bits_to_f32(b):
-        """float8_e4m3fn bit patterns (uint8) -> float32: the bits as an fp16, times 2^8."""
+        """float8_e4m3fn bit patterns (uint8) -> float32 value * 2^-8 (the bits read as an fp16;
+        exact for every finite code, subnormals included)."""
         h = b.to(tl.uint16)
         h = ((h & 0x7F) << 7) | ((h & 0x80) << 8)
-        return h.to(tl.float16, bitcast=True).to(tl.float32) * 256.0
+        return h.to(tl.float16, bitcast=True).to(tl.float32)
 
     @triton.jit
     def _round_f32_to(v, DTYPE: tl.constexpr):
@@ -116,27 +125,31 @@ if HAS_TRITON:
 
     @triton.jit
     def dequant_nvfp4(p, s, gscale, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                      W_DTYPE: tl.constexpr, FAST: tl.constexpr, NATIVE_FP8: tl.constexpr,
-                      INTERPRET: tl.constexpr):
+                      W_DTYPE: tl.constexpr, FAST: tl.constexpr, INTERPRET: tl.constexpr):
         """packed [BN, BK/2] uint8 + scales [BN, BK/16] -> (W[:, 0::2], W[:, 1::2]) [BN, BK/2]
-        in W_DTYPE (under INTERPRET: float32 holding W_DTYPE-rounded values)."""
-        if NATIVE_FP8:
-            sf = s.to(tl.float32)
-        else:
-            sf = _e4m3_bits_to_f32(s)
-        eff = sf / gscale  # [BN, BK/16]
-        eff = tl.reshape(tl.broadcast_to(eff[:, :, None], (BLOCK_N, BLOCK_K // 16, 8)),
-                         (BLOCK_N, BLOCK_K // 2))
+        in W_DTYPE, times ``acc_fix(W_DTYPE, FAST)``'s reciprocal (2^-32 on the FAST bf16 path,
+        else 1); under INTERPRET float32 holding W_DTYPE-rounded values."""
+        sf = _e4m3_bits_to_f32(s)  # scale * 2^-8
+        raw = 256.0
         if FAST:
             if W_DTYPE == tl.bfloat16:
+                eff = (sf * (BF16_FOLD * raw / gscale)).to(W_DTYPE)  # [BN, BK/16]
+            else:
+                eff = (sf * (raw / gscale)).to(W_DTYPE)
+            eff = tl.reshape(tl.broadcast_to(eff[:, :, None], (BLOCK_N, BLOCK_K // 16, 8)),
+                             (BLOCK_N, BLOCK_K // 2))
+            if W_DTYPE == tl.bfloat16:
                 even, odd = tl.inline_asm_elementwise(
-                    _NIBBLES_TO_BF16, "=r,=r,=r,=r,r,r,r", [p, eff.to(tl.bfloat16)],
+                    _NIBBLES_TO_BF16, "=r,=r,=r,=r,r,r,r", [p, eff],
                     dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4)
             else:
                 even, odd = tl.inline_asm_elementwise(
-                    _NIBBLES_TO_FP16, "=r,=r,=r,=r,r,r,r", [p, eff.to(tl.float16)],
+                    _NIBBLES_TO_FP16, "=r,=r,=r,=r,r,r,r", [p, eff],
                     dtype=(tl.float16, tl.float16), is_pure=True, pack=4)
         else:
+            eff = tl.div_rn(sf * raw, gscale)  # IEEE division: exactly the reference's scale / gs
+            eff = tl.reshape(tl.broadcast_to(eff[:, :, None], (BLOCK_N, BLOCK_K // 16, 8)),
+                             (BLOCK_N, BLOCK_K // 2))
             c = p.to(tl.int32)
             even = _e2m1_to_f32(c & 15) * eff
             odd = _e2m1_to_f32(c >> 4) * eff
@@ -147,6 +160,13 @@ if HAS_TRITON:
                 even = even.to(W_DTYPE)
                 odd = odd.to(W_DTYPE)
         return even, odd
+
+    @triton.jit
+    def acc_fix(W_DTYPE: tl.constexpr, FAST: tl.constexpr):
+        """What the float32 accumulator is multiplied by after the K loop (see dequant_nvfp4)."""
+        if FAST and W_DTYPE == tl.bfloat16:
+            return BF16_ACC_FIX
+        return 1.0
 
     @triton.jit
     def mma(a, b, acc, INTERPRET: tl.constexpr):
@@ -176,7 +196,7 @@ if HAS_TRITON:
         # strides (packed and scales are row-major with unit column stride)
         stride_xm, stride_xk, stride_pn, stride_sn, stride_ym, stride_yn,
         # meta-parameters
-        HAS_BIAS: tl.constexpr, FAST: tl.constexpr, NATIVE_FP8: tl.constexpr, INTERPRET: tl.constexpr,
+        HAS_BIAS: tl.constexpr, FAST: tl.constexpr, INTERPRET: tl.constexpr,
         EVEN_K: tl.constexpr,
         SWAP_AB: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
         BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
@@ -218,7 +238,7 @@ if HAS_TRITON:
                 p = tl.load(p_ptrs, mask=offs_j[None, :] < (K - k0) // 2, other=0)
                 s = tl.load(s_ptrs, mask=offs_g[None, :] < (K - k0) // 16, other=0)
             w_even, w_odd = dequant_nvfp4(p, s, gscale, BLOCK_N, BLOCK_K, x_ptr.dtype.element_ty,
-                                          FAST, NATIVE_FP8, INTERPRET)
+                                          FAST, INTERPRET)
             x_even, x_odd = split_even_odd(x, BLOCK_M, BLOCK_K)
             if SWAP_AB:
                 acc = mma(w_even, tl.trans(x_even), acc, INTERPRET)
@@ -231,6 +251,7 @@ if HAS_TRITON:
             s_ptrs += BLOCK_K // 16
         if SWAP_AB:
             acc = tl.trans(acc)
+        acc = acc * acc_fix(x_ptr.dtype.element_ty, FAST)
 
         # ---- epilogue: bias, cast, masked store ----
         rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -240,14 +261,49 @@ if HAS_TRITON:
         y_ptrs = y_ptr + rows[:, None] * stride_ym + cols[None, :] * stride_yn
         tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=(rows[:, None] < M) & (cols[None, :] < N))
 
+    # -- dense dequantization (the large-M strategy: transient bf16 W, then cuBLAS) -----------
+
+    @triton.jit
+    def _nvfp4_dequant_kernel(p_ptr, s_ptr, gs_ptr, w_ptr, N, K, stride_pn, stride_sn, stride_wn,
+                              W_DTYPE: tl.constexpr, FAST: tl.constexpr, INTERPRET: tl.constexpr,
+                              EVEN_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        """W[N, K] = dequantize(packed, scales, gscale), one BLOCK_N x BLOCK_K tile per program."""
+        pid_n = tl.program_id(0)
+        pid_k = tl.program_id(1)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        offs_j = pid_k * (BLOCK_K // 2) + tl.arange(0, BLOCK_K // 2)
+        offs_g = pid_k * (BLOCK_K // 16) + tl.arange(0, BLOCK_K // 16)
+        offs_k = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
+        rows = offs_n[:, None] < N
+        if EVEN_K:  # row masks only: 16-byte vectors along K
+            p = tl.load(p_ptr + offs_n[:, None] * stride_pn + offs_j[None, :], mask=rows, other=0)
+            s = tl.load(s_ptr + offs_n[:, None] * stride_sn + offs_g[None, :], mask=rows, other=0)
+        else:
+            p = tl.load(p_ptr + offs_n[:, None] * stride_pn + offs_j[None, :],
+                        mask=rows & (offs_j[None, :] < K // 2), other=0)
+            s = tl.load(s_ptr + offs_n[:, None] * stride_sn + offs_g[None, :],
+                        mask=rows & (offs_g[None, :] < K // 16), other=0)
+        # (under INTERPRET w_ptr is float32 and receives values on the W_DTYPE grid)
+        even, odd = dequant_nvfp4(p, s, tl.load(gs_ptr), BLOCK_N, BLOCK_K, W_DTYPE, FAST, INTERPRET)
+        fix = acc_fix(W_DTYPE, FAST)  # exact power of two
+        w = tl.reshape(tl.join(even.to(tl.float32) * fix, odd.to(tl.float32) * fix), (BLOCK_N, BLOCK_K))
+        if EVEN_K:
+            tl.store(w_ptr + offs_n[:, None] * stride_wn + offs_k[None, :], w.to(w_ptr.dtype.element_ty),
+                     mask=rows)
+        else:
+            tl.store(w_ptr + offs_n[:, None] * stride_wn + offs_k[None, :], w.to(w_ptr.dtype.element_ty),
+                     mask=rows & (offs_k[None, :] < K))
+
     # -- autotuning ---------------------------------------------------------------------------
 
     def _cfg(bm, bn, bk, warps, stages, swap=False, group_m=8):
         return triton.Config(dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SWAP_AB=swap, GROUP_M=group_m),
                              num_warps=warps, num_stages=stages)
 
+    # From the H200 sweep (bench --sweep): BLOCK_M=256 (the dequantized tile feeds 256 rows) won
+    # for M >= 2048, 128x128x128 / 64x128x128 for M ~ 256; the transposed (SWAP_AB) variants lost.
     GEMM_CONFIGS = [
-        _cfg(128, 128, 64, 8, 4),
+        _cfg(256, 128, 64, 8, 3),
         _cfg(128, 256, 64, 8, 3),
         _cfg(128, 128, 128, 8, 3),
         _cfg(64, 128, 128, 4, 4),
@@ -257,7 +313,15 @@ if HAS_TRITON:
     def _quick_bench(fn, quantiles=None):
         return triton.testing.do_bench(fn, warmup=5, rep=25, quantiles=quantiles)
 
+    _LARGE_M = {(256, 128, 64), (128, 256, 64), (128, 128, 128)}  # tiles tried for M > 512
+    _SMALL_M = {(128, 128, 128), (64, 128, 128)}
+
+    def _prune(configs, named_args, **kwargs):
+        tiles = _LARGE_M if named_args["M"] > 512 else _SMALL_M
+        return [c for c in configs if (c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.kwargs["BLOCK_K"]) in tiles]
+
     _nvfp4_gemm_tuned = triton.autotune(GEMM_CONFIGS, key=["M_BUCKET", "N", "K"],
+                                        prune_configs_by={"early_config_prune": _prune},
                                         do_bench=_quick_bench)(_nvfp4_gemm_kernel)
 
 
@@ -290,30 +354,105 @@ def launch_options(device: torch.device) -> dict:
     portable path and keep products and the output in float32 (INTERPRET): the interpreter's
     bf16 dot and casts are not exact, and the launcher rounds the output with torch."""
     on_gpu = device.type == "cuda"
-    return dict(FAST=on_gpu, NATIVE_FP8=False, INTERPRET=not on_gpu)
+    return dict(FAST=on_gpu, INTERPRET=not on_gpu)
+
+
+def nvfp4_dequantize(packed: torch.Tensor, scales: torch.Tensor, global_scale: torch.Tensor,
+                     dtype: torch.dtype = torch.bfloat16, **options) -> torch.Tensor:
+    """Dense W [N, K] in ``dtype`` (bf16/fp16) from the packed weight, one fused pass."""
+    if not HAS_TRITON:
+        raise ImportError("the NVFP4 Triton kernels need triton (pip install triton)")
+    if dtype not in (torch.bfloat16, torch.float16):
+        raise TypeError(f"nvfp4_dequantize writes bfloat16 or float16; got {dtype}")
+    n, k = packed.shape[0], packed.shape[1] * 2
+    opts = {**launch_options(packed.device), **options}
+    w = torch.empty((n, k), dtype=torch.float32 if opts["INTERPRET"] else dtype, device=packed.device)
+    bn, bk = (16, 32) if opts["INTERPRET"] else (32, 256)
+    grid = (triton.cdiv(n, bn), triton.cdiv(k, bk))
+    _nvfp4_dequant_kernel[grid](packed, scales.view(torch.uint8), global_scale, w, n, k,
+                                packed.stride(0), scales.stride(0), w.stride(0),
+                                W_DTYPE=tl.bfloat16 if dtype == torch.bfloat16 else tl.float16,
+                                EVEN_K=k % bk == 0, BLOCK_N=bn, BLOCK_K=bk, num_warps=4, **opts)
+    return w.to(dtype)
+
+
+# Large-M strategy choice, per (op, M bucket, N, K, dtype, device), timed once on first use.
+DENSE_MIN_M = 512  # below this the fused kernel always wins (and no transient W is made)
+STRATEGIES: dict[tuple, str] = {}
+
+
+def _median_ms(fn, reps: int = 3) -> float:
+    fn()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return sorted(times)[len(times) // 2]
+
+
+def pick_strategy(key: tuple, fused, dense) -> str:
+    """"fused" or "dense" for this key: both are timed on the first (eager) call and the faster
+    one is kept, like Triton's autotuner; under CUDA-graph capture an unseen key gets "fused"."""
+    choice = STRATEGIES.get(key)
+    if choice is None:
+        if torch.cuda.is_current_stream_capturing():
+            return "fused"
+        t_fused, t_dense = _median_ms(fused), _median_ms(dense)
+        choice = STRATEGIES[key] = "fused" if t_fused <= t_dense else "dense"
+    return choice
 
 
 def nvfp4_gemm(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor,
                global_scale: torch.Tensor, bias: torch.Tensor | None = None,
-               config: dict | None = None, **options) -> torch.Tensor:
-    """y = x @ W^T + bias for x [M, K]; ``config`` pins the tile config (else autotuned)."""
+               config: dict | None = None, strategy: str | None = None, **options) -> torch.Tensor:
+    """y = x @ W^T + bias for x [M, K].
+
+    ``strategy``: "fused" (this kernel; ``config`` pins its tiles, else autotuned), "dense"
+    (``nvfp4_dequantize`` into a transient bf16 W, freed after the call, then cuBLAS), or None:
+    "fused" below ``DENSE_MIN_M`` rows, else whichever ``pick_strategy`` timed faster.
+    """
     if not HAS_TRITON:
         raise ImportError("the NVFP4 Triton kernels need triton (pip install triton)")
     n, k = packed.shape[0], packed.shape[1] * 2
     check_nvfp4_operands(x, packed, scales, global_scale, k, "x")
     m = x.shape[0]
+    if strategy is None:
+        if config is not None or options or not x.is_cuda or m < DENSE_MIN_M:
+            strategy = "fused"
+        else:
+            key = ("gemm", m_bucket(m), n, k, x.dtype, x.device)
+            strategy = pick_strategy(key, lambda: _fused_gemm(x, packed, scales, global_scale, bias, None),
+                                     lambda: _dense_gemm(x, packed, scales, global_scale, bias))
+    if strategy == "dense":
+        return _dense_gemm(x, packed, scales, global_scale, bias)
+    if strategy != "fused":
+        raise ValueError(f"strategy must be 'fused', 'dense' or None; got {strategy!r}")
+    return _fused_gemm(x, packed, scales, global_scale, bias, config, **options)
+
+
+def _dense_gemm(x, packed, scales, global_scale, bias):
+    w = nvfp4_dequantize(packed, scales, global_scale, x.dtype)
+    return torch.nn.functional.linear(x, w, bias)
+
+
+def _fused_gemm(x, packed, scales, global_scale, bias, config, **options):
+    n, k, m = packed.shape[0], packed.shape[1] * 2, x.shape[0]
     opts = {**launch_options(x.device), **options}
     y = torch.empty((m, n), dtype=torch.float32 if opts["INTERPRET"] else x.dtype, device=x.device)
     if m == 0:
         return y.to(x.dtype)
-    args = (x, packed, scales.view(torch.uint8) if not opts["NATIVE_FP8"] else scales, global_scale,
+    args = (x, packed, scales.view(torch.uint8), global_scale,
             bias if bias is not None else y, y, m, n, k, m_bucket(m),
             x.stride(0), x.stride(1), packed.stride(0), scales.stride(0), y.stride(0), y.stride(1))
 
     def grid(meta):
         return (triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"]),)
 
-    if config is None and interpreting():
+    if config is None and opts["INTERPRET"]:
         config = INTERPRETER_CONFIG
     if config is not None:
         cfg = dict(config)

@@ -32,97 +32,206 @@ if HAS_TRITON:
     import triton
     import triton.language as tl
 
-    from qerl_kit.kernels.nvfp4_gemm_triton import _quick_bench, dequant_nvfp4, mma, split_even_odd
+    from qerl_kit.kernels.nvfp4_gemm_triton import (_quick_bench, acc_fix, dequant_nvfp4, mma,
+                                                    split_even_odd)
 
     def even_k(args) -> bool:
         return args["K"] % args["BLOCK_K"] == 0
 
-    @triton.heuristics({"EVEN_K": even_k})
+    def block_m(args) -> int:
+        return max(16, args["M_BUCKET"]) if args["USE_DOT"] else 1
+
+    def split_k(args) -> int:
+        return choose_split_k(args["N"], args["K"], args["BLOCK_N"], args["BLOCK_K"], args["CTAS_PER_SM"])
+
+    @triton.jit
+    def _load_next(x_ptrs, p_ptrs, s_ptrs, k1, k_end, K, offs_k, offs_j, offs_g, EVEN_K: tl.constexpr):
+        """The tiles at k1 (zeros past this slice's end); a scalar mask keeps 16-byte vectors."""
+        ok = k1 < k_end
+        if EVEN_K:
+            return (tl.load(x_ptrs, mask=ok, other=0.0), tl.load(p_ptrs, mask=ok, other=0),
+                    tl.load(s_ptrs, mask=ok, other=0))
+        return (tl.load(x_ptrs, mask=ok & (offs_k[None, :] < K - k1), other=0.0),
+                tl.load(p_ptrs, mask=ok & (offs_j[None, :] < (K - k1) // 2), other=0),
+                tl.load(s_ptrs, mask=ok & (offs_g[None, :] < (K - k1) // 16), other=0))
+
+    @triton.jit
+    def _fma_step(acc, x, p, s, gscale, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                  FAST: tl.constexpr, INTERPRET: tl.constexpr):
+        """M == 1 without tensor cores: acc[BN, BK/2] += W_even * x_even + W_odd * x_odd."""
+        w_even, w_odd = dequant_nvfp4(p, s, gscale, BLOCK_N, BLOCK_K, x.dtype, FAST, INTERPRET)
+        x_even, x_odd = split_even_odd(x, 1, BLOCK_K)
+        acc += w_even.to(tl.float32) * x_even.to(tl.float32)
+        acc += w_odd.to(tl.float32) * x_odd.to(tl.float32)
+        return acc
+
+    @triton.heuristics({"EVEN_K": even_k, "BLOCK_M": block_m, "SPLIT_K": split_k})
     @triton.jit(do_not_specialize=["M", "M_BUCKET"])  # one binary for every row count
     def _nvfp4_gemv_kernel(
-        # pointers
-        x_ptr, p_ptr, s_ptr, gs_ptr, b_ptr, y_ptr,
+        # pointers (ws: float32 partial tiles, cnt: int32 arrival counters, zero between calls)
+        x_ptr, p_ptr, s_ptr, gs_ptr, b_ptr, y_ptr, ws_ptr, cnt_ptr,
         # sizes
         M, N, K, M_BUCKET,
         # strides
         stride_xm, stride_xk, stride_pn, stride_sn, stride_ym, stride_yn,
+        # tuning knob read only by the SPLIT_K heuristic (target programs per SM)
+        CTAS_PER_SM,
         # meta-parameters
-        HAS_BIAS: tl.constexpr, FAST: tl.constexpr, NATIVE_FP8: tl.constexpr,
-        INTERPRET: tl.constexpr, EVEN_K: tl.constexpr, USE_DOT: tl.constexpr,
+        HAS_BIAS: tl.constexpr, FAST: tl.constexpr, INTERPRET: tl.constexpr,
+        EVEN_K: tl.constexpr, USE_DOT: tl.constexpr, SPLIT_K: tl.constexpr, PREFETCH: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     ):
-        """y[M, N] = x[M, K] @ W[N, K]^T (+ bias); program i owns columns [i*BN, (i+1)*BN)."""
+        """y[M, N] = x[M, K] @ W[N, K]^T (+ bias); program (i, s) owns columns [i*BN, (i+1)*BN)
+        and the s-th of SPLIT_K slices of K."""
         pid_n = tl.program_id(0)
+        pid_k = tl.program_id(1)
+        k_per_split = tl.cdiv(tl.cdiv(K, BLOCK_K), SPLIT_K) * BLOCK_K
+        k_start = pid_k * k_per_split
+        k_end = min(K, k_start + k_per_split)
+
         offs_n = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)) % N
         offs_m = tl.arange(0, BLOCK_M) % M
         offs_k = tl.arange(0, BLOCK_K)
         offs_j = tl.arange(0, BLOCK_K // 2)
         offs_g = tl.arange(0, BLOCK_K // 16)
-        x_ptrs = x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :] * stride_xk
-        p_ptrs = p_ptr + offs_n[:, None] * stride_pn + offs_j[None, :]
-        s_ptrs = s_ptr + offs_n[:, None] * stride_sn + offs_g[None, :]
+        x_ptrs = x_ptr + offs_m[:, None] * stride_xm + (k_start + offs_k)[None, :] * stride_xk
+        p_ptrs = p_ptr + offs_n[:, None] * stride_pn + (k_start // 2 + offs_j)[None, :]
+        s_ptrs = s_ptr + offs_n[:, None] * stride_sn + (k_start // 16 + offs_g)[None, :]
         gscale = tl.load(gs_ptr)
 
         if USE_DOT:
             acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
         else:
             acc = tl.zeros((BLOCK_N, BLOCK_K // 2), dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            if EVEN_K:
-                x = tl.load(x_ptrs)
-                p = tl.load(p_ptrs)
-                s = tl.load(s_ptrs)
-            else:
-                x = tl.load(x_ptrs, mask=offs_k[None, :] < K - k0, other=0.0)
-                p = tl.load(p_ptrs, mask=offs_j[None, :] < (K - k0) // 2, other=0)
-                s = tl.load(s_ptrs, mask=offs_g[None, :] < (K - k0) // 16, other=0)
-            w_even, w_odd = dequant_nvfp4(p, s, gscale, BLOCK_N, BLOCK_K, x_ptr.dtype.element_ty,
-                                          FAST, NATIVE_FP8, INTERPRET)
-            x_even, x_odd = split_even_odd(x, BLOCK_M, BLOCK_K)
-            if USE_DOT:
-                acc = mma(w_even, tl.trans(x_even), acc, INTERPRET)
-                acc = mma(w_odd, tl.trans(x_odd), acc, INTERPRET)
-            else:  # BLOCK_M == 1: broadcast the single row of x over BLOCK_N weight rows
-                acc += w_even.to(tl.float32) * x_even.to(tl.float32)
-                acc += w_odd.to(tl.float32) * x_odd.to(tl.float32)
-            x_ptrs += BLOCK_K * stride_xk
-            p_ptrs += BLOCK_K // 2
-            s_ptrs += BLOCK_K // 16
+        if PREFETCH:  # M == 1 path: the next tile's loads are in flight while this one computes
+            x_n, p_n, s_n = _load_next(x_ptrs, p_ptrs, s_ptrs, k_start, k_end, K, offs_k, offs_j, offs_g, EVEN_K)
+            for k0 in range(k_start, k_end, BLOCK_K):
+                x, p, s = x_n, p_n, s_n
+                x_ptrs += BLOCK_K * stride_xk
+                p_ptrs += BLOCK_K // 2
+                s_ptrs += BLOCK_K // 16
+                x_n, p_n, s_n = _load_next(x_ptrs, p_ptrs, s_ptrs, k0 + BLOCK_K, k_end, K,
+                                           offs_k, offs_j, offs_g, EVEN_K)
+                acc = _fma_step(acc, x, p, s, gscale, BLOCK_N, BLOCK_K, FAST, INTERPRET)
+        else:
+            for k0 in range(k_start, k_end, BLOCK_K):
+                if EVEN_K:
+                    x = tl.load(x_ptrs)
+                    p = tl.load(p_ptrs)
+                    s = tl.load(s_ptrs)
+                else:
+                    x = tl.load(x_ptrs, mask=offs_k[None, :] < K - k0, other=0.0)
+                    p = tl.load(p_ptrs, mask=offs_j[None, :] < (K - k0) // 2, other=0)
+                    s = tl.load(s_ptrs, mask=offs_g[None, :] < (K - k0) // 16, other=0)
+                if USE_DOT:
+                    w_even, w_odd = dequant_nvfp4(p, s, gscale, BLOCK_N, BLOCK_K, x_ptr.dtype.element_ty,
+                                                  FAST, INTERPRET)
+                    x_even, x_odd = split_even_odd(x, BLOCK_M, BLOCK_K)
+                    acc = mma(w_even, tl.trans(x_even), acc, INTERPRET)
+                    acc = mma(w_odd, tl.trans(x_odd), acc, INTERPRET)
+                else:  # BLOCK_M == 1: broadcast the single row of x over BLOCK_N weight rows
+                    acc = _fma_step(acc, x, p, s, gscale, BLOCK_N, BLOCK_K, FAST, INTERPRET)
+                x_ptrs += BLOCK_K * stride_xk
+                p_ptrs += BLOCK_K // 2
+                s_ptrs += BLOCK_K // 16
         if USE_DOT:
             out = tl.trans(acc)  # [BLOCK_M, BLOCK_N]
         else:
             out = tl.sum(acc, axis=1)[None, :]  # [1, BLOCK_N]
+        out = out * acc_fix(x_ptr.dtype.element_ty, FAST)
 
         rows = tl.arange(0, BLOCK_M)
         cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        if HAS_BIAS:
-            out += tl.load(b_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
         y_ptrs = y_ptr + rows[:, None] * stride_ym + cols[None, :] * stride_yn
-        tl.store(y_ptrs, out.to(y_ptr.dtype.element_ty), mask=(rows[:, None] < M) & (cols[None, :] < N))
+        y_mask = (rows[:, None] < M) & (cols[None, :] < N)
+        if SPLIT_K == 1:
+            if HAS_BIAS:
+                out += tl.load(b_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
+            tl.store(y_ptrs, out.to(y_ptr.dtype.element_ty), mask=y_mask)
+        else:
+            # Each slice parks its partial tile; the last to arrive (counter) sums them in slice
+            # order (deterministic), writes y and resets the counter for the next call.
+            tile = rows[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
+            ws_tile = ws_ptr + pid_n * (SPLIT_K * BLOCK_M * BLOCK_N)
+            tl.store(ws_tile + pid_k * (BLOCK_M * BLOCK_N) + tile, out)
+            arrived = tl.atomic_add(cnt_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
+            if arrived == SPLIT_K - 1:
+                total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+                for i in tl.static_range(SPLIT_K):
+                    total += tl.load(ws_tile + i * (BLOCK_M * BLOCK_N) + tile, cache_modifier=".cg")
+                if HAS_BIAS:
+                    total += tl.load(b_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
+                tl.store(y_ptrs, total.to(y_ptr.dtype.element_ty), mask=y_mask)
+                tl.atomic_xchg(cnt_ptr + pid_n, 0, sem="relaxed", scope="gpu")
 
-    def _cfg(bn, bk, warps, stages, dot=True):
-        return triton.Config(dict(BLOCK_N=bn, BLOCK_K=bk, USE_DOT=dot), num_warps=warps, num_stages=stages)
+    def _cfg(bn, bk, warps, stages, dot=True, prefetch=False, ctas=2):
+        return triton.Config(dict(BLOCK_N=bn, BLOCK_K=bk, USE_DOT=dot, PREFETCH=prefetch, CTAS_PER_SM=ctas),
+                             num_warps=warps, num_stages=stages)
 
-    GEMV_CONFIGS = [  # USE_DOT=False configs serve M == 1 only, USE_DOT=True ones M > 1
-        _cfg(16, 512, 4, 4, dot=False),
-        _cfg(32, 256, 4, 4, dot=False),
-        _cfg(32, 512, 4, 3, dot=False),
-        _cfg(16, 512, 4, 4),
-        _cfg(32, 256, 4, 4),
-        _cfg(64, 256, 4, 3),
+    # From the H200 sweep (bench --sweep): for M == 1 the FMA path beat the tensor-core one, for
+    # M = 8..64 BLOCK_K=128 with 4 stages beat wider tiles; more programs per SM helped long K.
+    GEMV_CONFIGS = [  # USE_DOT=False / PREFETCH configs take M == 1 only
+        _cfg(64, 256, 4, 1, dot=False),
+        _cfg(64, 256, 4, 1, dot=False, prefetch=True),
+        _cfg(64, 256, 4, 1, dot=False, prefetch=True, ctas=4),
+        _cfg(64, 128, 4, 4),
+        _cfg(64, 128, 4, 6, ctas=4),
+        _cfg(64, 256, 4, 4),
     ]
 
     def _prune(configs, named_args, **kwargs):
-        use_dot = named_args["M"] > 1
-        return [c for c in configs if c.kwargs["USE_DOT"] == use_dot]
+        m = named_args["M"]
+        return [c for c in configs if c.kwargs["USE_DOT"] or m == 1]
 
     _nvfp4_gemv_tuned = triton.autotune(GEMV_CONFIGS, key=["M_BUCKET", "N", "K"],
                                         prune_configs_by={"early_config_prune": _prune},
                                         do_bench=_quick_bench)(_nvfp4_gemv_kernel)
 
 
-def _block_m(m: int) -> int:
-    return 1 if m == 1 else max(16, m_bucket(m))
+def choose_split_k(n: int, k: int, block_n: int, block_k: int, ctas_per_sm: int = 2) -> int:
+    """Split K until the grid has ``ctas_per_sm`` programs per SM, keeping >= 2 K tiles a slice."""
+    tiles = -(-n // block_n)
+    k_tiles = -(-k // block_k)
+    split = 1
+    while split < MAX_SPLIT_K and tiles * split < ctas_per_sm * _sm_count() and k_tiles >= 4 * split:
+        split *= 2
+    return split
+
+
+MAX_SPLIT_K = 8
+_SMS: list[int] = []
+_COUNTERS: dict[torch.device, torch.Tensor] = {}
+COUNTER_SLOTS = 1 << 16  # arrival counters per device, one per N tile (N / 16 at most)
+
+
+def _sm_count() -> int:
+    if not _SMS:
+        _SMS.append(torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
+                    if torch.cuda.is_available() else 8)
+    return _SMS[0]
+
+
+def _counters(device: torch.device) -> torch.Tensor:
+    """Zeroed int32 counters that split-K programs leave at zero again (allocated once, eagerly)."""
+    buf = _COUNTERS.get(device)
+    if buf is None:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("call nvfp4_gemv once outside CUDA-graph capture first (warm-up)")
+        buf = _COUNTERS[device] = torch.zeros(COUNTER_SLOTS, dtype=torch.int32, device=device)
+    return buf
+
+
+def _workspace_elems(m: int, n: int, k: int, configs: list[dict]) -> int:
+    most = 0
+    for c in configs:
+        if c.get("SPLIT_K") is not None:
+            split = c["SPLIT_K"]
+        else:
+            split = choose_split_k(n, k, c["BLOCK_N"], c["BLOCK_K"], c.get("CTAS_PER_SM", 2))
+        if split > 1:
+            bm = max(16, m_bucket(m)) if c.get("USE_DOT", True) else 1
+            most = max(most, -(-n // c["BLOCK_N"]) * split * bm * c["BLOCK_N"])
+    return most
 
 
 def nvfp4_gemv(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor,
@@ -140,24 +249,30 @@ def nvfp4_gemv(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor,
     y = torch.empty((m, n), dtype=torch.float32 if opts["INTERPRET"] else x.dtype, device=x.device)
     if m == 0:
         return y.to(x.dtype)
-    args = (x, packed, scales if opts["NATIVE_FP8"] else scales.view(torch.uint8), global_scale,
-            bias if bias is not None else y, y, m, n, k, m_bucket(m),
-            x.stride(0), x.stride(1), packed.stride(0), scales.stride(0), y.stride(0), y.stride(1))
-    block_m = _block_m(m)
-
-    def grid(meta):
-        return (triton.cdiv(n, meta["BLOCK_N"]),)
-
     if config is None and opts["INTERPRET"]:
         config = dict(BLOCK_N=16, BLOCK_K=32, USE_DOT=m > 1)
     if config is not None:
-        cfg = dict(config)
+        cfg = {"USE_DOT": True, "PREFETCH": False, "CTAS_PER_SM": 2, **config}
         launch = {key: cfg.pop(key) for key in ("num_warps", "num_stages") if key in cfg}
-        if cfg.get("USE_DOT", True) == (m == 1):
-            raise ValueError(f"USE_DOT={cfg.get('USE_DOT', True)} does not fit M={m} (False iff M == 1)")
-        _nvfp4_gemv_kernel[grid](*args, HAS_BIAS=bias is not None, BLOCK_M=block_m, **opts, **cfg, **launch)
+        if (not cfg["USE_DOT"] or cfg["PREFETCH"]) and m != 1:
+            raise ValueError(f"USE_DOT=False / PREFETCH (the FMA path) take M == 1; got M={m}")
+    ws_elems = _workspace_elems(m, n, k, [cfg] if config is not None else [c.all_kwargs() for c in GEMV_CONFIGS])
+    ws = torch.empty(max(ws_elems, 1), dtype=torch.float32, device=x.device)
+    args = (x, packed, scales.view(torch.uint8), global_scale,
+            bias if bias is not None else y, y, ws, _counters(x.device), m, n, k, m_bucket(m),
+            x.stride(0), x.stride(1), packed.stride(0), scales.stride(0), y.stride(0), y.stride(1))
+
+    def grid(meta):
+        return (triton.cdiv(n, meta["BLOCK_N"]), meta["SPLIT_K"])
+
+    if config is not None:
+        kernel = _nvfp4_gemv_kernel if "SPLIT_K" not in cfg else _nvfp4_gemv_kernel.fn
+        if "SPLIT_K" in cfg:  # pinned split: apply the other heuristics by hand
+            cfg["EVEN_K"] = k % cfg["BLOCK_K"] == 0
+            cfg["BLOCK_M"] = max(16, m_bucket(m)) if cfg["USE_DOT"] else 1
+        kernel[grid](*args, HAS_BIAS=bias is not None, **opts, **cfg, **launch)
     else:
-        _nvfp4_gemv_tuned[grid](*args, HAS_BIAS=bias is not None, BLOCK_M=block_m, **opts)
+        _nvfp4_gemv_tuned[grid](*args, HAS_BIAS=bias is not None, **opts)
     return y.to(x.dtype)
 
 
