@@ -213,6 +213,9 @@ def run_full(args) -> None:
     rows, measured = [], {}
     started = time.time()
     for model in args.models:
+        if time.time() - started > args.budget_s:
+            print(f"time budget spent; {model} and later models not measured", flush=True)
+            break
         for proj, n, k in layer_shapes(model):
             for m in args.ms:
                 for kind in ("forward", "dgrad"):
@@ -234,11 +237,13 @@ def run_full(args) -> None:
                           f"{row['tflops']:6.1f}TF ({row['tc_frac']:.0%}) {row['target_met']}",
                           flush=True)
         torch.cuda.empty_cache()
+        write_results(out, info, copy_bw, peak, rows, quiet=True)  # partial results survive a timeout
     print(f"benchmark took {time.time() - started:.0f}s", flush=True)
     write_results(out, info, copy_bw, peak, rows)
 
 
-def write_results(out: Path, info: dict, copy_bw: float, peak: float, rows: list[dict]) -> None:
+def write_results(out: Path, info: dict, copy_bw: float, peak: float, rows: list[dict],
+                  quiet: bool = False) -> None:
     fields = list(rows[0])
     with open(out / "nvfp4_gemm_h200.csv", "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=fields)
@@ -276,7 +281,8 @@ def write_results(out: Path, info: dict, copy_bw: float, peak: float, rows: list
         lines.append("")
     lines += summary(rows)
     (out / "nvfp4_gemm_h200.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(summary(rows)))
+    if not quiet:
+        print("\n".join(summary(rows)))
 
 
 def summary(rows: list[dict]) -> list[str]:
@@ -380,7 +386,8 @@ def main() -> None:
     ap.add_argument("--models", nargs="+", default=MODELS)
     ap.add_argument("--ms", nargs="+", type=int, default=MS)
     ap.add_argument("--sweep", action="store_true", help="time explicit tile configs instead")
-    ap.add_argument("--budget-s", type=float, default=240.0, help="stop the sweep after this long")
+    ap.add_argument("--budget-s", type=float, default=600.0,
+                    help="stop starting new work (sweep configs, models) after this many seconds")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("this benchmark needs a CUDA GPU")
