@@ -100,8 +100,18 @@ class Trainer:
         self.history: list[dict] = []
         self.output_dir = Path(config.output_dir)
         self.stop_requested = False  # a widget's stop button sets this; the current step finishes
+        self._tb = None
+        if config.log_tensorboard:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+            except ImportError as err:
+                raise ImportError("log_tensorboard=True needs the tensorboard package: pip install tensorboard") from err
+            self._tb = SummaryWriter(str(self.output_dir / "tensorboard"))
         if config.model.gradient_checkpointing:
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5
+                model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+            else:
+                model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
             if hasattr(model, "enable_input_require_grads"):
                 model.enable_input_require_grads()
 
@@ -303,6 +313,11 @@ class Trainer:
         self.output_dir.mkdir(parents=True, exist_ok=True)
         with open(self.output_dir / "metrics.jsonl", "a") as f:
             f.write(json.dumps(row) + "\n")
+        if self._tb is not None:
+            for key, value in row.items():
+                if isinstance(value, (int, float)) and key != "step":
+                    self._tb.add_scalar(key, value, row["step"])
+            self._tb.flush()
 
     def evaluate(self, dataset: Sequence[dict] | None = None, **kwargs):
         """Held-out accuracy with the adapter applied (greedy unless ``temperature`` is given)."""

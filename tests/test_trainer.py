@@ -114,6 +114,14 @@ def test_loss_variants_kl_and_mu(tmp_path, loss):
     assert math.isfinite(row["kl"]) and row["kl"] >= 0 and "aqn/sigma" not in row
 
 
+def test_gradient_checkpointing_gives_the_same_step(tmp_path):
+    plain = _trainer(tmp_path / "a", aqn=dict(enabled=False))
+    ckpt = _trainer(tmp_path / "b", aqn=dict(enabled=False), model=dict(gradient_checkpointing=True))
+    plain.train(1)
+    ckpt.train(1)
+    assert ckpt.history[0]["grad_norm"] == pytest.approx(plain.history[0]["grad_norm"], rel=1e-4)
+
+
 def test_dynamic_sampling_refills_and_overlong_shaping(tmp_path):
     trainer = _trainer(tmp_path, loss=dict(dynamic_sampling=True, max_sampling_rounds=3,
                                            overlong_buffer=2, overlong_penalty=0.5))
