@@ -136,19 +136,17 @@ def copies_for(bytes_per_copy: int) -> int:
 
 def path_taken(kind: str, m: int, n: int, k: int) -> str:
     from qerl_kit.kernels import DECODE_MAX_M
-    from qerl_kit.kernels.nvfp4_gemm_triton import STRATEGIES, m_bucket
+    from qerl_kit.kernels.nvfp4_gemm_triton import default_strategy
 
     if kind == "forward" and m <= DECODE_MAX_M:
         return "decode"
-    return STRATEGIES.get((kind if kind == "dgrad" else "gemm", m_bucket(m), n, k, torch.bfloat16,
-                           torch.device("cuda", torch.cuda.current_device())), "fused")
+    return default_strategy(torch.empty(0, device="cuda"), m)
 
 
 def bench_forward(m: int, n: int, k: int) -> dict:
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
     q_bytes = n * k // 2 + n * k // 16
     weights = [random_nvfp4(n, k) for _ in range(copies_for(q_bytes))]
-    nvfp4_linear(x, *weights[0])  # picks the strategy (and autotunes) on the first weight copy
     ours = time_graph([lambda w=w: nvfp4_linear(x, *w) for w in weights])
     err = check_error(x, weights[0])
     del weights
@@ -165,7 +163,6 @@ def bench_dgrad(m: int, n: int, k: int) -> dict:
     dy = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
     q_bytes = n * k // 2 + n * k // 16
     weights = [random_nvfp4(n, k) for _ in range(copies_for(q_bytes))]
-    nvfp4_dgrad(dy, *weights[0])
     ours = time_graph([lambda w=w: nvfp4_dgrad(dy, *w) for w in weights])
     del weights
     dense = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) for _ in range(copies_for(2 * n * k))]
@@ -261,7 +258,7 @@ def write_results(out: Path, info: dict, copy_bw: float, peak: float, rows: list
         "Times are medians of CUDA-graph replays with the weight rotated through > 200 MB of copies "
         "(cold L2). `path`: `decode` = the GEMV kernel (M <= 64), `fused` = the tiled fused-dequant "
         "GEMM / dgrad kernel, `dense` = Triton dequantization into a transient bf16 W, then cuBLAS "
-        "(chosen per shape by timing, M >= 512 only). `x bf16` = bf16 time / our time. "
+        "(the default from M >= 128 on). `x bf16` = bf16 time / our time. "
         "`BW` = (packed + scales + x + y bytes) / time, as a fraction of the copy bandwidth. "
         "`TC` = our TFLOP/s as a fraction of the bf16 GEMM's. "
         "Targets: M <= 16: x bf16 >= 3 and BW >= 70%; M >= 2048: x bf16 >= 0.85.",

@@ -253,6 +253,12 @@ def test_gpu_real_shapes(n, k):
         dy = _randn(m, n, dtype=torch.bfloat16, seed=m + 1, device="cuda")
         dref = nvfp4_dgrad_ref(dy, q.packed, q.scales, q.global_scale, dtype=torch.float32)
         _check(nvfp4_dgrad(dy, q.packed, q.scales, q.global_scale), dref, torch.bfloat16)
+        if m >= 256:  # the strategy the dispatcher did not take, too
+            for strategy in ("fused", "dense"):
+                _check(gemm_kernel(x, q.packed, q.scales, q.global_scale, bias, strategy=strategy), ref,
+                       torch.bfloat16)
+                _check(dgrad_kernel(dy, q.packed, q.scales, q.global_scale, strategy=strategy), dref,
+                       torch.bfloat16)
 
 
 @pytest.mark.gpu

@@ -7,9 +7,12 @@ The two entry points take the packed weight of an ``NVFP4Linear`` (``packed``, `
     dx = nvfp4_dgrad(dy, packed, scales, global_scale)         # dy [..., N] -> [..., K]
 
 Which implementation runs is decided by ``backend`` (``set_backend``, ``QERL_KERNEL_BACKEND``):
-Triton on CUDA when it imports, the reference (dequantize + torch matmul) elsewhere. Forward
-calls with at most ``DECODE_MAX_M`` rows go to the decode kernel (``nvfp4_gemv_triton``), larger
-ones to the tiled GEMM (``nvfp4_gemm_triton``); the input gradient uses ``nvfp4_dgrad_triton``.
+Triton on CUDA when it imports, the reference (dequantize + torch matmul) elsewhere. On the Triton
+backend, forward calls with at most ``DECODE_MAX_M`` rows go to the decode kernel
+(``nvfp4_gemv_triton``); larger ones to ``nvfp4_gemm_triton``, which runs its fused tiled kernel
+below ``DENSE_MIN_M`` rows and, from there on, a fused dequantization pass into a transient bf16
+weight (freed after the call) followed by cuBLAS, which was faster on the H200 (docs/kernels.md).
+The input gradient (``nvfp4_dgrad_triton``) follows the same rule.
 Each kernel is also a ``torch.ops.qerl_kit.*`` custom op, so ``torch.compile`` and CUDA graphs can
 capture it (run one eager call per shape first: that is when the autotuner picks a config).
 

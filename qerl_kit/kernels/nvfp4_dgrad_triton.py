@@ -22,8 +22,8 @@ from __future__ import annotations
 
 import torch
 
-from qerl_kit.kernels.nvfp4_gemm_triton import (DENSE_MIN_M, HAS_TRITON, check_nvfp4_operands, launch_options,
-                                                m_bucket, nvfp4_dequantize, pick_strategy)
+from qerl_kit.kernels.nvfp4_gemm_triton import (HAS_TRITON, check_nvfp4_operands, default_strategy,
+                                                launch_options, m_bucket, nvfp4_dequantize)
 
 if HAS_TRITON:
     import triton
@@ -131,20 +131,15 @@ def nvfp4_dgrad(dy: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor,
                 global_scale: torch.Tensor, config: dict | None = None, strategy: str | None = None,
                 **options) -> torch.Tensor:
     """dx = dy @ W for dy [M, N]. ``strategy`` as in ``nvfp4_gemm``: "fused" (this kernel,
-    ``config`` pins its tiles), "dense" (transient bf16 W + cuBLAS) or None (timed choice for
-    M >= DENSE_MIN_M, else fused)."""
+    ``config`` pins its tiles), "dense" (transient bf16 W + cuBLAS) or None (dense on CUDA from
+    ``DENSE_MIN_M`` rows on, else fused)."""
     if not HAS_TRITON:
         raise ImportError("the NVFP4 Triton kernels need triton (pip install triton)")
     n, k = packed.shape[0], packed.shape[1] * 2
     check_nvfp4_operands(dy, packed, scales, global_scale, n, "dy")
     m = dy.shape[0]
     if strategy is None:
-        if config is not None or options or not dy.is_cuda or m < DENSE_MIN_M:
-            strategy = "fused"
-        else:
-            key = ("dgrad", m_bucket(m), n, k, dy.dtype, dy.device)
-            strategy = pick_strategy(key, lambda: _fused_dgrad(dy, packed, scales, global_scale, None),
-                                     lambda: _dense_dgrad(dy, packed, scales, global_scale))
+        strategy = "fused" if config is not None or options else default_strategy(dy, m)
     if strategy == "dense":
         return _dense_dgrad(dy, packed, scales, global_scale)
     if strategy != "fused":

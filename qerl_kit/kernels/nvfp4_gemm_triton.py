@@ -376,34 +376,13 @@ def nvfp4_dequantize(packed: torch.Tensor, scales: torch.Tensor, global_scale: t
     return w.to(dtype)
 
 
-# Large-M strategy choice, per (op, M bucket, N, K, dtype, device), timed once on first use.
-DENSE_MIN_M = 512  # below this the fused kernel always wins (and no transient W is made)
-STRATEGIES: dict[tuple, str] = {}
+# From this many rows on, a dense pass (``nvfp4_dequantize`` into a transient bf16 W, freed after
+# the call) followed by cuBLAS beats the fused tiled kernels on the H200 (see docs/kernels.md).
+DENSE_MIN_M = 128
 
 
-def _median_ms(fn, reps: int = 3) -> float:
-    fn()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return sorted(times)[len(times) // 2]
-
-
-def pick_strategy(key: tuple, fused, dense) -> str:
-    """"fused" or "dense" for this key: both are timed on the first (eager) call and the faster
-    one is kept, like Triton's autotuner; under CUDA-graph capture an unseen key gets "fused"."""
-    choice = STRATEGIES.get(key)
-    if choice is None:
-        if torch.cuda.is_current_stream_capturing():
-            return "fused"
-        t_fused, t_dense = _median_ms(fused), _median_ms(dense)
-        choice = STRATEGIES[key] = "fused" if t_fused <= t_dense else "dense"
-    return choice
+def default_strategy(x: torch.Tensor, m: int) -> str:
+    return "dense" if x.is_cuda and m >= DENSE_MIN_M else "fused"
 
 
 def nvfp4_gemm(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor,
@@ -413,7 +392,7 @@ def nvfp4_gemm(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor,
 
     ``strategy``: "fused" (this kernel; ``config`` pins its tiles, else autotuned), "dense"
     (``nvfp4_dequantize`` into a transient bf16 W, freed after the call, then cuBLAS), or None:
-    "fused" below ``DENSE_MIN_M`` rows, else whichever ``pick_strategy`` timed faster.
+    "dense" on CUDA from ``DENSE_MIN_M`` rows on, else "fused" (a pinned ``config`` means fused).
     """
     if not HAS_TRITON:
         raise ImportError("the NVFP4 Triton kernels need triton (pip install triton)")
@@ -421,12 +400,7 @@ def nvfp4_gemm(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor,
     check_nvfp4_operands(x, packed, scales, global_scale, k, "x")
     m = x.shape[0]
     if strategy is None:
-        if config is not None or options or not x.is_cuda or m < DENSE_MIN_M:
-            strategy = "fused"
-        else:
-            key = ("gemm", m_bucket(m), n, k, x.dtype, x.device)
-            strategy = pick_strategy(key, lambda: _fused_gemm(x, packed, scales, global_scale, bias, None),
-                                     lambda: _dense_gemm(x, packed, scales, global_scale, bias))
+        strategy = "fused" if config is not None or options else default_strategy(x, m)
     if strategy == "dense":
         return _dense_gemm(x, packed, scales, global_scale, bias)
     if strategy != "fused":
