@@ -50,7 +50,11 @@ def build_policy(cfg: ModelConfig, seed: int = 0):
 
 
 def build_datasets(cfg: DataConfig, seed: int = 0):
-    """(train rows, eval rows, reward functions) for ``cfg.dataset``."""
+    """(train rows, eval rows, reward functions) for ``cfg.dataset``.
+
+    ``seed`` only picks which synthetic problems are generated; runs that compare training seeds
+    should keep it fixed so that every run sees the same held-out problems.
+    """
     from qerl_kit import rewards
 
     name = cfg.dataset

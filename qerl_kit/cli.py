@@ -9,7 +9,9 @@ import sys
 def _cmd_demo(args: argparse.Namespace) -> int:
     from qerl_kit.demo import run_demo
 
-    run_demo(model=args.model, fmt=args.format, seed=args.seed)
+    run_demo(model=args.model, dataset=args.dataset, steps=args.steps, seed=args.seed,
+             output_dir=args.output_dir, eval_size=args.eval_size, fmt=args.format,
+             progress="text" if args.no_widgets else "auto")
     return 0
 
 
@@ -52,7 +54,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
     policy, tokenizer, report = build_policy(cfg.model, seed=cfg.seed)
     if report is not None:
         print(report.summary())
-    train, evals, reward_fns = build_datasets(cfg.data, seed=cfg.seed)
+    train, evals, reward_fns = build_datasets(cfg.data)
     trainer = Trainer(policy, tokenizer, train, reward_fns, cfg, eval_dataset=evals,
                       progress="text" if args.no_widgets else "auto")
     if not args.fresh:
@@ -94,11 +96,17 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     demo = sub.add_parser("demo", help="run the tiny-model QeRL demo on this machine (CPU is fine)")
-    demo.add_argument("--model", default="qwen2-tiny",
-                      help="a preset name (see qerl_kit.models.PRESETS) or a local HF model directory")
-    demo.add_argument("--format", default="nvfp4", choices=["nvfp4", "mxfp4", "nf4"],
-                      help="the 4-bit weight format of the frozen base")
+    demo.add_argument("--model", default="tiny",
+                      help="'tiny' (the shipped model) or a local HF model directory")
+    demo.add_argument("--dataset", default="arith",
+                      help="arith (the synthetic task), gsm8k, math500 or a GSM8K-style .jsonl")
+    demo.add_argument("--steps", type=int, default=None, help="GRPO steps (default: the tiny-cpu preset's)")
+    demo.add_argument("--format", default="nvfp4", choices=["nvfp4", "mxfp4", "nf4", "none"],
+                      help="the weight format of the frozen base (none: bf16 LoRA)")
     demo.add_argument("--seed", type=int, default=0, help="random seed")
+    demo.add_argument("--eval-size", type=int, default=None, help="held-out problems to evaluate")
+    demo.add_argument("--output-dir", default="runs/latest", help="where summary.json, curves.png go")
+    demo.add_argument("--no-widgets", action="store_true", help="plain text progress bar")
     demo.set_defaults(func=_cmd_demo)
 
     quant = sub.add_parser("quantize", help="quantize a model and print the per-layer report")

@@ -203,7 +203,7 @@ PRESETS: dict[str, dict[str, Any]] = {
         loss=dict(loss="dapo", micro_batch=64),
         optim=dict(lr=2e-3, max_grad_norm=1.0),
         aqn=dict(enabled=True, sigma_start=1e-2, sigma_end=5e-4, stages=10),
-        total_steps=60, save_every=20, eval_every=0),
+        total_steps=30, save_every=10, eval_every=0),
     # Paper Table 4, GSM8K with GRPO (batch 128 = 16 prompts x G 8, mu = 4, lr 1e-5, r 32).
     "paper-gsm8k": dict(
         model=dict(name="Qwen/Qwen2.5-7B-Instruct", format="nvfp4", lora_r=32, gradient_checkpointing=True),

@@ -1,0 +1,30 @@
+"""The main job: a short smoke run, and the full demo (slow) that must really learn."""
+
+import json
+import os
+
+import pytest
+
+from qerl_kit.demo import run_demo
+
+
+def test_demo_smoke_writes_summary_plot_and_metrics(tmp_path):
+    out = tmp_path / "run"
+    summary = run_demo(steps=3, eval_size=16, output_dir=str(out), progress="none")
+    for key in ("base_accuracy", "final_accuracy", "steps", "wall_seconds"):
+        assert key in summary
+    assert summary["steps"] == 3 and 0 <= summary["base_accuracy"] <= 1
+    assert json.loads((out / "summary.json").read_text()) == summary
+    assert (out / "curves.png").stat().st_size > 10_000
+    assert len((out / "metrics.jsonl").read_text().splitlines()) == 3
+    assert (out / "checkpoint-3" / "adapter_model.safetensors").is_file()
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(os.environ.get("QERL_SKIP_SLOW") == "1", reason="QERL_SKIP_SLOW=1")
+def test_full_demo_learns_at_least_15_points_within_10_minutes(tmp_path):
+    summary = run_demo(output_dir=str(tmp_path / "run"), progress="none")
+    assert summary["eval_problems"] == 200 and summary["steps"] == 30
+    assert summary["final_accuracy"] - summary["base_accuracy"] >= 0.15, summary
+    assert 0.2 <= summary["base_accuracy"] <= 0.5  # the calibration band of the shipped model
+    assert summary["wall_seconds"] < 600, summary
