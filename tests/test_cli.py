@@ -25,3 +25,29 @@ def test_help_explains_each_option(capsys):
     out = capsys.readouterr().out
     for flag in ("--format", "--skip", "--trust-remote-code"):
         assert flag in out
+
+
+def test_train_from_yaml_resumes_and_eval_applies_the_adapter(tmp_path, capsys):
+    cfg = tmp_path / "run.yaml"
+    out = tmp_path / "run"
+    cfg.write_text(f"preset: tiny-cpu\ntotal_steps: 3\nsave_every: 2\noutput_dir: {out}\n"
+                   "rollout: {{batch_size: 16, group_size: 4, max_new_tokens: 48}}\n"
+                   "data: {{eval_size: 8, train_size: 200}}\naqn: {{stages: 3}}\n".replace("{{", "{").replace("}}", "}"))
+    assert main(["train", "--config", str(cfg), "--steps", "2", "--no-widgets"]) == 0
+    assert (out / "checkpoint-2" / "adapter_model.safetensors").is_file()
+    assert (out / "config.yaml").is_file()
+    assert main(["train", "--config", str(cfg), "--no-widgets"]) == 0  # resumes at step 2, runs 1 more
+    out_text = capsys.readouterr().out
+    assert "resumed from step 2" in out_text
+    assert len((out / "metrics.jsonl").read_text().splitlines()) == 3
+    assert main(["eval", "--adapter", str(out / "checkpoint-3"), "--limit", "8", "--max-new-tokens", "48"]) == 0
+    assert "accuracy" in capsys.readouterr().out
+
+
+def test_train_and_eval_help(capsys):
+    for cmd, flags in (("train", ("--config", "--preset", "--steps", "--fresh", "--output-dir")),
+                       ("eval", ("--adapter", "--samples", "--temperature", "--dataset"))):
+        with pytest.raises(SystemExit):
+            build_parser().parse_args([cmd, "--help"])
+        out = capsys.readouterr().out
+        assert all(flag in out for flag in flags), cmd
