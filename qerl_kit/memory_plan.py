@@ -1,0 +1,179 @@
+"""A memory planner for one GPU: will this model, LoRA rank, batch and sequence length fit?
+
+``plan_memory("Qwen2.5-7B", lora_r=32, rollout_batch=128, max_new_tokens=4096, ...)`` estimates,
+from the model's shape alone (``qerl_kit.models.PRESETS`` or any transformers config), the bytes of
+
+* **weights**: every decoder projection in the 4-bit format (``bits_per_weight`` of
+  ``qerl_kit.formats``, codes plus block scales, plus 4 bytes per tensor), or bf16 with
+  ``fmt="none"``; embeddings, the output head (unless tied), norms and q/k/v biases in bf16;
+* **LoRA**: ``r * (in + out)`` parameters per targeted projection, their gradients, and the
+  optimizer state (AdamW: two moments in the parameters' dtype; ``adamw8bit``: one byte each);
+* **rollout KV cache**: ``2 * layers * kv_heads * head_dim`` values per token for every sequence
+  of the rollout batch at its full length (``HFEngine`` expands the shared prefill per sample);
+* **training activations** of one micro-batch: with activation checkpointing, each layer's input
+  plus one layer recomputed during backward; without, every layer's saved tensors (norm outputs,
+  q/k/v, attention output, the MLP's gate/up/act/product; SDPA keeps no score matrix); plus the
+  logits, which at a 152k vocabulary are often the largest term (bf16 logits, the float32 copy
+  and its log-softmax that ``qerl_kit.logprobs`` takes).
+
+Rollouts and updates run one after the other, so the peak is weights + LoRA state + the larger of
+the KV cache and the activations, plus ``overhead`` (CUDA context, allocator slack; 10% by default).
+These are estimates to choose settings with, not measurements: compare with
+``torch.cuda.max_memory_allocated()`` after a step (notebook 05 does).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from qerl_kit.table import html_table, human_bytes, text_table
+
+__all__ = ["MemoryPlan", "plan_memory", "model_shape"]
+
+_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def model_shape(model: Any) -> dict:
+    """The numbers the planner needs, from a preset name, a transformers config or a dict."""
+    if isinstance(model, str):
+        from qerl_kit.models import PRESETS
+
+        if model not in PRESETS:
+            raise ValueError(f"unknown model preset {model!r}; choose one of {sorted(PRESETS)} "
+                             "or pass a transformers config")
+        cfg = dict(PRESETS[model])
+    elif isinstance(model, dict):
+        cfg = dict(model)
+    else:  # a transformers PretrainedConfig (or anything with the same attributes)
+        cfg = {k: getattr(model, k) for k in ("vocab_size", "hidden_size", "intermediate_size",
+                                                "num_hidden_layers", "num_attention_heads",
+                                                "num_key_value_heads", "head_dim", "tie_word_embeddings",
+                                                "model_type") if getattr(model, k, None) is not None}
+    heads = cfg["num_attention_heads"]
+    shape = dict(vocab=cfg["vocab_size"], hidden=cfg["hidden_size"], inter=cfg["intermediate_size"],
+                 layers=cfg["num_hidden_layers"], heads=heads,
+                 kv_heads=cfg.get("num_key_value_heads") or heads,
+                 head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+                 tied=bool(cfg.get("tie_word_embeddings", False)),
+                 qkv_bias=cfg.get("arch", cfg.get("model_type")) == "qwen2")
+    return shape
+
+
+def _projections(s: dict) -> dict[str, tuple[int, int]]:
+    """(in_features, out_features) of each projection of one decoder layer."""
+    h, q, kv, i = s["hidden"], s["heads"] * s["head_dim"], s["kv_heads"] * s["head_dim"], s["inter"]
+    return {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h),
+            "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}
+
+
+@dataclass
+class MemoryPlan:
+    """Estimated bytes by part; ``peak`` = static + max(rollout, training) + overhead."""
+
+    model: str
+    parts: dict[str, int]
+    settings: dict[str, Any] = field(default_factory=dict)
+    overhead: float = 0.10
+    gpu_bytes: int | None = None
+
+    @property
+    def static(self) -> int:
+        return sum(v for k, v in self.parts.items() if not k.startswith(("rollout", "training")))
+
+    @property
+    def rollout(self) -> int:
+        return sum(v for k, v in self.parts.items() if k.startswith("rollout"))
+
+    @property
+    def training(self) -> int:
+        return sum(v for k, v in self.parts.items() if k.startswith("training"))
+
+    @property
+    def peak(self) -> int:
+        return int((self.static + max(self.rollout, self.training)) * (1 + self.overhead))
+
+    def fits(self, gpu_bytes: int | None = None) -> bool:
+        gpu = gpu_bytes or self.gpu_bytes
+        if gpu is None:
+            raise ValueError("pass the GPU's memory in bytes (e.g. torch.cuda.mem_get_info()[1])")
+        return self.peak <= gpu
+
+    def rows(self) -> list[dict]:
+        rows = [{"part": k, "bytes": human_bytes(v), "GiB": round(v / 2**30, 2)} for k, v in self.parts.items()]
+        rows.append({"part": f"peak (static + max(rollout, training)) x {1 + self.overhead:.2f}",
+                     "bytes": human_bytes(self.peak), "GiB": round(self.peak / 2**30, 2)})
+        return rows
+
+    def summary(self) -> str:
+        s = self.settings
+        text = (f"{self.model} in {s.get('fmt')}, LoRA r={s.get('lora_r')}, rollout {s.get('rollout_batch')} x "
+                f"{s.get('prompt_len')}+{s.get('max_new_tokens')} tokens, micro-batch {s.get('micro_batch')}: "
+                f"peak ~{self.peak / 2**30:.1f} GiB")
+        if self.gpu_bytes:
+            text += f" of {self.gpu_bytes / 2**30:.0f} GiB ({'fits' if self.fits() else 'does NOT fit'})"
+        return text
+
+    def __str__(self) -> str:
+        return self.summary() + "\n" + text_table(self.rows())
+
+    def _repr_html_(self) -> str:
+        return html_table(self.rows(), caption=self.summary())
+
+
+def plan_memory(model: Any = "Qwen2.5-7B", fmt: str = "nvfp4", lora_r: int = 32,
+                targets: tuple[str, ...] = _PROJECTIONS, optimizer: str = "adamw8bit",
+                rollout_batch: int = 128, prompt_len: int = 256, max_new_tokens: int = 4096,
+                micro_batch: int = 8, gradient_checkpointing: bool = True, kv_bytes: int = 2,
+                act_bytes: int = 2, lora_bytes: int = 2, overhead: float = 0.10,
+                gpu_bytes: int | None = None) -> MemoryPlan:
+    """Estimate the memory of a QeRL run; see the module docstring for what each part counts."""
+    if fmt != "none":
+        from qerl_kit.formats import get_format
+
+        bits = get_format(fmt).bits_per_weight
+    if optimizer not in ("adamw", "adamw8bit"):
+        raise ValueError(f"optimizer must be adamw or adamw8bit; got {optimizer!r}")
+    s = model_shape(model)
+    proj = _projections(s)
+    unknown = set(targets) - set(proj)
+    if unknown:
+        raise ValueError(f"unknown LoRA targets {sorted(unknown)}; choose from {list(proj)}")
+    L, h, V = s["layers"], s["hidden"], s["vocab"]
+    # weights
+    n_proj = L * sum(i * o for i, o in proj.values())
+    proj_bytes = n_proj * 2 if fmt == "none" else int(n_proj * bits / 8) + 4 * L * len(proj)
+    dense = V * h * (1 if s["tied"] else 2) + L * 2 * h + h  # embeddings (+ head), norms
+    if s["qkv_bias"]:
+        dense += L * (proj["q_proj"][1] + 2 * proj["k_proj"][1])
+    # LoRA and its training state
+    lora_params = L * sum(lora_r * (proj[t][0] + proj[t][1]) for t in targets)
+    opt_bytes = lora_params * (2 * lora_bytes if optimizer == "adamw" else 2)
+    # rollout: KV cache of every sequence at full length
+    seq = prompt_len + max_new_tokens
+    kv = rollout_batch * seq * 2 * L * s["kv_heads"] * s["head_dim"] * kv_bytes
+    rollout_logits = rollout_batch * V * 4  # one step's float32 logits (HFEngine's record buffer)
+    # training: one micro-batch
+    T = micro_batch * seq
+    kvw = s["kv_heads"] * s["head_dim"]
+    per_layer = T * (7 * h + 2 * kvw + 4 * s["inter"] + 3 * len(targets) * lora_r) * act_bytes
+    acts = (L * T * h * act_bytes + per_layer) if gradient_checkpointing else L * per_layer
+    logits = T * V * (act_bytes + 4 + 4)
+    parts = {
+        f"weights: projections ({fmt})": proj_bytes,
+        "weights: embeddings, head, norms (bf16)": dense * 2,
+        f"LoRA r={lora_r} ({lora_params / 1e6:.1f} M params)": lora_params * lora_bytes,
+        "LoRA gradients": lora_params * lora_bytes,
+        f"optimizer state ({optimizer})": opt_bytes,
+        f"rollout: KV cache ({rollout_batch} seqs x {seq} tokens)": kv,
+        "rollout: logits of one decode step": rollout_logits,
+        f"training: activations (micro-batch {micro_batch}, "
+        f"{'checkpointed' if gradient_checkpointing else 'all layers kept'})": acts,
+        "training: logits + float32 log-softmax": logits,
+    }
+    settings = dict(fmt=fmt, lora_r=lora_r, optimizer=optimizer, rollout_batch=rollout_batch,
+                    prompt_len=prompt_len, max_new_tokens=max_new_tokens, micro_batch=micro_batch,
+                    gradient_checkpointing=gradient_checkpointing)
+    name = model if isinstance(model, str) else (model.get("model_type", "model") if isinstance(model, dict)
+                                                 else getattr(model, "model_type", "model"))
+    return MemoryPlan(str(name), parts, settings, overhead, gpu_bytes)

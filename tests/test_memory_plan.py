@@ -1,0 +1,75 @@
+"""The memory planner against what the library actually allocates on the tiny model, and its arithmetic."""
+
+import pytest
+import torch
+
+from qerl_kit.memory_plan import model_shape, plan_memory
+
+
+def _part(plan, prefix):
+    return next(v for k, v in plan.parts.items() if k.startswith(prefix))
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    from qerl_kit.models import build_model
+    from qerl_kit.quantize import memory_report, quantize_model
+
+    model = build_model("qwen2-tiny", hidden_size=128, intermediate_size=256)
+    report = quantize_model(model, fmt="nvfp4")
+    return model, report, memory_report(model)
+
+
+def test_weight_bytes_match_the_quantized_model(tiny):
+    model, report, mem = tiny
+    plan = plan_memory(model.config, fmt="nvfp4", lora_r=4)
+    assert _part(plan, "weights: projections") == report.bytes_after  # exact: codes + fp8 scales + global
+    dense_fp32 = mem.dense_by_dtype["float32"]  # the planner counts bf16: half the fp32 bytes
+    assert _part(plan, "weights: embeddings") == pytest.approx(dense_fp32 / 2, rel=0.02)  # + rotary buffer
+
+
+def test_lora_parameter_count_matches_peft(tiny):
+    from qerl_kit.lora import attach_lora, trainable_parameters
+
+    model, _, _ = tiny
+    plan = plan_memory(model.config, lora_r=4, lora_bytes=4)
+    policy = attach_lora(model, r=4)
+    try:
+        assert _part(plan, "LoRA r=4") == trainable_parameters(policy)["trainable"] * 4
+    finally:
+        policy.unload()
+
+
+def test_kv_cache_and_bf16_arithmetic_for_qwen25_7b():
+    s = model_shape("Qwen2.5-7B")
+    assert (s["layers"], s["kv_heads"], s["head_dim"], s["tied"]) == (28, 4, 128, False)
+    plan = plan_memory("Qwen2.5-7B", rollout_batch=1, prompt_len=0, max_new_tokens=1)
+    assert _part(plan, "rollout: KV cache") == 2 * 28 * 4 * 128 * 2  # 56 KiB per token
+    nv, bf = plan_memory("Qwen2.5-7B"), plan_memory("Qwen2.5-7B", fmt="none")
+    ratio = _part(bf, "weights: projections") / _part(nv, "weights: projections")
+    assert ratio == pytest.approx(16 / 4.5, rel=1e-3)
+    assert 3.5e9 < _part(nv, "weights: projections") < 3.8e9  # 6.5 B projection weights at 4.5 bits
+
+
+def test_peak_is_static_plus_the_larger_phase_and_fits():
+    plan = plan_memory("Qwen2.5-7B", overhead=0.0)
+    assert plan.peak == plan.static + max(plan.rollout, plan.training)
+    assert plan.fits(200 * 2**30) and not plan.fits(10 * 2**30)
+    smaller = plan_memory("Qwen2.5-7B", micro_batch=1, rollout_batch=16)
+    assert smaller.peak < plan.peak
+    ckpt, full = plan_memory("Qwen2.5-7B"), plan_memory("Qwen2.5-7B", gradient_checkpointing=False)
+    acts = lambda p: _part(p, "training: activations")  # noqa: E731
+    assert acts(full) > 10 * acts(ckpt)
+    assert _part(plan, "training: logits") > acts(ckpt)  # at a 152k vocabulary the logits dominate
+    assert "Qwen2.5-7B" in str(plan) and "<table" in plan._repr_html_()
+
+
+def test_errors_name_the_problem():
+    with pytest.raises(ValueError, match="unknown model preset"):
+        plan_memory("Qwen9-1B")
+    with pytest.raises(ValueError, match="unknown LoRA targets"):
+        plan_memory("Qwen2.5-7B", targets=("qkv",))
+    with pytest.raises(ValueError, match="optimizer"):
+        plan_memory("Qwen2.5-7B", optimizer="sgd")
+    with pytest.raises(ValueError, match="GPU's memory"):
+        plan_memory("Qwen2.5-7B").fits()
