@@ -16,6 +16,7 @@ is missing, when either is absent.
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import time
 from pathlib import Path
@@ -49,6 +50,13 @@ def _smoke_copy(dst: Path) -> Path:
     path = dst / NOTEBOOK.name
     path.write_text(json.dumps(nb, indent=1))
     return path
+
+
+def _schedule_start(readout: str) -> float:
+    """sigma_start from the readout's "(schedule 1.0e-02 -> 5.0e-04)"."""
+    match = re.search(r"schedule ([0-9.e+-]+) ->", readout)
+    assert match, readout
+    return float(match.group(1))
 
 
 def _click_menu(page, menu: str, item: str) -> None:
@@ -108,7 +116,7 @@ def test_aqn_panel_in_jupyterlab(tmp_path):
             page.wait_for_selector(".jp-Notebook .jp-Cell", timeout=90_000)
             # the kernel is started and connected: the status bar names it and says Idle
             page.wait_for_selector('.jp-Notebook-ExecutionIndicator[data-status="idle"]', timeout=90_000)
-            page.get_by_text("Python 3 (ipykernel) | Idle").wait_for(timeout=90_000)
+            page.locator(".jp-StatusBar-Widget", has_text=re.compile(r"\| Idle")).first.wait_for(timeout=90_000)
 
             _run_all(page)
             readout = page.locator(".qerl-sigma-readout").first
@@ -143,6 +151,7 @@ def test_aqn_panel_in_jupyterlab(tmp_path):
                 arg=[".qerl-schedule-plot img", before_src], timeout=30_000)
             after_src = page.locator(".qerl-schedule-plot img").first.get_attribute("src")
             assert after_text != before_text and "sigma = " in after_text
+            assert _schedule_start(after_text) > _schedule_start(before_text)  # the dragged slider's value
             assert after_src != before_src and after_src.startswith("data:image/png")
 
             # and the probe: the tiny model's entropy and diversity at the marked step's sigma
