@@ -37,7 +37,10 @@ def policy_entropy(model: torch.nn.Module, input_ids: torch.Tensor, completion_m
                          f"{tuple(completion_mask.shape)} must have the same shape")
     if temperature <= 0:
         raise ValueError(f"temperature must be positive; got {temperature}")
-    logits = model(input_ids=input_ids, attention_mask=attention_mask).logits[:, :-1]
+    position_ids = None
+    if attention_mask is not None:  # left padding must not shift positions (as in generate)
+        position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+    logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids).logits[:, :-1]
     ent = entropy_from_logits(logits / temperature)  # [B, T-1]
     mask = completion_mask[:, 1:].to(ent.dtype)
     if mask.sum() == 0:

@@ -160,7 +160,7 @@ class Trainer:
         correct = torch.tensor([1.0 if (s is not None and s >= 1.0) else 0.0 for s in acc_scores])
         lc = self.config.loss
         if lc.overlong_buffer > 0:
-            rewards = rewards + overlong_penalty(rollouts.completion_mask.sum(1), self.config.rollout.max_new_tokens,
+            rewards = rewards + overlong_penalty(rollouts.completion_mask.sum(1).cpu(), self.config.rollout.max_new_tokens,
                                                  lc.overlong_buffer, lc.overlong_penalty)
         return rewards, metrics, correct
 
@@ -215,8 +215,9 @@ class Trainer:
         batch, rewards, metrics = self._collect(step)
         mask = batch.completion_mask.float()
         if lc.mask_truncated:
-            mask = mask * torch.tensor([r != "length" for r in batch.finish_reasons], dtype=mask.dtype)[:, None]
-        adv = grpo.group_advantages(rewards, G, scale=lc.scale_rewards)
+            keep = torch.tensor([r != "length" for r in batch.finish_reasons], dtype=mask.dtype, device=mask.device)
+            mask = mask * keep[:, None]
+        adv = grpo.group_advantages(rewards, G, scale=lc.scale_rewards).to(mask.device)  # rewards live on the CPU
         t0 = time.perf_counter()
         self.model.eval()
         old_logp, entropy = batched_logprobs(self.model, batch, temp, lc.micro_batch, with_entropy=True)
@@ -278,7 +279,6 @@ class Trainer:
     def train(self, steps: int | None = None, callback: Callable[[dict], None] | None = None) -> "Trainer":
         """Run ``steps`` more steps (default: up to ``config.total_steps``); callable repeatedly."""
         steps = self.config.total_steps - self.step if steps is None else steps
-        self.stop_requested = False
         bar = self._bar(steps)
         for _ in range(steps):
             if self.stop_requested:
@@ -298,7 +298,8 @@ class Trainer:
                 callback(row)
         if bar is not None:
             bar.close()
-        return self
+        self.stop_requested = False  # a stop ends this chunk only (cleared at the end, so a stop
+        return self                  # pressed just before the chunk starts is not lost)
 
     def _bar(self, steps: int):
         if self.progress == "none" or steps <= 0:

@@ -49,9 +49,9 @@ class AQNPanel:
     def _build(self):
         a = self.aqn
         style = {"description_width": "90px"}
-        self.s_start = W.FloatLogSlider(value=a.sigma_start, base=10, min=-4, max=-0.5, step=0.05,
+        self.s_start = W.FloatLogSlider(value=a.sigma_start, base=10, min=-4, max=-0.5, step=0.01,
                                         description="sigma_start", readout_format=".1e", style=style)
-        self.s_end = W.FloatLogSlider(value=a.sigma_end, base=10, min=-5, max=-1, step=0.05,
+        self.s_end = W.FloatLogSlider(value=a.sigma_end, base=10, min=-5, max=-1, step=0.01,
                                       description="sigma_end", readout_format=".1e", style=style)
         self.s_stages = W.IntSlider(value=a.stages, min=3, max=20, description="stages", style=style)
         self.s_step = W.IntSlider(value=a.total_steps // 2, min=0, max=a.total_steps - 1, description="step",
@@ -66,7 +66,8 @@ class AQNPanel:
         children = [W.HBox([W.VBox([self.s_start, self.s_end]), W.VBox([self.s_stages, self.s_step])]),
                     self.label, self.plot]
         if self.probe is not None:
-            self.probe_button = W.Button(description="measure at this sigma", icon="flask")
+            self.probe_button = W.Button(description="measure at this sigma", icon="flask",
+                                          layout=W.Layout(width="auto"))
             self.probe_button.on_click(lambda _b: self._probe_now())
             children += [self.probe_button, self.probe_out]
         self._redraw()

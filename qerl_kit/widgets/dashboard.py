@@ -90,9 +90,10 @@ class TrainingDashboard:
     def _build(self):
         t = self.trainer
         lr = t.optimizer.param_groups[0].get("initial_lr", t.optimizer.param_groups[0]["lr"])
-        self.lr = W.FloatLogSlider(value=lr, base=10, min=-6, max=-1, description="lr", readout_format=".1e")
+        self.lr = W.FloatLogSlider(value=lr, base=10, min=-6, max=-1, step=0.01, description="lr",
+                                  readout_format=".1e")
         sigma = t.aqn.sigma_start if t.aqn else 1e-2
-        self.sigma = W.FloatLogSlider(value=sigma, base=10, min=-4, max=-0.5, description="AQN sigma",
+        self.sigma = W.FloatLogSlider(value=sigma, base=10, min=-4, max=-0.5, step=0.01, description="AQN sigma",
                                       readout_format=".1e", disabled=t.aqn is None)
         self.temp = W.FloatSlider(value=t.config.rollout.temperature, min=0.1, max=2.0, step=0.05,
                                   description="temperature")
