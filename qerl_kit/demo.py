@@ -57,11 +57,14 @@ def run_demo(model: str = "tiny", dataset: str = "arith", steps: int | None = No
         overrides["data"]["eval_size"] = eval_size
     cfg = preset("tiny-cpu", **overrides)
     out = Path(output_dir)
-    if out.exists():  # a fresh run each time: old checkpoints would be resumed by `qerl train`
+    if out.exists() and any(out.iterdir()):  # a fresh run each time, but only over an old run
+        if not (out / "config.yaml").is_file() or any(p.suffix == ".py" or p.name == ".git" for p in out.iterdir()):
+            raise FileExistsError(f"{out} exists and does not look like a qerl run directory; "
+                                  "pick another --output-dir")
         import shutil
 
         shutil.rmtree(out)
-    out.mkdir(parents=True)
+    out.mkdir(parents=True, exist_ok=True)
     save_config(cfg, out / "config.yaml")
 
     torch.manual_seed(seed)

@@ -20,6 +20,13 @@ def test_demo_smoke_writes_summary_plot_and_metrics(tmp_path):
     assert (out / "checkpoint-3" / "adapter_model.safetensors").is_file()
 
 
+def test_demo_refuses_to_overwrite_a_directory_that_is_not_a_run(tmp_path):
+    (tmp_path / "notes.txt").write_text("keep me")
+    with pytest.raises(FileExistsError, match="does not look like a qerl run"):
+        run_demo(steps=1, eval_size=4, output_dir=str(tmp_path), progress="none")
+    assert (tmp_path / "notes.txt").read_text() == "keep me"
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(os.environ.get("QERL_SKIP_SLOW") == "1", reason="QERL_SKIP_SLOW=1")
 def test_full_demo_learns_at_least_15_points_within_10_minutes(tmp_path):
