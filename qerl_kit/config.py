@@ -75,7 +75,7 @@ class RolloutConfig:
 class LossConfig:
     loss: str = "dapo"  # grpo | dapo | dr_grpo
     eps_low: float = 0.2
-    eps_high: float | None = None  # None: 0.28 for dapo, eps_low otherwise
+    eps_high: float | None = None  # None: eps_low (symmetric clip); DAPO's clip-higher is 0.28
     beta: float = 0.0  # k3 KL to the reference (adapter disabled)
     scale_rewards: str = "group"  # group | batch | none
     mu: int = 1  # policy updates per rollout batch (the paper: 4 on GSM8K)

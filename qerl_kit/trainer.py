@@ -233,7 +233,8 @@ class Trainer:
         t0 = time.perf_counter()
         self.model.train()
         loss_fn, n = grpo.LOSSES[lc.loss], mask.shape[0]
-        kwargs = dict(eps_low=lc.eps_low, eps_high=lc.eps_high, beta=lc.beta)
+        eps_high = lc.eps_low if lc.eps_high is None else lc.eps_high  # the one value loss and stats use
+        kwargs = dict(eps_low=lc.eps_low, eps_high=eps_high, beta=lc.beta)
         total_tokens = mask.sum().clamp(min=1)
         for _ in range(lc.mu):
             loss_sum = 0.0
@@ -256,7 +257,6 @@ class Trainer:
         self.scheduler.step()
         self.model.eval()
         metrics["time/update"] = time.perf_counter() - t0
-        eps_high = lc.eps_high if lc.eps_high is not None else (0.28 if lc.loss == "dapo" else lc.eps_low)
         with torch.no_grad():
             new_logp = batched_logprobs(self.model, batch, temp, lc.micro_batch) if lc.mu > 1 else old_logp
         metrics.update(grpo.clip_stats(new_logp, old_logp, adv, mask, lc.eps_low, eps_high))
