@@ -1,0 +1,491 @@
+"""The paper's claim, tested: a grid of configurations x seeds on one task, with its metrics.
+
+QeRL claims that quantization noise raises policy entropy, which speeds up reward growth, and that
+AQN adds to it. ``run_grid`` trains every configuration of a grid (``STANDARD_GRID``: bf16-LoRA,
+NF4-LoRA, MXFP4-LoRA, NVFP4-LoRA, NVFP4-LoRA + AQN and the ablation the paper lacks, bf16-LoRA +
+AQN) with several seeds, everything else equal: the same task and held-out problems (data seed 0),
+the same prompts and sampling seeds per step for a given seed, the same AQN schedule where it is
+on; only the learning rate follows the paper's practice (bf16 lower). It returns two pandas
+DataFrames, per-step metrics (long format) and a per-run summary, and writes them as CSV. Each
+finished run is also kept as two small CSVs under ``output_dir/runs/``, so a crashed grid resumes
+where it stopped. ``plot_curves``, ``plot_summary`` and ``summary_table`` draw and tabulate them.
+
+    python -m qerl_kit.experiments --grid reduced --seeds 0 1 2 --out docs/results/experiments
+    python -m qerl_kit.experiments --grid full --device cuda --out runs/experiments-gpu
+
+Two entropies are recorded per step: ``entropy`` (the trainer's, TRL's: exact mean entropy of the
+clean training policy over the completion tokens) and ``rollout_nll`` (mean negative log-prob of
+the sampled tokens under the policy that sampled them, noisy when AQN is on: at temperature 1 a
+Monte-Carlo estimate of the *sampling* policy's entropy, the exploration AQN is meant to add).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Callable, Sequence
+
+import torch
+
+from qerl_kit.config import PRESETS
+
+# Paper Table 4 and the released scripts: lr 1e-5 for QeRL (NVFP4) and QLoRA (NF4), 5e-6 for
+# bf16 LoRA ("cannot be larger than 5e-6 or it collapses late"); the reference note, section 5.
+BF16_LR_RATIO = 0.5
+PAPER_LR = 1e-5
+TINY_LR = PRESETS["tiny-cpu"]["optim"]["lr"]  # 2e-3: the tiny task's 4-bit lr; bf16 gets 1e-3
+FORMATS = ("none", "nf4", "mxfp4", "nvfp4")
+METRIC_COLUMNS = ("reward", "accuracy", "entropy", "rollout_nll", "reward_std", "frac_reward_zero_std",
+                  "completions/mean_length", "clip_ratio/region_mean", "aqn/sigma", "lr", "grad_norm",
+                  "time/step")
+
+
+@dataclass(frozen=True)
+class GridConfig:
+    """One grid entry: a weight format (``none`` = bf16 weights), AQN on or off, a learning rate."""
+    name: str
+    format: str
+    aqn: bool
+    lr: float
+
+    def __post_init__(self):
+        if not self.name or not all(c.isalnum() or c in "-_." for c in self.name):
+            raise ValueError(f"config name {self.name!r} must be non-empty letters, digits, '-', '_' or '.'")
+        if self.format not in FORMATS:
+            raise ValueError(f"config {self.name!r}: format must be one of {FORMATS}; got {self.format!r}")
+        if not (isinstance(self.lr, (int, float)) and self.lr > 0):
+            raise ValueError(f"config {self.name!r}: lr must be > 0; got {self.lr!r}")
+
+    @property
+    def label(self) -> str:
+        base = {"none": "bf16", "nf4": "NF4", "mxfp4": "MXFP4", "nvfp4": "NVFP4"}[self.format] + "-LoRA"
+        return base + (" + AQN" if self.aqn else "")
+
+
+def standard_grid(base_lr: float = TINY_LR) -> tuple[GridConfig, ...]:
+    """The six configurations; the 4-bit ones train at ``base_lr``, bf16 at ``BF16_LR_RATIO`` of it."""
+    bf16_lr = base_lr * BF16_LR_RATIO
+    return (GridConfig("bf16-lora", "none", False, bf16_lr),
+            GridConfig("nf4-lora", "nf4", False, base_lr),
+            GridConfig("mxfp4-lora", "mxfp4", False, base_lr),
+            GridConfig("nvfp4-lora", "nvfp4", False, base_lr),
+            GridConfig("nvfp4-lora-aqn", "nvfp4", True, base_lr),
+            GridConfig("bf16-lora-aqn", "none", True, bf16_lr))
+
+
+STANDARD_GRID = standard_grid()
+
+
+@dataclass(frozen=True)
+class Budget:
+    """How much each run trains and how it is measured (the same for every configuration)."""
+    steps: int
+    batch_size: int  # completions per step = prompts x group_size
+    group_size: int
+    eval_size: int  # held-out problems, greedy
+    seeds: tuple[int, ...]
+    max_new_tokens: int = 64
+
+
+# name -> (configuration names, budget). "reduced" fits a 2-core CPU (six configs x 3 seeds in about
+# half an hour on one thread); "full" is the GPU run; "smoke" is for CI and notebook smoke runs.
+GRIDS: dict[str, tuple[tuple[str, ...], Budget]] = {
+    "smoke": (("nvfp4-lora", "bf16-lora"), Budget(steps=2, batch_size=8, group_size=4, eval_size=8, seeds=(0,))),
+    "reduced": (tuple(c.name for c in STANDARD_GRID), Budget(30, 32, 8, 200, (0, 1, 2))),
+    "full": (tuple(c.name for c in STANDARD_GRID), Budget(60, 64, 8, 400, (0, 1, 2, 3, 4))),
+}
+
+
+def resolve_configs(configs: Sequence[GridConfig | str], base_lr: float = TINY_LR) -> list[GridConfig]:
+    """Names (of ``standard_grid(base_lr)``) or GridConfigs -> GridConfigs; errors name the problem."""
+    if isinstance(configs, (str, GridConfig)) or not configs:
+        raise ValueError("configs must be a non-empty list of GridConfig or names of "
+                         f"{[c.name for c in STANDARD_GRID]}")
+    known = {c.name: c for c in standard_grid(base_lr)}
+    out = []
+    for c in configs:
+        if isinstance(c, str):
+            if c not in known:
+                raise ValueError(f"unknown config {c!r}; known: {sorted(known)}")
+            c = known[c]
+        elif not isinstance(c, GridConfig):
+            raise TypeError(f"configs must hold GridConfig or str; got {type(c).__name__}")
+        out.append(c)
+    names = [c.name for c in out]
+    dupes = sorted({n for n in names if names.count(n) > 1})
+    if dupes:
+        raise ValueError(f"duplicate config name(s): {dupes}")
+    return out
+
+
+def _check_seeds(seeds: Sequence[int]) -> list[int]:
+    if isinstance(seeds, int) or not seeds:
+        raise ValueError("seeds must be a non-empty list of ints, e.g. [0, 1, 2]")
+    if any(not isinstance(s, int) or isinstance(s, bool) or s < 0 for s in seeds):
+        raise ValueError(f"seeds must be non-negative ints; got {list(seeds)}")
+    if len(set(seeds)) != len(seeds):
+        raise ValueError(f"duplicate seeds: {list(seeds)}")
+    return list(seeds)
+
+
+def _device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dev = torch.device(device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {device!r} asked for, but torch sees no CUDA GPU; use device='cpu'")
+    if dev.type not in ("cpu", "cuda"):
+        raise ValueError(f"device must be auto, cpu or cuda[:N]; got {device!r}")
+    return dev
+
+
+def train_config(gc: GridConfig, seed: int, budget: Budget, *, model: str = "tiny", dataset: str = "arith",
+                 output_dir: str = "runs/experiments"):
+    """The TrainConfig of one run: the ``tiny-cpu`` recipe with the grid entry and the budget."""
+    from qerl_kit.config import preset
+
+    if gc.aqn and budget.steps < 3:
+        raise ValueError(f"config {gc.name!r} has AQN, which needs at least 3 steps (a noise-free stage 0 "
+                         f"and two noisy ones); got steps={budget.steps}")
+    return preset("tiny-cpu", model=dict(name=model, format=gc.format),
+                  data=dict(dataset=dataset, eval_size=budget.eval_size),
+                  rollout=dict(batch_size=budget.batch_size, group_size=budget.group_size,
+                               max_new_tokens=budget.max_new_tokens),
+                  loss=dict(micro_batch=min(budget.batch_size, 64)), optim=dict(lr=gc.lr),
+                  aqn=dict(enabled=gc.aqn, stages=min(10, budget.steps)),
+                  total_steps=budget.steps, seed=seed, save_every=0, eval_every=0, output_dir=output_dir)
+
+
+class _RecordingEngine:
+    """Wraps a rollout engine and records the mean negative log-prob of the tokens it samples."""
+
+    def __init__(self, engine):
+        self.engine, self.nll = engine, []
+
+    def generate(self, prompts, n, sampling):
+        out = self.engine.generate(prompts, n, sampling)
+        mask = out.completion_mask.float()
+        self.nll.append(float(-(out.logprobs.float() * mask).sum() / mask.sum().clamp(min=1)))
+        return out
+
+    def __getattr__(self, name):
+        return getattr(self.engine, name)
+
+
+def _build_policy(model_cfg, seed: int, device: torch.device):
+    from qerl_kit.build import build_policy
+
+    if device.type == "cpu":
+        policy, tok, _ = build_policy(model_cfg, seed=seed)
+        return policy, tok
+    from qerl_kit.build import load_base
+    from qerl_kit.lora import attach_lora
+    from qerl_kit.quantize import quantize_model
+
+    if model_cfg.name == "tiny":  # bf16 compute on the GPU, as in the paper
+        from qerl_kit.tiny import load_tiny
+
+        base, tok = load_tiny(dtype=torch.bfloat16, device=device)
+    else:
+        base, tok = load_base(model_cfg, dtype=torch.bfloat16)
+        base = base.to(device).eval()
+    if model_cfg.format != "none":
+        quantize_model(base, fmt=model_cfg.format)
+    policy = attach_lora(base, r=model_cfg.lora_r, alpha=model_cfg.lora_alpha, train_norms=model_cfg.train_norms,
+                         seed=seed)
+    return policy, tok
+
+
+def _prompt_fn(dataset: str) -> Callable:
+    from qerl_kit.data import build_prompt
+
+    if dataset == "arith":
+        from qerl_kit.tiny import PROMPT_SUFFIX
+
+        return lambda tok, row: build_prompt(tok, row["prompt"], suffix=PROMPT_SUFFIX)
+    return lambda tok, row: build_prompt(tok, row["prompt"])
+
+
+def run_one(gc: GridConfig, seed: int, cfg, data, device: torch.device, base_cache: dict,
+            progress: str = "none") -> tuple[list[dict], dict]:
+    """Train one (config, seed); returns (per-step rows, summary). ``data`` = build_datasets(...)."""
+    from qerl_kit.rollout import HFEngine
+    from qerl_kit.trainer import Trainer
+
+    start = time.perf_counter()
+    torch.manual_seed(seed)
+    policy, tok = _build_policy(cfg.model, seed, device)
+    train, heldout, reward_fns = data
+    engine = _RecordingEngine(HFEngine(policy, tok))
+    trainer = Trainer(policy, tok, train, reward_fns, cfg, engine=engine, eval_dataset=heldout,
+                      prompt_fn=_prompt_fn(cfg.data.dataset), progress=progress)
+    # LoRA's B starts at zero, so the untrained policy is the base model: its greedy accuracy is the
+    # same for every seed and with or without AQN (noise is only on during rollouts); measure once.
+    key = (cfg.model.name, cfg.model.format)
+    if key not in base_cache:
+        base_cache[key] = trainer.evaluate(batch_size=64).accuracy
+    engine.nll.clear()
+
+    def record(row: dict) -> None:  # the row is the dict kept in trainer.history
+        row["rollout_nll"] = sum(engine.nll) / len(engine.nll) if engine.nll else float("nan")
+        engine.nll.clear()
+
+    trainer.train(callback=record)
+    final = trainer.evaluate(batch_size=64).accuracy
+    wall = time.perf_counter() - start
+    rows = [{"config": gc.name, "label": gc.label, "seed": seed, "step": int(r["step"]),
+             **{m: float(r.get(m, 0.0 if m == "aqn/sigma" else math.nan)) for m in METRIC_COLUMNS}}
+            for r in trainer.history]
+    last = rows[-min(5, len(rows)):]
+    summary = {"config": gc.name, "label": gc.label, "seed": seed, "format": gc.format, "aqn": gc.aqn, "lr": gc.lr,
+               "steps": cfg.total_steps, "batch_size": cfg.rollout.batch_size, "group_size": cfg.rollout.group_size,
+               "eval_size": len(heldout), "max_new_tokens": cfg.rollout.max_new_tokens, "model": cfg.model.name,
+               "dataset": cfg.data.dataset, "base_accuracy": base_cache[key], "final_accuracy": final,
+               "initial_entropy": rows[0]["entropy"], "mean_entropy": _mean(r["entropy"] for r in rows),
+               "initial_rollout_nll": rows[0]["rollout_nll"], "mean_rollout_nll": _mean(r["rollout_nll"] for r in rows),
+               "initial_reward": rows[0]["reward"], "mean_reward": _mean(r["reward"] for r in rows),
+               "final_reward": _mean(r["reward"] for r in last), "wall_seconds": wall,
+               "seconds_per_step": _mean(r["time/step"] for r in rows), "device": str(device),
+               "threads": torch.get_num_threads(), "torch": torch.__version__}
+    return rows, summary
+
+
+def _same(recorded, wanted) -> bool:
+    if isinstance(wanted, float) and isinstance(recorded, (int, float)):
+        return math.isclose(recorded, wanted, rel_tol=1e-9)
+    return recorded == wanted
+
+
+def _mean(values) -> float:
+    values = list(values)
+    return sum(values) / len(values)
+
+
+def run_grid(configs: Sequence[GridConfig | str], seeds: Sequence[int], *, steps: int = 30, batch_size: int = 32,
+             group_size: int = 8, eval_size: int = 200, max_new_tokens: int = 64,
+             output_dir: str | os.PathLike = "runs/experiments", device: str = "auto", model: str = "tiny",
+             dataset: str = "arith", progress: str = "none", log: Callable[[str], None] = print):
+    """Train every (config, seed); returns ``(metrics, summary)`` DataFrames, also written as
+    ``output_dir/metrics.csv`` and ``output_dir/summary.csv``.
+
+    A run whose ``runs/<config>_seed<k>_summary.csv`` exists is not trained again (its CSVs are
+    read back), so calling this again after a crash continues the grid; a finished run recorded
+    with other settings (steps, batch, lr ...) is an error rather than a silent mix.
+    """
+    import pandas as pd
+
+    from qerl_kit.build import build_datasets
+
+    base_lr = TINY_LR if model == "tiny" else PAPER_LR
+    configs, seeds, dev = resolve_configs(configs, base_lr), _check_seeds(seeds), _device(device)
+    budget = Budget(steps, batch_size, group_size, eval_size, tuple(seeds), max_new_tokens)
+    out = Path(output_dir)
+    runs = out / "runs"
+    plan = [(gc, s, train_config(gc, s, budget, model=model, dataset=dataset,  # validates all before training
+                                 output_dir=str(runs / ".work" / f"{gc.name}_seed{s}")))
+            for s in seeds for gc in configs]  # seed-major: a grid stopped early still has every config
+    runs.mkdir(parents=True, exist_ok=True)
+    data, base_cache, metrics, summaries = None, {}, [], []
+    for i, (gc, seed, cfg) in enumerate(plan, 1):
+        stem = runs / f"{gc.name}_seed{seed}"
+        done = Path(f"{stem}_summary.csv")
+        if done.exists():
+            summary = pd.read_csv(done).iloc[0].to_dict()
+            want = {"format": gc.format, "aqn": gc.aqn, "lr": gc.lr, "steps": steps, "batch_size": batch_size,
+                    "group_size": group_size, "eval_size": eval_size, "max_new_tokens": max_new_tokens,
+                    "model": model, "dataset": dataset}
+            diff = {k: (summary.get(k), v) for k, v in want.items() if not _same(summary.get(k), v)}
+            if diff:
+                raise ValueError(f"{done} was recorded with other settings (recorded, asked): {diff}; "
+                                 "use another output_dir or delete it")
+            log(f"[{i}/{len(plan)}] {gc.name} seed {seed}: finished earlier, read {done.name}")
+            metrics.append(pd.read_csv(f"{stem}_metrics.csv"))
+            summaries.append(summary)
+            continue
+        if data is None:
+            data = build_datasets(cfg.data)  # seed 0: the same problems for every run
+        work = Path(cfg.output_dir)
+        shutil.rmtree(work, ignore_errors=True)  # a crashed run's partial metrics.jsonl
+        log(f"[{i}/{len(plan)}] {gc.name} seed {seed}: training {steps} steps ({gc.label}, lr {gc.lr:g}) ...")
+        rows, summary = run_one(gc, seed, cfg, data, dev, base_cache, progress=progress)
+        shutil.rmtree(work, ignore_errors=True)
+        frame = pd.DataFrame(rows)
+        frame.to_csv(f"{stem}_metrics.csv", index=False)
+        tmp = Path(f"{stem}_summary.csv.tmp")
+        pd.DataFrame([summary]).to_csv(tmp, index=False)
+        tmp.replace(done)  # written last, atomically: its presence means the run finished
+        log(f"    base {summary['base_accuracy']:.3f} -> final {summary['final_accuracy']:.3f}, initial entropy "
+            f"{summary['initial_entropy']:.4f}, mean reward {summary['mean_reward']:.3f}, "
+            f"{summary['wall_seconds']:.0f} s")
+        metrics.append(frame)
+        summaries.append(summary)
+    shutil.rmtree(runs / ".work", ignore_errors=True)
+    rank = {gc.name: i for i, gc in enumerate(configs)}  # tables in grid order, seeds ascending
+    metrics_df = pd.concat(metrics, ignore_index=True)
+    metrics_df = metrics_df.sort_values(["config", "seed", "step"], key=lambda c: c.map(rank) if c.name == "config" else c,
+                                        kind="stable", ignore_index=True)
+    summary_df = pd.DataFrame(summaries)
+    summary_df = summary_df.sort_values(["config", "seed"], key=lambda c: c.map(rank) if c.name == "config" else c,
+                                        kind="stable", ignore_index=True)
+    metrics_df.to_csv(out / "metrics.csv", index=False)
+    summary_df.to_csv(out / "summary.csv", index=False)
+    return metrics_df, summary_df
+
+
+# ---- views -------------------------------------------------------------------------------------
+def _order(frame) -> list[str]:
+    return list(dict.fromkeys(frame["label"]))
+
+
+def summary_table(summary):
+    """Per configuration: seeds, lr, initial entropy, base and final held-out accuracy, mean reward
+    (the area under the reward curve, a measure of how fast reward grew), as mean and sd over seeds."""
+    import pandas as pd
+
+    if len(summary) == 0:
+        raise ValueError("summary is empty: nothing to tabulate")
+    cols = ("initial_entropy", "mean_entropy", "initial_rollout_nll", "base_accuracy", "final_accuracy",
+            "mean_reward", "final_reward")
+    rows = []
+    for label in _order(summary):
+        g = summary[summary["label"] == label]
+        row = {"configuration": label, "seeds": len(g), "lr": g["lr"].iloc[0]}
+        for c in cols:
+            row[c] = g[c].mean()
+            row[c + "_sd"] = g[c].std(ddof=1) if len(g) > 1 else float("nan")
+        row["minutes_per_run"] = g["wall_seconds"].mean() / 60
+        rows.append(row)
+    return pd.DataFrame(rows).set_index("configuration")
+
+
+def markdown_table(table) -> str:
+    """``summary_table`` as a Markdown table, ``mean ± sd`` per cell."""
+    heads = {"initial_entropy": "initial entropy", "initial_rollout_nll": "initial rollout NLL",
+             "mean_entropy": "mean entropy", "base_accuracy": "base held-out acc.",
+             "final_accuracy": "final held-out acc.", "mean_reward": "mean reward (all steps)",
+             "final_reward": "reward, last 5 steps"}
+    lines = ["| configuration | seeds | lr | " + " | ".join(heads.values()) + " | min/run |",
+             "|---" * (len(heads) + 4) + "|"]
+    for label, r in table.iterrows():
+        cells = []
+        for c in heads:
+            digits = 4 if "entropy" in c or "nll" in c else 3
+            sd = r[c + "_sd"]
+            cells.append(f"{r[c]:.{digits}f}" + ("" if math.isnan(sd) else f" ± {sd:.{digits}f}"))
+        lines.append(f"| {label} | {int(r['seeds'])} | {r['lr']:g} | " + " | ".join(cells)
+                     + f" | {r['minutes_per_run']:.1f} |")
+    return "\n".join(lines)
+
+
+def plot_curves(metrics, y: Sequence[str] = ("reward", "entropy"), *, errorbar=("ci", 95), smooth: int = 1,
+                title: str | None = None):
+    """One panel per metric against step, a line per configuration and a band over seeds
+    (``errorbar``: seaborn's, e.g. ("ci", 95) or "sd"); ``smooth`` > 1 averages each run over a
+    trailing window of that many steps before the bands are computed."""
+    import seaborn as sns
+
+    from qerl_kit.plots import _plt
+
+    missing = [m for m in y if m not in metrics.columns]
+    if missing or len(metrics) == 0:
+        raise ValueError(f"metrics has no rows or lacks {missing}; columns: {list(metrics.columns)}")
+    plt = _plt()
+    df = metrics.copy()
+    if smooth > 1:
+        for m in y:
+            df[m] = df.groupby(["config", "seed"])[m].transform(lambda s: s.rolling(smooth, min_periods=1).mean())
+    sns.set_theme(style="whitegrid")
+    fig, axes = plt.subplots(1, len(y), figsize=(5.2 * len(y), 3.8), squeeze=False)
+    for ax, m in zip(axes[0], y):
+        sns.lineplot(data=df, x="step", y=m, hue="label", hue_order=_order(df), errorbar=errorbar, ax=ax,
+                     linewidth=1.4)
+        ax.set_title(m + (f" ({smooth}-step mean)" if smooth > 1 else ""))
+        ax.set_ylabel("")
+        ax.legend(fontsize=7, title=None)
+    seeds = df.groupby("label")["seed"].nunique().min()
+    band = errorbar if isinstance(errorbar, str) else f"{errorbar[0]} {errorbar[1]}"
+    fig.suptitle(title or f"mean over {seeds} seed(s), band: {band}")
+    fig.tight_layout()
+    return fig
+
+
+def plot_summary(summary, y: Sequence[str] = ("initial_entropy", "final_accuracy", "mean_reward")):
+    """Per configuration, one dot per seed and the mean: initial entropy, final accuracy, mean reward."""
+    import seaborn as sns
+
+    from qerl_kit.plots import _plt
+
+    if len(summary) == 0:
+        raise ValueError("summary is empty: nothing to plot")
+    plt = _plt()
+    sns.set_theme(style="whitegrid")
+    fig, axes = plt.subplots(1, len(y), figsize=(4.6 * len(y), 3.8), squeeze=False)
+    order = _order(summary)
+    for ax, m in zip(axes[0], y):
+        sns.stripplot(data=summary, x=m, y="label", order=order, ax=ax, color="gray", size=5, jitter=0.15)
+        sns.pointplot(data=summary, x=m, y="label", order=order, ax=ax, errorbar=None, linestyle="none",
+                      marker="D", color="tab:red")
+        ax.set_title(m)
+        ax.set_xlabel("")
+        ax.set_ylabel("")
+    fig.tight_layout()
+    return fig
+
+
+# ---- command line ------------------------------------------------------------------------------
+def main(argv: Sequence[str] | None = None) -> int:
+    import argparse
+    import platform
+    import shlex
+    import sys
+
+    p = argparse.ArgumentParser(prog="python -m qerl_kit.experiments", description=__doc__.split("\n\n")[0])
+    p.add_argument("--grid", choices=sorted(GRIDS), default="reduced",
+                   help="configurations and budget: reduced (CPU), full (GPU), smoke")
+    p.add_argument("--configs", nargs="+", help="a subset of the grid's configurations, by name")
+    p.add_argument("--seeds", nargs="+", type=int, help="default: the grid's")
+    p.add_argument("--steps", type=int)
+    p.add_argument("--batch-size", type=int)
+    p.add_argument("--group-size", type=int)
+    p.add_argument("--eval-size", type=int)
+    p.add_argument("--device", default="auto", help="auto, cpu or cuda")
+    p.add_argument("--model", default="tiny", help="tiny or a local Hugging Face directory")
+    p.add_argument("--dataset", default="arith")
+    p.add_argument("--out", default="runs/experiments", help="output directory (finished runs in it are reused)")
+    args = p.parse_args(argv)
+    names, budget = GRIDS[args.grid]
+    dev = _device(args.device)
+    if dev.type == "cpu":  # one thread: the tiny model gains nothing from more, and they fight (demo.py)
+        torch.set_num_threads(int(os.environ.get("QERL_THREADS", "1")))
+    kw = dict(steps=args.steps or budget.steps, batch_size=args.batch_size or budget.batch_size,
+              group_size=args.group_size or budget.group_size, eval_size=args.eval_size or budget.eval_size,
+              max_new_tokens=budget.max_new_tokens if args.dataset == "arith" else 512)
+    try:
+        metrics, summary = run_grid(args.configs or names, args.seeds or budget.seeds, output_dir=args.out,
+                                    device=args.device, model=args.model, dataset=args.dataset, **kw)
+    except (ValueError, TypeError) as err:
+        p.error(str(err))
+    out = Path(args.out)
+    plot_curves(metrics).savefig(out / "curves.png", dpi=110)
+    plot_curves(metrics, ("reward", "entropy", "rollout_nll"), smooth=5).savefig(out / "curves_smoothed.png", dpi=110)
+    plot_summary(summary).savefig(out / "summary.png", dpi=110)
+    table = markdown_table(summary_table(summary))
+    (out / "table.md").write_text(table + "\n")
+    (out / "command.json").write_text(json.dumps({
+        "command": "python -m qerl_kit.experiments " + shlex.join(sys.argv[1:] if argv is None else argv),
+        "resolved": {"configs": list(summary["config"].unique()), "seeds": sorted(summary["seed"].unique().tolist()),
+                     **kw, "device": str(dev), "model": args.model, "dataset": args.dataset},
+        "machine": platform.machine(), "torch": torch.__version__, "threads": torch.get_num_threads(),
+        "finished": time.strftime("%Y-%m-%d %H:%M:%S")}, indent=2) + "\n")
+    print("\n" + table + f"\n\nwrote {out}/metrics.csv, summary.csv, curves.png, curves_smoothed.png, "
+          "summary.png, table.md, command.json")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
