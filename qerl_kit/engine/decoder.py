@@ -1,0 +1,172 @@
+"""A decoder forward pass over a Hugging Face model's own modules, with a static KV cache.
+
+``Decoder(model)`` finds the pieces of a Qwen2 / Qwen3 / Llama-style causal LM (plain, quantized
+or wrapped by peft) and runs them itself, so the rollout engine controls every tensor shape:
+
+* the projections (``q/k/v/o_proj``, the MLP) are the model's modules, called as they are: an
+  ``NVFP4Linear`` goes through the NVFP4 kernels, a peft LoRA wrapper adds its unmerged bf16
+  low-rank path, so a new adapter (the optimizer updates it in place) needs no re-capture;
+* the RMSNorms are the model's modules too, so AQN's in-place noise on their weights is read by
+  every replay of a captured CUDA graph;
+* rotary embeddings come from the model's ``rotary_emb`` (every RoPE variant transformers has);
+* attention is ours: ``prefill`` runs the B unique prompts through ``scaled_dot_product_attention``
+  and writes their keys/values to the cache once per sample row (``repeat_interleave(n)``);
+  ``decode`` writes one token per row at cache slot ``slot`` (a device tensor, so a captured graph
+  advances it itself) and attends over the first ``length`` slots with a per-row key mask,
+  grouped-query style (no expanded K/V copies).
+
+Only full attention is supported (no sliding window); an unknown layout raises a clear error.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+
+@dataclass
+class KVCache:
+    """Static keys/values: ``k[layer]``, ``v[layer]`` of shape [rows, kv_heads, max_len, head_dim]."""
+
+    k: list[Tensor]
+    v: list[Tensor]
+
+    @classmethod
+    def allocate(cls, layers: int, rows: int, kv_heads: int, max_len: int, head_dim: int,
+                 dtype: torch.dtype, device: torch.device) -> "KVCache":
+        shape = (rows, kv_heads, max_len, head_dim)
+        return cls([torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)],
+                   [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)])
+
+    @property
+    def rows(self) -> int:
+        return self.k[0].shape[0]
+
+    @property
+    def max_len(self) -> int:
+        return self.k[0].shape[2]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.k + self.v)
+
+
+def _rotate_half(x: Tensor) -> Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def _rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """x [R, heads, T, D]; cos/sin [R, T, D]."""
+    return x * cos[:, None] + _rotate_half(x) * sin[:, None]
+
+
+class Decoder:
+    """The model's modules, run with a static KV cache (see the module docstring)."""
+
+    def __init__(self, model: nn.Module):
+        base = model.get_base_model() if hasattr(model, "get_base_model") else model
+        inner = getattr(base, "model", None)
+        needed = ("embed_tokens", "layers", "norm", "rotary_emb")
+        if inner is None or not all(hasattr(inner, a) for a in needed) or not hasattr(base, "lm_head"):
+            raise TypeError(
+                f"{type(base).__name__} is not a Qwen2/Qwen3/Llama-style causal LM (expected "
+                "model.model.{embed_tokens, layers, norm, rotary_emb} and model.lm_head)")
+        config = base.config
+        if getattr(config, "use_sliding_window", False) and getattr(config, "sliding_window", None):
+            raise NotImplementedError("the static engine implements full attention only; this config "
+                                      "enables a sliding window (use HFEngine)")
+        self.model, self.config = base, config
+        self.embed, self.layers, self.norm = inner.embed_tokens, list(inner.layers), inner.norm
+        self.rotary, self.lm_head = inner.rotary_emb, base.lm_head
+        for i, layer in enumerate(self.layers):
+            attn = getattr(layer, "self_attn", None)
+            parts = ("q_proj", "k_proj", "v_proj", "o_proj")
+            if attn is None or not all(hasattr(attn, p) for p in parts) or not hasattr(layer, "mlp"):
+                raise TypeError(f"layer {i} ({type(layer).__name__}) lacks self_attn.{{q,k,v,o}}_proj or mlp")
+        attn = self.layers[0].self_attn
+        self.heads = config.num_attention_heads
+        self.kv_heads = getattr(config, "num_key_value_heads", None) or self.heads
+        self.head_dim = getattr(attn, "head_dim", None) or config.hidden_size // self.heads
+        self.scaling = getattr(attn, "scaling", self.head_dim ** -0.5)
+        self.group = self.heads // self.kv_heads
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layers)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed.weight.dtype
+
+    def allocate(self, rows: int, max_len: int, device: torch.device) -> KVCache:
+        return KVCache.allocate(self.num_layers, rows, self.kv_heads, max_len, self.head_dim,
+                                self.dtype, device)
+
+    def _qkv(self, attn: nn.Module, h: Tensor, positions: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """h [R, T, hidden] -> q [R, H, T, D], k and v [R, KVH, T, D], rotary applied."""
+        R, T, _ = h.shape
+        q = attn.q_proj(h).view(R, T, self.heads, self.head_dim)
+        k = attn.k_proj(h).view(R, T, self.kv_heads, self.head_dim)
+        v = attn.v_proj(h).view(R, T, self.kv_heads, self.head_dim)
+        if hasattr(attn, "q_norm"):  # Qwen3: per-head RMSNorm before the rotation
+            q, k = attn.q_norm(q), attn.k_norm(k)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        cos, sin = self.rotary(v, positions)
+        return _rope(q, cos, sin), _rope(k, cos, sin), v
+
+    def _logits(self, h: Tensor) -> Tensor:
+        return self.lm_head(self.norm(h)).float()
+
+    # -- prefill ------------------------------------------------------------------------------
+    def prefill(self, ids: Tensor, mask: Tensor, cache: KVCache, rows: slice, n: int) -> Tensor:
+        """Run B left-padded prompts [B, P]; write their K/V to cache rows ``rows`` (B*n of them,
+        each prompt's n rows contiguous) at slots [0, P); return the last position's logits [B, V]."""
+        B, P = ids.shape
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        causal = torch.ones(P, P, dtype=torch.bool, device=ids.device).tril()
+        allowed = causal[None] & mask.bool()[:, None, :]
+        allowed |= torch.eye(P, dtype=torch.bool, device=ids.device)[None]  # pad queries see themselves
+        allowed = allowed[:, None]  # [B, 1, P, P]
+        h = self.embed(ids)
+        for i, layer in enumerate(self.layers):
+            attn = layer.self_attn
+            x = layer.input_layernorm(h)
+            q, k, v = self._qkv(attn, x, positions)
+            cache.k[i][rows, :, :P] = k.repeat_interleave(n, dim=0)
+            cache.v[i][rows, :, :P] = v.repeat_interleave(n, dim=0)
+            if self.group > 1:
+                k, v = k.repeat_interleave(self.group, dim=1), v.repeat_interleave(self.group, dim=1)
+            o = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, scale=self.scaling)
+            h = h + attn.o_proj(o.transpose(1, 2).reshape(B, P, -1))
+            h = h + layer.mlp(layer.post_attention_layernorm(h))
+        return self._logits(h[:, -1])
+
+    # -- one decode step ------------------------------------------------------------------------
+    def decode(self, tokens: Tensor, positions: Tensor, slot: Tensor, key_mask: Tensor,
+               cache: KVCache, length: int) -> Tensor:
+        """One new token per row: tokens/positions [R], ``slot`` a 1-element long tensor (the
+        cache column written), key_mask [R, max_len] bool (True where a key may be attended;
+        the caller sets ``slot``'s column). Attends over slots [0, length). Returns logits [R, V]."""
+        R = tokens.shape[0]
+        h = self.embed(tokens[:, None])  # [R, 1, hidden]
+        pos = positions[:, None]
+        bias = torch.zeros(key_mask[:, :length].shape, dtype=torch.float32, device=tokens.device)
+        bias = bias.masked_fill(~key_mask[:, :length], float("-inf"))[:, None, None, :]  # [R,1,1,L]
+        for i, layer in enumerate(self.layers):
+            attn = layer.self_attn
+            x = layer.input_layernorm(h)
+            q, k, v = self._qkv(attn, x, pos)  # q [R, H, 1, D]; k, v [R, KVH, 1, D]
+            cache.k[i].index_copy_(2, slot, k)
+            cache.v[i].index_copy_(2, slot, v)
+            keys, values = cache.k[i][:, :, :length], cache.v[i][:, :, :length]
+            qg = q.reshape(R, self.kv_heads, self.group, self.head_dim)
+            scores = torch.matmul(qg, keys.transpose(-1, -2)).float() * self.scaling + bias
+            probs = torch.softmax(scores, dim=-1).to(values.dtype)  # [R, KVH, G, L]
+            o = torch.matmul(probs, values).reshape(R, 1, self.heads * self.head_dim)
+            h = h + attn.o_proj(o)
+            h = h + layer.mlp(layer.post_attention_layernorm(h))
+        return self._logits(h[:, 0])

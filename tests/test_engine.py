@@ -1,0 +1,220 @@
+"""StaticEngine on the CPU (no graphs): same model function as transformers, same sampling rules."""
+
+import pytest
+import torch
+
+from qerl_kit.engine import Decoder, StaticEngine, process_logits, sample
+from qerl_kit.lora import attach_lora
+from qerl_kit.models import build_model
+from qerl_kit.quantize import quantize_model
+from qerl_kit.rollout import HFEngine, SamplingParams
+
+
+def _model(preset: str, fmt: str = "nvfp4", lora: bool = True, seed: int = 0):
+    model = build_model(preset, seed=seed)
+    if fmt != "none":
+        quantize_model(model, fmt)
+    if lora:
+        model = attach_lora(model, r=4, seed=seed)
+        with torch.no_grad():  # B = 0 at init: make the adapter matter
+            for name, p in model.named_parameters():
+                if "lora_B" in name:
+                    p.normal_(0, 0.05)
+    return model
+
+
+def _prompts(gen: torch.Generator, lengths, vocab=512):
+    return [torch.randint(3, vocab, (L,), generator=gen).tolist() for L in lengths]
+
+
+def _hf_logits(model, prompt: list[int], completion: list[int]) -> torch.Tensor:
+    ids = torch.tensor([prompt + completion])
+    with torch.no_grad():
+        return model(input_ids=ids).logits[0, len(prompt) - 1:-1].float()  # predicting each completion token
+
+
+@pytest.mark.parametrize("preset", ["qwen2-tiny", "qwen3-tiny", "llama-tiny"])
+@pytest.mark.parametrize("fmt", ["nvfp4", "none"])
+def test_sampled_logprobs_are_the_models(preset, fmt):
+    """Each sampled token's log-prob is log_softmax(logits / T) of a plain HF forward on the same
+    sequence (left padding, uneven prompts, LoRA on, prefill shared by n samples)."""
+    gen = torch.Generator().manual_seed(hash((preset, fmt)) % 2**31)
+    model = _model(preset, fmt)
+    prompts = _prompts(gen, [5, 11, 8])
+    engine = StaticEngine(model, prompt_bucket=4, length_bucket=8)
+    out = engine.generate_ids(prompts, n=2, sampling=SamplingParams(max_new_tokens=10, temperature=0.8, seed=3),
+                              ignore_eos=True)
+    assert out["completion_ids"].shape == (6, 10) and bool(out["completion_mask"].all())
+    for row in range(6):
+        prompt = prompts[row // 2]
+        completion = out["completion_ids"][row].tolist()
+        ref = torch.log_softmax(_hf_logits(model, prompt, completion) / 0.8, dim=-1)
+        want = ref.gather(1, torch.tensor(completion)[:, None]).squeeze(1)
+        torch.testing.assert_close(out["logprobs"][row], want, atol=2e-4, rtol=1e-4)
+    # the prompt comes back left-padded to its longest length, group-contiguous
+    assert out["prompt_ids"].shape == (6, 11)
+    assert out["prompt_ids"][2, -11:].tolist() == prompts[1]
+    assert out["prompt_mask"][0].tolist() == [0] * 6 + [1] * 5
+
+
+def test_greedy_matches_hf_engine_on_the_tiny_model(tiny):
+    """Same tokens, stop reasons and (nearly) log-probs as transformers' generate, through text."""
+    from qerl_kit.data import build_prompt
+    from qerl_kit.tasks.arith import make_dataset
+    from qerl_kit.tiny import PROMPT_SUFFIX
+
+    model, tok = tiny
+    rows = make_dataset("test", 5, seed=1)
+    prompts = [build_prompt(tok, r["prompt"], suffix=PROMPT_SUFFIX) for r in rows]
+    sp = SamplingParams(max_new_tokens=40, temperature=0)
+    ref = HFEngine(model, tok).generate(prompts, 2, sp)
+    got = StaticEngine(model, tok, sync_every=8).generate(prompts, 2, sp)
+    assert got.texts == ref.texts
+    assert got.finish_reasons == ref.finish_reasons
+    assert torch.equal(got.completion_ids, ref.completion_ids)
+    assert torch.equal(got.completion_mask, ref.completion_mask)
+    torch.testing.assert_close(got.logprobs, ref.logprobs, atol=1e-4, rtol=1e-4)
+    assert got.stats["rollout/tokens"] == int(ref.completion_mask.sum())
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    from qerl_kit.tiny import load_tiny
+
+    model, tok = load_tiny(quantize="nvfp4")
+    return attach_lora(model, r=4, seed=0), tok
+
+
+def test_stop_tokens_end_rows_and_are_kept(tiny):
+    model, tok = tiny
+    engine = StaticEngine(model, tok, sync_every=4)
+    eos = tok.eos_token_id
+    out = engine.generate_ids([[5, 6, 7, 8]], n=4, sampling=SamplingParams(max_new_tokens=30, temperature=1.5, seed=0))
+    ids, mask = out["completion_ids"], out["completion_mask"]
+    for row in range(4):
+        L = int(mask[row].sum())
+        if out["stopped"][row]:
+            assert ids[row, L - 1] == eos and (ids[row, :L - 1] != eos).all()
+        else:
+            assert L == 30
+        assert (ids[row, L:] == engine.pad_token_id).all() and (out["logprobs"][row, L:] == 0).all()
+        assert (out["logprobs"][row, :L] < 0).all()
+
+
+def test_seed_reproduces_and_rng_is_left_alone(tiny):
+    model, tok = tiny
+    engine = StaticEngine(model, tok)
+    sp = SamplingParams(max_new_tokens=12, temperature=1.0, seed=7)
+    torch.manual_seed(123)
+    before = torch.rand(1)
+    torch.manual_seed(123)
+    a = engine.generate(["<|user|>\n1+2=<|end|>\n<|assistant|>\n"] * 2, 3, sp)
+    after = torch.rand(1)  # the caller's stream continues as if generate had not run
+    b = engine.generate(["<|user|>\n1+2=<|end|>\n<|assistant|>\n"] * 2, 3, sp)
+    assert torch.equal(before, after)
+    assert torch.equal(a.completion_ids, b.completion_ids)
+    c = engine.generate(["<|user|>\n1+2=<|end|>\n<|assistant|>\n"] * 2, 3, SamplingParams(max_new_tokens=12, seed=8))
+    assert not torch.equal(a.completion_ids, c.completion_ids)
+
+
+def test_adapter_and_aqn_changes_are_seen_live(tiny):
+    """In-place updates (optimizer on LoRA, AQN on norms) reach the next call without a reset."""
+    from qerl_kit.aqn import AQN
+
+    model, tok = tiny
+    engine = StaticEngine(model, tok)
+    prompt = [[9, 10, 11, 12, 13]]
+    sp = SamplingParams(max_new_tokens=6, temperature=0)
+
+    def logprobs():
+        return engine.generate_ids(prompt, 1, sp, ignore_eos=True)["logprobs"]
+
+    base = logprobs()
+    aqn = AQN(sigma_start=0.5, sigma_end=0.1, stages=3, total_steps=3)
+    with aqn.noise(model, step=1):
+        noisy = logprobs()
+    assert not torch.allclose(base, noisy)
+    torch.testing.assert_close(logprobs(), base)  # restored exactly
+    lora_b = next(p for n, p in model.named_parameters() if "lora_B" in n)
+    saved = lora_b.detach().clone()
+    with torch.no_grad():
+        lora_b.add_(0.5)
+    try:
+        assert not torch.allclose(logprobs(), base)
+    finally:
+        with torch.no_grad():
+            lora_b.copy_(saved)
+
+
+def test_max_rows_splits_into_batches_with_the_same_result(tiny):
+    model, tok = tiny
+    prompts = [[5, 6, 7], [8, 9, 10, 11, 12], [13, 14]]
+    sp = SamplingParams(max_new_tokens=8, temperature=0)
+    whole = StaticEngine(model, tok).generate_ids(prompts, 2, sp)
+    split = StaticEngine(model, tok, max_rows=2).generate_ids(prompts, 2, sp)
+    assert torch.equal(whole["completion_ids"], split["completion_ids"])
+    assert torch.equal(whole["prompt_ids"], split["prompt_ids"])
+
+
+def test_process_logits_matches_transformers_warpers():
+    from transformers.generation.logits_process import (TemperatureLogitsWarper, TopKLogitsWarper,
+                                                        TopPLogitsWarper)
+
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(4, 50, generator=gen) * 3
+    for T, k, p in [(1.0, 0, 1.0), (0.7, 10, 1.0), (1.3, 0, 0.8), (0.9, 20, 0.5)]:
+        x = TemperatureLogitsWarper(T)(None, logits.clone())
+        if k:
+            x = TopKLogitsWarper(k)(None, x)
+        if p < 1:
+            x = TopPLogitsWarper(p)(None, x)
+        torch.testing.assert_close(process_logits(logits, T, k, p), torch.log_softmax(x, -1))
+
+
+def test_sample_draws_from_the_processed_distribution():
+    torch.manual_seed(0)
+    logits = torch.tensor([[2.0, 1.0, 0.0, -1.0, -5.0]]).repeat(20000, 1)
+    tokens, lp = sample(logits, temperature=1.0, top_k=3)
+    freq = torch.bincount(tokens, minlength=5).float() / len(tokens)
+    want = process_logits(logits[:1], 1.0, 3, 1.0).exp()[0]
+    torch.testing.assert_close(freq, want, atol=0.015, rtol=0)
+    assert freq[3:].sum() == 0
+    torch.testing.assert_close(lp, want.log()[tokens])
+    greedy, glp = sample(logits[:2], temperature=0)
+    assert greedy.tolist() == [0, 0] and torch.allclose(glp, torch.log_softmax(logits[:2], -1)[:, 0])
+
+
+def test_errors_name_the_problem(tiny):
+    model, tok = tiny
+    with pytest.raises(TypeError, match="not a Qwen2/Qwen3/Llama"):
+        Decoder(torch.nn.Linear(4, 4))
+    with pytest.raises(ValueError, match="length_bucket"):
+        StaticEngine(model, tok, length_bucket=0)
+    with pytest.raises(ValueError, match="max_rows"):
+        StaticEngine(model, tok, max_rows=0)
+    engine = StaticEngine(model, tok)
+    with pytest.raises(ValueError, match="zero tokens"):
+        engine.generate_ids([[1, 2], []], 1)
+    with pytest.raises(TypeError, match="list of strings"):
+        engine.generate("one prompt", 1)
+    with pytest.raises(ValueError, match="no tokenizer"):
+        StaticEngine(model).generate(["x"], 1)
+
+
+def test_trainer_runs_on_the_static_engine(tiny, tmp_path):
+    """One GRPO step with the engine as the trainer's rollout backend."""
+    from qerl_kit.build import build_datasets
+    from qerl_kit.config import preset
+    from qerl_kit.demo import _prompt_fn
+    from qerl_kit.trainer import Trainer
+
+    model, tok = tiny
+    cfg = preset("tiny-cpu", total_steps=3, output_dir=str(tmp_path), save_every=0,
+                 rollout=dict(batch_size=8, group_size=4, max_new_tokens=24), aqn=dict(stages=3))
+    train, _, rewards = build_datasets(cfg.data)
+    trainer = Trainer(model, tok, train, rewards, cfg, engine=StaticEngine(model, tok),
+                      prompt_fn=_prompt_fn("arith"), progress="none")
+    row = trainer.train_step()
+    assert row["num_tokens"] > 0 and 0 <= row["reward"] <= 1
+    # step 0 is AQN's noise-free stage: the engine's sampling log-probs are the trainer's own
+    assert row["sampling/sampling_logp_difference/max"] < 1e-3
