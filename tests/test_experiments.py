@@ -1,0 +1,184 @@
+"""qerl_kit.experiments: grid validation, the lr rule, a real tiny grid, resume, views, CLI."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+pd = pytest.importorskip("pandas")
+pytest.importorskip("seaborn")
+
+from qerl_kit import experiments as ex  # noqa: E402
+from qerl_kit.experiments import GridConfig  # noqa: E402
+
+TINY = dict(steps=2, batch_size=8, group_size=4, eval_size=4, max_new_tokens=24)
+
+
+# ---- configurations --------------------------------------------------------------------------
+def test_standard_grid_is_the_issue_s_six_configurations():
+    grid = {c.name: c for c in ex.STANDARD_GRID}
+    assert [(c.format, c.aqn) for c in ex.STANDARD_GRID] == [
+        ("none", False), ("nf4", False), ("mxfp4", False), ("nvfp4", False), ("nvfp4", True), ("none", True)]
+    assert grid["nvfp4-lora-aqn"].label == "NVFP4-LoRA + AQN" and grid["bf16-lora"].label == "bf16-LoRA"
+    assert set(ex.GRIDS["reduced"][0]) == set(ex.GRIDS["full"][0]) == set(grid)
+
+
+def test_lr_rule_bf16_at_half_the_4bit_lr():
+    for base in (ex.TINY_LR, ex.PAPER_LR, 3e-4):
+        grid = ex.standard_grid(base)
+        for c in grid:
+            assert c.lr == pytest.approx(base * 0.5 if c.format == "none" else base)
+    assert ex.TINY_LR == 2e-3 and ex.PAPER_LR == 1e-5  # tiny-cpu preset; paper Table 4 (bf16 LoRA: 5e-6)
+    bf16 = {c.name: c.lr for c in ex.STANDARD_GRID}
+    assert bf16["bf16-lora"] == bf16["bf16-lora-aqn"] == 1e-3 < bf16["nvfp4-lora"] == 2e-3
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(name="", format="nvfp4", aqn=False, lr=1e-3), "non-empty"),
+    (dict(name="a/b", format="nvfp4", aqn=False, lr=1e-3), "non-empty"),
+    (dict(name="x", format="int8", aqn=False, lr=1e-3), "format must be one of"),
+    (dict(name="x", format="nvfp4", aqn=False, lr=0.0), "lr must be > 0"),
+])
+def test_grid_config_rejects_bad_values(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        GridConfig(**kwargs)
+
+
+def test_resolve_configs_errors_name_the_problem():
+    assert [c.name for c in ex.resolve_configs(["nvfp4-lora", "bf16-lora"])] == ["nvfp4-lora", "bf16-lora"]
+    assert ex.resolve_configs(["bf16-lora"], base_lr=1e-5)[0].lr == 5e-6
+    with pytest.raises(ValueError, match="unknown config 'fp8-lora'"):
+        ex.resolve_configs(["fp8-lora"])
+    with pytest.raises(ValueError, match="non-empty"):
+        ex.resolve_configs([])
+    with pytest.raises(ValueError, match="non-empty"):
+        ex.resolve_configs("nvfp4-lora")  # a bare string is not a list of names
+    with pytest.raises(ValueError, match="duplicate config"):
+        ex.resolve_configs(["nvfp4-lora", "nvfp4-lora"])
+    with pytest.raises(TypeError, match="GridConfig or str"):
+        ex.resolve_configs([3])
+
+
+@pytest.mark.parametrize("seeds, match", [([], "non-empty"), (0, "non-empty"), ([0, 0], "duplicate"),
+                                          ([-1], "non-negative"), ([1.5], "non-negative")])
+def test_run_grid_rejects_bad_seeds_before_training(seeds, match, tmp_path):
+    with pytest.raises(ValueError, match=match):
+        ex.run_grid(["nvfp4-lora"], seeds, output_dir=tmp_path, **TINY)
+    assert not (tmp_path / "runs").exists()
+
+
+def test_run_grid_validates_every_run_before_training_any(tmp_path, monkeypatch):
+    calls = []
+    monkeypatch.setattr(ex, "run_one", lambda *a, **k: calls.append(a))
+    with pytest.raises(ValueError, match="AQN, which needs at least 3 steps"):
+        ex.run_grid(["nvfp4-lora", "nvfp4-lora-aqn"], [0], output_dir=tmp_path, **TINY)
+    with pytest.raises(ValueError, match="multiple of"):
+        ex.run_grid(["nvfp4-lora"], [0], output_dir=tmp_path, **{**TINY, "batch_size": 6})
+    assert calls == []
+
+
+def test_same_everything_but_format_aqn_and_lr():
+    budget = ex.Budget(steps=20, batch_size=32, group_size=8, eval_size=50, seeds=(0,))
+    cfgs = {c.name: ex.train_config(c, 3, budget) for c in ex.STANDARD_GRID}
+    dicts = {n: c.to_dict() for n, c in cfgs.items()}
+    for d in dicts.values():
+        d["model"].pop("format"), d["optim"].pop("lr"), d["aqn"].pop("enabled"), d.pop("output_dir")
+    first = next(iter(dicts.values()))
+    assert all(d == first for d in dicts.values())  # data, rollout, loss, AQN schedule, seed: equal
+    assert first["seed"] == 3 and first["aqn"]["stages"] == 10 and first["total_steps"] == 20
+    assert cfgs["bf16-lora-aqn"].aqn.enabled and cfgs["bf16-lora-aqn"].model.format == "none"
+    assert not cfgs["nvfp4-lora"].aqn.enabled
+
+
+# ---- a real grid --------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def tiny_grid(tmp_path_factory):
+    out = tmp_path_factory.mktemp("grid")
+    metrics, summary = ex.run_grid(["nvfp4-lora", "bf16-lora"], [0], output_dir=out, device="cpu",
+                                   log=lambda s: None, **TINY)
+    return out, metrics, summary
+
+
+def test_run_grid_returns_long_metrics_and_a_summary(tiny_grid):
+    out, metrics, summary = tiny_grid
+    assert len(metrics) == 2 * 1 * 2 and len(summary) == 2
+    assert list(metrics[["config", "seed", "step"]].itertuples(index=False, name=None)) == [
+        ("nvfp4-lora", 0, 1), ("nvfp4-lora", 0, 2), ("bf16-lora", 0, 1), ("bf16-lora", 0, 2)]
+    for col in ("label", "reward", "entropy", "rollout_nll", "accuracy", "aqn/sigma", "lr"):
+        assert col in metrics.columns
+    assert metrics["entropy"].between(0, 6).all() and metrics["reward"].between(0, 1).all()
+    assert metrics["rollout_nll"].notna().all() and (metrics["aqn/sigma"] == 0).all()
+    assert dict(zip(metrics["config"], metrics["lr"])) == {"nvfp4-lora": 2e-3, "bf16-lora": 1e-3}
+    s = summary.set_index("config")
+    assert s.loc["nvfp4-lora", "initial_entropy"] == metrics.query("config == 'nvfp4-lora' and step == 1")["entropy"].item()
+    for col in ("base_accuracy", "final_accuracy", "mean_reward", "wall_seconds"):
+        assert summary[col].notna().all()
+    assert s.loc["nvfp4-lora", "format"] == "nvfp4" and s.loc["bf16-lora", "format"] == "none"
+    assert (summary["eval_size"] == 4).all()
+    # on disk: the combined CSVs and one pair per run
+    assert pd.read_csv(out / "metrics.csv").shape == metrics.shape
+    assert pd.read_csv(out / "summary.csv")["config"].tolist() == ["nvfp4-lora", "bf16-lora"]
+    assert sorted(p.name for p in (out / "runs").iterdir()) == [
+        "bf16-lora_seed0_metrics.csv", "bf16-lora_seed0_summary.csv",
+        "nvfp4-lora_seed0_metrics.csv", "nvfp4-lora_seed0_summary.csv"]
+
+
+def test_resume_skips_finished_runs_and_trains_only_new_ones(tiny_grid, monkeypatch):
+    out, metrics, summary = tiny_grid
+    trained = []
+    real = ex.run_one
+
+    def counting(gc, seed, *args, **kwargs):
+        trained.append((gc.name, seed))
+        return real(gc, seed, *args, **kwargs)
+
+    monkeypatch.setattr(ex, "run_one", counting)
+    again, again_summary = ex.run_grid(["nvfp4-lora", "bf16-lora"], [0], output_dir=out, log=lambda s: None, **TINY)
+    assert trained == []  # nothing re-trained, and the results read back are the same
+    pd.testing.assert_frame_equal(again, metrics, check_dtype=False)
+    assert again_summary["final_accuracy"].tolist() == summary["final_accuracy"].tolist()
+    # a crashed grid: one run's summary missing -> only that run is trained again
+    (out / "runs" / "bf16-lora_seed0_summary.csv").unlink()
+    ex.run_grid(["nvfp4-lora", "bf16-lora"], [0], output_dir=out, log=lambda s: None, **TINY)
+    assert trained == [("bf16-lora", 0)]
+    with pytest.raises(ValueError, match=r"other settings.*'steps': \(2, 3\)"):
+        ex.run_grid(["nvfp4-lora"], [0], output_dir=out, log=lambda s: None, **{**TINY, "steps": 3})
+
+
+def test_views_table_and_plots(tiny_grid):
+    import matplotlib.figure
+
+    _, metrics, summary = tiny_grid
+    table = ex.summary_table(summary)
+    assert list(table.index) == ["NVFP4-LoRA", "bf16-LoRA"] and (table["seeds"] == 1).all()
+    assert table.loc["bf16-LoRA", "lr"] == 1e-3 and math.isnan(table.loc["bf16-LoRA", "final_accuracy_sd"])
+    md = ex.markdown_table(table)
+    assert md.count("\n") == 3 and "| NVFP4-LoRA | 1 | 0.002 |" in md
+    fig = ex.plot_curves(metrics)
+    assert isinstance(fig, matplotlib.figure.Figure) and [a.get_title() for a in fig.axes] == ["reward", "entropy"]
+    assert len(fig.axes[0].get_lines()) >= 2  # one line per configuration
+    assert isinstance(ex.plot_curves(metrics, ("reward",), errorbar="sd", smooth=2), matplotlib.figure.Figure)
+    assert len(ex.plot_summary(summary).axes) == 3
+    with pytest.raises(ValueError, match="lacks"):
+        ex.plot_curves(metrics, ("nope",))
+    with pytest.raises(ValueError, match="empty"):
+        ex.summary_table(summary.iloc[:0])
+
+
+def test_summary_table_aggregates_over_seeds():
+    rows = [dict(config="a", label="A", seed=s, lr=1e-3, initial_entropy=e, mean_entropy=e, initial_rollout_nll=e,
+                 base_accuracy=0.25, final_accuracy=f, mean_reward=0.5, final_reward=0.9, wall_seconds=60.0)
+            for s, e, f in [(0, 0.1, 0.8), (1, 0.3, 1.0)]]
+    t = ex.summary_table(pd.DataFrame(rows))
+    assert t.loc["A", "initial_entropy"] == pytest.approx(0.2)
+    assert t.loc["A", "final_accuracy_sd"] == pytest.approx(math.sqrt(0.02))
+    assert "0.2000 ± 0.1414" in ex.markdown_table(t)
+
+
+def test_cli_reports_bad_input(capsys):
+    with pytest.raises(SystemExit):
+        ex.main(["--configs", "nope", "--out", "unused"])
+    assert "unknown config 'nope'" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        ex.main(["--grid", "huge"])
