@@ -78,13 +78,15 @@ class StaticEngine:
     ``cuda_graphs``: capture decode steps on CUDA (ignored on the CPU, where steps run eagerly).
     ``max_rows``: most rows (prompts x n) decoded together; more are split into batches.
     ``ignore_eos``: run every row to ``max_new_tokens`` in ``generate`` (fixed-length benchmarks).
+    ``keep_cache``: keep the KV cache and graphs between calls (fast); False frees them after each
+    call, so a training step that follows has the cache's memory back (graphs are re-captured).
     """
 
     def __init__(self, model: torch.nn.Module, tokenizer: Any = None, *, cuda_graphs: bool = True,
                  max_rows: int | None = None, length_bucket: int = 128, prompt_bucket: int = 64,
                  max_prefill_tokens: int = 16384, sync_every: int = 32,
                  stop_token_ids: Sequence[int] | None = None, add_special_tokens: bool = False,
-                 ignore_eos: bool = False):
+                 ignore_eos: bool = False, keep_cache: bool = True):
         for name, value in (("length_bucket", length_bucket), ("prompt_bucket", prompt_bucket),
                             ("max_prefill_tokens", max_prefill_tokens), ("sync_every", sync_every)):
             if not isinstance(value, int) or value < 1:
@@ -96,7 +98,7 @@ class StaticEngine:
         self.cuda_graphs, self.max_rows = cuda_graphs, max_rows
         self.length_bucket, self.prompt_bucket = length_bucket, prompt_bucket
         self.max_prefill_tokens, self.sync_every = max_prefill_tokens, sync_every
-        self.add_special_tokens, self.ignore_eos = add_special_tokens, ignore_eos
+        self.add_special_tokens, self.ignore_eos, self.keep_cache = add_special_tokens, ignore_eos, keep_cache
         eos = _as_ids(getattr(tokenizer, "eos_token_id", None)) if tokenizer is not None else []
         pad = getattr(tokenizer, "pad_token_id", None) if tokenizer is not None else None
         self.pad_token_id = int(pad) if pad is not None else (eos[0] if eos else 0)
@@ -156,6 +158,8 @@ class StaticEngine:
         with _inference(self.model), _seeded(sampling.seed, self.device):
             for i in range(0, len(prompt_ids), per_batch):
                 parts.append(self._generate_batch(prompt_ids[i:i + per_batch], n, sampling, ignore_eos))
+        if not self.keep_cache:
+            self.reset()
         if len(parts) == 1:
             return parts[0]
         return _concat(parts, self.pad_token_id)

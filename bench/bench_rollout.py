@@ -1,0 +1,477 @@
+"""Rollout and whole-GRPO-step benchmark: StaticEngine (bf16 / NVFP4, + LoRA, + AQN) against
+transformers' ``generate`` (bf16 + LoRA, bitsandbytes NF4 + LoRA = the QLoRA baseline) and the
+memory-bandwidth floor, on random-initialised Qwen2.5 shapes. Everything in one process, one run.
+
+    PYTHONPATH=. python bench/bench_rollout.py --out OUT            # the H200 run
+    PYTHONPATH=. python bench/bench_rollout.py --smoke --out /tmp/x # CPU smoke (tiny presets)
+
+Parts (``--parts``): ``check`` (engine with graphs == eager == HF on a small model, on the GPU),
+``rollout`` (tokens/s per model x batch), ``step`` (one GRPO step: time split and peak memory).
+Each case runs in its own try block and a time guard (``--budget`` seconds) skips what would not
+fit, so a partial run still writes its tables. Random weights: the speed of every kernel here is
+independent of the values (no zeros: normal(0, 0.02) weights, random prompts).
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import gc
+import json
+import os
+import platform
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import torch
+from torch import nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from qerl_kit.engine import StaticEngine  # noqa: E402
+from qerl_kit.rollout import SamplingParams  # noqa: E402
+
+T0 = time.perf_counter()
+LOG: list[str] = []
+
+
+def log(msg: str) -> None:
+    line = f"[{time.perf_counter() - T0:7.1f}s] {msg}"
+    print(line, flush=True)
+    LOG.append(line)
+
+
+def sync():
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def free():
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+# -- models -----------------------------------------------------------------------------------
+def _linear_children(model: nn.Module, skip=("lm_head",)):
+    return [(parent, name, child) for parent in model.modules() for name, child in parent.named_children()
+            if isinstance(child, nn.Linear) and name not in skip]
+
+
+def build(preset: str, fmt: str, device: str) -> nn.Module:
+    """A random model of ``preset``'s shape: ``bf16`` dense, or ``nvfp4`` built layer by layer from
+    meta (a bf16 copy of the whole model never exists, so 72B fits)."""
+    from transformers import AutoModelForCausalLM
+
+    from qerl_kit.linear import NVFP4Linear
+    from qerl_kit.models import make_config
+
+    config = make_config(preset)
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    if fmt in ("bf16", "none"):
+        from qerl_kit.models import build_model
+
+        return build_model(preset, dtype=dtype, device=device)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    for parent, name, lin in _linear_children(model):
+        dense = nn.Linear(lin.in_features, lin.out_features, bias=lin.bias is not None, device=device, dtype=dtype)
+        nn.init.normal_(dense.weight, std=0.02)
+        if dense.bias is not None:
+            nn.init.normal_(dense.bias, std=0.02)
+        setattr(parent, name, NVFP4Linear.from_linear(dense))
+        del dense
+    inner = model.model
+    with torch.device(device):  # inv_freq is computed in __init__ (a non-persistent buffer)
+        inner.rotary_emb = type(inner.rotary_emb)(config=config)
+    for module in model.modules():
+        for pname, p in list(module.named_parameters(recurse=False)):
+            if p.is_meta:
+                t = torch.empty(p.shape, dtype=p.dtype, device=device)
+                t.fill_(1.0) if t.dim() == 1 else t.normal_(0, 0.02)
+                setattr(module, pname, nn.Parameter(t, requires_grad=p.requires_grad))
+        for bname, b in list(module.named_buffers(recurse=False)):
+            if b is not None and b.is_meta:
+                raise RuntimeError(f"buffer {bname} of {type(module).__name__} left on meta")
+    if model.config.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    return model.eval()
+
+
+def to_nf4(model: nn.Module) -> nn.Module:
+    """bitsandbytes NF4 (double quant off, bf16 compute): the QLoRA baseline, in place."""
+    import bitsandbytes as bnb
+
+    for parent, name, lin in _linear_children(model):
+        q = bnb.nn.Linear4bit(lin.in_features, lin.out_features, bias=lin.bias is not None,
+                              compute_dtype=torch.bfloat16, quant_type="nf4", device="meta")
+        q.weight = bnb.nn.Params4bit(lin.weight.data, requires_grad=False, quant_type="nf4").to(lin.weight.device)
+        if lin.bias is not None:
+            q.bias = nn.Parameter(lin.bias.data, requires_grad=False)
+        setattr(parent, name, q)
+    free()
+    return model
+
+
+def with_lora(model: nn.Module, r: int):
+    from qerl_kit.lora import attach_lora
+
+    peft = attach_lora(model, r=r, seed=0)
+    with torch.no_grad():
+        for n, p in peft.named_parameters():
+            if "lora_B" in n:
+                p.normal_(0, 0.01)  # a trained-looking adapter, never zeros
+    return peft
+
+
+def weight_bytes(model: nn.Module) -> int:
+    """Bytes a decode step reads: every parameter and quantized buffer but the embedding table
+    (one row per token) and LoRA's small matrices counted in full."""
+    skip = {id(p) for n, p in model.named_parameters() if "embed_tokens" in n}
+    total = sum(p.numel() * p.element_size() for p in model.parameters() if id(p) not in skip)
+    total += sum(b.numel() * b.element_size() for n, b in model.named_buffers() if "rotary" not in n)
+    head = model.get_output_embeddings().weight if hasattr(model, "get_output_embeddings") else None
+    if head is not None and id(head) in skip:  # tied head: it is read every step
+        total += head.numel() * head.element_size()
+    return total
+
+
+def copy_bandwidth(device: str) -> float:
+    """Bytes (read + written) per second of a large device-to-device copy, same run."""
+    n = (1 << 30) if device == "cuda" else (1 << 24)
+    a = torch.randn(n // 4, device=device)
+    b = torch.empty_like(a)
+    for _ in range(3):
+        b.copy_(a)
+    sync()
+    reps = 20
+    t = time.perf_counter()
+    for _ in range(reps):
+        b.copy_(a)
+    sync()
+    return 2 * a.numel() * 4 * reps / (time.perf_counter() - t)
+
+
+# -- measurements -------------------------------------------------------------------------------
+def random_prompts(batch: int, length: int, vocab: int, seed: int = 0) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(10, vocab - 10, (batch, length), generator=g).tolist()
+
+
+def engine_run(model, prompts, new: int, repeats: int = 1) -> dict:
+    engine = StaticEngine(model, None, max_prefill_tokens=32768)
+    sp = SamplingParams(max_new_tokens=new, temperature=1.0, seed=0)
+    t = time.perf_counter()
+    engine.generate_ids(prompts, 1, sp, ignore_eos=True)  # warm-up: autotune, graph capture
+    sync()
+    warm = time.perf_counter() - t
+    best = None
+    for _ in range(repeats):
+        t = time.perf_counter()
+        out = engine.generate_ids(prompts, 1, sp, ignore_eos=True)
+        sync()
+        total = time.perf_counter() - t
+        if best is None or total < best["total_s"]:
+            best = dict(total_s=total, prefill_s=out["prefill_seconds"], decode_s=out["decode_seconds"],
+                        ms_per_step=1e3 * out["decode_seconds"] / max(new - 1, 1), warmup_s=warm)
+    engine.reset()
+    del engine
+    free()
+    return best
+
+
+def hf_run(model, prompts, new: int, hf_tokens: int) -> dict:
+    """transformers generate at fixed length; timed over ``hf_tokens`` new tokens (and 1, to split
+    off the prefill), then extrapolated to ``new`` tokens."""
+    dev = next(p for p in model.parameters() if p.device.type != "meta").device
+    ids = torch.tensor(prompts, device=dev)
+    mask = torch.ones_like(ids)
+
+    def gen(k):
+        sync()
+        t = time.perf_counter()
+        with torch.no_grad():
+            model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=k, min_new_tokens=k, do_sample=True,
+                           temperature=1.0, top_k=0, top_p=1.0, pad_token_id=0, eos_token_id=None)
+        sync()
+        return time.perf_counter() - t
+
+    gen(2)  # warm-up
+    t1, tk = gen(1), gen(hf_tokens)
+    per_step = (tk - t1) / (hf_tokens - 1)
+    return dict(total_s=t1 + (new - 1) * per_step, prefill_s=t1, decode_s=(new - 1) * per_step,
+                ms_per_step=1e3 * per_step, measured_tokens=hf_tokens)
+
+
+def kv_bytes_per_token(model) -> int:
+    c = model.config
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    return c.num_hidden_layers * 2 * c.num_key_value_heads * head_dim * 2
+
+
+def floor_ms_per_step(wbytes: int, model, batch: int, prompt: int, new: int, bw: float) -> float:
+    avg_ctx = prompt + new / 2
+    return 1e3 * (wbytes + batch * avg_ctx * kv_bytes_per_token(model)) / bw
+
+
+# -- parts --------------------------------------------------------------------------------------
+def part_check(args, device, results):
+    """Graphs vs eager vs transformers on a small random model in the run's dtype."""
+    from qerl_kit.quantize import quantize_model
+    from qerl_kit.rollout import HFEngine  # noqa: F401
+
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    from qerl_kit.models import build_model
+
+    out = {}
+    for preset in ("qwen2-tiny", "qwen3-tiny", "llama-tiny"):
+        model = build_model(preset, dtype=dtype, device=device, hidden_size=256, intermediate_size=512,
+                            num_attention_heads=4, num_key_value_heads=2)
+        quantize_model(model, "nvfp4")
+        model = with_lora(model, 8)
+        prompts = random_prompts(6, 37, 512, seed=1)
+        sp = SamplingParams(max_new_tokens=40, temperature=0)
+        with torch.no_grad():
+            a = StaticEngine(model, None, cuda_graphs=True, length_bucket=16).generate_ids(prompts, 2, sp, ignore_eos=True)
+            b = StaticEngine(model, None, cuda_graphs=False, length_bucket=16).generate_ids(prompts, 2, sp, ignore_eos=True)
+            ids = torch.cat([torch.tensor(prompts, device=device).repeat_interleave(2, 0), a["completion_ids"]], 1)
+            logits = model(input_ids=ids).logits[:, 36:-1].float()
+        ref = torch.log_softmax(logits, -1).gather(2, a["completion_ids"][:, :, None]).squeeze(2)
+        sampled = StaticEngine(model, None).generate_ids(prompts, 2, SamplingParams(max_new_tokens=40, seed=5),
+                                                         ignore_eos=True)
+        ids_s = torch.cat([torch.tensor(prompts, device=device).repeat_interleave(2, 0), sampled["completion_ids"]], 1)
+        with torch.no_grad():
+            ls = torch.log_softmax(model(input_ids=ids_s).logits[:, 36:-1].float(), -1)
+        ref_s = ls.gather(2, sampled["completion_ids"][:, :, None]).squeeze(2)
+        out[preset] = dict(
+            graph_eq_eager_tokens=bool(torch.equal(a["completion_ids"], b["completion_ids"])),
+            graph_vs_eager_logprob_maxdiff=(a["logprobs"] - b["logprobs"]).abs().max().item(),
+            greedy_logprob_vs_hf_forward_maxdiff=(a["logprobs"] - ref).abs().max().item(),
+            sampled_logprob_vs_hf_forward_maxdiff=(sampled["logprobs"] - ref_s).abs().max().item(),
+            sampled_distinct_rows=len({tuple(r) for r in sampled["completion_ids"].tolist()}))
+        log(f"check {preset}: {out[preset]}")
+        del model
+        free()
+    results["check"] = out
+
+
+def part_rollout(args, device, results, bw):
+    rows = results.setdefault("rollout", [])
+    for preset in args.models:
+        variants = args.variants if preset not in args.nvfp4_only else ["engine-nvfp4", "engine-nvfp4-aqn"]
+        vocab = 512 if args.smoke else 152064
+        # 1) the bf16 model: transformers and our engine, both with LoRA
+        if any(v in variants for v in ("hf-bf16", "engine-bf16", "hf-nf4")):
+            if time.perf_counter() - T0 > args.budget:
+                log(f"budget spent: skip {preset} bf16")
+            else:
+                try:
+                    t = time.perf_counter()
+                    base = build(preset, "bf16", device)
+                    peft = with_lora(base, args.lora_r)
+                    wb = weight_bytes(peft)
+                    log(f"{preset} bf16 built in {time.perf_counter() - t:.1f}s, {wb / 2**30:.1f} GiB read per step")
+                    for batch in args.batches:
+                        prompts = random_prompts(batch, args.prompt, vocab)
+                        for variant, fn in (("engine-bf16", lambda: engine_run(peft, prompts, args.new)),
+                                            ("hf-bf16", lambda: hf_run(peft, prompts, args.new, args.hf_tokens))):
+                            if variant in variants:
+                                _case(rows, preset, variant, batch, fn, wb, peft, args, bw)
+                    if "hf-nf4" in variants:
+                        base = peft.unload()
+                        del peft
+                        free()
+                        peft = with_lora(to_nf4(base), args.lora_r)
+                        wb = weight_bytes(peft)
+                        for batch in args.batches:
+                            prompts = random_prompts(batch, args.prompt, vocab)
+                            _case(rows, preset, "hf-nf4", batch,
+                                  lambda: hf_run(peft, prompts, args.new, args.hf_tokens), wb, peft, args, bw)
+                    del peft, base
+                except Exception as err:  # noqa: BLE001 - record and go on
+                    log(f"{preset} bf16/nf4 failed: {err!r}\n{traceback.format_exc()}")
+                free()
+        # 2) NVFP4 + LoRA on our engine, with and without AQN
+        if time.perf_counter() - T0 > args.budget:
+            log(f"budget spent: skip {preset} nvfp4")
+            continue
+        try:
+            t = time.perf_counter()
+            peft = with_lora(build(preset, "nvfp4", device), args.lora_r)
+            wb = weight_bytes(peft)
+            log(f"{preset} nvfp4 built in {time.perf_counter() - t:.1f}s, {wb / 2**30:.1f} GiB read per step")
+            from qerl_kit.aqn import AQN
+
+            aqn = AQN(sigma_start=1e-2, sigma_end=5e-4, stages=10, total_steps=100)
+            for batch in args.batches:
+                prompts = random_prompts(batch, args.prompt, vocab)
+                if "engine-nvfp4" in variants:
+                    _case(rows, preset, "engine-nvfp4", batch, lambda: engine_run(peft, prompts, args.new), wb, peft, args, bw)
+                if "engine-nvfp4-aqn" in variants and batch in args.aqn_batches:
+                    def run_aqn():
+                        with aqn.noise(peft, step=15):
+                            return engine_run(peft, prompts, args.new)
+                    _case(rows, preset, "engine-nvfp4-aqn", batch, run_aqn, wb, peft, args, bw)
+            del peft
+        except Exception as err:  # noqa: BLE001
+            log(f"{preset} nvfp4 failed: {err!r}\n{traceback.format_exc()}")
+        free()
+
+
+def _case(rows, preset, variant, batch, fn, wb, model, args, bw):
+    if time.perf_counter() - T0 > args.budget:
+        log(f"budget spent: skip {preset} {variant} B={batch}")
+        return
+    try:
+        if torch.cuda.is_available():
+            torch.cuda.reset_peak_memory_stats()
+        r = fn()
+        floor = floor_ms_per_step(wb, model, batch, args.prompt, args.new, bw)
+        row = dict(model=preset, variant=variant, batch=batch, prompt=args.prompt, new_tokens=args.new,
+                   tokens_per_s=batch * args.new / r["total_s"], total_s=r["total_s"], prefill_s=r["prefill_s"],
+                   decode_ms_per_step=r["ms_per_step"], floor_ms_per_step=floor,
+                   x_floor=r["ms_per_step"] / floor, measured_tokens=r.get("measured_tokens", args.new),
+                   warmup_s=r.get("warmup_s", float("nan")),
+                   peak_gib=torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else float("nan"))
+        rows.append(row)
+        log(f"{preset} {variant} B={batch}: {row['tokens_per_s']:.0f} tok/s, {r['ms_per_step']:.2f} ms/step "
+            f"(floor {floor:.2f}), prefill {r['prefill_s']:.2f}s")
+    except Exception as err:  # noqa: BLE001
+        log(f"{preset} {variant} B={batch} failed: {err!r}\n{traceback.format_exc()}")
+        free()
+
+
+class _Tok:
+    """Token ids in, token ids out: the benchmark's prompts are ids already ("1 2 3 ...")."""
+
+    eos_token_id = None
+    pad_token_id = 0
+
+    def __call__(self, texts, add_special_tokens=False):
+        return {"input_ids": [[int(t) for t in s.split()] for s in texts]}
+
+    def batch_decode(self, ids, skip_special_tokens=True):
+        return [" ".join(map(str, r)) for r in ids]
+
+
+def part_step(args, device, results):
+    """One GRPO step (8 prompts x group 8, prompt 256, 512 new tokens at fixed length)."""
+    from qerl_kit.config import preset as cfg_preset
+    from qerl_kit.trainer import Trainer
+
+    rows = results.setdefault("step", [])
+    vocab = 512 if args.smoke else 152064
+    g = torch.Generator().manual_seed(0)
+
+    def reward(completions, **_):
+        return torch.rand(len(completions), generator=g).tolist()
+
+    for spec in args.step_cases:
+        preset, fmt = spec.split(":")
+        ckpt = preset in args.checkpointing
+        if time.perf_counter() - T0 > args.budget:
+            log(f"budget spent: skip step {spec}")
+            continue
+        try:
+            peft = with_lora(build(preset, fmt, device), args.lora_r)
+            data = [{"prompt": " ".join(map(str, p)), "answer": "0"}
+                    for p in random_prompts(64, args.prompt, vocab, seed=3)]
+            cfg = cfg_preset("tiny-cpu", total_steps=10, save_every=0, output_dir=str(Path(args.out) / "step_run"),
+                             model=dict(gradient_checkpointing=ckpt),
+                             rollout=dict(batch_size=64, group_size=8, max_new_tokens=args.new),
+                             loss=dict(micro_batch=args.micro_batch), aqn=dict(enabled=fmt == "nvfp4"))
+            engine = StaticEngine(peft, _Tok(), ignore_eos=True, keep_cache=preset not in args.checkpointing)
+            trainer = Trainer(peft, _Tok(), data, [reward], cfg, engine=engine, prompt_fn=lambda tok, row: row["prompt"],
+                              progress="none")
+            steps = 1 if ckpt else 2  # big models: one step (its peak includes graph capture)
+            for i in range(steps):
+                if torch.cuda.is_available():
+                    torch.cuda.reset_peak_memory_stats()
+                m = trainer.train_step()
+                peak = torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else float("nan")
+                log(f"step {spec} #{i}: {m['time/step']:.1f}s (rollout {m['time/rollout']:.1f}, logprob "
+                    f"{m['time/logprob']:.1f}, update {m['time/update']:.1f}), peak {peak:.1f} GiB")
+            rows.append(dict(model=preset, format=fmt, checkpointing=ckpt, keep_cache=engine.keep_cache,
+                             steps_timed=1, step_index=steps - 1, time_step=m["time/step"],
+                             time_rollout=m["time/rollout"], time_logprob=m["time/logprob"],
+                             time_update=m["time/update"], peak_gib=peak, micro_batch=args.micro_batch))
+            del trainer, engine, peft
+        except Exception as err:  # noqa: BLE001
+            log(f"step {spec} failed: {err!r}\n{traceback.format_exc()}")
+        free()
+
+
+# -- output -------------------------------------------------------------------------------------
+def write(results: dict, out: Path) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.json").write_text(json.dumps(results, indent=1, default=str))
+    for key in ("rollout", "step"):
+        rows = results.get(key) or []
+        if rows:
+            with open(out / f"{key}.csv", "w", newline="") as f:
+                w = csv.DictWriter(f, fieldnames=list(rows[0]))
+                w.writeheader()
+                w.writerows(rows)
+    (out / "log.txt").write_text("\n".join(LOG))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=os.environ.get("OUT", "bench/results/rollout"))
+    ap.add_argument("--parts", nargs="+", default=["check", "rollout", "step"])
+    ap.add_argument("--models", nargs="+", default=["Qwen2.5-7B", "Qwen2.5-32B", "Qwen2.5-14B", "Qwen2.5-72B"])
+    ap.add_argument("--nvfp4-only", nargs="*", default=["Qwen2.5-72B"])
+    ap.add_argument("--variants", nargs="+", default=["engine-bf16", "hf-bf16", "hf-nf4", "engine-nvfp4", "engine-nvfp4-aqn"])
+    ap.add_argument("--batches", nargs="+", type=int, default=[1, 8, 64, 256])
+    ap.add_argument("--aqn-batches", nargs="+", type=int, default=[8])
+    ap.add_argument("--prompt", type=int, default=256)
+    ap.add_argument("--new", type=int, default=512)
+    ap.add_argument("--hf-tokens", type=int, default=24)
+    ap.add_argument("--lora-r", type=int, default=32)
+    ap.add_argument("--step-cases", nargs="*", default=["Qwen2.5-7B:bf16", "Qwen2.5-7B:nvfp4", "Qwen2.5-32B:nvfp4",
+                                                        "Qwen2.5-72B:nvfp4"])
+    ap.add_argument("--checkpointing", nargs="*", default=["Qwen2.5-32B", "Qwen2.5-72B"])
+    ap.add_argument("--micro-batch", type=int, default=8)
+    ap.add_argument("--budget", type=float, default=540.0, help="seconds after which remaining cases are skipped")
+    ap.add_argument("--smoke", action="store_true", help="CPU, tiny presets, few tokens")
+    args = ap.parse_args()
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    if args.smoke:
+        args.models, args.nvfp4_only, args.batches, args.aqn_batches = ["qwen2-tiny", "llama-tiny"], ["llama-tiny"], [1, 4], [4]
+        args.prompt, args.new, args.hf_tokens, args.lora_r = 8, 6, 3, 4
+        args.step_cases, args.checkpointing = ["qwen2-tiny:none", "qwen2-tiny:nvfp4", "llama-tiny:nvfp4"], ["llama-tiny"]
+        args.variants = [v for v in args.variants if v != "hf-nf4"]
+    args.step_cases = [c.replace(":bf16", ":none") for c in args.step_cases]
+    out = Path(args.out)
+    results = {"meta": dict(date=time.strftime("%Y-%m-%d"), torch=torch.__version__, python=platform.python_version(),
+                            device=torch.cuda.get_device_name() if device == "cuda" else platform.processor() or "cpu",
+                            args=vars(args))}
+    try:
+        import transformers
+        import triton
+
+        results["meta"].update(transformers=transformers.__version__, triton=triton.__version__)
+    except ImportError:
+        pass
+    bw = copy_bandwidth(device)
+    results["meta"]["copy_bandwidth_GBps"] = bw / 1e9
+    log(f"copy bandwidth {bw / 1e9:.0f} GB/s on {results['meta']['device']}")
+    for part in args.parts:
+        try:
+            if part == "check":
+                part_check(args, device, results)
+            elif part == "rollout":
+                part_rollout(args, device, results, bw)
+            elif part == "step":
+                part_step(args, device, results)
+        except Exception as err:  # noqa: BLE001
+            log(f"part {part} failed: {err!r}\n{traceback.format_exc()}")
+        write(results, out)
+    write(results, out)
+    log("done")
+
+
+if __name__ == "__main__":
+    main()
