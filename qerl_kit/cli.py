@@ -44,31 +44,46 @@ def _cmd_quantize(args: argparse.Namespace) -> int:
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
+    from qerl_kit import distributed
     from qerl_kit.build import build_datasets, build_policy
     from qerl_kit.config import load_config, preset, save_config
     from qerl_kit.trainer import Trainer
 
+    launched = distributed.init()  # under torchrun / accelerate launch: one rank per process
+    main = distributed.is_main()
     cfg = load_config(args.config) if args.config else preset(args.preset)
     if args.output_dir:
         cfg = cfg.replace(output_dir=args.output_dir)
     policy, tokenizer, report = build_policy(cfg.model, seed=cfg.seed)
-    if report is not None:
+    if torch_cuda_available():
+        policy.to(distributed.device())  # cuda:LOCAL_RANK (cuda:0 on one process)
+    if report is not None and main:
         print(report.summary())
     train, evals, reward_fns = build_datasets(cfg.data)
     trainer = Trainer(policy, tokenizer, train, reward_fns, cfg, eval_dataset=evals,
                       progress="text" if args.no_widgets else "auto")
     if not args.fresh:
         step = trainer.resume()
-        if step:
+        if step and main:
             print(f"resumed from step {step} in {cfg.output_dir}")
-    trainer.output_dir.mkdir(parents=True, exist_ok=True)
-    save_config(cfg, trainer.output_dir / "config.yaml")
+    if main:
+        trainer.output_dir.mkdir(parents=True, exist_ok=True)
+        save_config(cfg, trainer.output_dir / "config.yaml")
     trainer.train(args.steps)
     trainer.save()
-    if args.eval:
+    if args.eval and main:
         result = trainer.evaluate()
         print(f"held-out accuracy: {result.accuracy:.3f}")
+    if launched:
+        distributed.barrier()
+        distributed.shutdown()
     return 0
+
+
+def torch_cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
 
 
 def _cmd_eval(args: argparse.Namespace) -> int:
@@ -123,7 +138,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="with --out: largest safetensors shard, e.g. 2GB or 500MB (default 2GB)")
     quant.set_defaults(func=_cmd_quantize)
 
-    train = sub.add_parser("train", help="run GRPO/DAPO from a YAML config (resumes from its last checkpoint)")
+    train = sub.add_parser("train", help="run GRPO/DAPO from a YAML config (resumes from its last checkpoint); "
+                                         "data-parallel under torchrun --nproc_per_node N -m qerl_kit.cli train ...")
     train.add_argument("--config", help="a YAML file: optional `preset: name` plus sections "
                                         "(model, data, rollout, loss, optim, aqn) overriding it")
     train.add_argument("--preset", default="tiny-cpu", help="a named preset when no --config is given "

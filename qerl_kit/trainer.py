@@ -16,6 +16,11 @@ One step:
 4. ``mu`` optimizer steps on the batch in micro-batches, with gradient clipping and the lr
    schedule; then metrics (TRL's names where one exists) and, every ``save_every`` steps, a
    checkpoint from which ``resume()`` continues exactly.
+
+Launched by ``torchrun`` (or ``accelerate launch``) the same Trainer runs data-parallel: each
+rank takes a slice of whole groups, advantages and loss normalizers are global, the adapter's
+gradients are all-reduced by DDP, metrics are reduced, and rank 0 alone logs and checkpoints
+(``qerl_kit.distributed``, docs/distributed.md).
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ from typing import Callable, Sequence
 import torch
 
 from qerl_kit import checkpoint as ckpt
+from qerl_kit import distributed
 from qerl_kit import grpo
 from qerl_kit.aqn import AQN
 from qerl_kit.config import TrainConfig
@@ -91,6 +97,8 @@ class Trainer:
         self.prompt_fn = prompt_fn or _default_prompt_fn
         self.engine = engine or HFEngine(model, tokenizer)
         self.progress = progress
+        self.dist = distributed.Context.detect()  # world 1 unless launched by torchrun & co
+        distributed.check_config(config, self.dist.world)
         self.aqn = AQN(config.aqn.sigma_start, config.aqn.sigma_end, config.aqn.stages,
                        config.total_steps, seed=config.seed, resample=config.aqn.resample) \
             if config.aqn.enabled else None
@@ -101,7 +109,7 @@ class Trainer:
         self.output_dir = Path(config.output_dir)
         self.stop_requested = False  # a widget's stop button sets this; the current step finishes
         self._tb = None
-        if config.log_tensorboard:
+        if config.log_tensorboard and self.dist.main:
             try:
                 from torch.utils.tensorboard import SummaryWriter
             except ImportError as err:
@@ -114,6 +122,7 @@ class Trainer:
                 model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
             if hasattr(model, "enable_input_require_grads"):
                 model.enable_input_require_grads()
+        self._ddp = distributed.wrap_ddp(model, self.dist)  # None on one process
 
     # ---- controls a notebook can call between chunks ----------------------------------------
     def set_lr(self, lr: float) -> None:
@@ -137,10 +146,10 @@ class Trainer:
         idx = torch.randint(len(self.dataset), (self.config.rollout.prompts_per_step,), generator=g)
         return [self.dataset[i] for i in idx.tolist()]
 
-    def _sampling(self, step: int, round_: int) -> SamplingParams:
-        r = self.config.rollout
-        return SamplingParams(max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p,
-                              top_k=r.top_k, seed=self.config.seed * 7919 + step * 31 + round_)
+    def _sampling(self, step: int, round_: int, first_group: int = 0) -> SamplingParams:
+        r = self.config.rollout  # the seed also depends on the call's first global group (0 on one process)
+        return SamplingParams(max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
+                              seed=self.config.seed * 7919 + step * 31 + round_ + first_group * distributed.SEED_STRIDE)
 
     def _score(self, rows: list[dict], rollouts: Rollouts) -> tuple[torch.Tensor, dict, torch.Tensor]:
         G = self.config.rollout.group_size
@@ -169,18 +178,20 @@ class Trainer:
         cfg, G = self.config, self.config.rollout.group_size
         kept: list[tuple[Rollouts, torch.Tensor, torch.Tensor, torch.Tensor]] = []
         n_kept, rounds, t_rollout, metrics, stats = 0, 0, 0.0, {}, {}
-        target = cfg.rollout.prompts_per_step
+        target = cfg.rollout.prompts_per_step // self.dist.world
         while True:
             rows = self._rows(step, rounds)
+            part = distributed.group_slice(len(rows), self.dist.rank, self.dist.world)  # whole groups
+            rows = rows[part]
             prompts = [self.prompt_fn(self.tokenizer, row) for row in rows]
             t0 = time.perf_counter()
             if self.aqn is not None:
                 with self.aqn.noise(self.model, step) as count:
-                    rollouts = self.engine.generate(prompts, G, self._sampling(step, rounds))
+                    rollouts = self.engine.generate(prompts, G, self._sampling(step, rounds, part.start))
                 metrics["aqn/sigma"], metrics["aqn/stage"], metrics["aqn/norms"] = \
                     self.aqn.sigma(step), self.aqn.stage(step), count
             else:
-                rollouts = self.engine.generate(prompts, G, self._sampling(step, rounds))
+                rollouts = self.engine.generate(prompts, G, self._sampling(step, rounds, part.start))
             t_rollout += time.perf_counter() - t0
             stats = getattr(rollouts, "stats", {}) or {}
             rewards, reward_metrics, correct = self._score(rows, rollouts)
@@ -217,7 +228,9 @@ class Trainer:
         if lc.mask_truncated:
             keep = torch.tensor([r != "length" for r in batch.finish_reasons], dtype=mask.dtype, device=mask.device)
             mask = mask * keep[:, None]
-        adv = grpo.group_advantages(rewards, G, scale=lc.scale_rewards).to(mask.device)  # rewards live on the CPU
+        all_rewards = self.dist.all_gather(rewards)  # the global batch's (= rewards on one process)
+        mine = slice(self.dist.rank * len(rewards), (self.dist.rank + 1) * len(rewards))
+        adv = grpo.group_advantages(all_rewards, G, scale=lc.scale_rewards)[mine].to(mask.device)  # rewards: CPU
         t0 = time.perf_counter()
         self.model.eval()
         old_logp, entropy = batched_logprobs(self.model, batch, temp, lc.micro_batch, with_entropy=True)
@@ -232,23 +245,28 @@ class Trainer:
         metrics["time/logprob"] = time.perf_counter() - t0
         t0 = time.perf_counter()
         self.model.train()
-        loss_fn, n = grpo.LOSSES[lc.loss], mask.shape[0]
+        loss_fn, n, W = grpo.LOSSES[lc.loss], mask.shape[0], self.dist.world
         eps_high = lc.eps_low if lc.eps_high is None else lc.eps_high  # the one value loss and stats use
         kwargs = dict(eps_low=lc.eps_low, eps_high=eps_high, beta=lc.beta)
-        total_tokens = mask.sum().clamp(min=1)
+        # normalizers of the global batch: all ranks' tokens (DAPO), W*n sequences, the widest completion (Dr. GRPO)
+        total_tokens = self.dist.sum(mask.sum()).clamp(min=1)
+        extra = {"dapo": {"num_tokens": total_tokens}, "grpo": {},
+                 "dr_grpo": {"max_len": int(self.dist.max(torch.tensor(mask.shape[1])))}}[lc.loss]
+        forward = self._ddp if self._ddp is not None else self.model
+        starts = list(range(0, n, lc.micro_batch))
         for _ in range(lc.mu):
             loss_sum = 0.0
-            for s in range(0, n, lc.micro_batch):
+            for s in starts:
                 sl = slice(s, s + lc.micro_batch)
-                logp = completion_logprobs(self.model, batch.prompt_ids[sl], batch.prompt_mask[sl],
-                                           batch.completion_ids[sl], batch.completion_mask[sl], temp)
-                extra = {"num_tokens": total_tokens} if lc.loss == "dapo" else {}
-                loss = loss_fn(logp, old_logp[sl], adv[sl], mask[sl],
-                               ref_logp=None if ref_logp is None else ref_logp[sl],
-                               is_weights=None if is_w is None else is_w[sl], **kwargs, **extra)
-                if lc.loss != "dapo":  # sequence-mean losses: weight each chunk by its share
-                    loss = loss * (logp.shape[0] / n)
-                loss.backward()
+                with distributed.no_sync(self._ddp, s != starts[-1]):  # all-reduce once, after the last
+                    logp = completion_logprobs(forward, batch.prompt_ids[sl], batch.prompt_mask[sl],
+                                               batch.completion_ids[sl], batch.completion_mask[sl], temp)
+                    loss = loss_fn(logp, old_logp[sl], adv[sl], mask[sl],
+                                   ref_logp=None if ref_logp is None else ref_logp[sl],
+                                   is_weights=None if is_w is None else is_w[sl], **kwargs, **extra)
+                    if lc.loss != "dapo":  # sequence-mean losses: weight each chunk by its share
+                        loss = loss * (logp.shape[0] / (n * W))
+                    (loss * W if W > 1 else loss).backward()  # DDP averages over ranks; W x mean = sum
                 loss_sum += loss.item()
             params = [p for p in self.model.parameters() if p.requires_grad]
             grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.optim.max_grad_norm)
@@ -261,10 +279,11 @@ class Trainer:
             new_logp = batched_logprobs(self.model, batch, temp, lc.micro_batch) if lc.mu > 1 else old_logp
         metrics.update(grpo.clip_stats(new_logp, old_logp, adv, mask, lc.eps_low, eps_high))
         lengths = batch.completion_mask.sum(1).float()
+        ent = self.dist.sum(torch.stack([(entropy * mask).sum(), mask.sum()]).double())
         metrics.update({
             "step": step + 1, "loss": loss_sum, "grad_norm": float(grad_norm), "lr": self.scheduler.get_last_lr()[0],
-            "reward_std": rewards.std().item() if rewards.numel() > 1 else 0.0,
-            "entropy": ((entropy * mask).sum() / mask.sum().clamp(min=1)).item(),
+            "reward_std": all_rewards.std().item() if all_rewards.numel() > 1 else 0.0,
+            "entropy": (ent[0] / ent[1].clamp(min=1)).item() if W > 1 else ((entropy * mask).sum() / mask.sum().clamp(min=1)).item(),
             "completions/mean_length": lengths.mean().item(),
             "completions/clipped_ratio": sum(r == "length" for r in batch.finish_reasons) / len(batch.finish_reasons),
             "num_tokens": int(batch.completion_mask.sum()),
@@ -273,7 +292,7 @@ class Trainer:
             metrics["kl"] = grpo.kl_k3(old_logp, ref_logp, mask).item()
         metrics["time/step"] = time.perf_counter() - start
         self.step += 1
-        return metrics
+        return distributed.reduce_metrics(metrics, self.dist)  # the same row on every rank
 
     # ---- the loop ----------------------------------------------------------------------------
     def train(self, steps: int | None = None, callback: Callable[[dict], None] | None = None) -> "Trainer":
@@ -281,13 +300,15 @@ class Trainer:
         steps = self.config.total_steps - self.step if steps is None else steps
         bar = self._bar(steps)
         for _ in range(steps):
-            if self.stop_requested:
+            if self.dist.any(self.stop_requested):  # a stop pressed on any rank stops them all
                 break
             row = self.train_step()
-            if self.config.eval_every and self.step % self.config.eval_every == 0 and self.eval_dataset:
+            if self.config.eval_every and self.step % self.config.eval_every == 0 and self.eval_dataset \
+                    and self.dist.main:  # rank 0 evaluates; the others wait at the next step's first collective
                 row["eval/accuracy"] = self.evaluate().accuracy
             self.history.append(row)
-            self._log(row)
+            if self.dist.main:
+                self._log(row)
             if self.config.save_every and self.step % self.config.save_every == 0:
                 self.save()
             if bar is not None:
@@ -302,7 +323,7 @@ class Trainer:
         return self                  # pressed just before the chunk starts is not lost)
 
     def _bar(self, steps: int):
-        if self.progress == "none" or steps <= 0:
+        if self.progress == "none" or steps <= 0 or not self.dist.main:
             return None
         if self.progress == "text":
             from tqdm import tqdm
@@ -334,15 +355,24 @@ class Trainer:
 
     # ---- checkpoints -------------------------------------------------------------------------
     def save(self) -> Path:
-        state = {"step": self.step, "optimizer": self.optimizer.state_dict(),
-                 "scheduler": self.scheduler.state_dict(), "rng": ckpt.rng_state(),
-                 "aqn": self.aqn.state_dict() if self.aqn else None,
-                 "history": json.dumps(self.history), "config": json.dumps(self.config.to_dict())}
-        return ckpt.save_checkpoint(self.output_dir, self.step, self.model, state, self.config.keep_checkpoints)
+        """Write ``checkpoint-<step>`` (rank 0 writes, every rank waits for it); returns its path.
+
+        Nothing in it depends on the world size (the adapter and optimizer state are replicated), so
+        a run saved on W ranks resumes on any number of ranks."""
+        path = self.output_dir / f"checkpoint-{self.step}"
+        if self.dist.main:
+            state = {"step": self.step, "optimizer": self.optimizer.state_dict(),
+                     "scheduler": self.scheduler.state_dict(), "rng": ckpt.rng_state(),
+                     "aqn": self.aqn.state_dict() if self.aqn else None, "world_size": self.dist.world,
+                     "history": json.dumps(self.history), "config": json.dumps(self.config.to_dict())}
+            path = ckpt.save_checkpoint(self.output_dir, self.step, self.model, state, self.config.keep_checkpoints)
+        self.dist.barrier()
+        return path
 
     def resume(self, checkpoint: str | Path | None = None) -> int:
         """Continue from ``checkpoint`` (default: the newest under output_dir); returns its step."""
         path = Path(checkpoint) if checkpoint else ckpt.latest_checkpoint(self.output_dir)
+        path = self.dist.broadcast(path)  # rank 0's choice, so all ranks load the same one
         if path is None:
             return self.step
         state = ckpt.load_state(path)
@@ -355,6 +385,8 @@ class Trainer:
         self.step = int(state["step"])
         self.history = json.loads(state["history"])
         # the metrics file keeps exactly the checkpointed steps; later ones are redone
-        self.output_dir.mkdir(parents=True, exist_ok=True)
-        (self.output_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in self.history))
+        if self.dist.main:
+            self.output_dir.mkdir(parents=True, exist_ok=True)
+            (self.output_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in self.history))
+        self.dist.barrier()
         return self.step
