@@ -305,4 +305,5 @@ def wrap_ddp(model, ctx: Context):
     DDP._set_params_and_buffers_to_ignore_for_model(model, ignore)
     dev = next(p for p in model.parameters() if p.requires_grad).device
     kwargs = dict(device_ids=[dev.index]) if dev.type == "cuda" else {}
-    return DDP(model, broadcast_buffers=False, find_unused_parameters=False, **kwargs)
+    # the ignore list keeps every buffer out of DDP's init broadcast and per-forward buffer sync
+    return DDP(model, find_unused_parameters=False, **kwargs)
