@@ -195,7 +195,9 @@ def save_nvfp4(model: nn.Module, path: str | Path, *, tokenizer=None, max_shard_
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     sizes = {name: t.numel() * t.element_size() for name, t in tensors.items()}
-    producers = {name: (lambda t=t: t.detach().to("cpu").contiguous()) for name, t in tensors.items()}
+    # copy=True: a buffer may be a view into a bigger one (StaticEngine fuses q/k/v and gate/up
+    # in place), which safetensors would refuse as shared memory
+    producers = {name: (lambda t=t: t.detach().to("cpu", copy=True).contiguous()) for name, t in tensors.items()}
     ct_format.write_safetensors(path, producers, sizes, max_shard_size)
     ct_format.write_json(path / "config.json", _export_config(base, ignore, dtype))
     _save_side_files(base, path, tokenizer, source_dir)

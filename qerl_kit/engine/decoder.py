@@ -15,6 +15,10 @@ or wrapped by peft) and runs them itself, so the rollout engine controls every t
   advances it itself) and attends over the first ``length`` slots with a per-row key mask,
   grouped-query style (no expanded K/V copies).
 
+``fused=True`` (default) decodes through ``qerl_kit.engine.fast.FusedPlan`` where the model allows
+(fused q/k/v and gate/up matmuls, LoRA as shared down-projections, fused elementwise kernels);
+``decoder.path`` says which path runs and, if generic, why.
+
 Only full attention is supported (no sliding window); an unknown layout raises a clear error.
 """
 
@@ -67,7 +71,7 @@ def _rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 class Decoder:
     """The model's modules, run with a static KV cache (see the module docstring)."""
 
-    def __init__(self, model: nn.Module):
+    def __init__(self, model: nn.Module, fused: bool = True):
         base = model.get_base_model() if hasattr(model, "get_base_model") else model
         inner = getattr(base, "model", None)
         needed = ("embed_tokens", "layers", "norm", "rotary_emb")
@@ -93,6 +97,11 @@ class Decoder:
         self.head_dim = getattr(attn, "head_dim", None) or config.hidden_size // self.heads
         self.scaling = getattr(attn, "scaling", self.head_dim ** -0.5)
         self.group = self.heads // self.kv_heads
+        self.plan, self.path = None, "generic decode path (fused=False)"
+        if fused:
+            from qerl_kit.engine.fast import FusedPlan
+
+            self.plan, self.path = FusedPlan.build(self)
 
     @property
     def num_layers(self) -> int:
@@ -146,16 +155,18 @@ class Decoder:
         return self._logits(h[:, -1])
 
     # -- one decode step ------------------------------------------------------------------------
-    def decode(self, tokens: Tensor, positions: Tensor, slot: Tensor, key_mask: Tensor,
+    def decode(self, tokens: Tensor, positions: Tensor, slot: Tensor, key_bias: Tensor,
                cache: KVCache, length: int) -> Tensor:
         """One new token per row: tokens/positions [R], ``slot`` a 1-element long tensor (the
-        cache column written), key_mask [R, max_len] bool (True where a key may be attended;
-        the caller sets ``slot``'s column). Attends over slots [0, length). Returns logits [R, V]."""
+        cache column written), key_bias [R, max_len] additive attention bias (0 where a key may
+        be attended, -inf elsewhere; the caller opens ``slot``'s column). Attends over slots
+        [0, length). Returns float32 logits [R, V]. Uses the fused plan where it applies."""
+        if self.plan is not None:
+            return self.plan.decode(tokens, positions, slot, key_bias, cache, length)
         R = tokens.shape[0]
         h = self.embed(tokens[:, None])  # [R, 1, hidden]
         pos = positions[:, None]
-        bias = torch.zeros(key_mask[:, :length].shape, dtype=torch.float32, device=tokens.device)
-        bias = bias.masked_fill(~key_mask[:, :length], float("-inf"))[:, None, None, :]  # [R,1,1,L]
+        bias = key_bias[:, None, None, :length].float()  # [R, 1, 1, L]
         for i, layer in enumerate(self.layers):
             attn = layer.self_attn
             x = layer.input_layernorm(h)

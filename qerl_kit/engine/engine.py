@@ -58,14 +58,14 @@ class _State:
     slot: Tensor       # [1] the cache column it is written to
     step: Tensor       # [1] the output column of the token sampled next
     done: Tensor       # [R] bool: row has emitted a stop token
-    key_mask: Tensor   # [R, L] bool: keys a row may attend to
+    key_bias: Tensor   # [R, L] additive attention bias: 0 on keys a row may attend to, -inf elsewhere
     out_tok: Tensor    # [R, C]
     out_lp: Tensor     # [R, C] float32
     stop: Tensor       # [S] stop ids (at least one entry; -1 when there is none)
     graphs: dict = field(default_factory=dict)
 
     def snapshot(self) -> dict[str, Tensor]:
-        return {k: getattr(self, k).clone() for k in ("tok", "pos", "slot", "step", "done", "key_mask")}
+        return {k: getattr(self, k).clone() for k in ("tok", "pos", "slot", "step", "done", "key_bias")}
 
     def load(self, snap: dict[str, Tensor]) -> None:
         for k, v in snap.items():
@@ -78,6 +78,8 @@ class StaticEngine:
     ``cuda_graphs``: capture decode steps on CUDA (ignored on the CPU, where steps run eagerly).
     ``max_rows``: most rows (prompts x n) decoded together; more are split into batches.
     ``ignore_eos``: run every row to ``max_new_tokens`` in ``generate`` (fixed-length benchmarks).
+    ``fused``: decode through the fused plan where the model allows (``engine.decoder.path`` says
+    which path runs); it re-points q/k/v and gate/up weights to views of one concatenated buffer.
     ``keep_cache``: keep the KV cache and graphs between calls (fast); False frees them after each
     call, so a training step that follows has the cache's memory back (graphs are re-captured).
     """
@@ -86,7 +88,7 @@ class StaticEngine:
                  max_rows: int | None = None, length_bucket: int = 128, prompt_bucket: int = 64,
                  max_prefill_tokens: int = 16384, sync_every: int = 32,
                  stop_token_ids: Sequence[int] | None = None, add_special_tokens: bool = False,
-                 ignore_eos: bool = False, keep_cache: bool = True):
+                 ignore_eos: bool = False, keep_cache: bool = True, fused: bool = True):
         for name, value in (("length_bucket", length_bucket), ("prompt_bucket", prompt_bucket),
                             ("max_prefill_tokens", max_prefill_tokens), ("sync_every", sync_every)):
             if not isinstance(value, int) or value < 1:
@@ -94,7 +96,7 @@ class StaticEngine:
         if max_rows is not None and (not isinstance(max_rows, int) or max_rows < 1):
             raise ValueError(f"max_rows must be None or an int >= 1; got {max_rows!r}")
         self.model, self.tokenizer = model, tokenizer
-        self.decoder = Decoder(model)
+        self.decoder = Decoder(model, fused=fused)
         self.cuda_graphs, self.max_rows = cuda_graphs, max_rows
         self.length_bucket, self.prompt_bucket = length_bucket, prompt_bucket
         self.max_prefill_tokens, self.sync_every = max_prefill_tokens, sync_every
@@ -178,7 +180,7 @@ class StaticEngine:
                     slot=torch.zeros(1, dtype=torch.long, device=dev),
                     step=torch.zeros(1, dtype=torch.long, device=dev),
                     done=torch.zeros(rows, dtype=torch.bool, device=dev),
-                    key_mask=torch.zeros(rows, width + new, dtype=torch.bool, device=dev),
+                    key_bias=torch.full((rows, width + new), float("-inf"), dtype=self.decoder.dtype, device=dev),
                     out_tok=torch.zeros(rows, new, dtype=torch.long, device=dev),
                     out_lp=torch.zeros(rows, new, dtype=torch.float32, device=dev), stop=stop)
         self._state = (key, st)
@@ -186,8 +188,8 @@ class StaticEngine:
 
     def _step(self, st: _State, length: int, sampling: SamplingParams, ignore_eos: bool) -> None:
         """One decode step on the state's buffers; every shape and Python value fixed (graph body)."""
-        st.key_mask.index_fill_(1, st.slot, True)
-        logits = self.decoder.decode(st.tok, st.pos, st.slot, st.key_mask, st.cache, length)
+        st.key_bias.index_fill_(1, st.slot, 0.0)
+        logits = self.decoder.decode(st.tok, st.pos, st.slot, st.key_bias, st.cache, length)
         tok, lp = sample(logits, sampling.temperature, sampling.top_k, sampling.top_p)
         tok = torch.where(st.done, self.pad_token_id, tok)
         lp = torch.where(st.done, 0.0, lp)
@@ -254,8 +256,8 @@ class StaticEngine:
             first_lp.append(lp)
         tok, lp = torch.cat(first_tok), torch.cat(first_lp)
         row_mask = mask.repeat_interleave(n, dim=0)
-        st.key_mask.zero_()
-        st.key_mask[:, :width] = row_mask.bool()
+        st.key_bias.fill_(float("-inf"))
+        st.key_bias[:, :width].masked_fill_(row_mask.bool(), 0.0)
         st.out_tok.fill_(self.pad_token_id)
         st.out_lp.zero_()
         st.out_tok[:, 0], st.out_lp[:, 0] = tok, lp

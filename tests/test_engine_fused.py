@@ -1,0 +1,180 @@
+"""The engine's fused decode step: Triton kernels vs their references (CPU interpreter, or the GPU),
+and the fused plan vs the generic path on whole models (views change nothing the model computes).
+
+Like tests/test_kernels.py, the kernel tests need TRITON_INTERPRET=1 before Triton's first import;
+in a full run this module re-runs itself in a subprocess with it set.
+"""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+_INTERPRETER_READY = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+if not torch.cuda.is_available() and "triton" not in sys.modules:
+    os.environ["TRITON_INTERPRET"] = "1"
+    _INTERPRETER_READY = True
+
+triton = pytest.importorskip("triton", reason="the fused kernels need triton")
+
+from qerl_kit.engine import Decoder, StaticEngine  # noqa: E402
+from qerl_kit.engine.fused import (add_rmsnorm, add_rmsnorm_ref, rope_to_cache, rope_to_cache_ref,  # noqa: E402
+                                   silu_mul, silu_mul_ref)
+from qerl_kit.lora import attach_lora  # noqa: E402
+from qerl_kit.models import build_model  # noqa: E402
+from qerl_kit.quantize import quantize_model  # noqa: E402
+from qerl_kit.rollout import SamplingParams  # noqa: E402
+
+CUDA = torch.cuda.is_available()
+DEVICE = "cuda" if CUDA else "cpu"
+IN_PROCESS = CUDA or _INTERPRETER_READY
+
+
+@pytest.fixture(autouse=True)
+def _runnable(request):
+    if not IN_PROCESS and request.node.name != "test_in_an_interpreter_subprocess":
+        pytest.skip("Triton was imported before TRITON_INTERPRET=1: the subprocess test runs these")
+
+
+@pytest.mark.skipif(IN_PROCESS, reason="the tests run in this process")
+def test_in_an_interpreter_subprocess():
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__],
+                          cwd=Path(__file__).resolve().parents[1], env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
+
+
+def _rand(*shape, dtype, gen):
+    return torch.randn(*shape, generator=gen).to(dtype).to(DEVICE)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("residual", [True, False])
+def test_add_rmsnorm_matches_reference(dtype, residual):
+    gen = torch.Generator().manual_seed(int(residual) + 7)
+    x, w = _rand(5, 96, dtype=dtype, gen=gen), _rand(96, dtype=dtype, gen=gen)
+    r = _rand(5, 96, dtype=dtype, gen=gen) if residual else None
+    out, h = add_rmsnorm(x, r, w, 1e-6, use_triton=True)
+    ref_out, ref_h = add_rmsnorm_ref(x, r, w, 1e-6)
+    if CUDA or dtype == torch.float32:
+        assert torch.equal(h, ref_h)  # the residual add is exact
+    else:  # Triton's CPU interpreter truncates float32 -> bf16 casts instead of rounding
+        torch.testing.assert_close(h, ref_h, atol=0, rtol=2 ** -7)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(out.float(), ref_out.float(), atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_rope_to_cache_matches_reference(dtype):
+    gen = torch.Generator().manual_seed(3)
+    R, H, KVH, D, L = 3, 4, 2, 16, 9
+    qkv = _rand(R, (H + 2 * KVH) * D, dtype=dtype, gen=gen)  # strided views, as the engine has them
+    q = qkv[:, :H * D].view(R, H, D)
+    k = qkv[:, H * D:(H + KVH) * D].view(R, KVH, D)
+    v = qkv[:, (H + KVH) * D:].view(R, KVH, D)
+    cos, sin = _rand(R, D, dtype=dtype, gen=gen), _rand(R, D, dtype=dtype, gen=gen)
+    slot = torch.tensor([5], device=DEVICE)
+    kc, vc = _rand(R, KVH, L, D, dtype=dtype, gen=gen), _rand(R, KVH, L, D, dtype=dtype, gen=gen)
+    kc2, vc2 = kc.clone(), vc.clone()
+    got = rope_to_cache(q, k, v, cos, sin, kc, vc, slot, use_triton=True)
+    want = rope_to_cache_ref(q, k, v, cos, sin, kc2, vc2, slot)
+    # exact on the GPU; the CPU interpreter truncates bf16 casts (one ulp per rounding, three here)
+    tol = 1e-6 if dtype == torch.float32 else (0 if CUDA else 3 * 2 ** -7)
+    torch.testing.assert_close(got, want, atol=tol, rtol=tol)
+    torch.testing.assert_close(kc, kc2, atol=tol, rtol=tol)
+    assert torch.equal(vc, vc2)  # v copied bit for bit; every other column untouched
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_silu_mul_matches_reference(dtype):
+    gen = torch.Generator().manual_seed(4)
+    gu = _rand(3, 2 * 1500, dtype=dtype, gen=gen)  # N not a multiple of the block
+    tol = 1e-5 if dtype == torch.float32 else (1e-2 if CUDA else 3 * 2 ** -7)  # interpreter: truncating casts
+    torch.testing.assert_close(silu_mul(gu, use_triton=True).float(), silu_mul_ref(gu).float(), atol=tol, rtol=tol)
+
+
+def _policy(preset, fmt, dtype):
+    model = build_model(preset, seed=1, dtype=dtype, device=DEVICE)
+    if fmt != "none":
+        quantize_model(model, fmt)
+    model = attach_lora(model, r=4, seed=1)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "lora_B" in n:
+                p.normal_(0, 0.05)
+    return model
+
+
+@pytest.mark.parametrize("preset", ["qwen2-tiny", "qwen3-tiny", "llama-tiny"])
+@pytest.mark.parametrize("fmt", ["nvfp4", "none"])
+def test_fused_step_matches_generic_step_and_leaves_the_model_unchanged(preset, fmt):
+    dtype = torch.bfloat16 if CUDA else torch.float32
+    model = _policy(preset, fmt, dtype)
+    ids = torch.randint(3, 500, (2, 9), generator=torch.Generator().manual_seed(0)).to(DEVICE)
+    with torch.no_grad():
+        before = model(input_ids=ids).logits
+    keys = set(model.state_dict())
+    generic = StaticEngine(model, fused=False)
+    fused = StaticEngine(model)  # fuses q/k/v and gate/up in place (views)
+    assert generic.decoder.path.startswith("generic") and fused.decoder.path == "fused"
+    with torch.no_grad():
+        after = model(input_ids=ids).logits
+    assert torch.equal(before, after) and set(model.state_dict()) == keys
+    sp = SamplingParams(max_new_tokens=8, temperature=1.0, seed=2)
+    prompts = ids.tolist()
+    a = generic.generate_ids(prompts, 2, sp, ignore_eos=True)
+    b = fused.generate_ids(prompts, 2, sp, ignore_eos=True)
+    tol = 2e-3 if dtype == torch.float32 else 6e-2
+    if torch.equal(a["completion_ids"], b["completion_ids"]):
+        torch.testing.assert_close(a["logprobs"], b["logprobs"], atol=tol, rtol=0)
+    else:  # bf16 rounding may flip a sample; then the first differing token is a near tie
+        assert dtype == torch.bfloat16
+    # a second engine reuses the fused buffers instead of concatenating again
+    def fused_tensor(engine):
+        g = engine.decoder.plan.layers[0].qkv
+        return g.packed if g.kind == "nvfp4" else g.weight
+
+    assert fused_tensor(StaticEngine(model)).data_ptr() == fused_tensor(fused).data_ptr()
+
+
+def test_unsupported_layers_fall_back_to_the_generic_path():
+    model = _policy("qwen2-tiny", "mxfp4", torch.float32 if not CUDA else torch.bfloat16)
+    engine = StaticEngine(model)
+    assert engine.decoder.plan is None and "MXFP4Linear" in engine.decoder.path
+    out = engine.generate_ids([[5, 6, 7]], 2, SamplingParams(max_new_tokens=4, seed=0), ignore_eos=True)
+    assert out["completion_ids"].shape == (2, 4)
+
+
+def test_fused_model_exports_and_reloads(tmp_path):
+    from qerl_kit.export import load_nvfp4, save_nvfp4
+
+    model = build_model("qwen2-tiny", seed=2, device=DEVICE, dtype=torch.bfloat16)
+    quantize_model(model, "nvfp4")
+    StaticEngine(model)  # views into fused buffers from here on
+    save_nvfp4(model, tmp_path / "ckpt")
+    back = load_nvfp4(tmp_path / "ckpt")
+    ids = torch.randint(3, 500, (1, 7), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        torch.testing.assert_close(back.to(DEVICE)(input_ids=ids.to(DEVICE)).logits, model(input_ids=ids.to(DEVICE)).logits)
+
+
+@pytest.mark.skipif(not CUDA, reason="CUDA graphs need a GPU")
+def test_gpu_graph_replay_equals_eager_and_sees_lora_updates():
+    model = _policy("qwen2-tiny", "nvfp4", torch.bfloat16)
+    prompts = [[5, 6, 7, 8], [9, 10]]
+    sp = SamplingParams(max_new_tokens=20, temperature=0)
+    graphs = StaticEngine(model, length_bucket=8)
+    eager = StaticEngine(model, cuda_graphs=False, length_bucket=8)
+    a = graphs.generate_ids(prompts, 2, sp, ignore_eos=True)
+    b = eager.generate_ids(prompts, 2, sp, ignore_eos=True)
+    assert torch.equal(a["completion_ids"], b["completion_ids"])
+    lora_b = next(p for n, p in model.named_parameters() if "lora_B" in n)
+    with torch.no_grad():
+        lora_b.add_(0.3)
+    c = graphs.generate_ids(prompts, 2, sp, ignore_eos=True)  # replayed graphs, new adapter values
+    d = eager.generate_ids(prompts, 2, sp, ignore_eos=True)
+    assert torch.equal(c["completion_ids"], d["completion_ids"])
+    assert not torch.equal(a["logprobs"], c["logprobs"])
