@@ -55,8 +55,10 @@ class RolloutConfig:
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
+    engine: str = "auto"  # auto (StaticEngine on a GPU, transformers' generate elsewhere) | static | hf
 
     def __post_init__(self):
+        _check(self.engine in ("auto", "static", "hf"), f"rollout.engine must be auto, static or hf; got {self.engine!r}")
         _check(self.group_size >= 2, f"rollout.group_size must be >= 2 (group-normalized advantages "
                                      f"need at least two samples per prompt); got {self.group_size}")
         _check(self.batch_size >= self.group_size and self.batch_size % self.group_size == 0,

@@ -39,7 +39,8 @@ from qerl_kit import grpo
 from qerl_kit.aqn import AQN
 from qerl_kit.config import TrainConfig
 from qerl_kit.logprobs import batched_logprobs, completion_logprobs
-from qerl_kit.rollout import HFEngine, Rollouts, SamplingParams
+from qerl_kit.engine import make_engine
+from qerl_kit.rollout import Rollouts, SamplingParams
 from qerl_kit.sampling_filters import filter_groups, overlong_penalty
 
 
@@ -95,7 +96,7 @@ class Trainer:
         self.reward_fns = list(reward_fns)
         self.accuracy_fn = accuracy_fn or self.reward_fns[0]
         self.prompt_fn = prompt_fn or _default_prompt_fn
-        self.engine = engine or HFEngine(model, tokenizer)
+        self.engine = engine or make_engine(config.rollout.engine, model, tokenizer)
         self.progress = progress
         self.dist = distributed.Context.detect()  # world 1 unless launched by torchrun & co
         distributed.check_config(config, self.dist.world)

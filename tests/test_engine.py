@@ -218,3 +218,17 @@ def test_trainer_runs_on_the_static_engine(tiny, tmp_path):
     assert row["num_tokens"] > 0 and 0 <= row["reward"] <= 1
     # step 0 is AQN's noise-free stage: the engine's sampling log-probs are the trainer's own
     assert row["sampling/sampling_logp_difference/max"] < 1e-3
+
+
+def test_make_engine_and_the_config_switch(tiny):
+    from qerl_kit.config import RolloutConfig
+    from qerl_kit.engine import make_engine
+
+    model, tok = tiny
+    assert isinstance(make_engine("auto", model, tok), HFEngine)  # CPU model: generate
+    assert isinstance(make_engine("static", model, tok), StaticEngine)
+    assert isinstance(make_engine("hf", model, tok), HFEngine)
+    with pytest.raises(ValueError, match="unknown rollout engine"):
+        make_engine("vllm2", model, tok)
+    with pytest.raises(ValueError, match="rollout.engine must be"):
+        RolloutConfig(engine="fast")
