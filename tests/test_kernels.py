@@ -133,6 +133,23 @@ def test_tile_variants_and_fp16(dtype):
             _check(y, ref[:rows], dtype)
 
 
+@pytest.mark.parametrize("half", [False, True], ids=["f32", "f16"])
+def test_blockdot_decode_kernel(half):
+    """The block-dot decode kernel (M <= 4): split-K, prefetch, ragged K, bias, fp16 activations,
+    and (half) the per-row power-of-two prescale of x (products in fp16 on the GPU)."""
+    n, k = 48, 96
+    q = _weight(n, k, seed=41)
+    bias = _randn(n, dtype=torch.bfloat16, seed=42)
+    for rows, split, prefetch, dtype in [(1, 1, False, torch.bfloat16), (2, 2, True, torch.bfloat16),
+                                         (3, 3, False, torch.float16), (4, 1, True, torch.bfloat16)]:
+        x = _randn(rows, k, dtype=dtype, seed=43 + rows) * (1000.0 if rows == 2 else 1.0)  # large rows too
+        b = bias.to(dtype)
+        ref = nvfp4_linear_ref(x, q.packed, q.scales, q.global_scale, b, dtype=torch.float32)
+        cfg = dict(BLOCKDOT=True, BLOCK_N=32, BLOCK_K=64, SPLIT_K=split, PREFETCH=prefetch, HALF=half)
+        for _ in range(2):  # the second call finds the arrival counters reset by the first
+            _check(gemv_kernel(x, q.packed, q.scales, q.global_scale, b, config=cfg), ref, dtype)
+
+
 def test_strided_and_batched_inputs_through_the_dispatcher():
     q = _weight(32, 64, seed=3)
     x = _randn(2, 5, 128, dtype=torch.bfloat16, seed=4)[..., ::2]  # non-contiguous last dim
@@ -276,6 +293,46 @@ def test_gpu_fast_dequant_matches_portable_path(dtype):
     assert ((fast - exact).abs() <= ulp + 1e-30).all()
     dense = nvfp4_dequantize(q.packed, q.scales, q.global_scale, dtype).float().T  # FAST path
     assert ((dense - exact).abs() <= ulp + 1e-30).all()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("n,k", REAL, ids=lambda v: str(v))
+def test_gpu_blockdot_variants_real_shapes(n, k):
+    """Both block-dot variants (float32 and fp16 products) at real shapes, M = 1..4, incl. rows
+    of very large and very small activations (the fp16 path rescales x per row)."""
+    q = _weight(n, k, seed=n * 3 + k, device="cuda")
+    bias = _randn(n, dtype=torch.bfloat16, seed=2, device="cuda")
+    for m in (1, 2, 3, 4):
+        x = _randn(m, k, dtype=torch.bfloat16, seed=m + 50, device="cuda")
+        x[0, :7] *= 3000.0  # outlier channels
+        if m > 1:
+            x[1] *= 1e-6
+        ref = nvfp4_linear_ref(x, q.packed, q.scales, q.global_scale, bias, dtype=torch.float32)
+        for half in (False, True):
+            for bn, bk in ((128, 256), (64, 512)):
+                cfg = dict(BLOCKDOT=True, BLOCK_N=bn, BLOCK_K=bk, HALF=half, PREFETCH=True, CTAS_PER_SM=4)
+                y = gemv_kernel(x, q.packed, q.scales, q.global_scale, bias, config=cfg)
+                _check(y, ref, torch.bfloat16)
+                for r in range(m):  # every row on its own scale, too
+                    assert _rel(y[r], ref[r]) < TOL[torch.bfloat16], (half, bn, bk, m, r)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("m", [1, 3, 8])
+def test_gpu_decode_rows_capture_in_a_cuda_graph(m):
+    q = _weight(3584, 3584, seed=61, device="cuda")
+    x = _randn(m, 3584, dtype=torch.bfloat16, seed=62, device="cuda")
+    nvfp4_linear(x, q.packed, q.scales, q.global_scale)  # warm-up: autotunes
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y_graph = nvfp4_linear(x, q.packed, q.scales, q.global_scale)
+    for seed in (63, 64):
+        x.copy_(_randn(m, 3584, dtype=torch.bfloat16, seed=seed, device="cuda"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(y_graph, nvfp4_linear(x, q.packed, q.scales, q.global_scale))
 
 
 @pytest.mark.gpu
