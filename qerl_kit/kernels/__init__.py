@@ -9,7 +9,7 @@ The two entry points take the packed weight of an ``NVFP4Linear`` (``packed``, `
 Which implementation runs is decided by ``backend`` (``set_backend``, ``QERL_KERNEL_BACKEND``):
 Triton on CUDA when it imports, the reference (dequantize + torch matmul) elsewhere. On the Triton
 backend, forward calls with at most ``DECODE_MAX_M`` rows go to the decode kernel
-(``nvfp4_gemv_triton``); larger ones to ``nvfp4_gemm_triton``, which runs its fused tiled kernel
+(``nvfp4_gemv_triton``: a block-dot CUDA-core kernel for one row, tensor cores for 2..64); larger ones to ``nvfp4_gemm_triton``, which runs its fused tiled kernel
 below ``DENSE_MIN_M`` rows and, from there on, a fused dequantization pass into a transient bf16
 weight (freed after the call) followed by cuBLAS, which was faster on the H200 (docs/kernels.md).
 The input gradient (``nvfp4_dgrad_triton``) follows the same rule.

@@ -16,6 +16,11 @@ helpers, see that module's docstring):
   W @ x^T, so the weight fills the MMA's M side and the few rows of x sit in its narrow N side
   (BLOCK_M = 16, 32 or 64; rows past M are clamped on load and dropped on store).
 
+* M = 1 by default (``BLOCKDOT_MAX_M``; up to 4 with ``config=dict(BLOCKDOT=True, ...)``): the
+  block-dot kernel, which reads ``packed`` as int32 words and multiplies the raw E2M1 codes (fp16
+  bit trick) with x, one scale multiply per 16 weights (see ``_nvfp4_gemv_blockdot_kernel`` and
+  docs/kernels.md); it is faster than both paths above for one row.
+
 The op is registered as ``torch.ops.qerl_kit.nvfp4_gemv``; the launcher does no host sync.
 """
 
@@ -26,7 +31,7 @@ import torch
 from qerl_kit.kernels.nvfp4_gemm_triton import (HAS_TRITON, check_nvfp4_operands, launch_options,
                                                 m_bucket)
 
-DECODE_MAX_M = 64  # rows handled by this kernel; more go to the GEMM
+DECODE_MAX_M = 64  # rows handled by this module; more go to the GEMM
 
 if HAS_TRITON:
     import triton
