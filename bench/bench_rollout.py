@@ -76,13 +76,27 @@ def build(preset: str, fmt: str, device: str) -> nn.Module:
         return build_model(preset, dtype=dtype, device=device)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    from qerl_kit import nvfp4
+    from qerl_kit.quantize import FUSED_GROUPS
+
+    def dense_like(lin):
+        d = nn.Linear(lin.in_features, lin.out_features, bias=lin.bias is not None, device=device, dtype=dtype)
+        nn.init.normal_(d.weight, std=0.02)
+        if d.bias is not None:
+            nn.init.normal_(d.bias, std=0.02)
+        return d
+
+    for parent in list(model.modules()):  # fused groups share one global scale, as quantize_model does
+        children = dict(parent.named_children())
+        for group in FUSED_GROUPS:
+            if all(isinstance(children.get(g), nn.Linear) for g in group):
+                dense = {g: dense_like(children[g]) for g in group}
+                gs = nvfp4.shared_global_scale(*(d.weight for d in dense.values()))
+                for g, d in dense.items():
+                    setattr(parent, g, NVFP4Linear.from_linear(d, global_scale=gs))
+                del dense
     for parent, name, lin in _linear_children(model):
-        dense = nn.Linear(lin.in_features, lin.out_features, bias=lin.bias is not None, device=device, dtype=dtype)
-        nn.init.normal_(dense.weight, std=0.02)
-        if dense.bias is not None:
-            nn.init.normal_(dense.bias, std=0.02)
-        setattr(parent, name, NVFP4Linear.from_linear(dense))
-        del dense
+        setattr(parent, name, NVFP4Linear.from_linear(dense_like(lin)))
     inner = model.model
     with torch.device(device):  # inv_freq is computed in __init__ (a non-persistent buffer)
         inner.rotary_emb = type(inner.rotary_emb)(config=config)
@@ -162,6 +176,7 @@ def random_prompts(batch: int, length: int, vocab: int, seed: int = 0) -> list[l
 
 def engine_run(model, prompts, new: int, repeats: int = 1) -> dict:
     engine = StaticEngine(model, None, max_prefill_tokens=32768)
+    log(f"engine decode path: {engine.decoder.path}")
     sp = SamplingParams(max_new_tokens=new, temperature=1.0, seed=0)
     t = time.perf_counter()
     engine.generate_ids(prompts, 1, sp, ignore_eos=True)  # warm-up: autotune, graph capture
@@ -175,7 +190,8 @@ def engine_run(model, prompts, new: int, repeats: int = 1) -> dict:
         total = time.perf_counter() - t
         if best is None or total < best["total_s"]:
             best = dict(total_s=total, prefill_s=out["prefill_seconds"], decode_s=out["decode_seconds"],
-                        ms_per_step=1e3 * out["decode_seconds"] / max(new - 1, 1), warmup_s=warm)
+                        ms_per_step=1e3 * out["decode_seconds"] / max(new - 1, 1), warmup_s=warm,
+                        path=engine.decoder.path)
     engine.reset()
     del engine
     free()
@@ -333,7 +349,7 @@ def _case(rows, preset, variant, batch, fn, wb, model, args, bw):
                    tokens_per_s=batch * args.new / r["total_s"], total_s=r["total_s"], prefill_s=r["prefill_s"],
                    decode_ms_per_step=r["ms_per_step"], floor_ms_per_step=floor,
                    x_floor=r["ms_per_step"] / floor, measured_tokens=r.get("measured_tokens", args.new),
-                   warmup_s=r.get("warmup_s", float("nan")),
+                   warmup_s=r.get("warmup_s", float("nan")), path=r.get("path", "transformers"),
                    peak_gib=torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else float("nan"))
         rows.append(row)
         log(f"{preset} {variant} B={batch}: {row['tokens_per_s']:.0f} tok/s, {r['ms_per_step']:.2f} ms/step "

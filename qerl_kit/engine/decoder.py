@@ -97,7 +97,7 @@ class Decoder:
         self.head_dim = getattr(attn, "head_dim", None) or config.hidden_size // self.heads
         self.scaling = getattr(attn, "scaling", self.head_dim ** -0.5)
         self.group = self.heads // self.kv_heads
-        self.plan, self.path = None, "generic decode path (fused=False)"
+        self.plan, self.path, self._plan_ok = None, "generic decode path (fused=False)", False
         if fused:
             from qerl_kit.engine.fast import FusedPlan
 
@@ -162,7 +162,17 @@ class Decoder:
         be attended, -inf elsewhere; the caller opens ``slot``'s column). Attends over slots
         [0, length). Returns float32 logits [R, V]. Uses the fused plan where it applies."""
         if self.plan is not None:
-            return self.plan.decode(tokens, positions, slot, key_bias, cache, length)
+            if self._plan_ok:
+                return self.plan.decode(tokens, positions, slot, key_bias, cache, length)
+            try:  # the first fused step runs eagerly (before any graph capture): check it once
+                logits = self.plan.decode(tokens, positions, slot, key_bias, cache, length)
+                self._plan_ok = True
+                return logits
+            except Exception as err:  # noqa: BLE001 - e.g. a kernel that does not compile here
+                import warnings
+
+                warnings.warn(f"the fused decode step failed ({err!r:.300}); using the generic path", stacklevel=2)
+                self.plan, self.path = None, f"generic decode path (fused step failed: {type(err).__name__})"
         R = tokens.shape[0]
         h = self.embed(tokens[:, None])  # [R, 1, hidden]
         pos = positions[:, None]

@@ -57,10 +57,18 @@ if HAS_TRITON:
         tl.store(out_ptr + row * stride_o + cols, y, mask=m)
 
     @triton.jit
+    def _rotate(a, b, c1, c2, s1, s2, DT: tl.constexpr):
+        """(a, b) halves -> x * cos + rotate_half(x) * sin, each product rounded like eager DT."""
+        o1 = (a.to(tl.float32) * c1).to(DT).to(tl.float32) - (b.to(tl.float32) * s1).to(DT).to(tl.float32)
+        o2 = (b.to(tl.float32) * c2).to(DT).to(tl.float32) + (a.to(tl.float32) * s2).to(DT).to(tl.float32)
+        return o1.to(DT), o2.to(DT)
+
+    @triton.jit
     def _rope_cache_kernel(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, qo_ptr, kc_ptr, vc_ptr, slot_ptr,
                            stride_qr, stride_qh, stride_kr, stride_kh, stride_vr, stride_vh, stride_cr,
                            stride_cache_r, stride_cache_h, stride_cache_l, H, HALF: tl.constexpr):
         """Program (row, head): heads [0, H) are q heads; [H, H + KVH) are k/v heads."""
+        DT: tl.constexpr = qo_ptr.dtype.element_ty
         row = tl.program_id(0)
         head = tl.program_id(1)
         d = tl.arange(0, HALF)
@@ -69,28 +77,19 @@ if HAS_TRITON:
         s1 = tl.load(sin_ptr + row * stride_cr + d).to(tl.float32)
         s2 = tl.load(sin_ptr + row * stride_cr + HALF + d).to(tl.float32)
         if head < H:
-            base = q_ptr + row * stride_qr + head * stride_qh
-            a = tl.load(base + d)
-            b = tl.load(base + HALF + d)
-            dt = a.dtype
-            # x * cos + rotate_half(x) * sin, each product rounded like the eager bf16 chain
-            o1 = ((a.to(tl.float32) * c1).to(dt).to(tl.float32) - (b.to(tl.float32) * s1).to(dt).to(tl.float32))
-            o2 = ((b.to(tl.float32) * c2).to(dt).to(tl.float32) + (a.to(tl.float32) * s2).to(dt).to(tl.float32))
-            out = qo_ptr + (row * H + head) * (2 * HALF)
-            tl.store(out + d, o1.to(dt))
-            tl.store(out + HALF + d, o2.to(dt))
+            qb = q_ptr + row * stride_qr + head * stride_qh
+            o1, o2 = _rotate(tl.load(qb + d), tl.load(qb + HALF + d), c1, c2, s1, s2, DT)
+            qo = qo_ptr + (row * H + head) * (2 * HALF)
+            tl.store(qo + d, o1)
+            tl.store(qo + HALF + d, o2)
         else:
             kh = head - H
             slot = tl.load(slot_ptr)
-            base = k_ptr + row * stride_kr + kh * stride_kh
-            a = tl.load(base + d)
-            b = tl.load(base + HALF + d)
-            dt = a.dtype
-            o1 = ((a.to(tl.float32) * c1).to(dt).to(tl.float32) - (b.to(tl.float32) * s1).to(dt).to(tl.float32))
-            o2 = ((b.to(tl.float32) * c2).to(dt).to(tl.float32) + (a.to(tl.float32) * s2).to(dt).to(tl.float32))
+            kb = k_ptr + row * stride_kr + kh * stride_kh
+            k1, k2 = _rotate(tl.load(kb + d), tl.load(kb + HALF + d), c1, c2, s1, s2, DT)
             dst = row * stride_cache_r + kh * stride_cache_h + slot * stride_cache_l
-            tl.store(kc_ptr + dst + d, o1.to(dt))
-            tl.store(kc_ptr + dst + HALF + d, o2.to(dt))
+            tl.store(kc_ptr + dst + d, k1)
+            tl.store(kc_ptr + dst + HALF + d, k2)
             vb = v_ptr + row * stride_vr + kh * stride_vh
             tl.store(vc_ptr + dst + d, tl.load(vb + d))
             tl.store(vc_ptr + dst + HALF + d, tl.load(vb + HALF + d))
