@@ -52,6 +52,7 @@ class GridConfig:
     format: str
     aqn: bool
     lr: float
+    title: str | None = None  # the label in tables and plots; None: from format and AQN
 
     def __post_init__(self):
         if not self.name or not all(c.isalnum() or c in "-_." for c in self.name):
@@ -63,6 +64,8 @@ class GridConfig:
 
     @property
     def label(self) -> str:
+        if self.title:
+            return self.title
         base = {"none": "bf16", "nf4": "NF4", "mxfp4": "MXFP4", "nvfp4": "NVFP4"}[self.format] + "-LoRA"
         return base + (" + AQN" if self.aqn else "")
 
@@ -76,6 +79,12 @@ def standard_grid(base_lr: float = TINY_LR) -> tuple[GridConfig, ...]:
             GridConfig("nvfp4-lora", "nvfp4", False, base_lr),
             GridConfig("nvfp4-lora-aqn", "nvfp4", True, base_lr),
             GridConfig("bf16-lora-aqn", "none", True, bf16_lr))
+
+
+def lr_control(base_lr: float = TINY_LR) -> GridConfig:
+    """bf16-LoRA at the 4-bit lr: the paper's lr rule changes two things at once (weights and lr);
+    this control tells the lr's share of a reward difference from the quantization's."""
+    return GridConfig("bf16-lora-4bit-lr", "none", False, base_lr, title="bf16-LoRA, 4-bit lr")
 
 
 STANDARD_GRID = standard_grid()
@@ -92,21 +101,21 @@ class Budget:
     max_new_tokens: int = 64
 
 
-# name -> (configuration names, budget). "reduced" fits a 2-core CPU (six configs x 3 seeds in about
-# half an hour on one thread); "full" is the GPU run; "smoke" is for CI and notebook smoke runs.
+# name -> (configuration names, budget). "reduced" fits a 2-core CPU (seven configs x 3 seeds in
+# about 35 minutes on one thread); "full" is the GPU run; "smoke" is for CI and notebook smoke runs.
 GRIDS: dict[str, tuple[tuple[str, ...], Budget]] = {
     "smoke": (("nvfp4-lora", "bf16-lora"), Budget(steps=2, batch_size=8, group_size=4, eval_size=8, seeds=(0,))),
-    "reduced": (tuple(c.name for c in STANDARD_GRID), Budget(30, 32, 8, 200, (0, 1, 2))),
-    "full": (tuple(c.name for c in STANDARD_GRID), Budget(60, 64, 8, 400, (0, 1, 2, 3, 4))),
+    "reduced": (tuple(c.name for c in STANDARD_GRID) + (lr_control().name,), Budget(30, 32, 8, 200, (0, 1, 2))),
+    "full": (tuple(c.name for c in STANDARD_GRID) + (lr_control().name,), Budget(60, 64, 8, 400, (0, 1, 2, 3, 4))),
 }
 
 
 def resolve_configs(configs: Sequence[GridConfig | str], base_lr: float = TINY_LR) -> list[GridConfig]:
-    """Names (of ``standard_grid(base_lr)``) or GridConfigs -> GridConfigs; errors name the problem."""
+    """Names (of ``standard_grid(base_lr)`` and ``lr_control``) or GridConfigs -> GridConfigs."""
     if isinstance(configs, (str, GridConfig)) or not configs:
         raise ValueError("configs must be a non-empty list of GridConfig or names of "
                          f"{[c.name for c in STANDARD_GRID]}")
-    known = {c.name: c for c in standard_grid(base_lr)}
+    known = {c.name: c for c in (*standard_grid(base_lr), lr_control(base_lr))}
     out = []
     for c in configs:
         if isinstance(c, str):
@@ -399,14 +408,18 @@ def plot_curves(metrics, y: Sequence[str] = ("reward", "entropy"), *, errorbar=(
     if smooth > 1:
         for m in y:
             df[m] = df.groupby(["config", "seed"])[m].transform(lambda s: s.rolling(smooth, min_periods=1).mean())
+    order = _order(df)
+    dashes = {label: (4, 2) if "AQN" in label else "" for label in order}  # AQN runs dashed: they can overlap
     sns.set_theme(style="whitegrid")
     fig, axes = plt.subplots(1, len(y), figsize=(5.2 * len(y), 3.8), squeeze=False)
     for ax, m in zip(axes[0], y):
-        sns.lineplot(data=df, x="step", y=m, hue="label", hue_order=_order(df), errorbar=errorbar, ax=ax,
-                     linewidth=1.4)
+        sns.lineplot(data=df, x="step", y=m, hue="label", hue_order=order, style="label", style_order=order,
+                     dashes=dashes, errorbar=errorbar, ax=ax, linewidth=1.4)
         ax.set_title(m + (f" ({smooth}-step mean)" if smooth > 1 else ""))
         ax.set_ylabel("")
-        ax.legend(fontsize=7, title=None)
+        ax.get_legend().remove()
+    axes[0][-1].legend(*axes[0][-1].get_legend_handles_labels(), fontsize=8, loc="upper left",
+                       bbox_to_anchor=(1.02, 1.0), frameon=False)
     seeds = df.groupby("label")["seed"].nunique().min()
     band = errorbar if isinstance(errorbar, str) else f"{errorbar[0]} {errorbar[1]}"
     fig.suptitle(title or f"mean over {seeds} seed(s), band: {band}")

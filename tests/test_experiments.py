@@ -21,7 +21,11 @@ def test_standard_grid_is_the_issue_s_six_configurations():
     assert [(c.format, c.aqn) for c in ex.STANDARD_GRID] == [
         ("none", False), ("nf4", False), ("mxfp4", False), ("nvfp4", False), ("nvfp4", True), ("none", True)]
     assert grid["nvfp4-lora-aqn"].label == "NVFP4-LoRA + AQN" and grid["bf16-lora"].label == "bf16-LoRA"
-    assert set(ex.GRIDS["reduced"][0]) == set(ex.GRIDS["full"][0]) == set(grid)
+    control = ex.lr_control()  # bf16 at the 4-bit lr: separates the lr rule from the weights
+    assert (control.format, control.aqn, control.lr) == ("none", False, ex.TINY_LR)
+    assert control.label == "bf16-LoRA, 4-bit lr" and control.name not in grid
+    assert ex.GRIDS["reduced"][0] == ex.GRIDS["full"][0] == tuple(grid) + (control.name,)
+    assert ex.resolve_configs([control.name], base_lr=1e-5)[0].lr == 1e-5
 
 
 def test_lr_rule_bf16_at_half_the_4bit_lr():
