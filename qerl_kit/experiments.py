@@ -26,7 +26,7 @@ import math
 import os
 import shutil
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Sequence
 
@@ -116,40 +116,30 @@ def resolve_configs(configs: Sequence[GridConfig | str], base_lr: float = TINY_L
         raise ValueError("configs must be a non-empty list of GridConfig or names of "
                          f"{[c.name for c in STANDARD_GRID]}")
     known = {c.name: c for c in (*standard_grid(base_lr), lr_control(base_lr))}
-    out = []
-    for c in configs:
-        if isinstance(c, str):
-            if c not in known:
-                raise ValueError(f"unknown config {c!r}; known: {sorted(known)}")
-            c = known[c]
-        elif not isinstance(c, GridConfig):
-            raise TypeError(f"configs must hold GridConfig or str; got {type(c).__name__}")
-        out.append(c)
+    unknown = [c for c in configs if isinstance(c, str) and c not in known]
+    if unknown:
+        raise ValueError(f"unknown config {unknown[0]!r}; known: {sorted(known)}")
+    if any(not isinstance(c, (str, GridConfig)) for c in configs):
+        raise TypeError(f"configs must hold GridConfig or str; got {[type(c).__name__ for c in configs]}")
+    out = [known[c] if isinstance(c, str) else c for c in configs]
     names = [c.name for c in out]
-    dupes = sorted({n for n in names if names.count(n) > 1})
-    if dupes:
-        raise ValueError(f"duplicate config name(s): {dupes}")
+    if len(set(names)) < len(names):
+        raise ValueError(f"duplicate config name(s): {sorted({n for n in names if names.count(n) > 1})}")
     return out
 
 
 def _check_seeds(seeds: Sequence[int]) -> list[int]:
     if isinstance(seeds, int) or not seeds:
         raise ValueError("seeds must be a non-empty list of ints, e.g. [0, 1, 2]")
-    if any(not isinstance(s, int) or isinstance(s, bool) or s < 0 for s in seeds):
-        raise ValueError(f"seeds must be non-negative ints; got {list(seeds)}")
-    if len(set(seeds)) != len(seeds):
-        raise ValueError(f"duplicate seeds: {list(seeds)}")
+    if any(not isinstance(s, int) or isinstance(s, bool) or s < 0 for s in seeds) or len(set(seeds)) < len(seeds):
+        raise ValueError(f"seeds must be distinct non-negative ints; got {list(seeds)}")
     return list(seeds)
 
 
 def _device(device: str) -> torch.device:
-    if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    dev = torch.device(device)
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"device {device!r} asked for, but torch sees no CUDA GPU; use device='cpu'")
-    if dev.type not in ("cpu", "cuda"):
-        raise ValueError(f"device must be auto, cpu or cuda[:N]; got {device!r}")
+    dev = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device)
+    if dev.type not in ("cpu", "cuda") or (dev.type == "cuda" and not torch.cuda.is_available()):
+        raise ValueError(f"device must be auto, cpu or cuda[:N] with a CUDA GPU present; got {device!r}")
     return dev
 
 
@@ -271,8 +261,7 @@ def _same(recorded, wanted) -> bool:
 
 
 def _mean(values) -> float:
-    values = list(values)
-    return sum(values) / len(values)
+    return float(sum(values := list(values)) / len(values))
 
 
 def run_grid(configs: Sequence[GridConfig | str], seeds: Sequence[int], *, steps: int = 30, batch_size: int = 32,
@@ -305,9 +294,9 @@ def run_grid(configs: Sequence[GridConfig | str], seeds: Sequence[int], *, steps
         done = Path(f"{stem}_summary.csv")
         if done.exists():
             summary = pd.read_csv(done).iloc[0].to_dict()
-            want = {"format": gc.format, "aqn": gc.aqn, "lr": gc.lr, "steps": steps, "batch_size": batch_size,
-                    "group_size": group_size, "eval_size": eval_size, "max_new_tokens": max_new_tokens,
-                    "model": model, "dataset": dataset}
+            want = dict(format=gc.format, aqn=gc.aqn, lr=gc.lr, steps=steps, batch_size=batch_size,
+                        group_size=group_size, eval_size=eval_size, max_new_tokens=max_new_tokens, model=model,
+                        dataset=dataset)
             diff = {k: (summary.get(k), v) for k, v in want.items() if not _same(summary.get(k), v)}
             if diff:
                 raise ValueError(f"{done} was recorded with other settings (recorded, asked): {diff}; "
@@ -335,12 +324,9 @@ def run_grid(configs: Sequence[GridConfig | str], seeds: Sequence[int], *, steps
         summaries.append(summary)
     shutil.rmtree(runs / ".work", ignore_errors=True)
     rank = {gc.name: i for i, gc in enumerate(configs)}  # tables in grid order, seeds ascending
-    metrics_df = pd.concat(metrics, ignore_index=True)
-    metrics_df = metrics_df.sort_values(["config", "seed", "step"], key=lambda c: c.map(rank) if c.name == "config" else c,
-                                        kind="stable", ignore_index=True)
-    summary_df = pd.DataFrame(summaries)
-    summary_df = summary_df.sort_values(["config", "seed"], key=lambda c: c.map(rank) if c.name == "config" else c,
-                                        kind="stable", ignore_index=True)
+    key = lambda col: col.map(rank) if col.name == "config" else col  # noqa: E731
+    metrics_df = pd.concat(metrics).sort_values(["config", "seed", "step"], key=key, ignore_index=True)
+    summary_df = pd.DataFrame(summaries).sort_values(["config", "seed"], key=key, ignore_index=True)
     metrics_df.to_csv(out / "metrics.csv", index=False)
     summary_df.to_csv(out / "summary.csv", index=False)
     return metrics_df, summary_df
@@ -381,13 +367,11 @@ def markdown_table(table) -> str:
     lines = ["| configuration | seeds | lr | " + " | ".join(heads.values()) + " | min/run |",
              "|---" * (len(heads) + 4) + "|"]
     for label, r in table.iterrows():
-        cells = []
-        for c in heads:
-            digits = 4 if "entropy" in c or "nll" in c else 3
-            sd = r[c + "_sd"]
-            cells.append(f"{r[c]:.{digits}f}" + ("" if math.isnan(sd) else f" ± {sd:.{digits}f}"))
-        lines.append(f"| {label} | {int(r['seeds'])} | {r['lr']:g} | " + " | ".join(cells)
-                     + f" | {r['minutes_per_run']:.1f} |")
+        d = {c: 4 if "entropy" in c or "nll" in c else 3 for c in heads}  # digits
+        cells = [f"{r[c]:.{d[c]}f}" + ("" if math.isnan(r[c + "_sd"]) else f" ± {r[c + '_sd']:.{d[c]}f}")
+                 for c in heads]
+        lines.append(f"| {label} | {int(r['seeds'])} | {r['lr']:g} | {' | '.join(cells)} | "
+                     f"{r['minutes_per_run']:.1f} |")
     return "\n".join(lines)
 
 
@@ -403,8 +387,7 @@ def plot_curves(metrics, y: Sequence[str] = ("reward", "entropy"), *, errorbar=(
     missing = [m for m in y if m not in metrics.columns]
     if missing or len(metrics) == 0:
         raise ValueError(f"metrics has no rows or lacks {missing}; columns: {list(metrics.columns)}")
-    plt = _plt()
-    df = metrics.copy()
+    plt, df = _plt(), metrics.copy()
     if smooth > 1:
         for m in y:
             df[m] = df.groupby(["config", "seed"])[m].transform(lambda s: s.rolling(smooth, min_periods=1).mean())
@@ -414,7 +397,7 @@ def plot_curves(metrics, y: Sequence[str] = ("reward", "entropy"), *, errorbar=(
     fig, axes = plt.subplots(1, len(y), figsize=(5.2 * len(y), 3.8), squeeze=False)
     for ax, m in zip(axes[0], y):
         sns.lineplot(data=df, x="step", y=m, hue="label", hue_order=order, style="label", style_order=order,
-                     dashes=dashes, errorbar=errorbar, ax=ax, linewidth=1.4)
+                     dashes=dashes, errorbar=errorbar, seed=0, ax=ax, linewidth=1.4)  # seed: same bootstrap
         ax.set_title(m + (f" ({smooth}-step mean)" if smooth > 1 else ""))
         ax.set_ylabel("")
         ax.get_legend().remove()
@@ -435,17 +418,14 @@ def plot_summary(summary, y: Sequence[str] = ("initial_entropy", "final_accuracy
 
     if len(summary) == 0:
         raise ValueError("summary is empty: nothing to plot")
-    plt = _plt()
     sns.set_theme(style="whitegrid")
-    fig, axes = plt.subplots(1, len(y), figsize=(4.6 * len(y), 3.8), squeeze=False)
+    fig, axes = _plt().subplots(1, len(y), figsize=(4.6 * len(y), 3.8), squeeze=False)
     order = _order(summary)
     for ax, m in zip(axes[0], y):
-        sns.stripplot(data=summary, x=m, y="label", order=order, ax=ax, color="gray", size=5, jitter=0.15)
+        sns.stripplot(data=summary, x=m, y="label", order=order, ax=ax, color="gray", size=5, jitter=False)
         sns.pointplot(data=summary, x=m, y="label", order=order, ax=ax, errorbar=None, linestyle="none",
                       marker="D", color="tab:red")
-        ax.set_title(m)
-        ax.set_xlabel("")
-        ax.set_ylabel("")
+        ax.set(title=m, xlabel="", ylabel="")
     fig.tight_layout()
     return fig
 
@@ -462,10 +442,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                    help="configurations and budget: reduced (CPU), full (GPU), smoke")
     p.add_argument("--configs", nargs="+", help="a subset of the grid's configurations, by name")
     p.add_argument("--seeds", nargs="+", type=int, help="default: the grid's")
-    p.add_argument("--steps", type=int)
-    p.add_argument("--batch-size", type=int)
-    p.add_argument("--group-size", type=int)
-    p.add_argument("--eval-size", type=int)
+    for opt in ("--steps", "--batch-size", "--group-size", "--eval-size"):
+        p.add_argument(opt, type=int, help="default: the grid's budget")
     p.add_argument("--device", default="auto", help="auto, cpu or cuda")
     p.add_argument("--model", default="tiny", help="tiny or a local Hugging Face directory")
     p.add_argument("--dataset", default="arith")
@@ -475,9 +453,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     dev = _device(args.device)
     if dev.type == "cpu":  # one thread: the tiny model gains nothing from more, and they fight (demo.py)
         torch.set_num_threads(int(os.environ.get("QERL_THREADS", "1")))
-    kw = dict(steps=args.steps or budget.steps, batch_size=args.batch_size or budget.batch_size,
-              group_size=args.group_size or budget.group_size, eval_size=args.eval_size or budget.eval_size,
-              max_new_tokens=budget.max_new_tokens if args.dataset == "arith" else 512)
+    kw = {k: getattr(budget, k) if getattr(args, k) is None else getattr(args, k)
+          for k in ("steps", "batch_size", "group_size", "eval_size")}
+    kw["max_new_tokens"] = budget.max_new_tokens if args.dataset == "arith" else 512  # real tasks reason longer
     try:
         metrics, summary = run_grid(args.configs or names, args.seeds or budget.seeds, output_dir=args.out,
                                     device=args.device, model=args.model, dataset=args.dataset, **kw)

@@ -64,7 +64,7 @@ def test_resolve_configs_errors_name_the_problem():
         ex.resolve_configs([3])
 
 
-@pytest.mark.parametrize("seeds, match", [([], "non-empty"), (0, "non-empty"), ([0, 0], "duplicate"),
+@pytest.mark.parametrize("seeds, match", [([], "non-empty"), (0, "non-empty"), ([0, 0], "distinct"),
                                           ([-1], "non-negative"), ([1.5], "non-negative")])
 def test_run_grid_rejects_bad_seeds_before_training(seeds, match, tmp_path):
     with pytest.raises(ValueError, match=match):
