@@ -42,11 +42,13 @@ def rollout_tables(rows: list[dict]) -> list[str]:
 
 
 def step_table(rows: list[dict]) -> list[str]:
-    out = ["| model | format | grad. ckpt | keep cache | step s | rollout s | log-prob s | update s | peak GiB |",
-           "|---|---|---|---|---:|---:|---:|---:|---:|"]
+    out = ["`step` 0 is a model's first step: it includes Triton autotuning and CUDA-graph capture "
+           "(big models ran one step only, to fit the device time).", "",
+           "| model | format | grad. ckpt | keep cache | step | step s | rollout s | log-prob s | update s | peak GiB |",
+           "|---|---|---|---|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         fmt = "bf16" if r["format"] == "none" else r["format"]
-        out.append(f"| {r['model']} | {fmt} | {r['checkpointing']} | {r['keep_cache']} | {r['time_step']:.1f} | "
+        out.append(f"| {r['model']} | {fmt} | {r['checkpointing']} | {r['keep_cache']} | {r['step_index']} | {r['time_step']:.1f} | "
                    f"{r['time_rollout']:.1f} | {r['time_logprob']:.1f} | {r['time_update']:.1f} | {r['peak_gib']:.1f} |")
     return out
 
