@@ -153,9 +153,29 @@ def test_max_rows_splits_into_batches_with_the_same_result(tiny):
     prompts = [[5, 6, 7], [8, 9, 10, 11, 12], [13, 14]]
     sp = SamplingParams(max_new_tokens=8, temperature=0)
     whole = StaticEngine(model, tok).generate_ids(prompts, 2, sp)
-    split = StaticEngine(model, tok, max_rows=2).generate_ids(prompts, 2, sp)
-    assert torch.equal(whole["completion_ids"], split["completion_ids"])
-    assert torch.equal(whole["prompt_ids"], split["prompt_ids"])
+    for max_rows in (2, 4):  # 4: batches of 2 prompts, the last one padded to the same shape
+        split = StaticEngine(model, tok, max_rows=max_rows).generate_ids(prompts, 2, sp)
+        assert torch.equal(whole["completion_ids"], split["completion_ids"])
+        assert torch.equal(whole["prompt_ids"], split["prompt_ids"])
+        assert split["stopped"].shape == (6,)
+
+
+def test_forward_hooks_route_to_the_generic_path(tiny):
+    """A forward hook (AQN resample='forward' draws noise in one) must run at every decode step:
+    the fused step never calls the norm modules, so a hooked model decodes through them."""
+    model, tok = tiny
+    engine = StaticEngine(model, tok)
+    assert engine.decoder.path == "fused"
+    norm = Decoder(model).layers[0].input_layernorm
+    calls = []
+    handle = norm.register_forward_hook(lambda *_: calls.append(1))
+    try:
+        engine.generate_ids([[9, 10, 11, 12]], 1, SamplingParams(max_new_tokens=6, temperature=0), ignore_eos=True)
+    finally:
+        handle.remove()
+    assert len(calls) == 6  # the prefill and five decode steps
+    engine.generate_ids([[9, 10, 11, 12]], 1, SamplingParams(max_new_tokens=3, temperature=0), ignore_eos=True)
+    assert engine.decoder.use_plan is True and len(calls) == 6  # back on the fused path, hook gone
 
 
 def test_process_logits_matches_transformers_warpers():

@@ -98,6 +98,7 @@ class Decoder:
         self.scaling = getattr(attn, "scaling", self.head_dim ** -0.5)
         self.group = self.heads // self.kv_heads
         self.plan, self.path, self._plan_ok = None, "generic decode path (fused=False)", False
+        self.use_plan = True  # the engine turns it off for a call on a model with forward hooks
         if fused:
             from qerl_kit.engine.fast import FusedPlan
 
@@ -161,7 +162,7 @@ class Decoder:
         cache column written), key_bias [R, max_len] additive attention bias (0 where a key may
         be attended, -inf elsewhere; the caller opens ``slot``'s column). Attends over slots
         [0, length). Returns float32 logits [R, V]. Uses the fused plan where it applies."""
-        if self.plan is not None:
+        if self.plan is not None and self.use_plan:
             if self._plan_ok:
                 return self.plan.decode(tokens, positions, slot, key_bias, cache, length)
             try:  # the first fused step runs eagerly (before any graph capture): check it once

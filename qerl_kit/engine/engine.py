@@ -159,7 +159,12 @@ class StaticEngine:
         parts = []
         with _inference(self.model), _seeded(sampling.seed, self.device):
             for i in range(0, len(prompt_ids), per_batch):
-                parts.append(self._generate_batch(prompt_ids[i:i + per_batch], n, sampling, ignore_eos))
+                chunk = prompt_ids[i:i + per_batch]
+                real = len(chunk)
+                if real < per_batch < len(prompt_ids):  # pad the last batch: same shape, same graphs
+                    chunk = chunk + [chunk[-1]] * (per_batch - real)
+                out = self._generate_batch(chunk, n, sampling, ignore_eos)
+                parts.append(out if real == len(chunk) else _rows(out, real * n))
         if not self.keep_cache:
             self.reset()
         if len(parts) == 1:
@@ -203,9 +208,13 @@ class StaticEngine:
         st.step += 1
 
     def _use_graphs(self) -> bool:
+        """Whether to capture graphs for this call; also routes a hooked model to the generic
+        decode path, which calls every module (the fused step reads weights directly, so a hook
+        such as AQN's resample="forward" would never run)."""
+        hooked = [name for name, m in self.model.named_modules() if m._forward_hooks or m._forward_pre_hooks]
+        self.decoder.use_plan = not hooked
         if not (self.cuda_graphs and self.device.type == "cuda"):
             return False
-        hooked = [name for name, m in self.model.named_modules() if m._forward_hooks or m._forward_pre_hooks]
         if hooked:
             warnings.warn(f"modules with forward hooks ({hooked[:3]}...) cannot be replayed from a CUDA "
                           "graph; decoding eagerly (AQN resample='step' needs no hooks)", stacklevel=4)
@@ -301,6 +310,11 @@ class StaticEngine:
                     prompt_mask=mask[:, width - longest:].repeat_interleave(n, 0),
                     completion_ids=c_ids, completion_mask=cmask, logprobs=logprobs, stopped=stopped,
                     prefill_seconds=t1 - t0, decode_seconds=t2 - t1)
+
+
+def _rows(out: dict[str, Any], rows: int) -> dict[str, Any]:
+    """The first ``rows`` rows of a batch's output (drops the padding rows of a last batch)."""
+    return {k: (v[:rows] if isinstance(v, Tensor) else v) for k, v in out.items()}
 
 
 def _concat(parts: list[dict], pad: int) -> dict[str, Any]:
