@@ -4,13 +4,53 @@ The rollout engine returns prompt ids left-padded and completion ids right-padde
 sees their concatenation. Position ids are derived from the attention mask (as ``generate``
 does), so left padding does not shift positions and training log-probs match sampling ones.
 Logits are divided by the sampling temperature, so the ratio in the loss compares like with like.
+
+Memory: the model's logits [B, P+C, V] stay in its dtype; the float32 log-softmax (and entropy)
+is taken over chunks of completion positions of about ``CHUNK_ELEMS`` values, each chunk under
+activation checkpointing when gradients are on. So the float32 copies of the full-vocabulary
+logits, the largest tensors of a long-completion training step (about 40 GB at 8 x 4096 tokens
+over Qwen2.5's 152k vocabulary), never exist; backward recomputes one chunk at a time.
 """
 
 from __future__ import annotations
 
 import torch
+from torch.utils.checkpoint import checkpoint
 
-from qerl_kit.entropy import entropy_from_logits
+CHUNK_ELEMS = 1 << 28  # float32 logits per chunk (1 GiB)
+
+
+def _chunk_logp(logits: torch.Tensor, ids: torch.Tensor, temperature: float) -> torch.Tensor:
+    return torch.log_softmax(logits.float() / temperature, dim=-1).gather(-1, ids.unsqueeze(-1)).squeeze(-1)
+
+
+@torch.no_grad()
+def _chunk_entropy(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    logp = torch.log_softmax(logits.float() / temperature, dim=-1)
+    return -(logp.exp() * logp).sum(-1)
+
+
+def token_logprobs(logits: torch.Tensor, ids: torch.Tensor, temperature: float = 1.0,
+                   with_entropy: bool = False, chunk: int | None = None):
+    """log softmax(logits / T)[ids] for logits [B, C, V] (any dtype) -> [B, C] float32, computed
+    ``chunk`` positions at a time (default: CHUNK_ELEMS float32 values per chunk); optionally the
+    entropy [B, C] too (no gradient)."""
+    B, C, V = logits.shape
+    chunk = chunk or max(1, CHUNK_ELEMS // max(B * V, 1))
+    grad = torch.is_grad_enabled() and logits.requires_grad
+    parts, ents = [], []
+    for s in range(0, C, chunk):
+        part, part_ids = logits[:, s:s + chunk], ids[:, s:s + chunk]
+        if grad and chunk < C:  # keep only the model-dtype logits for backward, recompute the rest
+            parts.append(checkpoint(_chunk_logp, part, part_ids, temperature, use_reentrant=False))
+        else:
+            parts.append(_chunk_logp(part, part_ids, temperature))
+        if with_entropy:
+            ents.append(_chunk_entropy(part.detach(), temperature))
+    logp = torch.cat(parts, dim=1) if parts else logits.new_zeros((B, 0), dtype=torch.float32)
+    if not with_entropy:
+        return logp
+    return logp, (torch.cat(ents, dim=1) if ents else torch.zeros_like(logp))
 
 
 def completion_logprobs(model: torch.nn.Module, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
@@ -22,14 +62,11 @@ def completion_logprobs(model: torch.nn.Module, prompt_ids: torch.Tensor, prompt
     position_ids = (attention.cumsum(-1) - 1).clamp(min=0)
     out = model(input_ids=input_ids, attention_mask=attention, position_ids=position_ids, use_cache=False)
     p, c = prompt_ids.shape[1], completion_ids.shape[1]
-    logits = out.logits[:, p - 1:p + c - 1].float() / temperature  # [B, C, V]
-    logp = torch.log_softmax(logits, dim=-1).gather(-1, completion_ids.unsqueeze(-1)).squeeze(-1)
+    logits = out.logits[:, p - 1:p + c - 1]  # [B, C, V], the model's dtype
+    res = token_logprobs(logits, completion_ids, temperature, with_entropy)
+    logp, ent = res if with_entropy else (res, None)
     logp = logp * completion_mask.to(logp.dtype)
-    if not with_entropy:
-        return logp
-    with torch.no_grad():
-        ent = entropy_from_logits(logits.detach())
-    return logp, ent
+    return (logp, ent) if with_entropy else logp
 
 
 @torch.no_grad()
