@@ -13,8 +13,8 @@ from the model's shape alone (``qerl_kit.models.PRESETS`` or any transformers co
 * **training activations** of one micro-batch: with activation checkpointing, each layer's input
   plus one layer recomputed during backward; without, every layer's saved tensors (norm outputs,
   q/k/v, attention output, the MLP's gate/up/act/product; SDPA keeps no score matrix); plus the
-  logits, which at a 152k vocabulary are often the largest term (bf16 logits, the float32 copy
-  and its log-softmax that ``qerl_kit.logprobs`` takes).
+  logits in the model's dtype and one chunk of their float32 log-softmax (``qerl_kit.logprobs``
+  works through ``CHUNK_ELEMS`` float32 values at a time, checkpointed).
 
 Rollouts and updates run one after the other, so the peak is weights + LoRA state + the larger of
 the KV cache and the activations, plus ``overhead`` (CUDA context, allocator slack; 10% by default).
@@ -158,7 +158,9 @@ def plan_memory(model: Any = "Qwen2.5-7B", fmt: str = "nvfp4", lora_r: int = 32,
     kvw = s["kv_heads"] * s["head_dim"]
     per_layer = T * (7 * h + 2 * kvw + 4 * s["inter"] + 3 * len(targets) * lora_r) * act_bytes
     acts = (L * T * h * act_bytes + per_layer) if gradient_checkpointing else L * per_layer
-    logits = T * V * (act_bytes + 4 + 4)
+    from qerl_kit.logprobs import CHUNK_ELEMS
+
+    logits = T * V * act_bytes + 2 * 4 * min(CHUNK_ELEMS, micro_batch * max_new_tokens * V)  # + float copy, log-softmax
     parts = {
         f"weights: projections ({fmt})": proj_bytes,
         "weights: embeddings, head, norms (bf16)": dense * 2,
@@ -169,7 +171,7 @@ def plan_memory(model: Any = "Qwen2.5-7B", fmt: str = "nvfp4", lora_r: int = 32,
         "rollout: logits of one decode step": rollout_logits,
         f"training: activations (micro-batch {micro_batch}, "
         f"{'checkpointed' if gradient_checkpointing else 'all layers kept'})": acts,
-        "training: logits + float32 log-softmax": logits,
+        "training: logits + one float32 log-softmax chunk": logits,
     }
     settings = dict(fmt=fmt, lora_r=lora_r, optimizer=optimizer, rollout_batch=rollout_batch,
                     prompt_len=prompt_len, max_new_tokens=max_new_tokens, micro_batch=micro_batch,
