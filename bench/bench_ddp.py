@@ -4,7 +4,8 @@ A 7B-shape model (``qerl_kit.models`` preset ``Qwen2.5-7B``: the real shapes, ra
 NVFP4-quantized, LoRA r 32, trained by the ordinary ``Trainer`` for a few GRPO steps. Prompts are
 fixed-length strings of random token ids (a whitespace "tokenizer" turns them back into ids), no
 stop token is known, so every completion runs to exactly ``--new-tokens``; the reward is random.
-So a step is a fixed amount of work: rollout (HF ``generate`` under AQN) + log-probs + update,
+So a step is a fixed amount of work: rollout (``rollout.engine`` auto: StaticEngine on a GPU,
+transformers' ``generate`` on the CPU; under AQN) + log-probs + update,
 and under ``torchrun`` the DDP all-reduce of the adapter's gradients and the metric reductions.
 
 Each process runs ``--prompts`` prompts x ``--group`` samples per GPU (``--strong``: the global

@@ -359,21 +359,11 @@ def _case(rows, preset, variant, batch, fn, wb, model, args, bw):
         free()
 
 
-class _Tok:
-    """Token ids in, token ids out: the benchmark's prompts are ids already ("1 2 3 ...")."""
-
-    eos_token_id = None
-    pad_token_id = 0
-
-    def __call__(self, texts, add_special_tokens=False):
-        return {"input_ids": [[int(t) for t in s.split()] for s in texts]}
-
-    def batch_decode(self, ids, skip_special_tokens=True):
-        return [" ".join(map(str, r)) for r in ids]
-
-
 def part_step(args, device, results):
     """One GRPO step (8 prompts x group 8, prompt 256, 512 new tokens at fixed length)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from bench_ddp import IdTokenizer  # prompts are whitespace-separated token ids
+
     from qerl_kit.config import preset as cfg_preset
     from qerl_kit.trainer import Trainer
 
@@ -398,8 +388,8 @@ def part_step(args, device, results):
                              model=dict(gradient_checkpointing=ckpt),
                              rollout=dict(batch_size=64, group_size=8, max_new_tokens=args.new),
                              loss=dict(micro_batch=args.micro_batch), aqn=dict(enabled=fmt == "nvfp4"))
-            engine = StaticEngine(peft, _Tok(), ignore_eos=True, keep_cache=preset not in args.checkpointing)
-            trainer = Trainer(peft, _Tok(), data, [reward], cfg, engine=engine, prompt_fn=lambda tok, row: row["prompt"],
+            engine = StaticEngine(peft, IdTokenizer(), ignore_eos=True, keep_cache=preset not in args.checkpointing)
+            trainer = Trainer(peft, IdTokenizer(), data, [reward], cfg, engine=engine, prompt_fn=lambda tok, row: row["prompt"],
                               progress="none")
             steps = 1 if ckpt else 2  # big models: one step (its peak includes graph capture)
             for i in range(steps):

@@ -5,18 +5,12 @@ Like tests/test_kernels.py, the kernel tests need TRITON_INTERPRET=1 before Trit
 in a full run this module re-runs itself in a subprocess with it set.
 """
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
-_INTERPRETER_READY = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-if not torch.cuda.is_available() and "triton" not in sys.modules:
-    os.environ["TRITON_INTERPRET"] = "1"
-    _INTERPRETER_READY = True
+from tests import triton_interp
+
+IN_PROCESS = triton_interp.enable()  # before Triton's first import
 
 triton = pytest.importorskip("triton", reason="the fused kernels need triton")
 
@@ -30,7 +24,6 @@ from qerl_kit.rollout import SamplingParams  # noqa: E402
 
 CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"
-IN_PROCESS = CUDA or _INTERPRETER_READY
 
 
 @pytest.fixture(autouse=True)
@@ -41,10 +34,7 @@ def _runnable(request):
 
 @pytest.mark.skipif(IN_PROCESS, reason="the tests run in this process")
 def test_in_an_interpreter_subprocess():
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__],
-                          cwd=Path(__file__).resolve().parents[1], env=env, capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
+    triton_interp.rerun_in_subprocess(__file__)
 
 
 def _rand(*shape, dtype, gen):

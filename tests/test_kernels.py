@@ -10,19 +10,12 @@ graph capture. Speed is measured in bench/bench_nvfp4_gemm.py, never here.
     python -m pytest tests/test_kernels.py -q
 """
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
-# The interpreter is on if TRITON_INTERPRET was set before Triton's first import.
-_INTERPRETER_READY = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-if not torch.cuda.is_available() and "triton" not in sys.modules:
-    os.environ["TRITON_INTERPRET"] = "1"
-    _INTERPRETER_READY = True
+from tests import triton_interp
+
+IN_PROCESS = triton_interp.enable()  # before Triton's first import
 
 triton = pytest.importorskip("triton", reason="the NVFP4 kernels need triton (pip install triton)")
 
@@ -37,7 +30,6 @@ from qerl_kit.linear import NVFP4Linear  # noqa: E402
 
 CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"
-IN_PROCESS = CUDA or _INTERPRETER_READY
 
 
 @pytest.fixture(autouse=True)
@@ -49,11 +41,7 @@ def _kernels_runnable(request):
 
 @pytest.mark.skipif(IN_PROCESS, reason="the kernel tests run in this process")
 def test_kernels_in_an_interpreter_subprocess():
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    root = Path(__file__).resolve().parents[1]
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__],
-                          cwd=root, env=env, capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
+    triton_interp.rerun_in_subprocess(__file__)
 
 
 MS, NS, KS = [1, 3, 16, 33], [32, 48], [64, 96]
