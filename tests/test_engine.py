@@ -254,3 +254,21 @@ def test_make_engine_and_the_config_switch(tiny):
         make_engine("vllm2", model, tok)
     with pytest.raises(ValueError, match="rollout.engine must be"):
         RolloutConfig(engine="fast")
+
+
+def test_float32_adapters_on_a_bf16_base_stay_on_the_fused_path():
+    model = build_model("qwen2-tiny", seed=3, dtype=torch.bfloat16)
+    quantize_model(model, "nvfp4")
+    model = attach_lora(model, r=4, seed=3, dtype=torch.float32)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.05)
+    engine = StaticEngine(model)
+    out = engine.generate_ids([[5, 6, 7, 8, 9]], 2, SamplingParams(max_new_tokens=6, seed=0), ignore_eos=True)
+    assert engine.decoder.path == "fused" and engine.decoder._plan_ok
+    prompt = [5, 6, 7, 8, 9]
+    for row in range(2):
+        ids = out["completion_ids"][row].tolist()
+        ref = torch.log_softmax(_hf_logits(model, prompt, ids), -1).gather(1, torch.tensor(ids)[:, None]).squeeze(1)
+        torch.testing.assert_close(out["logprobs"][row], ref, atol=0.05, rtol=0)  # bf16 arithmetic

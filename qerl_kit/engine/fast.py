@@ -133,8 +133,11 @@ class _Group:
             A = loras[0].A if len(loras) == 1 else torch.cat([lo.A for lo in loras], dim=0)
             t = x.to(A.dtype) @ A.t()
             r0 = 0
+            if t.dtype != y.dtype:  # e.g. float32 adapters on a bf16 base (peft casts the same way)
+                t = t.to(y.dtype)
             for i, lo, r in zip(self.lora_idx, loras, self.ranks):
-                y[:, self.offsets[i]:self.offsets[i + 1]].addmm_(t[:, r0:r0 + r], lo.B.t(), alpha=lo.scale)
+                B = lo.B if lo.B.dtype == y.dtype else lo.B.to(y.dtype)
+                y[:, self.offsets[i]:self.offsets[i + 1]].addmm_(t[:, r0:r0 + r], B.t(), alpha=lo.scale)
                 r0 += r
         return y
 
