@@ -213,14 +213,14 @@ def _prompt_fn(dataset: str) -> Callable:
 def run_one(gc: GridConfig, seed: int, cfg, data, device: torch.device, base_cache: dict,
             progress: str = "none") -> tuple[list[dict], dict]:
     """Train one (config, seed); returns (per-step rows, summary). ``data`` = build_datasets(...)."""
-    from qerl_kit.rollout import HFEngine
+    from qerl_kit.engine import make_engine
     from qerl_kit.trainer import Trainer
 
     start = time.perf_counter()
     torch.manual_seed(seed)
     policy, tok = _build_policy(cfg.model, seed, device)
     train, heldout, reward_fns = data
-    engine = _RecordingEngine(HFEngine(policy, tok))
+    engine = _RecordingEngine(make_engine(cfg.rollout.engine, policy, tok))  # auto: StaticEngine on a GPU
     trainer = Trainer(policy, tok, train, reward_fns, cfg, engine=engine, eval_dataset=heldout,
                       prompt_fn=_prompt_fn(cfg.data.dataset), progress=progress)
     # LoRA's B starts at zero, so the untrained policy is the base model: its greedy accuracy is the
