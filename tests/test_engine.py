@@ -272,3 +272,23 @@ def test_float32_adapters_on_a_bf16_base_stay_on_the_fused_path():
         ids = out["completion_ids"][row].tolist()
         ref = torch.log_softmax(_hf_logits(model, prompt, ids), -1).gather(1, torch.tensor(ids)[:, None]).squeeze(1)
         torch.testing.assert_close(out["logprobs"][row], ref, atol=0.05, rtol=0)  # bf16 arithmetic
+
+
+def test_gradient_checkpointing_hooks_keep_the_fused_path():
+    """enable_input_require_grads (needed with gradient checkpointing) hooks the embedding; that hook
+    is inert at inference, so it must not push rollouts off the fused path and CUDA graphs."""
+    from qerl_kit.engine.engine import _hooked_modules
+
+    model = build_model("qwen2-tiny", seed=4)
+    quantize_model(model, "nvfp4")
+    model = attach_lora(model, r=4, seed=4)
+    model.enable_input_require_grads()
+    assert _hooked_modules(model) == []
+    engine = StaticEngine(model)
+    engine.generate_ids([[5, 6, 7]], 1, SamplingParams(max_new_tokens=3, temperature=0), ignore_eos=True)
+    assert engine.decoder.use_plan
+    handle = model.get_base_model().model.norm.register_forward_pre_hook(lambda *_: None)
+    try:
+        assert _hooked_modules(model) == ["base_model.model.model.norm"]
+    finally:
+        handle.remove()

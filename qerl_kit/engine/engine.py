@@ -211,7 +211,7 @@ class StaticEngine:
         """Whether to capture graphs for this call; also routes a hooked model to the generic
         decode path, which calls every module (the fused step reads weights directly, so a hook
         such as AQN's resample="forward" would never run)."""
-        hooked = [name for name, m in self.model.named_modules() if m._forward_hooks or m._forward_pre_hooks]
+        hooked = _hooked_modules(self.model)
         self.decoder.use_plan = not hooked
         if not (self.cuda_graphs and self.device.type == "cuda"):
             return False
@@ -310,6 +310,21 @@ class StaticEngine:
                     prompt_mask=mask[:, width - longest:].repeat_interleave(n, 0),
                     completion_ids=c_ids, completion_mask=cmask, logprobs=logprobs, stopped=stopped,
                     prefill_seconds=t1 - t0, decode_seconds=t2 - t1)
+
+
+# Hooks that do nothing under no_grad: transformers' and peft's enable_input_require_grads (needed
+# with gradient checkpointing) mark the embedding output as requiring grad for training forwards.
+_INERT_HOOKS = {"make_inputs_require_grads"}
+
+
+def _hooked_modules(model: torch.nn.Module) -> list[str]:
+    """Names of modules with forward (pre-)hooks that matter at inference."""
+    out = []
+    for name, module in model.named_modules():
+        hooks = list(module._forward_hooks.values()) + list(module._forward_pre_hooks.values())
+        if any(getattr(h, "__name__", None) not in _INERT_HOOKS for h in hooks):
+            out.append(name)
+    return out
 
 
 def _rows(out: dict[str, Any], rows: int) -> dict[str, Any]:
