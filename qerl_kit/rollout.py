@@ -299,6 +299,35 @@ def _as_ids(value: Any) -> list[int]:
     return [int(value)] if isinstance(value, int) else [int(v) for v in value]
 
 
+def _special_ids(tokenizer: Any, model: torch.nn.Module | None,
+                stop_token_ids: Sequence[int] | None = None) -> tuple[int | None, list[int]]:
+    """(pad id, stop ids) for an engine: pad = the tokenizer's pad, else its first EOS (None if it
+    has neither); stop ids = tokenizer EOS + the model's ``generation_config`` EOS + extra ids."""
+    eos = _as_ids(getattr(tokenizer, "eos_token_id", None))
+    pad = getattr(tokenizer, "pad_token_id", None)
+    config_eos = _as_ids(getattr(getattr(model, "generation_config", None), "eos_token_id", None))
+    stop = list(dict.fromkeys(eos + config_eos + _as_ids(stop_token_ids)))
+    return (int(pad) if pad is not None else (eos[0] if eos else None)), stop
+
+
+def _stop_mask(completion: Tensor, stop_token_ids: Sequence[int]) -> tuple[Tensor, Tensor]:
+    """(mask [rows, C] long, stopped [rows] bool): a row ends at its first stop token, which
+    counts as a completion token; a row with none runs to C."""
+    stop_ids = torch.tensor(list(stop_token_ids), dtype=torch.long, device=completion.device)
+    is_stop = torch.isin(completion, stop_ids)
+    stopped = is_stop.any(dim=1)
+    first = torch.where(stopped, is_stop.int().argmax(dim=1), completion.shape[1] - 1)
+    mask = (torch.arange(completion.shape[1], device=completion.device)[None, :] <= first[:, None]).long()
+    return mask, stopped
+
+
+def _decode_completions(tokenizer: Any, completion: Tensor, mask: Tensor, stopped: Tensor) -> list[str]:
+    """Texts of the completions: the masked tokens without the stop token, special tokens skipped."""
+    lengths, stopped_l = mask.sum(1).tolist(), stopped.tolist()
+    text_ids = [row[:L - s].tolist() for row, L, s in zip(completion.cpu(), lengths, stopped_l)]
+    return tokenizer.batch_decode(text_ids, skip_special_tokens=True)
+
+
 class HFEngine:
     """Rollouts through ``model.generate`` (transformers), with prefill sharing and sampling log-probs.
 
@@ -315,13 +344,10 @@ class HFEngine:
         self.model, self.tokenizer = model, tokenizer
         self.batch_size, self.share_prefill = batch_size, share_prefill
         self.add_special_tokens = add_special_tokens
-        eos = _as_ids(getattr(tokenizer, "eos_token_id", None))
-        pad = getattr(tokenizer, "pad_token_id", None)
-        if pad is None and not eos:
+        pad, self.stop_token_ids = _special_ids(tokenizer, model, stop_token_ids)
+        if pad is None:
             raise ValueError("the tokenizer has neither a pad_token_id nor an eos_token_id; set one")
-        self.pad_token_id = int(pad) if pad is not None else eos[0]
-        config_eos = _as_ids(getattr(getattr(model, "generation_config", None), "eos_token_id", None))
-        self.stop_token_ids = list(dict.fromkeys(eos + config_eos + _as_ids(stop_token_ids)))
+        self.pad_token_id = pad
         if not self.stop_token_ids:
             warnings.warn("no EOS or stop token id known: every completion runs to max_new_tokens")
         base = model.get_base_model() if hasattr(model, "get_base_model") else model
@@ -408,15 +434,9 @@ class HFEngine:
         completion = sequences[:, P:]
         logprobs = recorder.finish(completion)
         # The first stop token ends a completion; everything after it is padding from generate.
-        stop_ids = torch.tensor(self.stop_token_ids, dtype=torch.long, device=device)
-        is_stop = torch.isin(completion, stop_ids)  # [rows, C]
-        stopped = is_stop.any(dim=1)
-        first = torch.where(stopped, is_stop.int().argmax(dim=1), completion.shape[1] - 1)
-        cmask = (torch.arange(completion.shape[1], device=device)[None, :] <= first[:, None]).long()
-        lengths, stopped_l = cmask.sum(1).tolist(), stopped.tolist()
+        cmask, stopped = _stop_mask(completion, self.stop_token_ids)
         completion = torch.where(cmask.bool(), completion, self.pad_token_id)
-        text_ids = [row[:L - s].tolist() for row, L, s in zip(completion.cpu(), lengths, stopped_l)]
-        texts = self.tokenizer.batch_decode(text_ids, skip_special_tokens=True)
+        texts = _decode_completions(self.tokenizer, completion, cmask, stopped)
         return Rollouts([p for p in prompts for _ in range(n)], ids, mask, completion, cmask,
                         torch.where(cmask.bool(), logprobs, 0.0), texts,
-                        ["stop" if s else "length" for s in stopped_l], n, self.pad_token_id)
+                        ["stop" if s else "length" for s in stopped.tolist()], n, self.pad_token_id)

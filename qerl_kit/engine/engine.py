@@ -43,7 +43,8 @@ from torch import Tensor
 
 from qerl_kit.engine.decoder import Decoder, KVCache
 from qerl_kit.engine.sampler import sample
-from qerl_kit.rollout import Rollouts, SamplingParams, _as_ids, _check_request, _inference, _pad, _seeded
+from qerl_kit.rollout import (Rollouts, SamplingParams, _check_request, _inference, _pad, _seeded,
+                              _decode_completions, _special_ids, _stop_mask)
 
 __all__ = ["StaticEngine"]
 
@@ -101,11 +102,8 @@ class StaticEngine:
         self.length_bucket, self.prompt_bucket = length_bucket, prompt_bucket
         self.max_prefill_tokens, self.sync_every = max_prefill_tokens, sync_every
         self.add_special_tokens, self.ignore_eos, self.keep_cache = add_special_tokens, ignore_eos, keep_cache
-        eos = _as_ids(getattr(tokenizer, "eos_token_id", None)) if tokenizer is not None else []
-        pad = getattr(tokenizer, "pad_token_id", None) if tokenizer is not None else None
-        self.pad_token_id = int(pad) if pad is not None else (eos[0] if eos else 0)
-        config_eos = _as_ids(getattr(getattr(self.decoder.model, "generation_config", None), "eos_token_id", None))
-        self.stop_token_ids = list(dict.fromkeys(eos + config_eos + _as_ids(stop_token_ids)))
+        pad, self.stop_token_ids = _special_ids(tokenizer, self.decoder.model, stop_token_ids)
+        self.pad_token_id = 0 if pad is None else pad  # generate_ids works without a tokenizer
         self._state: tuple[tuple, _State] | None = None
         self._pool = None
 
@@ -129,16 +127,14 @@ class StaticEngine:
         start = time.perf_counter()
         out = self.generate_ids(encoded, n, sampling, ignore_eos=self.ignore_eos)
         c_ids, cmask, stopped = out["completion_ids"], out["completion_mask"], out["stopped"]
-        lengths, stopped_l = cmask.sum(1).tolist(), stopped.tolist()
-        text_ids = [row[:L - s].tolist() for row, L, s in zip(c_ids.cpu(), lengths, stopped_l)]
-        texts = self.tokenizer.batch_decode(text_ids, skip_special_tokens=True)
+        texts = _decode_completions(self.tokenizer, c_ids, cmask, stopped)
         seconds = time.perf_counter() - start
         tokens = int(cmask.sum())
         stats = {"rollout/tokens": tokens, "rollout/seconds": seconds,
                  "rollout/tokens_per_s": tokens / max(seconds, 1e-9),
                  "rollout/prefill_seconds": out["prefill_seconds"], "rollout/decode_seconds": out["decode_seconds"]}
         return Rollouts([p for p in prompts for _ in range(n)], out["prompt_ids"], out["prompt_mask"],
-                        c_ids, cmask, out["logprobs"], texts, ["stop" if s else "length" for s in stopped_l],
+                        c_ids, cmask, out["logprobs"], texts, ["stop" if s else "length" for s in stopped.tolist()],
                         n, self.pad_token_id, stats)
 
     def generate_ids(self, prompt_ids: Sequence[Sequence[int]], n: int = 1,
@@ -298,10 +294,7 @@ class StaticEngine:
             cmask = torch.ones_like(c_ids)
             stopped = torch.zeros(rows, dtype=torch.bool, device=dev)
         else:
-            is_stop = (c_ids[:, :, None] == st.stop[None, None, :]).any(-1)
-            stopped = is_stop.any(1)
-            first = torch.where(stopped, is_stop.int().argmax(1), steps - 1)
-            cmask = (torch.arange(steps, device=dev)[None, :] <= first[:, None]).long()
+            cmask, stopped = _stop_mask(c_ids, self.stop_token_ids or [-1])
             width_used = int(cmask.sum(1).max())  # drop the all-padding tail after the last stop
             cmask, c_ids, logprobs = cmask[:, :width_used], c_ids[:, :width_used], logprobs[:, :width_used]
             c_ids = torch.where(cmask.bool(), c_ids, self.pad_token_id)
