@@ -6,6 +6,18 @@ processes (measured: up to 10x slower). QERL_TEST_THREADS overrides.
 
 import os
 
+import pytest
 import torch
 
 torch.set_num_threads(int(os.environ.get("QERL_TEST_THREADS", "1")))
+
+
+@pytest.fixture
+def one_thread():
+    """One intra-op thread for a test even if something before it changed the count (the demo and
+    the notebooks set their own); restored afterwards. Modules use it with
+    ``pytestmark = pytest.mark.usefixtures("one_thread")``."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

@@ -98,12 +98,7 @@ def _torchrun(work: Path, nproc: int = 2) -> None:
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-6000:]
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 @pytest.mark.slow

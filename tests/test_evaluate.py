@@ -9,7 +9,9 @@ import torch
 from qerl_kit.data import build_prompt
 from qerl_kit.evaluate import EvalResult, evaluate
 from qerl_kit.rollout import HFEngine, RolloutEngine, Rollouts, SamplingParams
-from tests.test_rollout import make_model, make_tokenizer, one_thread  # noqa: F401 (autouse fixture)
+from tests.test_rollout import make_model, make_tokenizer
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
             "{% if add_generation_prompt %}<|assistant|>{% endif %}")
