@@ -235,11 +235,10 @@ def floor_ms_per_step(wbytes: int, model, batch: int, prompt: int, new: int, bw:
 # -- parts --------------------------------------------------------------------------------------
 def part_check(args, device, results):
     """Graphs vs eager vs transformers on a small random model in the run's dtype."""
+    from qerl_kit.models import build_model
     from qerl_kit.quantize import quantize_model
-    from qerl_kit.rollout import HFEngine  # noqa: F401
 
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
-    from qerl_kit.models import build_model
 
     out = {}
     for preset in ("qwen2-tiny", "qwen3-tiny", "llama-tiny"):
