@@ -274,8 +274,12 @@ def part_check(args, device, results):
 
 def part_rollout(args, device, results, bw):
     rows = results.setdefault("rollout", [])
+    done = _done_cases(args.skip_done)
     for preset in args.models:
         variants = args.variants if preset not in args.nvfp4_only else ["engine-nvfp4", "engine-nvfp4-aqn"]
+        batches = {v: args.aqn_batches if v == "engine-nvfp4-aqn" else args.batches for v in variants}
+        variants = [v for v in variants if any((preset, v, b) not in done for b in batches[v])]
+        todo = lambda v, b: v in variants and (preset, v, b) not in done  # noqa: E731
         vocab = 512 if args.smoke else 152064
         # 1) the bf16 model: transformers and our engine, both with LoRA
         if any(v in variants for v in ("hf-bf16", "engine-bf16", "hf-nf4")):
@@ -292,7 +296,7 @@ def part_rollout(args, device, results, bw):
                         prompts = random_prompts(batch, args.prompt, vocab)
                         for variant, fn in (("engine-bf16", lambda: engine_run(peft, prompts, args.new)),
                                             ("hf-bf16", lambda: hf_run(peft, prompts, args.new, args.hf_tokens))):
-                            if variant in variants:
+                            if todo(variant, batch):
                                 _case(rows, preset, variant, batch, fn, wb, peft, args, bw)
                     if "hf-nf4" in variants:
                         base = peft.unload()
@@ -300,7 +304,7 @@ def part_rollout(args, device, results, bw):
                         free()
                         peft = with_lora(to_nf4(base), args.lora_r)
                         wb = weight_bytes(peft)
-                        for batch in args.batches:
+                        for batch in (b for b in args.batches if todo("hf-nf4", b)):
                             prompts = random_prompts(batch, args.prompt, vocab)
                             _case(rows, preset, "hf-nf4", batch,
                                   lambda: hf_run(peft, prompts, args.new, args.hf_tokens), wb, peft, args, bw)
@@ -309,6 +313,8 @@ def part_rollout(args, device, results, bw):
                     log(f"{preset} bf16/nf4 failed: {err!r}\n{traceback.format_exc()}")
                 free()
         # 2) NVFP4 + LoRA on our engine, with and without AQN
+        if not any(v in variants for v in ("engine-nvfp4", "engine-nvfp4-aqn")):
+            continue
         if time.perf_counter() - T0 > args.budget:
             log(f"budget spent: skip {preset} nvfp4")
             continue
@@ -322,9 +328,9 @@ def part_rollout(args, device, results, bw):
             aqn = AQN(sigma_start=1e-2, sigma_end=5e-4, stages=10, total_steps=100)
             for batch in args.batches:
                 prompts = random_prompts(batch, args.prompt, vocab)
-                if "engine-nvfp4" in variants:
+                if todo("engine-nvfp4", batch):
                     _case(rows, preset, "engine-nvfp4", batch, lambda: engine_run(peft, prompts, args.new), wb, peft, args, bw)
-                if "engine-nvfp4-aqn" in variants and batch in args.aqn_batches:
+                if todo("engine-nvfp4-aqn", batch) and batch in args.aqn_batches:
                     def run_aqn():
                         with aqn.noise(peft, step=15):
                             return engine_run(peft, prompts, args.new)
@@ -333,6 +339,15 @@ def part_rollout(args, device, results, bw):
         except Exception as err:  # noqa: BLE001
             log(f"{preset} nvfp4 failed: {err!r}\n{traceback.format_exc()}")
         free()
+
+
+def _done_cases(paths) -> set:
+    """(model, variant, batch) of the rows in earlier runs' rollout.csv files."""
+    done = set()
+    for path in paths:
+        with open(path, newline="") as f:
+            done |= {(r["model"], r["variant"], int(r["batch"])) for r in csv.DictReader(f)}
+    return done
 
 
 def _case(rows, preset, variant, batch, fn, wb, model, args, bw):
@@ -409,7 +424,7 @@ def part_step(args, device, results):
 
 
 # -- output -------------------------------------------------------------------------------------
-def write(results: dict, out: Path) -> None:
+def write(results: dict, out: Path, log: bool = True) -> None:
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.json").write_text(json.dumps(results, indent=1, default=str))
     for key in ("rollout", "step"):
@@ -419,7 +434,8 @@ def write(results: dict, out: Path) -> None:
                 w = csv.DictWriter(f, fieldnames=list(rows[0]))
                 w.writeheader()
                 w.writerows(rows)
-    (out / "log.txt").write_text("\n".join(LOG))
+    if log:
+        (out / "log.txt").write_text("\n".join(LOG))
 
 
 def main() -> None:
@@ -439,6 +455,8 @@ def main() -> None:
                                                         "Qwen2.5-72B:nvfp4"])
     ap.add_argument("--checkpointing", nargs="*", default=["Qwen2.5-32B", "Qwen2.5-72B"])
     ap.add_argument("--micro-batch", type=int, default=8)
+    ap.add_argument("--skip-done", nargs="*", default=[], metavar="CSV",
+                    help="earlier runs' rollout.csv: the (model, variant, batch) cases in them are not run again")
     ap.add_argument("--budget", type=float, default=540.0, help="seconds after which remaining cases are skipped")
     ap.add_argument("--smoke", action="store_true", help="CPU, tiny presets, few tokens")
     args = ap.parse_args()

@@ -53,14 +53,42 @@ def step_table(rows: list[dict]) -> list[str]:
     return out
 
 
-def main(path: str) -> None:
-    res = json.loads((Path(path) / "results.json").read_text())
-    meta = res["meta"]
-    a = meta["args"]
-    lines = [f"GPU {meta['device']}, {meta['date']}, torch {meta['torch']}, transformers {meta.get('transformers')}, "
-             f"triton {meta.get('triton')}; same-run copy bandwidth {meta['copy_bandwidth_GBps']:.0f} GB/s.",
-             f"Prompt {a['prompt']} tokens, {a['new']} generated tokens at fixed length, LoRA r={a['lora_r']}, "
-             f"temperature 1; transformers' generate timed over {a['hf_tokens']} tokens and extrapolated.", ""]
+def merge(results: list[dict]) -> dict:
+    """Several runs' results.json as one: a case measured again (same model, variant and batch; same
+    step model, format and checkpointing) takes the later run's row; ``meta["runs"]`` lists them all."""
+    rollout, step, check = {}, {}, {}
+    for res in results:
+        for r in res.get("rollout") or []:
+            rollout[(r["model"], r["variant"], r["batch"])] = r
+        for r in res.get("step") or []:
+            step[(r["model"], r["format"], r["checkpointing"])] = r
+        check.update(res.get("check") or {})
+    runs = [m for res in results for m in _runs(res["meta"])]
+    return {"meta": {**results[-1]["meta"], "runs": runs}, "check": check,
+            "rollout": list(rollout.values()), "step": list(step.values())}
+
+
+def _runs(meta: dict) -> list[dict]:
+    """A results.json's runs: itself, or those it lists (older merges kept a dict of partial metas)."""
+    runs = meta.get("runs")
+    if runs is None:
+        return [meta]
+    if isinstance(runs, dict):
+        top = {k: v for k, v in meta.items() if k not in ("runs", "args")}
+        return [{**top, **r} for r in runs.values()]
+    return runs
+
+
+def report(res: dict) -> str:
+    runs = _runs(res["meta"])
+    a = runs[0]["args"]
+    lines = [f"GPU {m['device']}, {m['date']}, torch {m['torch']}, transformers {m.get('transformers')}, "
+             f"triton {m.get('triton')}; same-run copy bandwidth {m['copy_bandwidth_GBps']:.0f} GB/s"
+             + (f" (run {i}: {', '.join(m['args']['models'])}, parts {' '.join(m['args']['parts'])})" if len(runs) > 1 else ".")
+             for i, m in enumerate(runs, 1)]
+    lines += ["", f"Prompt {a['prompt']} tokens, {a['new']} generated tokens at fixed length, LoRA r={a['lora_r']}, "
+              f"temperature 1; transformers' generate timed over {a['hf_tokens']} tokens and extrapolated. "
+              "Each row's floor uses the copy bandwidth of the run that measured it.", ""]
     if res.get("check"):
         lines += ["Engine correctness on this GPU (bf16 NVFP4 + LoRA, small random models):", "",
                   "| model | graphs == eager tokens | greedy log-prob vs HF forward (max abs) | "
@@ -72,9 +100,27 @@ def main(path: str) -> None:
     if res.get("rollout"):
         lines += ["## Rollout", ""] + rollout_tables(res["rollout"])
     if res.get("step"):
-        lines += ["## One GRPO step (8 prompts x 8 samples)", ""] + step_table(res["step"])
-    print("\n".join(lines))
+        notes = [r["note"] for r in res["step"] if r.get("note")]
+        lines += ["## One GRPO step (8 prompts x 8 samples)", ""] + [f"**Note**: {n}" for n in dict.fromkeys(notes)]
+        lines += [""] * bool(notes) + step_table(res["step"])
+    return "\n".join(lines)
+
+
+def main(argv: list[str]) -> None:
+    """``report_rollout.py DIR [DIR ...] [--write DIR]``: the report of one run or of several merged
+    (later runs win); ``--write`` also saves the merged results.json, rollout.csv and step.csv."""
+    write_to = None
+    if "--write" in argv:
+        i = argv.index("--write")
+        write_to, argv = Path(argv[i + 1]), argv[:i] + argv[i + 2:]
+    res = merge([json.loads((Path(p) / "results.json").read_text()) for p in (argv or ["bench/results/rollout"])])
+    if write_to is not None:
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        from bench_rollout import write
+
+        write({k: v for k, v in res.items() if v}, write_to, log=False)
+    print(report(res))
 
 
 if __name__ == "__main__":
-    main(sys.argv[1] if len(sys.argv) > 1 else "bench/results/rollout")
+    main(sys.argv[1:])

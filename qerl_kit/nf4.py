@@ -55,8 +55,17 @@ class NF4Tensor:
         return NF4Tensor(self.packed.to(device), self.absmax.to(device))
 
 
+_BOOK_CACHE: dict[torch.device, torch.Tensor] = {}
+
+
 def _codebook(device: torch.device) -> torch.Tensor:
-    return torch.tensor(NF4_CODEBOOK, dtype=torch.float32, device=device)
+    """The 16 NF4 levels on ``device``, made once per device: a host-to-device copy in every
+    dequantize would also break CUDA-graph capture of a decode step."""
+    device = torch.device(device)
+    book = _BOOK_CACHE.get(device)
+    if book is None:
+        book = _BOOK_CACHE[device] = torch.tensor(NF4_CODEBOOK, dtype=torch.float32, device=device)
+    return book
 
 
 def quantize(w: torch.Tensor) -> NF4Tensor:

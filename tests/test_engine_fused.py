@@ -168,3 +168,19 @@ def test_gpu_graph_replay_equals_eager_and_sees_lora_updates():
     d = eager.generate_ids(prompts, 2, sp, ignore_eos=True)
     assert torch.equal(c["completion_ids"], d["completion_ids"])
     assert not torch.equal(a["logprobs"], c["logprobs"])
+
+
+@pytest.mark.skipif(not CUDA, reason="CUDA graphs need a GPU")
+@pytest.mark.parametrize("fmt", ["none", "nf4", "mxfp4", "nvfp4"])
+def test_gpu_graphs_survive_batch_shape_changes_in_every_format(fmt):
+    # An evaluation's last, smaller chunk gives the engine a new state: its graphs are captured into
+    # a fresh pool (capturing into the freed state's pool tripped an allocator assert), and NF4's
+    # dequantize must not copy from the host inside a capture.
+    model = _policy("qwen2-tiny", fmt, torch.bfloat16)
+    sp = SamplingParams(max_new_tokens=12, temperature=0)
+    graphs = StaticEngine(model, length_bucket=8)
+    eager = StaticEngine(model, cuda_graphs=False, length_bucket=8)
+    for prompts, n in (([[5, 6, 7, 8], [9, 10]], 2), ([[11, 12, 13]], 3), ([[5, 6, 7, 8], [9, 10]], 2)):
+        a = graphs.generate_ids(prompts, n, sp, ignore_eos=True)
+        b = eager.generate_ids(prompts, n, sp, ignore_eos=True)
+        assert torch.equal(a["completion_ids"], b["completion_ids"]), (fmt, len(prompts), n)

@@ -64,6 +64,7 @@ class _State:
     out_lp: Tensor     # [R, C] float32
     stop: Tensor       # [S] stop ids (at least one entry; -1 when there is none)
     graphs: dict = field(default_factory=dict)
+    pool: Any = None   # the memory pool this state's graphs share; it dies with them
 
     def snapshot(self) -> dict[str, Tensor]:
         return {k: getattr(self, k).clone() for k in ("tok", "pos", "slot", "step", "done", "key_bias")}
@@ -105,7 +106,6 @@ class StaticEngine:
         pad, self.stop_token_ids = _special_ids(tokenizer, self.decoder.model, stop_token_ids)
         self.pad_token_id = 0 if pad is None else pad  # generate_ids works without a tokenizer
         self._state: tuple[tuple, _State] | None = None
-        self._pool = None
 
     @property
     def device(self) -> torch.device:
@@ -228,10 +228,13 @@ class StaticEngine:
                 self._step(st, length, sampling, ignore_eos)
             torch.cuda.current_stream().wait_stream(side)
             st.load(snap)
-            if self._pool is None:
-                self._pool = torch.cuda.graph_pool_handle()
+            # One pool per state: a pool handle outlives its graphs, and capturing into a pool whose
+            # graphs were all freed (a new state after a change of batch shape) trips an internal
+            # assert of PyTorch's caching allocator (seen with torch 2.11 on an H200).
+            if st.pool is None:
+                st.pool = torch.cuda.graph_pool_handle()
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self._pool):
+            with torch.cuda.graph(graph, pool=st.pool):
                 self._step(st, length, sampling, ignore_eos)
             st.load(snap)  # capture runs nothing, but be explicit about the state replay starts from
             st.graphs[key] = graph
