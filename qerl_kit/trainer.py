@@ -14,7 +14,8 @@ One step:
    (adapter disabled) when ``beta > 0``, entropy, and truncated importance weights between the
    rollout log-probs (noisy, sampled) and the clean training log-probs;
 4. ``mu`` optimizer steps on the batch in micro-batches, with gradient clipping and the lr
-   schedule; then metrics (TRL's names where one exists) and, every ``save_every`` steps, a
+   schedule (a step whose gradient norm is inf/NaN is skipped and counted in ``update/skipped``,
+   as verl does, instead of writing NaN into the adapter); then metrics (TRL's names where one exists) and, every ``save_every`` steps, a
    checkpoint from which ``resume()`` continues exactly.
 
 Launched by ``torchrun`` (or ``accelerate launch``) the same Trainer runs data-parallel: each
@@ -28,6 +29,7 @@ from __future__ import annotations
 import json
 import math
 import time
+import warnings
 from pathlib import Path
 from typing import Callable, Sequence
 
@@ -255,6 +257,7 @@ class Trainer:
                  "dr_grpo": {"max_len": int(self.dist.max(torch.tensor(mask.shape[1])))}}[lc.loss]
         forward = self._ddp if self._ddp is not None else self.model
         starts = list(range(0, n, lc.micro_batch))
+        skipped = 0
         for _ in range(lc.mu):
             loss_sum = 0.0
             for s in starts:
@@ -271,7 +274,12 @@ class Trainer:
                 loss_sum += loss.item()
             params = [p for p in self.model.parameters() if p.requires_grad]
             grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.optim.max_grad_norm)
-            self.optimizer.step()
+            if torch.isfinite(grad_norm):  # the same on every rank: DDP all-reduced the gradients
+                self.optimizer.step()
+            else:  # one inf/NaN gradient would turn the adapter and Adam's moments into NaN for good
+                skipped += 1
+                warnings.warn(f"step {step + 1}: gradient norm is {float(grad_norm)}; optimizer step skipped "
+                              "(the adapter is unchanged; see update/skipped)", RuntimeWarning, stacklevel=2)
             self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
         self.model.eval()
@@ -283,6 +291,7 @@ class Trainer:
         ent = self.dist.sum(torch.stack([(entropy * mask).sum(), mask.sum()]).double())
         metrics.update({
             "step": step + 1, "loss": loss_sum, "grad_norm": float(grad_norm), "lr": self.scheduler.get_last_lr()[0],
+            "update/skipped": skipped,
             "reward_std": all_rewards.std().item() if all_rewards.numel() > 1 else 0.0,
             "entropy": (ent[0] / ent[1].clamp(min=1)).item() if W > 1 else ((entropy * mask).sum() / mask.sum().clamp(min=1)).item(),
             "completions/mean_length": lengths.mean().item(),
