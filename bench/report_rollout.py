@@ -85,6 +85,7 @@ def report(res: dict) -> str:
     lines = [f"GPU {m['device']}, {m['date']}, torch {m['torch']}, transformers {m.get('transformers')}, "
              f"triton {m.get('triton')}; same-run copy bandwidth {m['copy_bandwidth_GBps']:.0f} GB/s"
              + (f" (run {i}: {', '.join(m['args']['models'])}, parts {' '.join(m['args']['parts'])})" if len(runs) > 1 else ".")
+             + (f"; {m['note']}." if m.get("note") else "")
              for i, m in enumerate(runs, 1)]
     lines += ["", f"Prompt {a['prompt']} tokens, {a['new']} generated tokens at fixed length, LoRA r={a['lora_r']}, "
               f"temperature 1; transformers' generate timed over {a['hf_tokens']} tokens and extrapolated. "

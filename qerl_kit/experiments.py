@@ -42,7 +42,7 @@ TINY_LR = PRESETS["tiny-cpu"]["optim"]["lr"]  # 2e-3: the tiny task's 4-bit lr; 
 FORMATS = ("none", "nf4", "mxfp4", "nvfp4")
 METRIC_COLUMNS = ("reward", "accuracy", "entropy", "rollout_nll", "reward_std", "frac_reward_zero_std",
                   "completions/mean_length", "clip_ratio/region_mean", "aqn/sigma", "lr", "grad_norm",
-                  "time/step")
+                  "update/skipped", "time/step")
 
 
 @dataclass(frozen=True)
