@@ -229,6 +229,15 @@ def test_nvfp4_linear_forward_and_backward_through_kernels(rows):
     assert _rel(y, y_ref) < TOL[torch.bfloat16] and _rel(x.grad, x_ref.grad) < TOL[torch.bfloat16]
 
 
+def test_forward_routing_by_rows_and_width():
+    from qerl_kit.kernels import DECODE_MAX_M, WIDE_N, forward_kernel
+
+    assert [forward_kernel(m, 4096) for m in (1, 8, 32, 33, DECODE_MAX_M, DECODE_MAX_M + 1)] == \
+        ["decode"] * 5 + ["gemm"]
+    assert [forward_kernel(m, WIDE_N) for m in (1, 32, 33, DECODE_MAX_M)] == ["decode", "decode", "gemm", "gemm"]
+    assert forward_kernel(DECODE_MAX_M, WIDE_N - 1) == "decode"
+
+
 def test_ops_are_registered_with_fake_implementations():
     q = _weight(32, 64, seed=9)
     x = _randn(3, 64, dtype=torch.bfloat16, seed=10)
@@ -241,7 +250,7 @@ def test_ops_are_registered_with_fake_implementations():
 
 # -- GPU only: real layer shapes, the inline-PTX path, CUDA graphs ---------------------------------
 
-REAL = [(3584, 3584), (4608, 3584), (18944, 3584), (3584, 18944), (1024, 8192)]  # N x K (Qwen2.5)
+REAL = [(3584, 3584), (4608, 3584), (18944, 3584), (3584, 18944), (1024, 8192), (37888, 3584)]  # N x K (Qwen2.5)
 
 
 @pytest.mark.gpu
@@ -251,7 +260,7 @@ def test_gpu_real_shapes(n, k):
     q = _weight(n, k, seed=n + k, device="cuda")
     bias = _randn(n, dtype=torch.bfloat16, seed=1, device="cuda")
     torch.empty(64 << 20, device="cuda").fill_(float("nan"))  # poison the allocator's free blocks
-    for m in (1, 8, 64, 256, 2048):
+    for m in (1, 8, 24, 48, 64, 256, 2048):  # 24 and 48: the configs tried only above 16 rows
         x = _randn(m, k, dtype=torch.bfloat16, seed=m, device="cuda")
         ref = nvfp4_linear_ref(x, q.packed, q.scales, q.global_scale, bias, dtype=torch.float32)
         _check(nvfp4_linear(x, q.packed, q.scales, q.global_scale, bias), ref, torch.bfloat16)

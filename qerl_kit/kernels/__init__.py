@@ -9,8 +9,9 @@ The two entry points take the packed weight of an ``NVFP4Linear`` (``packed``, `
 Which implementation runs is decided by ``backend`` (``set_backend``, ``QERL_KERNEL_BACKEND``):
 Triton on CUDA when it imports, the reference (dequantize + torch matmul) elsewhere. On the Triton
 backend, forward calls with at most ``DECODE_MAX_M`` rows go to the decode kernel
-(``nvfp4_gemv_triton``: a block-dot CUDA-core kernel for one row, tensor cores for 2..64); larger ones to ``nvfp4_gemm_triton``, which runs its fused tiled kernel
-below ``DENSE_MIN_M`` rows and, from there on, a fused dequantization pass into a transient bf16
+(``nvfp4_gemv_triton``: a block-dot CUDA-core kernel for one row, tensor cores for 2..64),
+except wide layers (N >= ``WIDE_N``) with more than 32 rows; the rest go to ``nvfp4_gemm_triton``,
+which runs its fused tiled kernel below ``DENSE_MIN_M`` rows and, from there on, a fused dequantization pass into a transient bf16
 weight (freed after the call) followed by cuBLAS, which was faster on the H200 (docs/kernels.md).
 The input gradient (``nvfp4_dgrad_triton``) follows the same rule.
 Each kernel is also a ``torch.ops.qerl_kit.*`` custom op, so ``torch.compile`` and CUDA graphs can
@@ -28,9 +29,13 @@ from qerl_kit.kernels.backend import (ENV_VAR, Backend, get_backend, resolve, se
 from qerl_kit.kernels.reference import nvfp4_dgrad_ref, nvfp4_linear_ref
 
 DECODE_MAX_M = 64
+# From bench/results/sweep_small_m_h200.md: at 33..64 rows the tiled GEMM (64x128x128) beat the
+# decode kernel on the fused gate/up layers (N = 37888 and 55296: 0.91-0.97x bf16 against
+# 0.69-0.79x) and lost on N <= 7168.
+WIDE_N = 32768
 
 __all__ = [
-    "Backend", "ENV_VAR", "DECODE_MAX_M", "get_backend", "set_backend", "resolve", "triton_status",
+    "Backend", "ENV_VAR", "DECODE_MAX_M", "WIDE_N", "forward_kernel", "get_backend", "set_backend", "resolve", "triton_status",
     "nvfp4_linear", "nvfp4_dgrad", "nvfp4_linear_ref", "nvfp4_dgrad_ref",
 ]
 
@@ -40,6 +45,12 @@ def _ops():
     from qerl_kit.kernels import nvfp4_dgrad_triton, nvfp4_gemm_triton, nvfp4_gemv_triton  # noqa: F401
 
     return torch.ops.qerl_kit
+
+
+def forward_kernel(m: int, n: int) -> str:
+    """Which Triton kernel module takes a forward of ``m`` rows into ``n`` features: "decode"
+    (``nvfp4_gemv_triton``) or "gemm" (``nvfp4_gemm_triton``, fused or dense by its own rule)."""
+    return "decode" if m <= 32 or (m <= DECODE_MAX_M and n < WIDE_N) else "gemm"
 
 
 def nvfp4_linear(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor,
@@ -53,7 +64,7 @@ def nvfp4_linear(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor,
     if bias is not None and bias.dtype != x.dtype:
         bias = bias.to(x.dtype)
     ops = _ops()
-    op = ops.nvfp4_gemv if x2.shape[0] <= DECODE_MAX_M else ops.nvfp4_gemm
+    op = ops.nvfp4_gemv if forward_kernel(x2.shape[0], packed.shape[0]) == "decode" else ops.nvfp4_gemm
     return op(x2, packed, scales, global_scale, bias).reshape(*x.shape[:-1], packed.shape[0])
 
 

@@ -427,11 +427,21 @@ if HAS_TRITON:
         _cfg(64, 128, 4, 4),
         _cfg(64, 128, 4, 6, ctas=4),
         _cfg(64, 256, 4, 4),
+        # tried only for M > 16 (bench/results/sweep_small_m_h200.md: the best per-shape configs at
+        # M = 32 and 64, 5-20% faster there than the three above; none won at M <= 16)
+        _cfg(64, 128, 4, 2, ctas=4),
+        _cfg(64, 64, 4, 4),
+        _cfg(128, 64, 4, 4, ctas=4),
+        _cfg(128, 256, 8, 3),
     ]
+    _WIDE_M_ONLY = {(64, 128, 2, 4), (64, 64, 4, 2), (128, 64, 4, 4), (128, 256, 3, 2)}
 
     def _prune(configs, named_args, **kwargs):
         m = named_args["M"]
-        return [c for c in configs if c.kwargs["USE_DOT"] or m == 1]
+
+        def key(c):
+            return (c.kwargs["BLOCK_N"], c.kwargs["BLOCK_K"], c.num_stages, c.kwargs["CTAS_PER_SM"])
+        return [c for c in configs if (c.kwargs["USE_DOT"] or m == 1) and (m > 16 or key(c) not in _WIDE_M_ONLY)]
 
     def _bcfg(bn, bk, warps, half, prefetch=True, ctas=4, evict="evict_first"):
         return triton.Config(dict(BLOCK_N=bn, BLOCK_K=bk, HALF=half, PREFETCH=prefetch, CTAS_PER_SM=ctas,
