@@ -135,10 +135,10 @@ def copies_for(bytes_per_copy: int) -> int:
 # -- one shape ------------------------------------------------------------------------------------
 
 def path_taken(kind: str, m: int, n: int, k: int) -> str:
-    from qerl_kit.kernels import DECODE_MAX_M
+    from qerl_kit.kernels import forward_kernel
     from qerl_kit.kernels.nvfp4_gemm_triton import default_strategy
 
-    if kind == "forward" and m <= DECODE_MAX_M:
+    if kind == "forward" and forward_kernel(m, n) == "decode":
         return "decode"
     return default_strategy(torch.empty(0, device="cuda"), m)
 

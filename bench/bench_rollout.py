@@ -431,7 +431,7 @@ def write(results: dict, out: Path, log: bool = True) -> None:
         rows = results.get(key) or []
         if rows:
             with open(out / f"{key}.csv", "w", newline="") as f:
-                w = csv.DictWriter(f, fieldnames=list(rows[0]))
+                w = csv.DictWriter(f, fieldnames=list(dict.fromkeys(k for r in rows for k in r)))
                 w.writeheader()
                 w.writerows(rows)
     if log:
