@@ -15,8 +15,8 @@ One step:
    rollout log-probs (noisy, sampled) and the clean training log-probs;
 4. ``mu`` optimizer steps on the batch in micro-batches, with gradient clipping and the lr
    schedule (a step whose gradient norm is inf/NaN is skipped and counted in ``update/skipped``,
-   as verl does, instead of writing NaN into the adapter); then metrics (TRL's names where one exists) and, every ``save_every`` steps, a
-   checkpoint from which ``resume()`` continues exactly.
+   as verl does, instead of writing NaN into the adapter); then metrics (TRL's names where one
+   exists) and, every ``save_every`` steps, a checkpoint from which ``resume()`` continues exactly.
 
 Launched by ``torchrun`` (or ``accelerate launch``) the same Trainer runs data-parallel: each
 rank takes a slice of whole groups, advantages and loss normalizers are global, the adapter's

@@ -10,9 +10,10 @@ Which implementation runs is decided by ``backend`` (``set_backend``, ``QERL_KER
 Triton on CUDA when it imports, the reference (dequantize + torch matmul) elsewhere. On the Triton
 backend, forward calls with at most ``DECODE_MAX_M`` rows go to the decode kernel
 (``nvfp4_gemv_triton``: a block-dot CUDA-core kernel for one row, tensor cores for 2..64),
-except wide layers (N >= ``WIDE_N``) with more than 32 rows; the rest go to ``nvfp4_gemm_triton``,
-which runs its fused tiled kernel below ``DENSE_MIN_M`` rows and, from there on, a fused dequantization pass into a transient bf16
-weight (freed after the call) followed by cuBLAS, which was faster on the H200 (docs/kernels.md).
+except wide layers (N >= ``WIDE_N``) with more than 32 rows; the rest go to
+``nvfp4_gemm_triton``, which runs its fused tiled kernel below ``DENSE_MIN_M`` rows and, from
+there on, a fused dequantization pass into a transient bf16 weight (freed after the call)
+followed by cuBLAS, which was faster on the H200 (docs/kernels.md).
 The input gradient (``nvfp4_dgrad_triton``) follows the same rule.
 Each kernel is also a ``torch.ops.qerl_kit.*`` custom op, so ``torch.compile`` and CUDA graphs can
 capture it (run one eager call per shape first: that is when the autotuner picks a config).
@@ -35,8 +36,8 @@ DECODE_MAX_M = 64
 WIDE_N = 32768
 
 __all__ = [
-    "Backend", "ENV_VAR", "DECODE_MAX_M", "WIDE_N", "forward_kernel", "get_backend", "set_backend", "resolve", "triton_status",
-    "nvfp4_linear", "nvfp4_dgrad", "nvfp4_linear_ref", "nvfp4_dgrad_ref",
+    "Backend", "ENV_VAR", "DECODE_MAX_M", "WIDE_N", "forward_kernel", "get_backend", "set_backend",
+    "resolve", "triton_status", "nvfp4_linear", "nvfp4_dgrad", "nvfp4_linear_ref", "nvfp4_dgrad_ref",
 ]
 
 
