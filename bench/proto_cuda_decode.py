@@ -51,12 +51,33 @@ __device__ __forceinline__ u32 fma_bf16x2(u32 a, u32 b) {
     return d;
 }
 
+// One 64-wide K chunk: 4 MMA steps of 16 from this lane's 16 bytes of codes (q) and scales (s);
+// xr points at row g of the staged x slice (bf16 pairs), col at the chunk's first pair.
+__device__ __forceinline__ void chunk(const uint4 q, const uint4 s, const u32* xr, int col,
+                                      float& c0, float& c1, float& c2, float& c3) {
+    const u32 qw[4] = {q.x, q.y, q.z, q.w};
+    const u32 sg[2] = {s.x, s.y}, sh[2] = {s.z, s.w};     // rows g and g+8, steps (0,1) and (2,3)
+    #pragma unroll
+    for (int j = 0; j < 4; j++) {
+        const u32 w = qw[j];
+        const u32 scg = __byte_perm(sg[j >> 1], 0, (j & 1) ? 0x3232 : 0x1010);
+        const u32 sch = __byte_perm(sh[j >> 1], 0, (j & 1) ? 0x3232 : 0x1010);
+        const u32 a0 = fma_bf16x2(pair(w, 0), scg), a1 = fma_bf16x2(pair(w, 1), sch);
+        const u32 a2 = fma_bf16x2(pair(w, 2), scg), a3 = fma_bf16x2(pair(w, 3), sch);
+        const u32 b0 = xr[col + j * 8], b1 = xr[col + j * 8 + 4];
+        asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
+                     "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+                     : "+f"(c0), "+f"(c1), "+f"(c2), "+f"(c3)
+                     : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+    }
+}
+
 extern "C" __global__ void __launch_bounds__(128)
 nvfp4_decode_m8(const bf16_t* __restrict__ x, int M, int ldx,
                 const uint4* __restrict__ wq, const uint4* __restrict__ ws,
                 float* __restrict__ y, int N, int K, int chunks_per_split)
 {
-    extern __shared__ u32 xs[];                  // [8][stride/2] bf16 pairs
+    extern __shared__ u32 xs[];                  // [8][half_stride] bf16 pairs
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int g = lane >> 2, t = lane & 3;
     const int KC = K / 64;
@@ -85,45 +106,9 @@ nvfp4_decode_m8(const bf16_t* __restrict__ x, int M, int ldx,
         for (int u = 0; u < 4; u++) { q[u] = __ldg(wp + u * 32); s[u] = __ldg(sp + u * 8); }
         wp += 128; sp += 32;
         #pragma unroll
-        for (int u = 0; u < 4; u++) {
-            const u32 qw[4] = {q[u].x, q[u].y, q[u].z, q[u].w};
-            const u32 sg[2] = {s[u].x, s[u].y}, sh[2] = {s[u].z, s[u].w};
-            #pragma unroll
-            for (int j = 0; j < 4; j++) {
-                const u32 w = qw[j];
-                const u32 scg = __byte_perm(sg[j >> 1], 0, (j & 1) ? 0x3232 : 0x1010);
-                const u32 sch = __byte_perm(sh[j >> 1], 0, (j & 1) ? 0x3232 : 0x1010);
-                const u32 a0 = fma_bf16x2(pair(w, 0), scg), a1 = fma_bf16x2(pair(w, 1), sch);
-                const u32 a2 = fma_bf16x2(pair(w, 2), scg), a3 = fma_bf16x2(pair(w, 3), sch);
-                const int col = ((kc + u - kc0) * 64 + j * 16) / 2;
-                const u32 b0 = xr[col], b1 = xr[col + 4];
-                asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
-                             "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
-                             : "+f"(c0), "+f"(c1), "+f"(c2), "+f"(c3)
-                             : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-            }
-        }
+        for (int u = 0; u < 4; u++) chunk(q[u], s[u], xr, (kc + u - kc0) * 32, c0, c1, c2, c3);
     }
-    for (; kc < kc1; kc++) {
-        const uint4 q = __ldg(wp), s = __ldg(sp);
-        wp += 32; sp += 8;
-        const u32 qw[4] = {q.x, q.y, q.z, q.w};
-        const u32 sg[2] = {s.x, s.y}, sh[2] = {s.z, s.w};
-        #pragma unroll
-        for (int j = 0; j < 4; j++) {
-            const u32 w = qw[j];
-            const u32 scg = __byte_perm(sg[j >> 1], 0, (j & 1) ? 0x3232 : 0x1010);
-            const u32 sch = __byte_perm(sh[j >> 1], 0, (j & 1) ? 0x3232 : 0x1010);
-            const u32 a0 = fma_bf16x2(pair(w, 0), scg), a1 = fma_bf16x2(pair(w, 1), sch);
-            const u32 a2 = fma_bf16x2(pair(w, 2), scg), a3 = fma_bf16x2(pair(w, 3), sch);
-            const int col = ((kc - kc0) * 64 + j * 16) / 2;
-            const u32 b0 = xr[col], b1 = xr[col + 4];
-            asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
-                         "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
-                         : "+f"(c0), "+f"(c1), "+f"(c2), "+f"(c3)
-                         : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-        }
-    }
+    for (; kc < kc1; kc++, wp += 32, sp += 8) chunk(__ldg(wp), __ldg(sp), xr, (kc - kc0) * 32, c0, c1, c2, c3);
     const float fix = 4294967296.0f;                     // 2^32
     const int n = ntile * 16 + g, m = 2 * t;
     if (m < M)     { atomicAdd(y + (size_t)m * N + n, c0 * fix); atomicAdd(y + (size_t)m * N + n + 8, c2 * fix); }
