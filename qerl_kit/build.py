@@ -19,7 +19,7 @@ def load_base(cfg: ModelConfig, dtype: torch.dtype | None = None):
     """(model, tokenizer) for ``cfg.name``, not yet quantized."""
     from transformers import AutoTokenizer
 
-    from qerl_kit.models import PRESETS, build_model, load_model
+    from qerl_kit.models import PRESETS, load_model
 
     if cfg.name == "tiny":
         from qerl_kit.tiny import load_tiny

@@ -14,7 +14,7 @@ IN_PROCESS = triton_interp.enable()  # before Triton's first import
 
 triton = pytest.importorskip("triton", reason="the fused kernels need triton")
 
-from qerl_kit.engine import Decoder, StaticEngine  # noqa: E402
+from qerl_kit.engine import StaticEngine  # noqa: E402
 from qerl_kit.engine.fused import (add_rmsnorm, add_rmsnorm_ref, rope_to_cache, rope_to_cache_ref,  # noqa: E402
                                    silu_mul, silu_mul_ref)
 from qerl_kit.lora import attach_lora  # noqa: E402

@@ -8,7 +8,6 @@ import string
 import pytest
 import torch
 from safetensors import safe_open
-from torch import nn
 
 from qerl_kit import ct_format
 from qerl_kit.export import checkpoint_tensors, load_nvfp4, save_nvfp4

@@ -1,7 +1,6 @@
 """The memory planner against what the library actually allocates on the tiny model, and its arithmetic."""
 
 import pytest
-import torch
 
 from qerl_kit.memory_plan import model_shape, plan_memory
 

@@ -1,6 +1,5 @@
 """Widgets are a view layer: they observe and poke library objects and work without ipywidgets."""
 
-import importlib
 import subprocess
 import sys
 from types import SimpleNamespace
