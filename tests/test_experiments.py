@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import math
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -186,3 +190,22 @@ def test_cli_reports_bad_input(capsys):
     assert "unknown config 'nope'" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         ex.main(["--grid", "huge"])
+
+
+@pytest.mark.slow
+def test_parallel_script_trains_one_process_per_config_then_merges(tmp_path):
+    # scripts/grid_parallel.sh made the committed GPU grid; on the CPU the smoke grid's two configs
+    root = Path(__file__).resolve().parents[1]
+    out = tmp_path / "grid"
+    env = {**os.environ, "PYTHON": sys.executable, "QERL_THREADS": "1"}
+    script = root / "scripts" / "grid_parallel.sh"
+    done = subprocess.run(["bash", str(script), str(out), "smoke", "0", "--device", "cpu"],
+                          cwd=root, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    assert "finished runs: 2 of 2" in done.stdout
+    for name in ("nvfp4-lora", "bf16-lora"):
+        assert (out / "parts" / name / "runs" / f"{name}_seed0_summary.csv").is_file()  # its own process
+    summary = pd.read_csv(out / "summary.csv")
+    assert sorted(summary.config) == ["bf16-lora", "nvfp4-lora"]
+    assert (out / "table.md").is_file() and (out / "command.json").is_file()
+    assert "training" not in (out / "merge.log").read_text()  # the merge only read the runs back
