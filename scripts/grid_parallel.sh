@@ -21,19 +21,20 @@ PY="${PYTHON:-python3}"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 CONFIGS=$("$PY" -c "from qerl_kit.experiments import GRIDS; print(' '.join(GRIDS['$GRID'][0]))") || exit 1
 mkdir -p "$OUT_DIR/parts" "$OUT_DIR/runs"
+pids=()
 for c in $CONFIGS; do
   if [ "$LIMIT" -gt 0 ]; then t=(timeout "$LIMIT"); else t=(); fi
   "${t[@]}" "$PY" -m qerl_kit.experiments --grid "$GRID" --configs "$c" --out "$OUT_DIR/parts/$c" "$@" \
     >> "$OUT_DIR/parts/$c.log" 2>&1 &
+  pids+=("$!")
 done
-wait
+failed=0
+for pid in "${pids[@]}"; do wait "$pid" || failed=$((failed + 1)); done  # 0 only once all its runs finished
 cp "$OUT_DIR"/parts/*/runs/*.csv "$OUT_DIR/runs/" 2>/dev/null
-want=$("$PY" -c "from qerl_kit.experiments import GRIDS; g = GRIDS['$GRID']; print(len(g[0]) * len(g[1].seeds))")
-have=$(ls "$OUT_DIR"/runs/*_summary.csv 2>/dev/null | wc -l)
-echo "finished runs: $have of $want"
+echo "finished runs: $(ls "$OUT_DIR"/runs/*_summary.csv 2>/dev/null | wc -l); configurations not finished: $failed"
 tail -n 2 "$OUT_DIR"/parts/*.log
-if [ "$have" -lt "$want" ]; then
-  echo "not all runs finished: run this again to continue" >&2
+if [ "$failed" -gt 0 ]; then
+  echo "not all runs finished (stopped by LIMIT_S or failed, see OUT_DIR/parts/*.log): run this again to continue" >&2
   exit 3
 fi
 "$PY" -m qerl_kit.experiments --grid "$GRID" --out "$OUT_DIR" "$@" 2>&1 | tee "$OUT_DIR/merge.log"
