@@ -1,4 +1,4 @@
-"""Prototype: a Marlin-style CUDA decode kernel for NVFP4 (M <= 8 rows), to test whether
+"""Prototype: a Marlin-style CUDA decode kernel for NVFP4 (M <= 16 rows), to test whether
 feeding ``mma.sync`` straight from registers gets past the Triton kernels' small-M limit
 (docs/kernels.md, "M = 8..64"). Not used by ``NVFP4Linear``; an experiment for issue #7.
 
@@ -7,8 +7,9 @@ What is different from the Triton decode kernel:
 * The weight is repacked once, offline, into the register layout of the m16n8k16 MMA's A
   operand (``repack``): each lane's 16-byte load holds exactly its 8 E2M1 codes for 4 K-steps of
   16, so nothing goes through shared memory and no layout conversion happens in the kernel.
-* The computation is transposed, ``y^T = W x^T``: 16 weight rows fill the MMA's M side, the
-  (at most 8) rows of x its N side. x is staged once per block in shared memory.
+* The computation is transposed, ``y^T = W x^T``: 16 weight rows fill the MMA's M side, tiles of
+  8 rows of x its N side (one tile up to 8 rows, two up to 16: each dequantized fragment feeds
+  both). x is staged once per block in shared memory.
 * Dequantization is bit placement, exact: a code's sign goes to bit 15 and its 3 magnitude bits
   to bits 8..6 of a bf16, which reads as ``e2m1 * 2^-126`` (codes 0 and 0.5 as subnormals); one
   ``fma.rn.bf16x2`` by the block's scale times ``2^94 / global_scale`` (precomputed in bf16 by
@@ -51,10 +52,11 @@ __device__ __forceinline__ u32 fma_bf16x2(u32 a, u32 b) {
     return d;
 }
 
-// One 64-wide K chunk: 4 MMA steps of 16 from this lane's 16 bytes of codes (q) and scales (s);
-// xr points at row g of the staged x slice (bf16 pairs), col at the chunk's first pair.
-__device__ __forceinline__ void chunk(const uint4 q, const uint4 s, const u32* xr, int col,
-                                      float& c0, float& c1, float& c2, float& c3) {
+// One 64-wide K chunk: 4 MMA steps of 16 from this lane's 16 bytes of codes (q) and scales (s),
+// each step's dequantized A fragment used for MT tiles of 8 rows of x; xr points at row g of the
+// staged x slice (bf16 pairs, row stride hs), col at the chunk's first pair.
+template <int MT>
+__device__ __forceinline__ void chunk(const uint4 q, const uint4 s, const u32* xr, int hs, int col, float (&c)[MT][4]) {
     const u32 qw[4] = {q.x, q.y, q.z, q.w};
     const u32 sg[2] = {s.x, s.y}, sh[2] = {s.z, s.w};     // rows g and g+8, steps (0,1) and (2,3)
     #pragma unroll
@@ -64,41 +66,46 @@ __device__ __forceinline__ void chunk(const uint4 q, const uint4 s, const u32* x
         const u32 sch = __byte_perm(sh[j >> 1], 0, (j & 1) ? 0x3232 : 0x1010);
         const u32 a0 = fma_bf16x2(pair(w, 0), scg), a1 = fma_bf16x2(pair(w, 1), sch);
         const u32 a2 = fma_bf16x2(pair(w, 2), scg), a3 = fma_bf16x2(pair(w, 3), sch);
-        const u32 b0 = xr[col + j * 8], b1 = xr[col + j * 8 + 4];
-        asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
-                     "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
-                     : "+f"(c0), "+f"(c1), "+f"(c2), "+f"(c3)
-                     : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+        #pragma unroll
+        for (int i = 0; i < MT; i++) {
+            const u32 b0 = xr[i * 8 * hs + col + j * 8], b1 = xr[i * 8 * hs + col + j * 8 + 4];
+            asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
+                         "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+                         : "+f"(c[i][0]), "+f"(c[i][1]), "+f"(c[i][2]), "+f"(c[i][3])
+                         : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+        }
     }
 }
 
-extern "C" __global__ void __launch_bounds__(128)
-nvfp4_decode_m8(const bf16_t* __restrict__ x, int M, int ldx,
-                const uint4* __restrict__ wq, const uint4* __restrict__ ws,
-                float* __restrict__ y, int N, int K, int chunks_per_split)
+// y[M, N] (float32, zeroed, += by atomics) = x[M, K] @ W^T for M <= 8 * MT. Block: 4 warps, each
+// 16 output features; grid (N / 64, K splits of chunks_per_split 64-wide chunks).
+template <int MT>
+__device__ __forceinline__ void decode(const bf16_t* __restrict__ x, int M, int ldx,
+                                       const uint4* __restrict__ wq, const uint4* __restrict__ ws,
+                                       float* __restrict__ y, int N, int K, int chunks_per_split)
 {
-    extern __shared__ u32 xs[];                  // [8][half_stride] bf16 pairs
+    extern __shared__ u32 xs[];                  // [8 * MT][hs] bf16 pairs
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int g = lane >> 2, t = lane & 3;
     const int KC = K / 64;
     const int kc0 = blockIdx.y * chunks_per_split;
     const int kc1 = min(KC, kc0 + chunks_per_split);
     if (kc0 >= kc1) return;
-    const int half_stride = chunks_per_split * 32 + 4;   // u32 per row (+16 bytes: no bank conflicts)
+    const int hs = chunks_per_split * 32 + 4;            // u32 per row (+16 bytes: no bank conflicts)
     const int pairs = (kc1 - kc0) * 32;                  // u32 per row of this slice
-    for (int i = threadIdx.x; i < 8 * pairs; i += blockDim.x) {
+    for (int i = threadIdx.x; i < 8 * MT * pairs; i += blockDim.x) {
         const int r = i / pairs, c = i - r * pairs;
         u32 v = 0;
         if (r < M) v = *reinterpret_cast<const u32*>(x + (size_t)r * ldx + (size_t)kc0 * 64 + 2 * c);
-        xs[r * half_stride + c] = v;
+        xs[r * hs + c] = v;
     }
     __syncthreads();
     const int ntile = blockIdx.x * 4 + warp;
     if (ntile >= N / 16) return;
-    float c0 = 0.f, c1 = 0.f, c2 = 0.f, c3 = 0.f;
+    float c[MT][4] = {};
     const uint4* wp = wq + ((size_t)ntile * KC + kc0) * 32 + lane;
     const uint4* sp = ws + ((size_t)ntile * KC + kc0) * 8 + g;
-    const u32* xr = xs + g * half_stride + t;
+    const u32* xr = xs + g * hs + t;
     int kc = kc0;
     for (; kc + 4 <= kc1; kc += 4) {                     // four 16-byte loads in flight per lane
         uint4 q[4], s[4];
@@ -106,14 +113,23 @@ nvfp4_decode_m8(const bf16_t* __restrict__ x, int M, int ldx,
         for (int u = 0; u < 4; u++) { q[u] = __ldg(wp + u * 32); s[u] = __ldg(sp + u * 8); }
         wp += 128; sp += 32;
         #pragma unroll
-        for (int u = 0; u < 4; u++) chunk(q[u], s[u], xr, (kc + u - kc0) * 32, c0, c1, c2, c3);
+        for (int u = 0; u < 4; u++) chunk<MT>(q[u], s[u], xr, hs, (kc + u - kc0) * 32, c);
     }
-    for (; kc < kc1; kc++, wp += 32, sp += 8) chunk(__ldg(wp), __ldg(sp), xr, (kc - kc0) * 32, c0, c1, c2, c3);
+    for (; kc < kc1; kc++, wp += 32, sp += 8) chunk<MT>(__ldg(wp), __ldg(sp), xr, hs, (kc - kc0) * 32, c);
     const float fix = 4294967296.0f;                     // 2^32
-    const int n = ntile * 16 + g, m = 2 * t;
-    if (m < M)     { atomicAdd(y + (size_t)m * N + n, c0 * fix); atomicAdd(y + (size_t)m * N + n + 8, c2 * fix); }
-    if (m + 1 < M) { atomicAdd(y + (size_t)(m + 1) * N + n, c1 * fix); atomicAdd(y + (size_t)(m + 1) * N + n + 8, c3 * fix); }
+    const int n = ntile * 16 + g;
+    #pragma unroll
+    for (int i = 0; i < MT; i++) {
+        const int m = 8 * i + 2 * t;
+        if (m < M)     { atomicAdd(y + (size_t)m * N + n, c[i][0] * fix); atomicAdd(y + (size_t)m * N + n + 8, c[i][2] * fix); }
+        if (m + 1 < M) { atomicAdd(y + (size_t)(m + 1) * N + n, c[i][1] * fix); atomicAdd(y + (size_t)(m + 1) * N + n + 8, c[i][3] * fix); }
+    }
 }
+
+#define ARGS const bf16_t* __restrict__ x, int M, int ldx, const uint4* __restrict__ wq, \
+             const uint4* __restrict__ ws, float* __restrict__ y, int N, int K, int chunks_per_split
+extern "C" __global__ void __launch_bounds__(128) nvfp4_decode_m8(ARGS) { decode<1>(x, M, ldx, wq, ws, y, N, K, chunks_per_split); }
+extern "C" __global__ void __launch_bounds__(128) nvfp4_decode_m16(ARGS) { decode<2>(x, M, ldx, wq, ws, y, N, K, chunks_per_split); }
 """
 
 FOLD = 2.0 ** 94  # scale fold (see the docstring); the accumulator is multiplied by 2^32
@@ -154,14 +170,15 @@ def _bf16_bits_to_float(bits: torch.Tensor) -> torch.Tensor:
 
 
 def emulate(x: torch.Tensor, wq: torch.Tensor, ws: torch.Tensor, n: int, k: int) -> torch.Tensor:
-    """The kernel's arithmetic on the CPU: x [M <= 8, K] bf16 -> y [M, N] float32."""
+    """The kernel's arithmetic on the CPU: x [M <= 16, K] bf16 -> y [M, N] float32."""
     m = x.shape[0]
+    rows = 8 * -(-m // 8)                                      # 8 or 16: the kernel's tiles of x
     w = wq.to(torch.int64) & 0xFFFFFFFF                        # [nt, kc, lane, j]
     lane = torch.arange(32)
     g, t = lane // 4, lane % 4
     sbits = ws.view(torch.int16).to(torch.int32) & 0xFFFF      # [nt, kc, g, 8]
-    y = torch.zeros(n // 16, 16, 8, dtype=torch.float32)       # [nt, row, m]
-    xp = torch.zeros(8, k, dtype=torch.float32)
+    y = torch.zeros(n // 16, 16, rows, dtype=torch.float32)    # [nt, row, m]
+    xp = torch.zeros(rows, k, dtype=torch.float32)
     xp[:m] = x.to(torch.float32)
     shifts = [(12, 6), (8, 2), (4, -2), (0, -6)]
     for kc in range(k // 64):
@@ -187,41 +204,46 @@ def emulate(x: torch.Tensor, wq: torch.Tensor, ws: torch.Tensor, n: int, k: int)
                 A[:, r, col] = a[p][0]
                 A[:, r, col + 1] = a[p][1]
             y += torch.einsum("trk,mk->trm", A, xp[:, k0:k0 + 16])
-    return (y * 2.0 ** 32).permute(2, 0, 1).reshape(8, n)[:m]
+    return (y * 2.0 ** 32).permute(2, 0, 1).reshape(rows, n)[:m]
 
 
 class CudaDecode:
-    """The kernel compiled with NVRTC through CuPy; ``__call__(x, wq, ws, n, k) -> y`` float32."""
+    """The kernel compiled with NVRTC through CuPy; ``__call__(x, wq, ws, n, k) -> y`` float32,
+    for x of at most 16 rows (8-row tiles: the m8 kernel up to 8 rows, m16 up to 16)."""
 
     def __init__(self, chunks_per_split: int | None = None):
         import cupy
 
         self.cp = cupy
-        self.kernel = cupy.RawModule(code=SOURCE, options=("--std=c++17",)).get_function("nvfp4_decode_m8")
+        module = cupy.RawModule(code=SOURCE, options=("--std=c++17",))
+        self.kernels = {1: module.get_function("nvfp4_decode_m8"), 2: module.get_function("nvfp4_decode_m16")}
         self.chunks_per_split = chunks_per_split
 
-    def split(self, n: int, k: int) -> int:
+    def split(self, n: int, k: int, tiles: int) -> int:
+        """64-wide K chunks per program: about 6 blocks per SM, and x's staged slice (8 * tiles
+        rows) under the 48 KB of shared memory a launch gets without opting in."""
+        most = (48 * 1024 // (8 * tiles * 4) - 4) // 32
         if self.chunks_per_split:
-            return self.chunks_per_split
-        blocks = math.ceil(n / 64)
-        kc = k // 64
-        want = max(1, math.ceil(132 * 6 / blocks))  # about 6 blocks per SM
-        return min(40, max(2, math.ceil(kc / want)))  # 40 chunks: x's slice stays under 48 KB of shared memory
+            return min(self.chunks_per_split, most)
+        want = max(1, math.ceil(132 * 6 / math.ceil(n / 64)))
+        return min(most, max(2, math.ceil((k // 64) / want)))
 
     def __call__(self, x: torch.Tensor, wq: torch.Tensor, ws: torch.Tensor, n: int, k: int,
                  out: torch.Tensor | None = None) -> torch.Tensor:
         cp = self.cp
         m = x.shape[0]
-        if m > 8:
-            raise ValueError("the prototype takes at most 8 rows")
-        cps = self.split(n, k)
+        if not 1 <= m <= 16:
+            raise ValueError(f"the prototype takes 1 to 16 rows; got {m}")
+        tiles = -(-m // 8)
+        cps = self.split(n, k, tiles)
         grid = (math.ceil(n / 64), math.ceil((k // 64) / cps))
         y = torch.zeros(m, n, dtype=torch.float32, device=x.device) if out is None else out.zero_()
-        smem = 8 * (cps * 32 + 4) * 4
+        smem = 8 * tiles * (cps * 32 + 4) * 4
         stream = cp.cuda.ExternalStream(torch.cuda.current_stream().cuda_stream)
         with stream:
-            self.kernel(grid, (128,), (x.data_ptr(), cp.int32(m), cp.int32(x.stride(0)), wq.data_ptr(), ws.data_ptr(),
-                                      y.data_ptr(), cp.int32(n), cp.int32(k), cp.int32(cps)), shared_mem=smem)
+            self.kernels[tiles](grid, (128,), (x.data_ptr(), cp.int32(m), cp.int32(x.stride(0)), wq.data_ptr(),
+                                              ws.data_ptr(), y.data_ptr(), cp.int32(n), cp.int32(k), cp.int32(cps)),
+                                shared_mem=smem)
         return y
 
 
@@ -243,7 +265,7 @@ def main() -> None:
         weights = [random_nvfp4(n, k) for _ in range(copies_for(q_bytes))]
         packs = [repack(*w) for w in weights]
         dense = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(copies_for(n * k * 2))]
-        for m in (1, 8):
+        for m in (1, 8, 16):
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             ref = nvfp4_linear_ref(x, *weights[0], dtype=torch.float32)
             got = dec(x, *packs[0], n, k)
