@@ -50,6 +50,13 @@ if HAS_TRITON:
         return choose_split_k(args["N"], args["K"], args["BLOCK_N"], args["BLOCK_K"], args["CTAS_PER_SM"])
 
     @triton.jit
+    def _k_slice(pid_k, K, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr):
+        """[k_start, k_end): the pid_k-th of SPLIT_K slices of K, whole BLOCK_K tiles each."""
+        k_per_split = tl.cdiv(tl.cdiv(K, BLOCK_K), SPLIT_K) * BLOCK_K
+        k_start = pid_k * k_per_split
+        return k_start, min(K, k_start + k_per_split)
+
+    @triton.jit
     def _load_next(x_ptrs, p_ptrs, s_ptrs, k1, k_end, K, offs_k, offs_j, offs_g, EVEN_K: tl.constexpr):
         """The tiles at k1 (zeros past this slice's end); a scalar mask keeps 16-byte vectors."""
         ok = k1 < k_end
@@ -90,9 +97,7 @@ if HAS_TRITON:
         and the s-th of SPLIT_K slices of K."""
         pid_n = tl.program_id(0)
         pid_k = tl.program_id(1)
-        k_per_split = tl.cdiv(tl.cdiv(K, BLOCK_K), SPLIT_K) * BLOCK_K
-        k_start = pid_k * k_per_split
-        k_end = min(K, k_start + k_per_split)
+        k_start, k_end = _k_slice(pid_k, K, BLOCK_K, SPLIT_K)
 
         offs_n = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)) % N
         offs_m = tl.arange(0, BLOCK_M) % M
@@ -310,9 +315,7 @@ if HAS_TRITON:
         [i*BN, (i+1)*BN) and the s-th of SPLIT_K slices of K."""
         pid_n = tl.program_id(0)
         pid_k = tl.program_id(1)
-        k_per_split = tl.cdiv(tl.cdiv(K, BLOCK_K), SPLIT_K) * BLOCK_K
-        k_start = pid_k * k_per_split
-        k_end = min(K, k_start + k_per_split)
+        k_start, k_end = _k_slice(pid_k, K, BLOCK_K, SPLIT_K)
 
         offs_n = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)) % N
         offs_w = tl.arange(0, BLOCK_K // 8)
