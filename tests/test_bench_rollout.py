@@ -1,0 +1,49 @@
+"""bench/bench_rollout.py's CPU smoke run, --skip-done, and report_rollout.py merging runs."""
+
+import csv
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _bench(out, *extra):
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "bench_rollout.py"), "--smoke", "--parts", "rollout",
+                           "--out", str(out), *extra], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    return proc.stdout
+
+
+def _cases(path):
+    with open(path, newline="") as f:
+        return {(r["model"], r["variant"], int(r["batch"])) for r in csv.DictReader(f)}
+
+
+@pytest.mark.slow
+def test_skip_done_runs_only_missing_cases_and_reports_merge(tmp_path):
+    _bench(tmp_path / "a")
+    first = _cases(tmp_path / "a" / "rollout.csv")
+    assert ("qwen2-tiny", "engine-nvfp4", 4) in first and ("llama-tiny", "engine-nvfp4", 1) in first
+    partial = tmp_path / "partial.csv"
+    rows = list(csv.DictReader(open(tmp_path / "a" / "rollout.csv", newline="")))
+    with open(partial, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(rows[0]))
+        w.writeheader()
+        w.writerows(r for r in rows if (r["model"], r["variant"], r["batch"]) != ("qwen2-tiny", "engine-nvfp4", "4"))
+    _bench(tmp_path / "b", "--skip-done", str(partial))
+    assert _cases(tmp_path / "b" / "rollout.csv") == {("qwen2-tiny", "engine-nvfp4", 4)}
+
+    report = subprocess.run([sys.executable, str(ROOT / "bench" / "report_rollout.py"), str(tmp_path / "a"),
+                             str(tmp_path / "b"), "--write", str(tmp_path / "merged")],
+                            cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert report.returncode == 0, report.stderr[-2000:]
+    assert "(run 1:" in report.stdout and "(run 2:" in report.stdout and "### qwen2-tiny" in report.stdout
+    merged = json.loads((tmp_path / "merged" / "results.json").read_text())
+    assert len(merged["meta"]["runs"]) == 2 and _cases(tmp_path / "merged" / "rollout.csv") == first
+    b_row = json.loads((tmp_path / "b" / "results.json").read_text())["rollout"][0]
+    again = [r for r in merged["rollout"] if (r["model"], r["variant"], r["batch"]) == ("qwen2-tiny", "engine-nvfp4", 4)]
+    assert again == [b_row]  # the later run's row wins
