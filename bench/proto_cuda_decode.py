@@ -255,30 +255,36 @@ def main() -> None:
     from qerl_kit.kernels import nvfp4_linear
     from qerl_kit.kernels.reference import nvfp4_linear_ref
 
+    sweep = "--sweep" in sys.argv
     torch.manual_seed(0)
-    dec = CudaDecode()
-    shapes = [(3584, 3584), (37888, 3584), (3584, 18944), (55296, 5120)]
-    print("| N x K | M | rel err | cuda us | triton us | bf16 us | cuda x bf16 | triton x bf16 | cuda GB/s |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+    shapes = [(3584, 3584), (37888, 3584), (3584, 18944), (55296, 5120), (1024, 3584), (8192, 29568)]
+    splits = (None, 1, 2, 4, 8, 16, 32) if sweep else (None,)
+    decs = {c: CudaDecode(c) for c in splits}
+    print("| N x K | M | split | rel err | cuda us | zero us | triton us | bf16 us | cuda x bf16 | triton x bf16 | cuda GB/s |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for n, k in shapes:
         q_bytes = n * k // 2 + n * k // 16
         weights = [random_nvfp4(n, k) for _ in range(copies_for(q_bytes))]
         packs = [repack(*w) for w in weights]
         dense = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(copies_for(n * k * 2))]
-        for m in (1, 8, 16):
+        for m in (1, 4, 8, 16):
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             ref = nvfp4_linear_ref(x, *weights[0], dtype=torch.float32)
-            got = dec(x, *packs[0], n, k)
-            torch.cuda.synchronize()
-            err = ((got - ref).norm() / ref.norm()).item()
             outs = [torch.empty(m, n, device="cuda", dtype=torch.float32) for _ in packs]
-            t_cuda = time_graph([lambda p=p, o=o: dec(x, *p, n, k, out=o) for p, o in zip(packs, outs)])
             t_tri = time_graph([lambda w=w: nvfp4_linear(x, *w) for w in weights])
             t_bf = time_graph([lambda d=d: torch.nn.functional.linear(x, d) for d in dense])
-            gbs = (n * k * 0.625 + m * k * 2 + m * n * 4) / t_cuda / 1e9
-            t_cuda, t_tri, t_bf = t_cuda * 1e6, t_tri * 1e6, t_bf * 1e6
-            print(f"| {n} x {k} | {m} | {err:.1e} | {t_cuda:.1f} | {t_tri:.1f} | {t_bf:.1f} | {t_bf / t_cuda:.2f} | "
-                  f"{t_bf / t_tri:.2f} | {gbs:.0f} |", flush=True)
+            t_zero = time_graph([lambda o=o: o.zero_() for o in outs])
+            for c, dec in decs.items():
+                got = dec(x, *packs[0], n, k)
+                torch.cuda.synchronize()
+                err = ((got - ref).norm() / ref.norm()).item()
+                t_cuda = time_graph([lambda p=p, o=o: dec(x, *p, n, k, out=o) for p, o in zip(packs, outs)])
+                gbs = (n * k * 0.625 + m * k * 2 + m * n * 4) / t_cuda / 1e9
+                tc, tz, tt, tb = t_cuda * 1e6, t_zero * 1e6, t_tri * 1e6, t_bf * 1e6
+                split = dec.split(n, k, -(-m // 8))
+                print(f"| {n} x {k} | {m} | {split}{'' if c else '*'} | {err:.1e} | {tc:.1f} | {tz:.1f} | {tt:.1f} | {tb:.1f} | "
+                      f"{tb / tc:.2f} | {tb / tt:.2f} | {gbs:.0f} |", flush=True)
+        del weights, packs, dense
 
 
 if __name__ == "__main__":

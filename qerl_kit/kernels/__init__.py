@@ -7,8 +7,11 @@ The two entry points take the packed weight of an ``NVFP4Linear`` (``packed``, `
     dx = nvfp4_dgrad(dy, packed, scales, global_scale)         # dy [..., N] -> [..., K]
 
 Which implementation runs is decided by ``backend`` (``set_backend``, ``QERL_KERNEL_BACKEND``):
-Triton on CUDA when it imports, the reference (dequantize + torch matmul) elsewhere. On the Triton
-backend, forward calls with at most ``DECODE_MAX_M`` rows go to the decode kernel
+Triton on CUDA when it imports, the reference (dequantize + torch matmul) elsewhere. On ``auto``,
+bf16 forward calls with at most ``CUDA_DECODE_MAX_M`` rows go to the CUDA C decode kernel
+(``nvfp4_decode_cuda``, compiled with NVRTC at first use) when it compiles and the shape fits;
+forcing ``triton`` keeps them on Triton. Otherwise, forward calls with at most ``DECODE_MAX_M``
+rows go to the Triton decode kernel
 (``nvfp4_gemv_triton``: a block-dot CUDA-core kernel for one row, tensor cores for 2..64),
 except wide layers (N >= ``WIDE_N``) with more than 32 rows; the rest go to
 ``nvfp4_gemm_triton``, which runs its fused tiled kernel below ``DENSE_MIN_M`` rows and, from
@@ -25,7 +28,7 @@ from __future__ import annotations
 
 import torch
 
-from qerl_kit.kernels.backend import (ENV_VAR, Backend, get_backend, resolve, set_backend,
+from qerl_kit.kernels.backend import (ENV_VAR, Backend, _parse, get_backend, resolve, set_backend,
                                       triton_status)
 from qerl_kit.kernels.reference import nvfp4_dgrad_ref, nvfp4_linear_ref
 
@@ -34,18 +37,36 @@ DECODE_MAX_M = 64
 # decode kernel on the fused gate/up layers (N = 37888 and 55296: 0.91-0.97x bf16 against
 # 0.69-0.79x) and lost on N <= 7168.
 WIDE_N = 32768
+CUDA_DECODE_MAX_M = 16  # rows sent to nvfp4_decode_cuda on the auto backend
 
 __all__ = [
-    "Backend", "ENV_VAR", "DECODE_MAX_M", "WIDE_N", "forward_kernel", "get_backend", "set_backend",
+    "Backend", "ENV_VAR", "DECODE_MAX_M", "WIDE_N", "CUDA_DECODE_MAX_M", "forward_kernel", "cuda_decode_status", "get_backend", "set_backend",
     "resolve", "triton_status", "nvfp4_linear", "nvfp4_dgrad", "nvfp4_linear_ref", "nvfp4_dgrad_ref",
 ]
 
 
 def _ops():
     # Importing the kernel modules registers torch.ops.qerl_kit.nvfp4_{gemm,gemv,dgrad}.
-    from qerl_kit.kernels import nvfp4_dgrad_triton, nvfp4_gemm_triton, nvfp4_gemv_triton  # noqa: F401
+    from qerl_kit.kernels import (nvfp4_decode_cuda, nvfp4_dgrad_triton, nvfp4_gemm_triton,  # noqa: F401
+                                  nvfp4_gemv_triton)
 
     return torch.ops.qerl_kit
+
+
+def cuda_decode_status() -> tuple[bool, str]:
+    """(usable, reason): whether the CUDA C decode kernel compiles and runs here (decided once)."""
+    from qerl_kit.kernels.nvfp4_decode_cuda import cuda_decode_status as status
+
+    return status()
+
+
+def _use_cuda_decode(x2: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, backend) -> bool:
+    choice = _parse(backend) if backend is not None else get_backend()
+    if choice is not Backend.AUTO or x2.shape[0] > CUDA_DECODE_MAX_M or not x2.is_cuda:
+        return False
+    from qerl_kit.kernels import nvfp4_decode_cuda as cuda
+
+    return cuda.supports(x2, packed, scales) and cuda.cuda_decode_status()[0]
 
 
 def forward_kernel(m: int, n: int) -> str:
@@ -65,7 +86,12 @@ def nvfp4_linear(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor,
     if bias is not None and bias.dtype != x.dtype:
         bias = bias.to(x.dtype)
     ops = _ops()
-    op = ops.nvfp4_gemv if forward_kernel(x2.shape[0], packed.shape[0]) == "decode" else ops.nvfp4_gemm
+    if _use_cuda_decode(x2, packed, scales, backend):
+        op = ops.nvfp4_decode_cuda
+    elif forward_kernel(x2.shape[0], packed.shape[0]) == "decode":
+        op = ops.nvfp4_gemv
+    else:
+        op = ops.nvfp4_gemm
     return op(x2, packed, scales, global_scale, bias).reshape(*x.shape[:-1], packed.shape[0])
 
 

@@ -1,0 +1,349 @@
+"""NVFP4 decode in CUDA C (M <= 16 rows): ``mma.sync`` fed straight from registers.
+
+The Triton decode kernels stop at 1.1-2.1x bf16 for a few rows (docs/kernels.md): every
+dequantized tile goes through shared memory to reach the tensor cores. This kernel follows vLLM's
+Marlin recipe without Marlin's offline repacking, so it reads the same compressed-tensors layout
+as everything else (``packed`` uint8 [N, K/2], ``scales`` e4m3 [N, K/16], ``global_scale``):
+
+* **K permutation instead of repacking.** A dot product may visit K in any order as long as x
+  and W follow the same one. Each lane loads 16-byte runs of two weight rows (g and g+8 of a
+  16-row tile) and uses each 32-bit word (8 codes) for two m16n8k16 steps: codes (0, 4) and
+  (1, 5) of the word form one step's A-fragment columns, (2, 6) and (3, 7) the next one's. The
+  lane takes its B fragment (x) from the same 8 K positions with four ``prmt``, so A and B agree.
+* **The product is transposed**, ``y^T = W x^T``: 16 weight rows fill the MMA's M side, tiles of
+  8 rows of x its N side (one tile up to 8 rows, two up to 16).
+* **Exact dequantization by bit placement.** A code's sign goes to bit 15 and its three magnitude
+  bits to bits 8..6 of a bf16, which reads as ``e2m1 * 2^-126`` (codes 0 and 0.5 as subnormals).
+  The block scale's byte is placed into a float32 (``s * 2^-120``, exact for every E4M3 value),
+  multiplied by ``2^216`` and rounded to bf16 (exact: 4 significant bits). One ``fma.rn.bf16x2``
+  gives ``e2m1 * s * 2^-30``, exact (at most 6 significant bits, always a normal bf16), and the
+  float32 accumulator is multiplied by ``2^30 / global_scale`` once at the end. So every product
+  the tensor cores see is the NVFP4 weight exactly, up to the one global factor.
+* **Split-K without atomics on y.** Slices of K write float32 partials; the last block to
+  arrive at a tile (an int32 counter per tile, reset by that block) sums them in slice order
+  (deterministic), applies the global scale and the bias, and writes bf16 y. One launch, no
+  memset, safe to capture in a CUDA graph (allocate the counters with one eager call first).
+* The weight stream is prefetched one K step ahead in registers; x is read through L1.
+
+It is compiled at first use with NVRTC through ``torch.cuda._compile_kernel`` (PyTorch's CUDA
+wheels ship NVRTC), so it needs no compiler and no extra package. When that is unavailable the
+dispatcher keeps the Triton kernels (``cuda_decode_status()`` says why). Constraints: bf16
+activations, ``K % 128 == 0``, ``N % 16 == 0``, 16-byte aligned rows; others go to Triton.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import torch
+
+MAX_M = 16
+K_STEP = 256  # codes per row per loop iteration (4 lanes x 2 pieces x 32 codes)
+WARPS = 4
+
+SOURCE = r"""
+typedef unsigned int u32;
+typedef unsigned short u16;
+
+// Codes (lo at bits 4p..4p+3, hi at 16+4p..) -> two bf16 e2m1 * 2^-126: sign -> 15/31, magnitude -> 8..6/24..22.
+__device__ __forceinline__ u32 pair(u32 w, int p) {
+    const u32 s = (p == 0) ? (w << 12) : (p == 1) ? (w << 8) : (p == 2) ? (w << 4) : w;
+    const u32 m = (p == 0) ? (w << 6) : (p == 1) ? (w << 2) : (p == 2) ? (w >> 2) : (w >> 6);
+    return (s & 0x80008000u) | (m & 0x01C001C0u);
+}
+
+__device__ __forceinline__ u32 fma_bf16x2(u32 a, u32 b) {
+    u32 d;
+    asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(0x80008000u));
+    return d;
+}
+
+// E4M3 scale byte (bits 0..7 of b) -> bf16x2 (both halves) of s * 2^96, exact.
+__device__ __forceinline__ u32 scale_bf16x2(u32 b) {
+    float f = __uint_as_float((b << 20) & 0x07F00000u);      // s * 2^-120, exact (subnormal s too)
+    f = f * 3.2451855365842673e32f * 3.2451855365842673e32f;  // * 2^108 * 2^108
+    u32 d;
+    asm("cvt.rn.bf16x2.f32 %0, %1, %1;" : "=r"(d) : "f"(f));
+    return d;
+}
+
+__device__ __forceinline__ uint4 ld_stream(const unsigned char* p) {
+    uint4 v;
+    asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];"
+                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+    return v;
+}
+
+__device__ __forceinline__ u32 ld_u16(const unsigned char* p) {
+    u16 v;
+    asm volatile("ld.global.nc.u16 %0, [%1];" : "=h"(v) : "l"(p));
+    return v;
+}
+
+__device__ __forceinline__ void mma(float (&c)[4], u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
+                 "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+                 : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+__device__ __forceinline__ u16 to_bf16(float f) {
+    u16 d;
+    asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(d) : "f"(f));
+    return d;
+}
+
+// One K step's weights for one lane: rows g and g+8 of NT tiles, two 16-byte pieces each.
+template <int NT> struct Step { uint4 q[NT][2][2]; u32 s[NT][2][2]; };
+
+template <int NT>
+__device__ __forceinline__ void load_step(Step<NT>& st, const unsigned char* q, int ldq, const unsigned char* sc,
+                                          int lds, int row, int N, int K, int it, int t) {
+    const bool tail = it * 256 + 128 >= K;          // K % 256 == 128: the last step has one piece
+    #pragma unroll
+    for (int nt = 0; nt < NT; nt++) {
+        #pragma unroll
+        for (int r = 0; r < 2; r++) {
+            const int n = row + 16 * nt + 8 * r;
+            #pragma unroll
+            for (int pc = 0; pc < 2; pc++) {
+                if (n < N && !(pc == 1 && tail)) {
+                    st.q[nt][r][pc] = ld_stream(q + (size_t)n * ldq + it * 128 + pc * 64 + 16 * t);
+                    st.s[nt][r][pc] = ld_u16(sc + (size_t)n * lds + it * 16 + pc * 8 + 2 * t);
+                } else {
+                    st.q[nt][r][pc] = make_uint4(0, 0, 0, 0);
+                    st.s[nt][r][pc] = 0;
+                }
+            }
+        }
+    }
+}
+
+template <int MT, int NT>
+__device__ __forceinline__ void compute_step(const Step<NT>& st, float (&c)[NT][MT][4], const u16* x, int M, int ldx,
+                                             int it, int K, int g, int t) {
+    const int pieces = (it * 256 + 128 >= K) ? 1 : 2;
+    #pragma unroll
+    for (int pc = 0; pc < 2; pc++) {
+        if (pc >= pieces) break;
+        u32 sg[NT][2], sh[NT][2];                         // rows g / g+8: scales of words 0-1 and 2-3
+        #pragma unroll
+        for (int nt = 0; nt < NT; nt++) {
+            sg[nt][0] = scale_bf16x2(st.s[nt][0][pc]);  sg[nt][1] = scale_bf16x2(st.s[nt][0][pc] >> 8);
+            sh[nt][0] = scale_bf16x2(st.s[nt][1][pc]);  sh[nt][1] = scale_bf16x2(st.s[nt][1][pc] >> 8);
+        }
+        #pragma unroll
+        for (int i = 0; i < 4; i++) {
+            u32 b[MT][4];
+            #pragma unroll
+            for (int mt = 0; mt < MT; mt++) {
+                const int m = g + 8 * mt;
+                uint4 xv = make_uint4(0, 0, 0, 0);
+                if (m < M) xv = __ldg(reinterpret_cast<const uint4*>(x + (size_t)m * ldx + it * 256 + pc * 128 + 32 * t + 8 * i));
+                b[mt][0] = __byte_perm(xv.x, xv.z, 0x5410);   // x0, x4
+                b[mt][1] = __byte_perm(xv.x, xv.z, 0x7632);   // x1, x5
+                b[mt][2] = __byte_perm(xv.y, xv.w, 0x5410);   // x2, x6
+                b[mt][3] = __byte_perm(xv.y, xv.w, 0x7632);   // x3, x7
+            }
+            #pragma unroll
+            for (int nt = 0; nt < NT; nt++) {
+                const uint4 qg = st.q[nt][0][pc], qh = st.q[nt][1][pc];
+                const u32 wg = i == 0 ? qg.x : i == 1 ? qg.y : i == 2 ? qg.z : qg.w;
+                const u32 wh = i == 0 ? qh.x : i == 1 ? qh.y : i == 2 ? qh.z : qh.w;
+                const u32 s0 = sg[nt][i >> 1], s1 = sh[nt][i >> 1];
+                u32 a0 = fma_bf16x2(pair(wg, 0), s0), a1 = fma_bf16x2(pair(wh, 0), s1);
+                u32 a2 = fma_bf16x2(pair(wg, 1), s0), a3 = fma_bf16x2(pair(wh, 1), s1);
+                #pragma unroll
+                for (int mt = 0; mt < MT; mt++) mma(c[nt][mt], a0, a1, a2, a3, b[mt][0], b[mt][1]);
+                a0 = fma_bf16x2(pair(wg, 2), s0); a1 = fma_bf16x2(pair(wh, 2), s1);
+                a2 = fma_bf16x2(pair(wg, 3), s0); a3 = fma_bf16x2(pair(wh, 3), s1);
+                #pragma unroll
+                for (int mt = 0; mt < MT; mt++) mma(c[nt][mt], a0, a1, a2, a3, b[mt][2], b[mt][3]);
+            }
+        }
+    }
+}
+
+// y[M, N] (bf16, row stride ldy) = x[M, K] @ W^T (+ bias). Block: 4 warps, each 16 * NT weight rows;
+// grid (ceil(N / (64 * NT)), K slices of `ips` steps). ws: float32 [slices, M, N] when slices > 1.
+template <int MT, int NT>
+__device__ __forceinline__ void decode(const u16* __restrict__ x, int M, int ldx,
+                                       const unsigned char* __restrict__ q, int ldq,
+                                       const unsigned char* __restrict__ sc, int lds,
+                                       const float* __restrict__ gsp, const u16* __restrict__ bias, int has_bias,
+                                       u16* __restrict__ y, int ldy, float* __restrict__ ws, int* __restrict__ counters,
+                                       int N, int K, int ips) {
+    __shared__ int ticket;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int g = lane >> 2, t = lane & 3;
+    const int steps = (K + 255) / 256;
+    const int it0 = blockIdx.y * ips, it1 = min(steps, it0 + ips);
+    const int tile0 = blockIdx.x * 64 * NT;
+    const int row = tile0 + warp * 16 * NT + g;
+
+    float c[NT][MT][4];
+    #pragma unroll
+    for (int nt = 0; nt < NT; nt++)
+        #pragma unroll
+        for (int mt = 0; mt < MT; mt++) c[nt][mt][0] = c[nt][mt][1] = c[nt][mt][2] = c[nt][mt][3] = 0.f;
+
+    if (row - g < N) {
+        Step<NT> cur, nxt;                                // the next K step loads during this one
+        load_step<NT>(cur, q, ldq, sc, lds, row, N, K, it0, t);
+        for (int it = it0; it < it1; it++) {
+            if (it + 1 < it1) load_step<NT>(nxt, q, ldq, sc, lds, row, N, K, it + 1, t);
+            compute_step<MT, NT>(cur, c, x, M, ldx, it, K, g, t);
+            cur = nxt;
+        }
+    }
+
+    if (gridDim.y == 1) {
+        #pragma unroll
+        for (int nt = 0; nt < NT; nt++)
+            #pragma unroll
+            for (int mt = 0; mt < MT; mt++)
+                #pragma unroll
+                for (int e = 0; e < 4; e++) {
+                    const int n = row + 16 * nt + 8 * (e >> 1), m = 8 * mt + 2 * t + (e & 1);
+                    if (n < N && m < M) {
+                        float v = c[nt][mt][e] * 1073741824.0f / gsp[0];
+                        if (has_bias) v += __uint_as_float((u32)bias[n] << 16);
+                        y[(size_t)m * ldy + n] = to_bf16(v);
+                    }
+                }
+        return;
+    }
+    float* part = ws + (size_t)blockIdx.y * M * N;
+    #pragma unroll
+    for (int nt = 0; nt < NT; nt++)
+        #pragma unroll
+        for (int mt = 0; mt < MT; mt++)
+            #pragma unroll
+            for (int e = 0; e < 4; e++) {
+                const int n = row + 16 * nt + 8 * (e >> 1), m = 8 * mt + 2 * t + (e & 1);
+                if (n < N && m < M) part[(size_t)m * N + n] = c[nt][mt][e];
+            }
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) ticket = atomicAdd(counters + blockIdx.x, 1);
+    __syncthreads();
+    if (ticket != (int)gridDim.y - 1) return;
+    if (threadIdx.x == 0) counters[blockIdx.x] = 0;       // ready for the next call
+    __threadfence();
+    const int width = min(64 * NT, N - tile0);
+    for (int e = threadIdx.x; e < M * width; e += blockDim.x) {
+        const int m = e / width, n = tile0 + e % width;
+        float v = 0.f;
+        for (int s = 0; s < (int)gridDim.y; s++) v += __ldcg(ws + ((size_t)s * M + m) * N + n);
+        v = v * 1073741824.0f / gsp[0];
+        if (has_bias) v += __uint_as_float((u32)bias[n] << 16);
+        y[(size_t)m * ldy + n] = to_bf16(v);
+    }
+}
+
+#define ARGS const u16* __restrict__ x, int M, int ldx, const unsigned char* __restrict__ q, int ldq, \
+             const unsigned char* __restrict__ sc, int lds, const float* __restrict__ gsp, \
+             const u16* __restrict__ bias, int has_bias, u16* __restrict__ y, int ldy, float* __restrict__ ws, \
+             int* __restrict__ counters, int N, int K, int ips
+#define CALL x, M, ldx, q, ldq, sc, lds, gsp, bias, has_bias, y, ldy, ws, counters, N, K, ips
+extern "C" __global__ void __launch_bounds__(128) nvfp4_decode_m8_n1(ARGS) { decode<1, 1>(CALL); }
+extern "C" __global__ void __launch_bounds__(128) nvfp4_decode_m8_n2(ARGS) { decode<1, 2>(CALL); }
+extern "C" __global__ void __launch_bounds__(128) nvfp4_decode_m16_n1(ARGS) { decode<2, 1>(CALL); }
+extern "C" __global__ void __launch_bounds__(128) nvfp4_decode_m16_n2(ARGS) { decode<2, 2>(CALL); }
+"""
+
+
+def kernel_name(m: int, nt: int) -> str:
+    return f"nvfp4_decode_m{8 if m <= 8 else 16}_n{nt}"
+
+
+@functools.lru_cache(maxsize=None)
+def _compiled(name: str, device_index: int):
+    with torch.cuda.device(device_index):
+        return torch.cuda._compile_kernel(SOURCE, name, nvcc_options=["--std=c++17"])
+
+
+@functools.lru_cache(maxsize=None)
+def cuda_decode_status() -> tuple[bool, str]:
+    """(usable, reason): whether this kernel compiles and runs here, decided once per process."""
+    if not torch.cuda.is_available():
+        return False, "no CUDA device"
+    if torch.version.hip:
+        return False, "ROCm: the kernel uses NVIDIA PTX (mma.sync)"
+    major, minor = torch.cuda.get_device_capability()
+    if (major, minor) < (8, 0):
+        return False, f"compute capability {major}.{minor} < 8.0 (bf16 mma.sync)"
+    if not hasattr(torch.cuda, "_compile_kernel"):
+        return False, f"torch {torch.__version__} has no torch.cuda._compile_kernel (NVRTC)"
+    try:
+        for name in ("nvfp4_decode_m8_n1", "nvfp4_decode_m16_n1"):
+            _compiled(name, torch.cuda.current_device())
+    except Exception as exc:  # NVRTC missing or failing: keep the Triton kernels
+        return False, f"NVRTC compile failed: {type(exc).__name__}: {exc}"
+    return True, f"NVRTC, {torch.cuda.get_device_name()}"
+
+
+def supports(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor) -> bool:
+    """Whether a forward call fits this kernel (the dispatcher sends the rest to Triton)."""
+    n, k = packed.shape[0], packed.shape[1] * 2
+    return (x.is_cuda and x.dtype == torch.bfloat16 and x.dim() == 2 and 1 <= x.shape[0] <= MAX_M
+            and k % 128 == 0 and n % 16 == 0 and x.stride(1) == 1 and x.stride(0) % 8 == 0
+            and x.data_ptr() % 16 == 0 and packed.stride(1) == 1 and packed.stride(0) % 16 == 0
+            and packed.data_ptr() % 16 == 0 and scales.stride(1) == 1 and scales.stride(0) % 2 == 0
+            and scales.data_ptr() % 2 == 0)
+
+
+def choose_config(m: int, n: int, k: int, sms: int | None = None) -> tuple[int, int]:
+    """(tiles of 16 rows per warp, K steps per slice) for an [n, k] weight and m rows."""
+    sms = sms or _sm_count()
+    nt = 2 if n >= 16384 and m <= 8 else 1
+    blocks_n = -(-n // (64 * nt))
+    steps = -(-k // K_STEP)
+    want = 4 * sms                                     # blocks to cover the GPU about 4 times
+    slices = max(1, min(steps, round(want / blocks_n)))
+    ips = -(-steps // slices)
+    return nt, ips
+
+
+def _sm_count() -> int:
+    return torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
+
+
+def nvfp4_decode_cuda(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor,
+                      global_scale: torch.Tensor, bias: torch.Tensor | None = None,
+                      nt: int | None = None, ips: int | None = None) -> torch.Tensor:
+    """y = x @ W^T (+ bias) for x [M <= 16, K] bf16; ``nt``/``ips`` pin the config (benchmarks)."""
+    from qerl_kit.kernels.nvfp4_gemv_triton import _counters
+
+    if not supports(x, packed, scales):
+        raise ValueError(f"nvfp4_decode_cuda: unsupported call (x {tuple(x.shape)} {x.dtype}, "
+                         f"weight {tuple(packed.shape)}): needs bf16 CUDA x with 1..{MAX_M} rows, "
+                         "K % 128 == 0, N % 16 == 0 and 16-byte aligned rows")
+    m, n, k = x.shape[0], packed.shape[0], packed.shape[1] * 2
+    auto_nt, auto_ips = choose_config(m, n, k)
+    nt, ips = nt or auto_nt, ips or auto_ips
+    slices = math.ceil(-(-k // K_STEP) / ips)
+    grid = (-(-n // (64 * nt)), slices, 1)
+    y = torch.empty((m, n), dtype=torch.bfloat16, device=x.device)
+    ws = torch.empty(slices * m * n if slices > 1 else 1, dtype=torch.float32, device=x.device)
+    if bias is not None:
+        bias = bias.to(torch.bfloat16).contiguous()
+    kernel = _compiled(kernel_name(m, nt), x.device.index if x.device.index is not None else torch.cuda.current_device())
+    kernel(grid=grid, block=(32 * WARPS, 1, 1),
+           args=[x, m, x.stride(0), packed, packed.stride(0), scales.view(torch.uint8), scales.stride(0),
+                 global_scale, bias if bias is not None else y, int(bias is not None), y, y.stride(0), ws,
+                 _counters(x.device), n, k, ips],
+           stream=torch.cuda.current_stream(x.device))
+    return y
+
+
+@torch.library.custom_op("qerl_kit::nvfp4_decode_cuda", mutates_args=())
+def nvfp4_decode_cuda_op(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor,
+                         global_scale: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    return nvfp4_decode_cuda(x, packed, scales, global_scale, bias)
+
+
+@nvfp4_decode_cuda_op.register_fake
+def _(x, packed, scales, global_scale, bias=None):
+    return x.new_empty((x.shape[0], packed.shape[0]))
