@@ -45,7 +45,7 @@ def _scale(b: torch.Tensor) -> torch.Tensor:
 
 
 def _e2m1(code: torch.Tensor) -> torch.Tensor:
-    mag = E2M1[code & 7]
+    mag = E2M1.to(code.device)[code & 7]
     return torch.where(code >= 8, -mag, mag)
 
 
@@ -81,10 +81,10 @@ def test_code_times_scale_is_exact_and_normal():
 
 def _exact_weight(packed, scales, gs) -> torch.Tensor:
     """W [N, K] in float64 from its NVFP4 codes: e2m1 * scale / global_scale, no rounding."""
-    p = packed.cpu().to(torch.int64)
+    p = packed.to(torch.int64)
     codes = torch.stack((p & 15, p >> 4), dim=-1).reshape(p.shape[0], -1)
-    s = scales.cpu().double().repeat_interleave(16, dim=1)
-    return _e2m1(codes) * s / gs.cpu().double()
+    s = scales.double().repeat_interleave(16, dim=1)
+    return _e2m1(codes) * s / gs.double()
 
 
 def emulate(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, gs: torch.Tensor) -> torch.Tensor:
@@ -172,14 +172,15 @@ def _weight(n, k, seed):
     return nvfp4.quantize(w).to("cuda")
 
 
-def _exact(x, q, bias=None):
-    """float64 x @ W^T with W's exact NVFP4 values (the kernel's products are exact)."""
-    y = x.cpu().double() @ _exact_weight(q.packed, q.scales, q.global_scale).T
-    return y + bias.cpu().double() if bias is not None else y
+def _exact(x, q, bias=None, w=None):
+    """float64 x @ W^T with W's exact NVFP4 values (the kernel's products are exact), on x's device."""
+    w = _exact_weight(q.packed, q.scales, q.global_scale) if w is None else w
+    y = x.double() @ w.T
+    return y + bias.double() if bias is not None else y
 
 
 def _rel(a, b):
-    return ((a.cpu().double() - b).norm() / b.norm()).item()
+    return ((a.double() - b).norm() / b.norm()).item()
 
 
 @pytest.mark.gpu
@@ -189,9 +190,10 @@ def _rel(a, b):
 def test_gpu_matches_exact_product(n, k):
     q = _weight(n, k, seed=n + k)
     bias = torch.randn(n, device="cuda").to(torch.bfloat16)
+    w = _exact_weight(q.packed, q.scales, q.global_scale)
     for m in range(1, 17):
         x = torch.randn(m, k, device="cuda").to(torch.bfloat16)
-        ref = _exact(x, q, bias)
+        ref = _exact(x, q, bias, w)
         for nt, ips in [(None, None), (1, 10**6), (2, 1), (1, 3)]:   # default, unsplit, most slices
             y = dec.nvfp4_decode_cuda(x, q.packed, q.scales, q.global_scale, bias, nt=nt, ips=ips)
             assert y.dtype == torch.bfloat16 and y.shape == (m, n)
