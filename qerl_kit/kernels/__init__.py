@@ -9,7 +9,8 @@ The two entry points take the packed weight of an ``NVFP4Linear`` (``packed``, `
 Which implementation runs is decided by ``backend`` (``set_backend``, ``QERL_KERNEL_BACKEND``):
 Triton on CUDA when it imports, the reference (dequantize + torch matmul) elsewhere. On ``auto``,
 bf16 forward calls with at most ``CUDA_DECODE_MAX_M`` rows go to the CUDA C decode kernel
-(``nvfp4_decode_cuda``, compiled with NVRTC at first use) when it compiles and the shape fits;
+(``nvfp4_decode_cuda``, compiled with NVRTC at first use) when it compiles, the shape fits and it
+beat Triton at that size on the H200 (``nvfp4_decode_cuda.preferred``);
 forcing ``triton`` keeps them on Triton. Otherwise, forward calls with at most ``DECODE_MAX_M``
 rows go to the Triton decode kernel
 (``nvfp4_gemv_triton``: a block-dot CUDA-core kernel for one row, tensor cores for 2..64),
@@ -37,7 +38,7 @@ DECODE_MAX_M = 64
 # decode kernel on the fused gate/up layers (N = 37888 and 55296: 0.91-0.97x bf16 against
 # 0.69-0.79x) and lost on N <= 7168.
 WIDE_N = 32768
-CUDA_DECODE_MAX_M = 16  # rows sent to nvfp4_decode_cuda on the auto backend
+CUDA_DECODE_MAX_M = 8  # rows sent to nvfp4_decode_cuda on the auto backend (where it wins: preferred())
 
 __all__ = [
     "Backend", "ENV_VAR", "DECODE_MAX_M", "WIDE_N", "CUDA_DECODE_MAX_M", "forward_kernel", "cuda_decode_status", "get_backend", "set_backend",
@@ -66,7 +67,8 @@ def _use_cuda_decode(x2: torch.Tensor, packed: torch.Tensor, scales: torch.Tenso
         return False
     from qerl_kit.kernels import nvfp4_decode_cuda as cuda
 
-    return cuda.supports(x2, packed, scales) and cuda.cuda_decode_status()[0]
+    return (cuda.preferred(x2.shape[0], packed.shape[0], packed.shape[1] * 2) and cuda.supports(x2, packed, scales)
+            and cuda.cuda_decode_status()[0])
 
 
 def forward_kernel(m: int, n: int) -> str:

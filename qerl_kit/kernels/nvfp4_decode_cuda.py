@@ -41,12 +41,6 @@ import torch
 MAX_M = 16
 K_STEP = 256  # codes per row per loop iteration (4 lanes x 2 pieces x 32 codes)
 WARPS = 4
-STAGES = {1: 4, 2: 3}  # K steps in shared memory per warp, by 16-row tiles per warp (as in SOURCE)
-
-
-def smem_bytes(nt: int) -> int:
-    """Dynamic shared memory of a block: WARPS x STAGES slots of 2304 bytes per 16-row tile."""
-    return WARPS * STAGES[nt] * nt * (2 * 2 * 32 * 16 + 16 * 16)
 
 SOURCE = r"""
 typedef unsigned int u32;
@@ -74,19 +68,18 @@ __device__ __forceinline__ u32 scale_bf16x2(u32 b) {
     return d;
 }
 
-__device__ __forceinline__ void cp_async16(void* dst, const void* src, bool pred) {
-    const unsigned d = (unsigned)__cvta_generic_to_shared(dst);
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" :: "r"(d), "l"(src), "r"(pred ? 16 : 0));
+__device__ __forceinline__ uint4 ld_stream(const unsigned char* p) {
+    uint4 v;
+    asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];"
+                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+    return v;
 }
 
-__device__ __forceinline__ void cp_async4(void* dst, const void* src, bool pred) {
-    const unsigned d = (unsigned)__cvta_generic_to_shared(dst);
-    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;" :: "r"(d), "l"(src), "r"(pred ? 4 : 0));
+__device__ __forceinline__ u32 ld_u16(const unsigned char* p) {
+    u16 v;
+    asm volatile("ld.global.nc.u16 %0, [%1];" : "=h"(v) : "l"(p));
+    return v;
 }
-
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;"); }
-
-template <int N> __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;" :: "n"(N)); }
 
 __device__ __forceinline__ void mma(float (&c)[4], u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
     asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
@@ -101,48 +94,30 @@ __device__ __forceinline__ u16 to_bf16(float f) {
     return d;
 }
 
-// One K step's weights for one lane: rows g and g+8 of NT tiles, two 16-byte pieces each, and
-// their scale bytes (2t, 2t+1 | 8+2t, 9+2t of the row's 16 for this step) as u16.
+// One K step's weights for one lane: rows g and g+8 of NT tiles, two 16-byte pieces each.
 template <int NT> struct Step { uint4 q[NT][2][2]; u32 s[NT][2][2]; };
 
-// A warp's shared-memory slot for one K step: codes [NT][row half][piece][lane] (each lane reads
-// back the 16 bytes it copied) and the 16 scale bytes of each of its 16 * NT rows.
-template <int NT> struct Slot { uint4 q[NT][2][2][32]; u32 s[NT][16][4]; };
-
-// Copy K step `it` of this warp's rows into a slot (cp.async: no registers held while in flight).
 template <int NT>
-__device__ __forceinline__ void issue_step(Slot<NT>& slot, const unsigned char* q, int ldq, const unsigned char* sc,
-                                           int lds, int row, int N, int K, int it, int g, int t, int lane) {
+__device__ __forceinline__ void load_step(Step<NT>& st, const unsigned char* q, int ldq, const unsigned char* sc,
+                                          int lds, int row, int N, int K, int it, int t) {
     const bool tail = it * 256 + 128 >= K;          // K % 256 == 128: the last step has one piece
-    const bool sc_ok = it * 16 + 4 * t + 4 <= K / 16;
     #pragma unroll
     for (int nt = 0; nt < NT; nt++) {
         #pragma unroll
         for (int r = 0; r < 2; r++) {
             const int n = row + 16 * nt + 8 * r;
-            const bool ok = n < N;
-            const size_t nn = ok ? (size_t)n : 0;
-            #pragma unroll
-            for (int pc = 0; pc < 2; pc++)
-                cp_async16(&slot.q[nt][r][pc][lane], q + nn * ldq + it * 128 + pc * 64 + 16 * t, ok && !(pc == 1 && tail));
-            cp_async4(&slot.s[nt][g + 8 * r][t], sc + nn * lds + it * 16 + 4 * t, ok && sc_ok);
-        }
-    }
-}
-
-template <int NT>
-__device__ __forceinline__ void read_step(Step<NT>& st, const Slot<NT>& slot, int g, int t, int lane) {
-    #pragma unroll
-    for (int nt = 0; nt < NT; nt++)
-        #pragma unroll
-        for (int r = 0; r < 2; r++) {
-            const unsigned short* sb = reinterpret_cast<const unsigned short*>(slot.s[nt][g + 8 * r]);
             #pragma unroll
             for (int pc = 0; pc < 2; pc++) {
-                st.q[nt][r][pc] = slot.q[nt][r][pc][lane];
-                st.s[nt][r][pc] = sb[pc * 4 + t];
+                if (n < N && !(pc == 1 && tail)) {
+                    st.q[nt][r][pc] = ld_stream(q + (size_t)n * ldq + it * 128 + pc * 64 + 16 * t);
+                    st.s[nt][r][pc] = ld_u16(sc + (size_t)n * lds + it * 16 + pc * 8 + 2 * t);
+                } else {
+                    st.q[nt][r][pc] = make_uint4(0, 0, 0, 0);
+                    st.s[nt][r][pc] = 0;
+                }
             }
         }
+    }
 }
 
 template <int MT, int NT>
@@ -192,7 +167,7 @@ __device__ __forceinline__ void compute_step(const Step<NT>& st, float (&c)[NT][
 
 // y[M, N] (bf16, row stride ldy) = x[M, K] @ W^T (+ bias). Block: 4 warps, each 16 * NT weight rows;
 // grid (ceil(N / (64 * NT)), K slices of `ips` steps). ws: float32 [slices, M, N] when slices > 1.
-template <int MT, int NT, int STAGES>
+template <int MT, int NT>
 __device__ __forceinline__ void decode(const u16* __restrict__ x, int M, int ldx,
                                        const unsigned char* __restrict__ q, int ldq,
                                        const unsigned char* __restrict__ sc, int lds,
@@ -214,24 +189,12 @@ __device__ __forceinline__ void decode(const u16* __restrict__ x, int M, int ldx
         for (int mt = 0; mt < MT; mt++) c[nt][mt][0] = c[nt][mt][1] = c[nt][mt][2] = c[nt][mt][3] = 0.f;
 
     if (row - g < N) {
-        // STAGES - 1 K steps in flight per warp while one is computed (cp.async groups)
-        extern __shared__ uint4 smem_raw[];
-        Slot<NT>* slots = reinterpret_cast<Slot<NT>*>(smem_raw) + warp * STAGES;
-        const int n_it = it1 - it0;
-        #pragma unroll
-        for (int j = 0; j < STAGES - 1; j++) {
-            if (j < n_it) issue_step<NT>(slots[j], q, ldq, sc, lds, row, N, K, it0 + j, g, t, lane);
-            cp_async_commit();
-        }
-        Step<NT> cur;
-        for (int j = 0; j < n_it; j++) {
-            cp_async_wait<STAGES - 2>();
-            __syncwarp();                                   // other lanes' scale bytes, and slot reuse
-            read_step<NT>(cur, slots[j % STAGES], g, t, lane);
-            if (j + STAGES - 1 < n_it)
-                issue_step<NT>(slots[(j + STAGES - 1) % STAGES], q, ldq, sc, lds, row, N, K, it0 + j + STAGES - 1, g, t, lane);
-            cp_async_commit();
-            compute_step<MT, NT>(cur, c, x, M, ldx, it0 + j, K, g, t);
+        Step<NT> cur, nxt;                                // the next K step loads during this one
+        load_step<NT>(cur, q, ldq, sc, lds, row, N, K, it0, t);
+        for (int it = it0; it < it1; it++) {
+            if (it + 1 < it1) load_step<NT>(nxt, q, ldq, sc, lds, row, N, K, it + 1, t);
+            compute_step<MT, NT>(cur, c, x, M, ldx, it, K, g, t);
+            cur = nxt;
         }
     }
 
@@ -284,10 +247,10 @@ __device__ __forceinline__ void decode(const u16* __restrict__ x, int M, int ldx
              const u16* __restrict__ bias, int has_bias, u16* __restrict__ y, int ldy, float* __restrict__ ws, \
              int* __restrict__ counters, int N, int K, int ips
 #define CALL x, M, ldx, q, ldq, sc, lds, gsp, bias, has_bias, y, ldy, ws, counters, N, K, ips
-extern "C" __global__ void __launch_bounds__(128) nvfp4_decode_m8_n1(ARGS) { decode<1, 1, 4>(CALL); }
-extern "C" __global__ void __launch_bounds__(128) nvfp4_decode_m8_n2(ARGS) { decode<1, 2, 3>(CALL); }
-extern "C" __global__ void __launch_bounds__(128) nvfp4_decode_m16_n1(ARGS) { decode<2, 1, 4>(CALL); }
-extern "C" __global__ void __launch_bounds__(128) nvfp4_decode_m16_n2(ARGS) { decode<2, 2, 3>(CALL); }
+extern "C" __global__ void __launch_bounds__(128) nvfp4_decode_m8_n1(ARGS) { decode<1, 1>(CALL); }
+extern "C" __global__ void __launch_bounds__(128) nvfp4_decode_m8_n2(ARGS) { decode<1, 2>(CALL); }
+extern "C" __global__ void __launch_bounds__(128) nvfp4_decode_m16_n1(ARGS) { decode<2, 1>(CALL); }
+extern "C" __global__ void __launch_bounds__(128) nvfp4_decode_m16_n2(ARGS) { decode<2, 2>(CALL); }
 """
 
 
@@ -298,9 +261,7 @@ def kernel_name(m: int, nt: int) -> str:
 @functools.lru_cache(maxsize=None)
 def _compiled(name: str, device_index: int):
     with torch.cuda.device(device_index):
-        kernel = torch.cuda._compile_kernel(SOURCE, name, nvcc_options=["--std=c++17"])
-        kernel.set_shared_memory_config(smem_bytes(int(name[-1])))  # > 48 KB needs the opt-in
-        return kernel
+        return torch.cuda._compile_kernel(SOURCE, name, nvcc_options=["--std=c++17"])
 
 
 @functools.lru_cache(maxsize=None)
@@ -329,20 +290,28 @@ def supports(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor) -> boo
     return (x.is_cuda and x.dtype == torch.bfloat16 and x.dim() == 2 and 1 <= x.shape[0] <= MAX_M
             and k % 128 == 0 and n % 16 == 0 and x.stride(1) == 1 and x.stride(0) % 8 == 0
             and x.data_ptr() % 16 == 0 and packed.stride(1) == 1 and packed.stride(0) % 16 == 0
-            and packed.data_ptr() % 16 == 0 and scales.stride(1) == 1 and scales.stride(0) % 4 == 0
-            and scales.data_ptr() % 4 == 0)
+            and packed.data_ptr() % 16 == 0 and scales.stride(1) == 1 and scales.stride(0) % 2 == 0
+            and scales.data_ptr() % 2 == 0)
 
 
 def choose_config(m: int, n: int, k: int, sms: int | None = None) -> tuple[int, int]:
-    """(tiles of 16 rows per warp, K steps per slice) for an [n, k] weight and m rows."""
+    """(16-row tiles per warp, K steps per slice) for an [n, k] weight and m rows. From the H200
+    sweep (bench/results/cuda_decode_sweep_h200.md): one row wants two tiles per warp on layers of
+    16M weights and more and about 8 blocks per SM; more rows one tile and about 4 blocks per SM."""
     sms = sms or _sm_count()
-    nt = 2 if n >= 16384 and m <= 8 else 1
+    nt = 2 if m == 1 and n * k >= (16 << 20) else 1
     blocks_n = -(-n // (64 * nt))
     steps = -(-k // K_STEP)
-    want = 4 * sms                                     # blocks to cover the GPU about 4 times
-    slices = max(1, min(steps, round(want / blocks_n)))
-    ips = -(-steps // slices)
-    return nt, ips
+    slices = max(1, min(steps, round((8 if m == 1 else 4) * sms / blocks_n)))
+    return nt, -(-steps // slices)
+
+
+def preferred(m: int, n: int, k: int) -> bool:
+    """Whether this kernel beat the Triton decode kernel at this size on the H200 (same sweep):
+    one row on layers under 32M weights (launch- and latency-bound ones), 2..4 rows everywhere,
+    5..8 rows on layers of 32M weights and more; from 9 rows Triton's tensor-core path wins."""
+    big = n * k >= (32 << 20)
+    return (m == 1 and not big) or 2 <= m <= 4 or (5 <= m <= 8 and big)
 
 
 def _sm_count() -> int:
@@ -364,8 +333,6 @@ def nvfp4_decode_cuda(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tenso
     nt, ips = nt or auto_nt, ips or auto_ips
     slices = math.ceil(-(-k // K_STEP) / ips)
     grid = (-(-n // (64 * nt)), slices, 1)
-    if nt not in STAGES:
-        raise ValueError(f"nt (16-row tiles per warp) must be 1 or 2; got {nt}")
     y = torch.empty((m, n), dtype=torch.bfloat16, device=x.device)
     ws = torch.empty(slices * m * n if slices > 1 else 1, dtype=torch.float32, device=x.device)
     if bias is not None:
@@ -375,7 +342,7 @@ def nvfp4_decode_cuda(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tenso
            args=[x, m, x.stride(0), packed, packed.stride(0), scales.view(torch.uint8), scales.stride(0),
                  global_scale, bias if bias is not None else y, int(bias is not None), y, y.stride(0), ws,
                  _counters(x.device), n, k, ips],
-           shared_mem=smem_bytes(nt), stream=torch.cuda.current_stream(x.device))
+           stream=torch.cuda.current_stream(x.device))
     return y
 
 
