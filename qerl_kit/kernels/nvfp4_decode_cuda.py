@@ -46,6 +46,15 @@ SOURCE = r"""
 typedef unsigned int u32;
 typedef unsigned short u16;
 
+#ifndef QK_ABLATE  // benchmarks only (bench/ablate_cuda_decode.py): leave a stage out to time it
+#define QK_ABLATE 0  // 1: no dequantization, 2: no MMA, 4: no x loads, 8: no scale conversion
+#endif              // (16: not a cut, registers capped for 8 blocks per SM instead of about 6)
+#if QK_ABLATE & 16
+#define QK_MIN_BLOCKS 8
+#else
+#define QK_MIN_BLOCKS 1
+#endif
+
 // Codes (lo at bits 4p..4p+3, hi at 16+4p..) -> two bf16 e2m1 * 2^-126: sign -> 15/31, magnitude -> 8..6/24..22.
 __device__ __forceinline__ u32 pair(u32 w, int p) {
     const u32 s = (p == 0) ? (w << 12) : (p == 1) ? (w << 8) : (p == 2) ? (w << 4) : w;
@@ -61,6 +70,9 @@ __device__ __forceinline__ u32 fma_bf16x2(u32 a, u32 b) {
 
 // E4M3 scale byte (bits 0..7 of b) -> bf16x2 (both halves) of s * 2^96, exact.
 __device__ __forceinline__ u32 scale_bf16x2(u32 b) {
+#if QK_ABLATE & 8
+    return b;
+#endif
     float f = __uint_as_float((b << 20) & 0x07F00000u);      // s * 2^-120, exact (subnormal s too)
     f = f * 3.2451855365842673e32f * 3.2451855365842673e32f;  // * 2^108 * 2^108
     u32 d;
@@ -82,10 +94,23 @@ __device__ __forceinline__ u32 ld_u16(const unsigned char* p) {
 }
 
 __device__ __forceinline__ void mma(float (&c)[4], u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
+#if QK_ABLATE & 2
+    c[0] = __uint_as_float(__float_as_uint(c[0]) ^ a0 ^ a1 ^ a2 ^ a3 ^ b0 ^ b1);
+    return;
+#endif
     asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
                  "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
                  : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
                  : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+// Dequantized pair p of word w times its block scale s.
+__device__ __forceinline__ u32 dq(u32 w, int p, u32 s) {
+#if QK_ABLATE & 1
+    return (p & 1) ? (w ^ s) : w;
+#else
+    return fma_bf16x2(pair(w, p), s);
+#endif
 }
 
 __device__ __forceinline__ u16 to_bf16(float f) {
@@ -140,7 +165,11 @@ __device__ __forceinline__ void compute_step(const Step<NT>& st, float (&c)[NT][
             for (int mt = 0; mt < MT; mt++) {
                 const int m = g + 8 * mt;
                 uint4 xv = make_uint4(0, 0, 0, 0);
+#if QK_ABLATE & 4
+                xv = make_uint4(m, it, i, t);
+#else
                 if (m < M) xv = __ldg(reinterpret_cast<const uint4*>(x + (size_t)m * ldx + it * 256 + pc * 128 + 32 * t + 8 * i));
+#endif
                 b[mt][0] = __byte_perm(xv.x, xv.z, 0x5410);   // x0, x4
                 b[mt][1] = __byte_perm(xv.x, xv.z, 0x7632);   // x1, x5
                 b[mt][2] = __byte_perm(xv.y, xv.w, 0x5410);   // x2, x6
@@ -152,12 +181,10 @@ __device__ __forceinline__ void compute_step(const Step<NT>& st, float (&c)[NT][
                 const u32 wg = i == 0 ? qg.x : i == 1 ? qg.y : i == 2 ? qg.z : qg.w;
                 const u32 wh = i == 0 ? qh.x : i == 1 ? qh.y : i == 2 ? qh.z : qh.w;
                 const u32 s0 = sg[nt][i >> 1], s1 = sh[nt][i >> 1];
-                u32 a0 = fma_bf16x2(pair(wg, 0), s0), a1 = fma_bf16x2(pair(wh, 0), s1);
-                u32 a2 = fma_bf16x2(pair(wg, 1), s0), a3 = fma_bf16x2(pair(wh, 1), s1);
+                u32 a0 = dq(wg, 0, s0), a1 = dq(wh, 0, s1), a2 = dq(wg, 1, s0), a3 = dq(wh, 1, s1);
                 #pragma unroll
                 for (int mt = 0; mt < MT; mt++) mma(c[nt][mt], a0, a1, a2, a3, b[mt][0], b[mt][1]);
-                a0 = fma_bf16x2(pair(wg, 2), s0); a1 = fma_bf16x2(pair(wh, 2), s1);
-                a2 = fma_bf16x2(pair(wg, 3), s0); a3 = fma_bf16x2(pair(wh, 3), s1);
+                a0 = dq(wg, 2, s0); a1 = dq(wh, 2, s1); a2 = dq(wg, 3, s0); a3 = dq(wh, 3, s1);
                 #pragma unroll
                 for (int mt = 0; mt < MT; mt++) mma(c[nt][mt], a0, a1, a2, a3, b[mt][2], b[mt][3]);
             }
@@ -247,10 +274,10 @@ __device__ __forceinline__ void decode(const u16* __restrict__ x, int M, int ldx
              const u16* __restrict__ bias, int has_bias, u16* __restrict__ y, int ldy, float* __restrict__ ws, \
              int* __restrict__ counters, int N, int K, int ips
 #define CALL x, M, ldx, q, ldq, sc, lds, gsp, bias, has_bias, y, ldy, ws, counters, N, K, ips
-extern "C" __global__ void __launch_bounds__(128) nvfp4_decode_m8_n1(ARGS) { decode<1, 1>(CALL); }
-extern "C" __global__ void __launch_bounds__(128) nvfp4_decode_m8_n2(ARGS) { decode<1, 2>(CALL); }
-extern "C" __global__ void __launch_bounds__(128) nvfp4_decode_m16_n1(ARGS) { decode<2, 1>(CALL); }
-extern "C" __global__ void __launch_bounds__(128) nvfp4_decode_m16_n2(ARGS) { decode<2, 2>(CALL); }
+extern "C" __global__ void __launch_bounds__(128, QK_MIN_BLOCKS) nvfp4_decode_m8_n1(ARGS) { decode<1, 1>(CALL); }
+extern "C" __global__ void __launch_bounds__(128, QK_MIN_BLOCKS) nvfp4_decode_m8_n2(ARGS) { decode<1, 2>(CALL); }
+extern "C" __global__ void __launch_bounds__(128, QK_MIN_BLOCKS) nvfp4_decode_m16_n1(ARGS) { decode<2, 1>(CALL); }
+extern "C" __global__ void __launch_bounds__(128, QK_MIN_BLOCKS) nvfp4_decode_m16_n2(ARGS) { decode<2, 2>(CALL); }
 """
 
 
@@ -259,9 +286,10 @@ def kernel_name(m: int, nt: int) -> str:
 
 
 @functools.lru_cache(maxsize=None)
-def _compiled(name: str, device_index: int):
+def _compiled(name: str, device_index: int, ablate: int = 0):
+    options = ["--std=c++17"] + ([f"-DQK_ABLATE={ablate}"] if ablate else [])
     with torch.cuda.device(device_index):
-        return torch.cuda._compile_kernel(SOURCE, name, nvcc_options=["--std=c++17"])
+        return torch.cuda._compile_kernel(SOURCE, name, nvcc_options=options)
 
 
 @functools.lru_cache(maxsize=None)
@@ -320,10 +348,9 @@ def _sm_count() -> int:
 
 def nvfp4_decode_cuda(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor,
                       global_scale: torch.Tensor, bias: torch.Tensor | None = None,
-                      nt: int | None = None, ips: int | None = None) -> torch.Tensor:
-    """y = x @ W^T (+ bias) for x [M <= 16, K] bf16; ``nt``/``ips`` pin the config (benchmarks)."""
-    from qerl_kit.kernels.nvfp4_gemv_triton import _counters
-
+                      nt: int | None = None, ips: int | None = None, ablate: int = 0) -> torch.Tensor:
+    """y = x @ W^T (+ bias) for x [M <= 16, K] bf16; ``nt``/``ips`` pin the config and ``ablate``
+    leaves stages out (``QK_ABLATE`` in SOURCE; wrong results, for bench/ablate_cuda_decode.py)."""
     if not supports(x, packed, scales):
         raise ValueError(f"nvfp4_decode_cuda: unsupported call (x {tuple(x.shape)} {x.dtype}, "
                          f"weight {tuple(packed.shape)}): needs bf16 CUDA x with 1..{MAX_M} rows, "
@@ -332,18 +359,25 @@ def nvfp4_decode_cuda(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tenso
     auto_nt, auto_ips = choose_config(m, n, k)
     nt, ips = nt or auto_nt, ips or auto_ips
     slices = math.ceil(-(-k // K_STEP) / ips)
-    grid = (-(-n // (64 * nt)), slices, 1)
     y = torch.empty((m, n), dtype=torch.bfloat16, device=x.device)
     ws = torch.empty(slices * m * n if slices > 1 else 1, dtype=torch.float32, device=x.device)
     if bias is not None:
         bias = bias.to(torch.bfloat16).contiguous()
-    kernel = _compiled(kernel_name(m, nt), x.device.index if x.device.index is not None else torch.cuda.current_device())
-    kernel(grid=grid, block=(32 * WARPS, 1, 1),
+    device = x.device.index if x.device.index is not None else torch.cuda.current_device()
+    kernel = _compiled(kernel_name(m, nt), device, ablate)
+    _launch(kernel, x, packed, scales, global_scale, bias, y, ws, nt, ips, slices)
+    return y
+
+
+def _launch(kernel, x, packed, scales, global_scale, bias, y, ws, nt, ips, slices) -> None:
+    from qerl_kit.kernels.nvfp4_gemv_triton import _counters
+
+    m, n, k = x.shape[0], packed.shape[0], packed.shape[1] * 2
+    kernel(grid=(-(-n // (64 * nt)), slices, 1), block=(32 * WARPS, 1, 1),
            args=[x, m, x.stride(0), packed, packed.stride(0), scales.view(torch.uint8), scales.stride(0),
                  global_scale, bias if bias is not None else y, int(bias is not None), y, y.stride(0), ws,
                  _counters(x.device), n, k, ips],
            stream=torch.cuda.current_stream(x.device))
-    return y
 
 
 @torch.library.custom_op("qerl_kit::nvfp4_decode_cuda", mutates_args=())

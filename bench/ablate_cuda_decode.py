@@ -1,0 +1,71 @@
+"""Where the CUDA decode kernel's time goes: time it with stages left out (H200.md's method when
+there are no hardware counters). Variants are the same source compiled with ``-DQK_ABLATE=bits``
+(their results are wrong by design): 1 no dequantization (the raw codes feed the MMA), 2 no MMA
+(an xor keeps the operands live), 4 no x loads, 8 no scale conversion, and their combinations;
+15 leaves only the weight loads and the loop; 16 is the full kernel with registers capped so that 8
+blocks fit per SM (not a cut: a variant). Same timing as bench_nvfp4_gemm.py (CUDA-graph
+replays, > 200 MB of weight copies, cold L2), bf16 in the same run.
+
+    PYTHONPATH=. python bench/ablate_cuda_decode.py --out bench/results
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench_nvfp4_gemm import copies_for, random_nvfp4, time_graph  # noqa: E402
+
+from qerl_kit.kernels.nvfp4_decode_cuda import nvfp4_decode_cuda  # noqa: E402
+
+VARIANTS = {0: "full kernel", 8: "no scale conversion", 4: "no x loads", 1: "no dequantization",
+            2: "no MMA", 3: "no dequant, no MMA", 15: "weight loads only", 16: "full, 8 blocks/SM"}
+SHAPES = [("7B q/o", 3584, 3584), ("7B gate_up", 37888, 3584), ("32B down", 5120, 27648),
+          ("72B gate_up", 59136, 8192)]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", default="bench/results")
+    ap.add_argument("--ms", nargs="+", type=int, default=[1, 8, 16])
+    args = ap.parse_args()
+    torch.manual_seed(0)
+    copy_src = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
+    copy_dst = torch.empty_like(copy_src)
+    copy_bw = 2 * copy_src.numel() / time_graph([lambda: copy_dst.copy_(copy_src)])
+    lines = [f"# CUDA decode kernel, stages left out ({torch.cuda.get_device_name()}, {datetime.date.today()}, "
+             f"torch {torch.__version__})", "",
+             f"Same-run copy bandwidth {copy_bw / 1e12:.2f} TB/s. Each cell: microseconds, and the weight stream "
+             "(4.5 bits per weight) as a fraction of the copy bandwidth.", "",
+             "| layer | M | bf16 us | " + " | ".join(VARIANTS.values()) + " |",
+             "|---|---:|---:|" + "---:|" * len(VARIANTS)]
+    for label, n, k in SHAPES:
+        q_bytes = n * k // 2 + n * k // 16
+        weights = [random_nvfp4(n, k) for _ in range(copies_for(q_bytes))]
+        dense = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) for _ in range(copies_for(2 * n * k))]
+        for m in args.ms:
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            t_bf = time_graph([lambda d=d: F.linear(x, d) for d in dense])
+            cells = []
+            for v in VARIANTS:
+                t = time_graph([lambda w=w: nvfp4_decode_cuda(x, *w, ablate=v) for w in weights])
+                cells.append(f"{t * 1e6:.1f} ({q_bytes / t / copy_bw:.0%})")
+            lines.append(f"| {label} | {m} | {t_bf * 1e6:.1f} | " + " | ".join(cells) + " |")
+            print(lines[-1], flush=True)
+        del weights, dense
+        torch.cuda.empty_cache()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "cuda_decode_ablation_h200.md").write_text("\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+    main()
