@@ -22,7 +22,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench_nvfp4_gemm import copies_for, random_nvfp4, time_graph  # noqa: E402
+from bench_nvfp4_gemm import copies_for, copy_bandwidth, random_nvfp4, time_graph  # noqa: E402
 
 from qerl_kit.kernels.nvfp4_decode_cuda import nvfp4_decode_cuda  # noqa: E402
 
@@ -38,9 +38,7 @@ def main() -> None:
     ap.add_argument("--ms", nargs="+", type=int, default=[1, 8, 16])
     args = ap.parse_args()
     torch.manual_seed(0)
-    copy_src = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
-    copy_dst = torch.empty_like(copy_src)
-    copy_bw = 2 * copy_src.numel() / time_graph([lambda: copy_dst.copy_(copy_src)])
+    copy_bw = copy_bandwidth()
     lines = [f"# CUDA decode kernel, stages left out ({torch.cuda.get_device_name()}, {datetime.date.today()}, "
              f"torch {torch.__version__})", "",
              f"Same-run copy bandwidth {copy_bw / 1e12:.2f} TB/s. Each cell: microseconds, and the weight stream "

@@ -135,9 +135,12 @@ def copies_for(bytes_per_copy: int) -> int:
 # -- one shape ------------------------------------------------------------------------------------
 
 def path_taken(kind: str, m: int, n: int, k: int) -> str:
-    from qerl_kit.kernels import forward_kernel
+    from qerl_kit.kernels import CUDA_DECODE_MAX_M, forward_kernel
+    from qerl_kit.kernels import nvfp4_decode_cuda as cuda
     from qerl_kit.kernels.nvfp4_gemm_triton import default_strategy
 
+    if kind == "forward" and m <= CUDA_DECODE_MAX_M and cuda.preferred(m, n, k) and cuda.cuda_decode_status()[0]:
+        return "cuda"
     if kind == "forward" and forward_kernel(m, n) == "decode":
         return "decode"
     return default_strategy(torch.empty(0, device="cuda"), m)
@@ -256,7 +259,8 @@ def write_results(out: Path, info: dict, copy_bw: float, peak: float, rows: list
         f"bf16 GEMM 8192^3 {peak:.0f} TFLOP/s (random data).",
         "",
         "Times are medians of CUDA-graph replays with the weight rotated through > 200 MB of copies "
-        "(cold L2). `path`: `decode` = the GEMV kernel (M <= 64), `fused` = the tiled fused-dequant "
+        "(cold L2). `path`: `cuda` = the CUDA C decode kernel (M <= 8 where it beat Triton), "
+        "`decode` = the Triton GEMV kernel (M <= 64), `fused` = the tiled fused-dequant "
         "GEMM / dgrad kernel, `dense` = Triton dequantization into a transient bf16 W, then cuBLAS "
         "(the default from M >= 128 on). `x bf16` = bf16 time / our time. "
         "`BW` = (packed + scales + x + y bytes) / time, as a fraction of the copy bandwidth. "

@@ -151,7 +151,7 @@ def test_cpu_tensors_never_take_the_cuda_kernel():
 
 def test_preferred_routes_by_rows_and_layer_size():
     assert dec.preferred(1, 512, 3584) and not dec.preferred(1, 55296, 5120)
-    assert dec.preferred(3, 512, 3584) and dec.preferred(4, 55296, 5120)
+    assert dec.preferred(2, 512, 3584) and not dec.preferred(3, 512, 3584) and dec.preferred(4, 55296, 5120)
     assert dec.preferred(8, 37888, 3584) and not dec.preferred(8, 3584, 3584)
     assert not dec.preferred(9, 55296, 5120) and not dec.preferred(16, 37888, 3584)
 

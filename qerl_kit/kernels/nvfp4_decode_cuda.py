@@ -107,7 +107,7 @@ __device__ __forceinline__ void mma(float (&c)[4], u32 a0, u32 a1, u32 a2, u32 a
 // Dequantized pair p of word w times its block scale s.
 __device__ __forceinline__ u32 dq(u32 w, int p, u32 s) {
 #if QK_ABLATE & 1
-    return (p & 1) ? (w ^ s) : w;
+    return w + p * s;  // keeps every word live (an xor of a0 and a2 would cancel w)
 #else
     return fma_bf16x2(pair(w, p), s);
 #endif
@@ -146,7 +146,7 @@ __device__ __forceinline__ void load_step(Step<NT>& st, const unsigned char* q, 
 }
 
 template <int MT, int NT>
-__device__ __forceinline__ void compute_step(const Step<NT>& st, float (&c)[NT][MT][4], const uint4* xs,
+__device__ __forceinline__ void compute_step(const Step<NT>& st, float (&c)[NT][MT][4], const u16* x, int M, int ldx,
                                              int it, int K, int g, int t) {
     const int pieces = (it * 256 + 128 >= K) ? 1 : 2;
     #pragma unroll
@@ -163,10 +163,12 @@ __device__ __forceinline__ void compute_step(const Step<NT>& st, float (&c)[NT][
             u32 b[MT][4];
             #pragma unroll
             for (int mt = 0; mt < MT; mt++) {
+                const int m = g + 8 * mt;
+                uint4 xv = make_uint4(0, 0, 0, 0);
 #if QK_ABLATE & 4
-                const uint4 xv = make_uint4(g, it, i, t);
+                xv = make_uint4(m, it, i, t);
 #else
-                const uint4 xv = xs[(((pc * 4 + i) * MT + mt) * 8 + g) * 4 + t];  // this lane's 8 x values
+                if (m < M) xv = __ldg(reinterpret_cast<const uint4*>(x + (size_t)m * ldx + it * 256 + pc * 128 + 32 * t + 8 * i));
 #endif
                 b[mt][0] = __byte_perm(xv.x, xv.z, 0x5410);   // x0, x4
                 b[mt][1] = __byte_perm(xv.x, xv.z, 0x7632);   // x1, x5
@@ -188,27 +190,6 @@ __device__ __forceinline__ void compute_step(const Step<NT>& st, float (&c)[NT][
             }
         }
     }
-}
-
-// x for one K step, staged once per block in shared memory in the order the lanes read it:
-// 16-byte chunks [piece][word][x tile][g][t], so every warp's read is 512 contiguous bytes.
-template <int MT>
-__device__ __forceinline__ void x_fetch(uint4 (&r)[2 * MT], const u16* x, int M, int ldx, int K, int it) {
-    #pragma unroll
-    for (int e = 0; e < 2 * MT; e++) {
-        const int s = threadIdx.x + 128 * e;
-        const int t = s & 3, g = (s >> 2) & 7, rest = s >> 5;
-        const int mt = rest % MT, i = (rest / MT) & 3, pc = rest / MT >> 2;
-        const int m = g + 8 * mt, k = it * 256 + pc * 128 + 32 * t + 8 * i;
-        r[e] = make_uint4(0, 0, 0, 0);
-        if (m < M && k < K) r[e] = __ldg(reinterpret_cast<const uint4*>(x + (size_t)m * ldx + k));
-    }
-}
-
-template <int MT>
-__device__ __forceinline__ void x_store(uint4* xs, const uint4 (&r)[2 * MT]) {
-    #pragma unroll
-    for (int e = 0; e < 2 * MT; e++) xs[threadIdx.x + 128 * e] = r[e];
 }
 
 // y[M, N] (bf16, row stride ldy) = x[M, K] @ W^T (+ bias). Block: 4 warps, each 16 * NT weight rows;
@@ -234,25 +215,14 @@ __device__ __forceinline__ void decode(const u16* __restrict__ x, int M, int ldx
         #pragma unroll
         for (int mt = 0; mt < MT; mt++) c[nt][mt][0] = c[nt][mt][1] = c[nt][mt][2] = c[nt][mt][3] = 0.f;
 
-    __shared__ uint4 xs[2][256 * MT];                     // x of this K step and the next
-    const bool active = row - g < N;                      // warps past N still stage x
-    uint4 xr[2 * MT];
-    x_fetch<MT>(xr, x, M, ldx, K, it0);
-    x_store<MT>(xs[0], xr);
-    __syncthreads();
-    Step<NT> cur, nxt;                                    // the next K step loads during this one
-    if (active) load_step<NT>(cur, q, ldq, sc, lds, row, N, K, it0, t);
-    for (int it = it0; it < it1; it++) {
-        const int b = (it - it0) & 1;
-        const bool more = it + 1 < it1;
-        if (more) {
-            x_fetch<MT>(xr, x, M, ldx, K, it + 1);
-            if (active) load_step<NT>(nxt, q, ldq, sc, lds, row, N, K, it + 1, t);
+    if (row - g < N) {
+        Step<NT> cur, nxt;                                // the next K step loads during this one
+        load_step<NT>(cur, q, ldq, sc, lds, row, N, K, it0, t);
+        for (int it = it0; it < it1; it++) {
+            if (it + 1 < it1) load_step<NT>(nxt, q, ldq, sc, lds, row, N, K, it + 1, t);
+            compute_step<MT, NT>(cur, c, x, M, ldx, it, K, g, t);
+            cur = nxt;
         }
-        if (active) compute_step<MT, NT>(cur, c, xs[b], it, K, g, t);
-        if (more) x_store<MT>(xs[b ^ 1], xr);
-        __syncthreads();
-        cur = nxt;
     }
 
     if (gridDim.y == 1) {
@@ -365,11 +335,14 @@ def choose_config(m: int, n: int, k: int, sms: int | None = None) -> tuple[int, 
 
 
 def preferred(m: int, n: int, k: int) -> bool:
-    """Whether this kernel beat the Triton decode kernel at this size on the H200 (same sweep):
-    one row on layers under 32M weights (launch- and latency-bound ones), 2..4 rows everywhere,
-    5..8 rows on layers of 32M weights and more; from 9 rows Triton's tensor-core path wins."""
-    big = n * k >= (32 << 20)
-    return (m == 1 and not big) or 2 <= m <= 4 or (5 <= m <= 8 and big)
+    """Whether this kernel beat the Triton decode kernel at this size on the H200
+    (bench/results/cuda_decode_h200.md, both timed in the same run): one row on layers under 32M
+    weights (the launch- and latency-bound ones), two rows everywhere, 3..4 rows from 4M weights,
+    5..8 rows from 24M weights; from 9 rows Triton's tensor-core path wins on most layers."""
+    w = n * k
+    if m == 1:
+        return w < (32 << 20)
+    return m == 2 or (m <= 4 and w >= (4 << 20)) or (m <= 8 and w >= (24 << 20))
 
 
 def _sm_count() -> int:
