@@ -29,6 +29,10 @@ It is compiled at first use with NVRTC through ``torch.cuda._compile_kernel`` (P
 wheels ship NVRTC), so it needs no compiler and no extra package. When that is unavailable the
 dispatcher keeps the Triton kernels (``cuda_decode_status()`` says why). Constraints: bf16
 activations, ``K % 128 == 0``, ``N % 16 == 0``, 16-byte aligned rows; others go to Triton.
+The dispatcher (``qerl_kit.kernels.nvfp4_linear``, auto backend) sends it the 1-8 row calls where
+it beat Triton on the H200 (``preferred``). It reaches about 2x bf16 on large layers and is
+issue-bound there (~3.7 SASS instructions per weight): bench/results/cuda_decode_ablation_h200.md
+times it with stages left out (``QK_ABLATE``), and docs/kernels.md says what would go further.
 """
 
 from __future__ import annotations
