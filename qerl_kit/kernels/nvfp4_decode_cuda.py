@@ -30,9 +30,10 @@ wheels ship NVRTC), so it needs no compiler and no extra package. When that is u
 dispatcher keeps the Triton kernels (``cuda_decode_status()`` says why). Constraints: bf16
 activations, ``K % 128 == 0``, ``N % 16 == 0``, 16-byte aligned rows; others go to Triton.
 The dispatcher (``qerl_kit.kernels.nvfp4_linear``, auto backend) sends it the 1-8 row calls where
-it beat Triton on the H200 (``preferred``). It reaches about 2x bf16 on large layers and is
-issue-bound there (~3.7 SASS instructions per weight): bench/results/cuda_decode_ablation_h200.md
-times it with stages left out (``QK_ABLATE``), and docs/kernels.md says what would go further.
+it beat Triton on the H200 (``preferred``). It reaches about 2x bf16 on large layers, where its
+weight loads alone would stream at up to 97% of the copy bandwidth: the compute's dependent
+chains are not hidden (bench/results/cuda_decode_ablation_h200.md times it with stages left out,
+``QK_ABLATE``; docs/kernels.md says what would go further).
 """
 
 from __future__ import annotations
@@ -52,11 +53,14 @@ typedef unsigned short u16;
 
 #ifndef QK_ABLATE  // benchmarks only (bench/ablate_cuda_decode.py): leave a stage out to time it
 #define QK_ABLATE 0  // 1: no dequantization, 2: no MMA, 4: no x loads, 8: no scale conversion
-#endif              // (16: not a cut, registers capped for 8 blocks per SM instead of about 6)
+#endif              // Not cuts, variants (prepared, not yet measured: docs/kernels.md): 16 registers
+                    // capped for 8 blocks per SM; 32 two accumulator sets per tile (MMA steps A and
+                    // B of a word in separate chains); 64 the next K step's x prefetched into L1.
+#define QK_ACC ((QK_ABLATE & 32) ? 2 : 1)
 #if QK_ABLATE & 16
-#define QK_MIN_BLOCKS 8
+#define QK_BOUNDS __launch_bounds__(128, 8)
 #else
-#define QK_MIN_BLOCKS 1
+#define QK_BOUNDS __launch_bounds__(128)  // no minimum: an explicit 1 let ptxas take 90 registers, not 72
 #endif
 
 // Codes (lo at bits 4p..4p+3, hi at 16+4p..) -> two bf16 e2m1 * 2^-126: sign -> 15/31, magnitude -> 8..6/24..22.
@@ -123,6 +127,10 @@ __device__ __forceinline__ u16 to_bf16(float f) {
     return d;
 }
 
+__device__ __forceinline__ float acc(const float (&c)[QK_ACC][4], int e) {
+    return QK_ACC == 2 ? c[0][e] + c[QK_ACC - 1][e] : c[0][e];
+}
+
 // One K step's weights for one lane: rows g and g+8 of NT tiles, two 16-byte pieces each.
 template <int NT> struct Step { uint4 q[NT][2][2]; u32 s[NT][2][2]; };
 
@@ -150,7 +158,7 @@ __device__ __forceinline__ void load_step(Step<NT>& st, const unsigned char* q, 
 }
 
 template <int MT, int NT>
-__device__ __forceinline__ void compute_step(const Step<NT>& st, float (&c)[NT][MT][4], const u16* x, int M, int ldx,
+__device__ __forceinline__ void compute_step(const Step<NT>& st, float (&c)[NT][MT][QK_ACC][4], const u16* x, int M, int ldx,
                                              int it, int K, int g, int t) {
     const int pieces = (it * 256 + 128 >= K) ? 1 : 2;
     #pragma unroll
@@ -187,10 +195,10 @@ __device__ __forceinline__ void compute_step(const Step<NT>& st, float (&c)[NT][
                 const u32 s0 = sg[nt][i >> 1], s1 = sh[nt][i >> 1];
                 u32 a0 = dq(wg, 0, s0), a1 = dq(wh, 0, s1), a2 = dq(wg, 1, s0), a3 = dq(wh, 1, s1);
                 #pragma unroll
-                for (int mt = 0; mt < MT; mt++) mma(c[nt][mt], a0, a1, a2, a3, b[mt][0], b[mt][1]);
+                for (int mt = 0; mt < MT; mt++) mma(c[nt][mt][0], a0, a1, a2, a3, b[mt][0], b[mt][1]);
                 a0 = dq(wg, 2, s0); a1 = dq(wh, 2, s1); a2 = dq(wg, 3, s0); a3 = dq(wh, 3, s1);
                 #pragma unroll
-                for (int mt = 0; mt < MT; mt++) mma(c[nt][mt], a0, a1, a2, a3, b[mt][2], b[mt][3]);
+                for (int mt = 0; mt < MT; mt++) mma(c[nt][mt][QK_ACC - 1], a0, a1, a2, a3, b[mt][2], b[mt][3]);
             }
         }
     }
@@ -213,17 +221,30 @@ __device__ __forceinline__ void decode(const u16* __restrict__ x, int M, int ldx
     const int tile0 = blockIdx.x * 64 * NT;
     const int row = tile0 + warp * 16 * NT + g;
 
-    float c[NT][MT][4];
+    float c[NT][MT][QK_ACC][4];
     #pragma unroll
     for (int nt = 0; nt < NT; nt++)
         #pragma unroll
-        for (int mt = 0; mt < MT; mt++) c[nt][mt][0] = c[nt][mt][1] = c[nt][mt][2] = c[nt][mt][3] = 0.f;
+        for (int mt = 0; mt < MT; mt++)
+            #pragma unroll
+            for (int a = 0; a < QK_ACC; a++) c[nt][mt][a][0] = c[nt][mt][a][1] = c[nt][mt][a][2] = c[nt][mt][a][3] = 0.f;
 
     if (row - g < N) {
         Step<NT> cur, nxt;                                // the next K step loads during this one
         load_step<NT>(cur, q, ldq, sc, lds, row, N, K, it0, t);
         for (int it = it0; it < it1; it++) {
-            if (it + 1 < it1) load_step<NT>(nxt, q, ldq, sc, lds, row, N, K, it + 1, t);
+            if (it + 1 < it1) {
+                load_step<NT>(nxt, q, ldq, sc, lds, row, N, K, it + 1, t);
+#if QK_ABLATE & 64
+                #pragma unroll
+                for (int mt = 0; mt < MT; mt++)
+                    if (g + 8 * mt < M)
+                        #pragma unroll
+                        for (int pc = 0; pc < 2; pc++)
+                            if ((it + 1) * 256 + pc * 128 < K)
+                                asm volatile("prefetch.global.L1 [%0];" :: "l"(x + (size_t)(g + 8 * mt) * ldx + (it + 1) * 256 + pc * 128 + 32 * t));
+#endif
+            }
             compute_step<MT, NT>(cur, c, x, M, ldx, it, K, g, t);
             cur = nxt;
         }
@@ -238,7 +259,7 @@ __device__ __forceinline__ void decode(const u16* __restrict__ x, int M, int ldx
                 for (int e = 0; e < 4; e++) {
                     const int n = row + 16 * nt + 8 * (e >> 1), m = 8 * mt + 2 * t + (e & 1);
                     if (n < N && m < M) {
-                        float v = c[nt][mt][e] * 1073741824.0f / gsp[0];
+                        float v = acc(c[nt][mt], e) * 1073741824.0f / gsp[0];
                         if (has_bias) v += __uint_as_float((u32)bias[n] << 16);
                         y[(size_t)m * ldy + n] = to_bf16(v);
                     }
@@ -253,7 +274,7 @@ __device__ __forceinline__ void decode(const u16* __restrict__ x, int M, int ldx
             #pragma unroll
             for (int e = 0; e < 4; e++) {
                 const int n = row + 16 * nt + 8 * (e >> 1), m = 8 * mt + 2 * t + (e & 1);
-                if (n < N && m < M) part[(size_t)m * N + n] = c[nt][mt][e];
+                if (n < N && m < M) part[(size_t)m * N + n] = acc(c[nt][mt], e);
             }
     __threadfence();
     __syncthreads();
@@ -278,10 +299,10 @@ __device__ __forceinline__ void decode(const u16* __restrict__ x, int M, int ldx
              const u16* __restrict__ bias, int has_bias, u16* __restrict__ y, int ldy, float* __restrict__ ws, \
              int* __restrict__ counters, int N, int K, int ips
 #define CALL x, M, ldx, q, ldq, sc, lds, gsp, bias, has_bias, y, ldy, ws, counters, N, K, ips
-extern "C" __global__ void __launch_bounds__(128, QK_MIN_BLOCKS) nvfp4_decode_m8_n1(ARGS) { decode<1, 1>(CALL); }
-extern "C" __global__ void __launch_bounds__(128, QK_MIN_BLOCKS) nvfp4_decode_m8_n2(ARGS) { decode<1, 2>(CALL); }
-extern "C" __global__ void __launch_bounds__(128, QK_MIN_BLOCKS) nvfp4_decode_m16_n1(ARGS) { decode<2, 1>(CALL); }
-extern "C" __global__ void __launch_bounds__(128, QK_MIN_BLOCKS) nvfp4_decode_m16_n2(ARGS) { decode<2, 2>(CALL); }
+extern "C" __global__ void QK_BOUNDS nvfp4_decode_m8_n1(ARGS) { decode<1, 1>(CALL); }
+extern "C" __global__ void QK_BOUNDS nvfp4_decode_m8_n2(ARGS) { decode<1, 2>(CALL); }
+extern "C" __global__ void QK_BOUNDS nvfp4_decode_m16_n1(ARGS) { decode<2, 1>(CALL); }
+extern "C" __global__ void QK_BOUNDS nvfp4_decode_m16_n2(ARGS) { decode<2, 2>(CALL); }
 """
 
 
