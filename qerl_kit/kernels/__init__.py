@@ -41,13 +41,13 @@ WIDE_N = 32768
 CUDA_DECODE_MAX_M = 8  # rows sent to nvfp4_decode_cuda on the auto backend (where it wins: preferred())
 
 __all__ = [
-    "Backend", "ENV_VAR", "DECODE_MAX_M", "WIDE_N", "CUDA_DECODE_MAX_M", "forward_kernel", "cuda_decode_status", "get_backend", "set_backend",
-    "resolve", "triton_status", "nvfp4_linear", "nvfp4_dgrad", "nvfp4_linear_ref", "nvfp4_dgrad_ref",
+    "Backend", "ENV_VAR", "DECODE_MAX_M", "WIDE_N", "CUDA_DECODE_MAX_M", "forward_kernel",
+    "cuda_decode_status", "get_backend", "set_backend", "resolve", "triton_status", "nvfp4_linear", "nvfp4_dgrad", "nvfp4_linear_ref", "nvfp4_dgrad_ref",
 ]
 
 
 def _ops():
-    # Importing the kernel modules registers torch.ops.qerl_kit.nvfp4_{gemm,gemv,dgrad}.
+    # Importing the kernel modules registers torch.ops.qerl_kit.nvfp4_{gemm,gemv,dgrad,decode_cuda}.
     from qerl_kit.kernels import (nvfp4_decode_cuda, nvfp4_dgrad_triton, nvfp4_gemm_triton,  # noqa: F401
                                   nvfp4_gemv_triton)
 
