@@ -135,14 +135,15 @@ def copies_for(bytes_per_copy: int) -> int:
 # -- one shape ------------------------------------------------------------------------------------
 
 def path_taken(kind: str, m: int, n: int, k: int) -> str:
-    from qerl_kit.kernels import CUDA_DECODE_MAX_M, forward_kernel
-    from qerl_kit.kernels import nvfp4_decode_cuda as cuda
+    from qerl_kit.kernels import forward_path
     from qerl_kit.kernels.nvfp4_gemm_triton import default_strategy
 
-    if kind == "forward" and m <= CUDA_DECODE_MAX_M and cuda.preferred(m, n, k) and cuda.cuda_decode_status()[0]:
-        return "cuda"
-    if kind == "forward" and forward_kernel(m, n) == "decode":
-        return "decode"
+    if kind == "forward":  # the dispatcher's own rule, on operands of this shape
+        path = forward_path(torch.empty(m, k, device="cuda", dtype=torch.bfloat16),
+                            torch.empty(n, k // 2, device="cuda", dtype=torch.uint8),
+                            torch.empty(n, k // 16, device="cuda", dtype=torch.float8_e4m3fn))
+        if path != "gemm":
+            return path
     return default_strategy(torch.empty(0, device="cuda"), m)
 
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from qerl_kit import nvfp4
-from qerl_kit.kernels import nvfp4_linear, nvfp4_linear_ref, set_backend
+from qerl_kit.kernels import forward_kernel, forward_path, nvfp4_linear, nvfp4_linear_ref, set_backend
 from qerl_kit.kernels import nvfp4_decode_cuda as dec
 
 CUDA = torch.cuda.is_available()
@@ -149,6 +149,14 @@ def test_cpu_tensors_never_take_the_cuda_kernel():
     assert torch.equal(y, nvfp4_linear_ref(x, q.packed, q.scales, q.global_scale))
 
 
+def test_forward_path_on_cpu_is_the_triton_rule():
+    q = nvfp4.quantize(torch.randn(32, 128))
+    for m in (1, 8, 33, 64, 65):
+        x = torch.randn(m, 128, dtype=torch.bfloat16)
+        assert forward_path(x, q.packed, q.scales) == forward_kernel(m, 32)
+    assert forward_path(torch.randn(65, 128, dtype=torch.bfloat16), q.packed, q.scales) == "gemm"
+
+
 def test_preferred_routes_by_rows_and_layer_size():
     assert dec.preferred(1, 512, 3584) and not dec.preferred(1, 55296, 5120)
     assert dec.preferred(2, 512, 3584) and not dec.preferred(3, 512, 3584) and dec.preferred(4, 55296, 5120)
@@ -219,6 +227,8 @@ def test_gpu_strided_rows_determinism_and_dispatch():
     y = dec.nvfp4_decode_cuda(x, q.packed, q.scales, q.global_scale)
     assert _rel(y, _exact(x, q)) < 3e-3
     assert torch.equal(y, dec.nvfp4_decode_cuda(x.contiguous(), q.packed, q.scales, q.global_scale))
+    assert forward_path(x, q.packed, q.scales) == "cuda"
+    assert forward_path(x, q.packed, q.scales, backend="triton") == "decode"
     assert torch.equal(y, nvfp4_linear(x, q.packed, q.scales, q.global_scale))   # auto -> this kernel
     with set_backend("triton"):                          # forcing Triton keeps Triton
         assert _rel(nvfp4_linear(x, q.packed, q.scales, q.global_scale), _exact(x, q)) < 1e-2

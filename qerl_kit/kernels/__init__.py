@@ -41,7 +41,7 @@ WIDE_N = 32768
 CUDA_DECODE_MAX_M = 8  # rows sent to nvfp4_decode_cuda on the auto backend (where it wins: preferred())
 
 __all__ = [
-    "Backend", "ENV_VAR", "DECODE_MAX_M", "WIDE_N", "CUDA_DECODE_MAX_M", "forward_kernel",
+    "Backend", "ENV_VAR", "DECODE_MAX_M", "WIDE_N", "CUDA_DECODE_MAX_M", "forward_kernel", "forward_path",
     "cuda_decode_status", "get_backend", "set_backend", "resolve", "triton_status", "nvfp4_linear", "nvfp4_dgrad", "nvfp4_linear_ref", "nvfp4_dgrad_ref",
 ]
 
@@ -77,6 +77,15 @@ def forward_kernel(m: int, n: int) -> str:
     return "decode" if m <= 32 or (m <= DECODE_MAX_M and n < WIDE_N) else "gemm"
 
 
+def forward_path(x2: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor,
+                 backend: Backend | str | None = None) -> str:
+    """Which kernel ``nvfp4_linear`` runs for ``x2`` [M, K] off the reference backend: "cuda"
+    (``nvfp4_decode_cuda``), "decode" (``nvfp4_gemv_triton``) or "gemm" (``nvfp4_gemm_triton``)."""
+    if _use_cuda_decode(x2, packed, scales, backend):
+        return "cuda"
+    return forward_kernel(x2.shape[0], packed.shape[0])
+
+
 def nvfp4_linear(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor,
                  global_scale: torch.Tensor, bias: torch.Tensor | None = None,
                  backend: Backend | str | None = None) -> torch.Tensor:
@@ -88,12 +97,8 @@ def nvfp4_linear(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor,
     if bias is not None and bias.dtype != x.dtype:
         bias = bias.to(x.dtype)
     ops = _ops()
-    if _use_cuda_decode(x2, packed, scales, backend):
-        op = ops.nvfp4_decode_cuda
-    elif forward_kernel(x2.shape[0], packed.shape[0]) == "decode":
-        op = ops.nvfp4_gemv
-    else:
-        op = ops.nvfp4_gemm
+    op = {"cuda": ops.nvfp4_decode_cuda, "decode": ops.nvfp4_gemv,
+          "gemm": ops.nvfp4_gemm}[forward_path(x2, packed, scales, backend)]
     return op(x2, packed, scales, global_scale, bias).reshape(*x.shape[:-1], packed.shape[0])
 
 

@@ -351,6 +351,8 @@ def choose_config(m: int, n: int, k: int, sms: int | None = None) -> tuple[int, 
     """(16-row tiles per warp, K steps per slice) for an [n, k] weight and m rows. From the H200
     sweep (bench/results/cuda_decode_sweep_h200.md): one row wants two tiles per warp on layers of
     16M weights and more and about 8 blocks per SM; more rows one tile and about 4 blocks per SM."""
+    from qerl_kit.kernels.nvfp4_gemv_triton import _sm_count  # cached once per process
+
     sms = sms or _sm_count()
     nt = 2 if m == 1 and n * k >= (16 << 20) else 1
     blocks_n = -(-n // (64 * nt))
@@ -368,10 +370,6 @@ def preferred(m: int, n: int, k: int) -> bool:
     if m == 1:
         return w < (32 << 20)
     return m == 2 or (m <= 4 and w >= (4 << 20)) or (m <= 8 and w >= (24 << 20))
-
-
-def _sm_count() -> int:
-    return torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
 
 
 def nvfp4_decode_cuda(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor,
