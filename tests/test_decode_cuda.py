@@ -147,6 +147,8 @@ def test_cpu_tensors_never_take_the_cuda_kernel():
     assert not dec.supports(x, q.packed, q.scales)
     y = nvfp4_linear(x, q.packed, q.scales, q.global_scale)
     assert torch.equal(y, nvfp4_linear_ref(x, q.packed, q.scales, q.global_scale))
+    if not CUDA:
+        assert dec.cuda_decode_status() == (False, "no CUDA device")
 
 
 def test_forward_path_on_cpu_is_the_triton_rule():

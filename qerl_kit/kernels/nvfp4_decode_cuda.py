@@ -306,7 +306,7 @@ extern "C" __global__ void QK_BOUNDS nvfp4_decode_m16_n2(ARGS) { decode<2, 2>(CA
 """
 
 
-def kernel_name(m: int, nt: int) -> str:
+def _kernel_name(m: int, nt: int) -> str:
     return f"nvfp4_decode_m{8 if m <= 8 else 16}_n{nt}"
 
 
@@ -390,7 +390,7 @@ def nvfp4_decode_cuda(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tenso
     if bias is not None:
         bias = bias.to(torch.bfloat16).contiguous()
     device = x.device.index if x.device.index is not None else torch.cuda.current_device()
-    kernel = _compiled(kernel_name(m, nt), device, ablate)
+    kernel = _compiled(_kernel_name(m, nt), device, ablate)
     _launch(kernel, x, packed, scales, global_scale, bias, y, ws, nt, ips, slices)
     return y
 
