@@ -4,7 +4,9 @@ there are no hardware counters). Variants are the same source compiled with ``-D
 (an xor keeps the operands live), 4 no x loads, 8 no scale conversion, and their combinations;
 15 leaves only the weight loads and the loop. Not cuts but variants of the full kernel: 16 caps
 registers so that 8 blocks fit per SM, 32 keeps two accumulator sets per tile (shorter MMA chains),
-64 prefetches the next K step's x into L1, 96 is both. Same timing as bench_nvfp4_gemm.py (CUDA-graph
+64 prefetches the next K step's x into L1, 96 is both, 128 stages the x of the block's K slice in
+shared memory once, 256 loads the weights two K steps ahead; variants are checked against the full
+kernel before they are timed. Same timing as bench_nvfp4_gemm.py (CUDA-graph
 replays, > 200 MB of weight copies, cold L2), bf16 in the same run.
 
     PYTHONPATH=. python bench/ablate_cuda_decode.py --out bench/results
@@ -29,7 +31,10 @@ from qerl_kit.kernels.nvfp4_decode_cuda import nvfp4_decode_cuda  # noqa: E402
 
 VARIANTS = {0: "full kernel", 8: "no scale conversion", 4: "no x loads", 1: "no dequantization",
             2: "no MMA", 3: "no dequant, no MMA", 15: "weight loads only", 16: "full, 8 blocks/SM",
-            32: "full, 2 accumulator sets", 64: "full, next x prefetched to L1", 96: "full, both"}
+            32: "full, 2 accumulator sets", 64: "full, next x prefetched to L1", 96: "full, both",
+            128: "full, x in shared memory", 160: "x in shared, 2 acc. sets", 256: "full, weights 2 steps ahead",
+            384: "x in shared, weights 2 ahead", 416: "x in shared, 2 ahead, 2 acc. sets"}
+FULL_BITS = 16 | 32 | 64 | 128 | 256  # variants of the full kernel (the rest are cuts): checked against 0
 SHAPES = [("7B q/o", 3584, 3584), ("7B gate_up", 37888, 3584), ("32B down", 5120, 27648),
           ("72B gate_up", 59136, 8192)]
 
@@ -37,16 +42,19 @@ SHAPES = [("7B q/o", 3584, 3584), ("7B gate_up", 37888, 3584), ("32B down", 5120
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default="bench/results")
+    ap.add_argument("--name", default="cuda_decode_ablation_h200.md")
     ap.add_argument("--ms", nargs="+", type=int, default=[1, 8, 16])
+    ap.add_argument("--variants", nargs="+", type=int, default=list(VARIANTS))
     args = ap.parse_args()
+    variants = {v: VARIANTS[v] for v in args.variants}
     torch.manual_seed(0)
     copy_bw = copy_bandwidth()
     lines = [f"# CUDA decode kernel, stages left out ({torch.cuda.get_device_name()}, {datetime.date.today()}, "
              f"torch {torch.__version__})", "",
              f"Same-run copy bandwidth {copy_bw / 1e12:.2f} TB/s. Each cell: microseconds, and the weight stream "
              "(4.5 bits per weight) as a fraction of the copy bandwidth.", "",
-             "| layer | M | bf16 us | " + " | ".join(VARIANTS.values()) + " |",
-             "|---|---:|---:|" + "---:|" * len(VARIANTS)]
+             "| layer | M | bf16 us | " + " | ".join(variants.values()) + " |",
+             "|---|---:|---:|" + "---:|" * len(variants)]
     for label, n, k in SHAPES:
         q_bytes = n * k // 2 + n * k // 16
         weights = [random_nvfp4(n, k) for _ in range(copies_for(q_bytes))]
@@ -55,16 +63,21 @@ def main() -> None:
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             t_bf = time_graph([lambda d=d: F.linear(x, d) for d in dense])
             cells = []
-            for v in VARIANTS:
+            y0 = nvfp4_decode_cuda(x, *weights[0]).float()
+            for v in variants:
                 t = time_graph([lambda w=w: nvfp4_decode_cuda(x, *w, ablate=v) for w in weights])
                 cells.append(f"{t * 1e6:.1f} ({q_bytes / t / copy_bw:.0%})")
+                if v and not v & ~FULL_BITS:  # a variant, not a cut: must agree with the full kernel
+                    err = (nvfp4_decode_cuda(x, *weights[0], ablate=v).float() - y0).norm() / y0.norm()
+                    if err > 1e-2:
+                        cells[-1] += f" WRONG ({err:.1e})"
             lines.append(f"| {label} | {m} | {t_bf * 1e6:.1f} | " + " | ".join(cells) + " |")
             print(lines[-1], flush=True)
         del weights, dense
         torch.cuda.empty_cache()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "cuda_decode_ablation_h200.md").write_text("\n".join(lines) + "\n")
+    (out / args.name).write_text("\n".join(lines) + "\n")
 
 
 if __name__ == "__main__":

@@ -43,6 +43,8 @@ import math
 
 import torch
 
+from qerl_kit.kernels import nvrtc
+
 MAX_M = 16
 K_STEP = 256  # codes per row per loop iteration (4 lanes x 2 pieces x 32 codes)
 WARPS = 4
@@ -56,7 +58,10 @@ typedef unsigned short u16;
 #endif              // Not cuts, variants (prepared, not yet measured: docs/kernels.md): 16 registers
                     // capped for 8 blocks per SM; 32 two accumulator sets per tile (MMA steps A and
                     // B of a word in separate chains); 64 the next K step's x prefetched into L1.
+                    // 128: x of the block's whole K slice staged once in shared memory (swizzled, one
+                    // barrier); 256: the weights loaded two K steps ahead instead of one.
 #define QK_ACC ((QK_ABLATE & 32) ? 2 : 1)
+#define QK_XS ((QK_ABLATE & 128) != 0)
 #if QK_ABLATE & 16
 #define QK_BOUNDS __launch_bounds__(128, 8)
 #else
@@ -157,9 +162,12 @@ __device__ __forceinline__ void load_step(Step<NT>& st, const unsigned char* q, 
     }
 }
 
+// x staged in shared memory: 16-byte unit u of row m at m * U + swz(u, m), conflict-free for a quad's reads.
+__device__ __forceinline__ int swz(int u, int m) { return u ^ ((u >> 2) & 2) ^ (m & 1); }
+
 template <int MT, int NT>
 __device__ __forceinline__ void compute_step(const Step<NT>& st, float (&c)[NT][MT][QK_ACC][4], const u16* x, int M, int ldx,
-                                             int it, int K, int g, int t) {
+                                             int it, int K, int g, int t, const uint4* xs, int U, int it0) {
     const int pieces = (it * 256 + 128 >= K) ? 1 : 2;
     #pragma unroll
     for (int pc = 0; pc < 2; pc++) {
@@ -180,7 +188,11 @@ __device__ __forceinline__ void compute_step(const Step<NT>& st, float (&c)[NT][
 #if QK_ABLATE & 4
                 xv = make_uint4(m, it, i, t);
 #else
+#if QK_XS
+                if (m < M) xv = xs[m * U + swz((it - it0) * 32 + pc * 16 + 4 * t + i, m)];
+#else
                 if (m < M) xv = __ldg(reinterpret_cast<const uint4*>(x + (size_t)m * ldx + it * 256 + pc * 128 + 32 * t + 8 * i));
+#endif
 #endif
                 b[mt][0] = __byte_perm(xv.x, xv.z, 0x5410);   // x0, x4
                 b[mt][1] = __byte_perm(xv.x, xv.z, 0x7632);   // x1, x5
@@ -229,7 +241,34 @@ __device__ __forceinline__ void decode(const u16* __restrict__ x, int M, int ldx
             #pragma unroll
             for (int a = 0; a < QK_ACC; a++) c[nt][mt][a][0] = c[nt][mt][a][1] = c[nt][mt][a][2] = c[nt][mt][a][3] = 0.f;
 
+    const int U = (it1 - it0) * 32;                       // 16-byte units of x per row in this slice
+#if QK_XS
+    extern __shared__ uint4 xs[];                         // [min(M, 8 * MT)][U], swizzled
+    {
+        const int rows = min(M, 8 * MT);
+        for (int e = threadIdx.x; e < rows * U; e += blockDim.x) {
+            const int m = e / U, u = e - m * U, k = (it0 * 32 + u) * 8;
+            xs[m * U + swz(u, m)] = k < K ? __ldg(reinterpret_cast<const uint4*>(x + (size_t)m * ldx + k))
+                                          : make_uint4(0, 0, 0, 0);
+        }
+        __syncthreads();
+    }
+#else
+    const uint4* xs = nullptr;
+#endif
+
     if (row - g < N) {
+#if QK_ABLATE & 256
+        Step<NT> cur, nxt, nx2;                           // the next two K steps load during this one
+        load_step<NT>(cur, q, ldq, sc, lds, row, N, K, it0, t);
+        if (it0 + 1 < it1) load_step<NT>(nxt, q, ldq, sc, lds, row, N, K, it0 + 1, t);
+        for (int it = it0; it < it1; it++) {
+            if (it + 2 < it1) load_step<NT>(nx2, q, ldq, sc, lds, row, N, K, it + 2, t);
+            compute_step<MT, NT>(cur, c, x, M, ldx, it, K, g, t, xs, U, it0);
+            cur = nxt;
+            nxt = nx2;
+        }
+#else
         Step<NT> cur, nxt;                                // the next K step loads during this one
         load_step<NT>(cur, q, ldq, sc, lds, row, N, K, it0, t);
         for (int it = it0; it < it1; it++) {
@@ -245,9 +284,10 @@ __device__ __forceinline__ void decode(const u16* __restrict__ x, int M, int ldx
                                 asm volatile("prefetch.global.L1 [%0];" :: "l"(x + (size_t)(g + 8 * mt) * ldx + (it + 1) * 256 + pc * 128 + 32 * t));
 #endif
             }
-            compute_step<MT, NT>(cur, c, x, M, ldx, it, K, g, t);
+            compute_step<MT, NT>(cur, c, x, M, ldx, it, K, g, t, xs, U, it0);
             cur = nxt;
         }
+#endif
     }
 
     if (gridDim.y == 1) {
@@ -310,31 +350,14 @@ def _kernel_name(m: int, nt: int) -> str:
     return f"nvfp4_decode_m{8 if m <= 8 else 16}_n{nt}"
 
 
-@functools.lru_cache(maxsize=None)
 def _compiled(name: str, device_index: int, ablate: int = 0):
-    options = ["--std=c++17"] + ([f"-DQK_ABLATE={ablate}"] if ablate else [])
-    with torch.cuda.device(device_index):
-        return torch.cuda._compile_kernel(SOURCE, name, nvcc_options=options)
+    return nvrtc.compile_kernel(SOURCE, name, device_index, (f"-DQK_ABLATE={ablate}",) if ablate else ())
 
 
 @functools.lru_cache(maxsize=None)
 def cuda_decode_status() -> tuple[bool, str]:
     """(usable, reason): whether this kernel compiles and runs here, decided once per process."""
-    if not torch.cuda.is_available():
-        return False, "no CUDA device"
-    if torch.version.hip:
-        return False, "ROCm: the kernel uses NVIDIA PTX (mma.sync)"
-    major, minor = torch.cuda.get_device_capability()
-    if (major, minor) < (8, 0):
-        return False, f"compute capability {major}.{minor} < 8.0 (bf16 mma.sync)"
-    if not hasattr(torch.cuda, "_compile_kernel"):
-        return False, f"torch {torch.__version__} has no torch.cuda._compile_kernel (NVRTC)"
-    try:
-        for name in ("nvfp4_decode_m8_n1", "nvfp4_decode_m16_n1"):
-            _compiled(name, torch.cuda.current_device())
-    except Exception as exc:  # NVRTC missing or failing: keep the Triton kernels
-        return False, f"NVRTC compile failed: {type(exc).__name__}: {exc}"
-    return True, f"NVRTC, {torch.cuda.get_device_name()}"
+    return nvrtc.status(SOURCE, ("nvfp4_decode_m8_n1", "nvfp4_decode_m16_n1"), (8, 0), "bf16 mma.sync")
 
 
 def supports(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor) -> bool:
@@ -384,6 +407,10 @@ def nvfp4_decode_cuda(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tenso
     m, n, k = x.shape[0], packed.shape[0], packed.shape[1] * 2
     auto_nt, auto_ips = choose_config(m, n, k)
     nt, ips = nt or auto_nt, ips or auto_ips
+    rows = min(m, 8 if m <= 8 else 16)
+    if ablate & 128:  # x staged in shared memory: under 48 KB per block
+        ips = min(ips, max(1, 49151 // (rows * 32 * 16)))
+    smem = rows * ips * 32 * 16 if ablate & 128 else 0
     slices = math.ceil(-(-k // K_STEP) / ips)
     y = torch.empty((m, n), dtype=torch.bfloat16, device=x.device)
     ws = torch.empty(slices * m * n if slices > 1 else 1, dtype=torch.float32, device=x.device)
@@ -391,11 +418,11 @@ def nvfp4_decode_cuda(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tenso
         bias = bias.to(torch.bfloat16).contiguous()
     device = x.device.index if x.device.index is not None else torch.cuda.current_device()
     kernel = _compiled(_kernel_name(m, nt), device, ablate)
-    _launch(kernel, x, packed, scales, global_scale, bias, y, ws, nt, ips, slices)
+    _launch(kernel, x, packed, scales, global_scale, bias, y, ws, nt, ips, slices, smem)
     return y
 
 
-def _launch(kernel, x, packed, scales, global_scale, bias, y, ws, nt, ips, slices) -> None:
+def _launch(kernel, x, packed, scales, global_scale, bias, y, ws, nt, ips, slices, smem=0) -> None:
     from qerl_kit.kernels.nvfp4_gemv_triton import _counters
 
     m, n, k = x.shape[0], packed.shape[0], packed.shape[1] * 2
@@ -403,7 +430,7 @@ def _launch(kernel, x, packed, scales, global_scale, bias, y, ws, nt, ips, slice
            args=[x, m, x.stride(0), packed, packed.stride(0), scales.view(torch.uint8), scales.stride(0),
                  global_scale, bias if bias is not None else y, int(bias is not None), y, y.stride(0), ws,
                  _counters(x.device), n, k, ips],
-           stream=torch.cuda.current_stream(x.device))
+           shared_mem=smem, stream=torch.cuda.current_stream(x.device))
 
 
 @torch.library.custom_op("qerl_kit::nvfp4_decode_cuda", mutates_args=())

@@ -1,0 +1,39 @@
+"""CUDA C kernels compiled at first use with NVRTC, through ``torch.cuda._compile_kernel``.
+
+PyTorch's CUDA wheels ship NVRTC, so the kernels need no compiler and no extra package. The API is
+private: ``status`` reports why a kernel cannot be used (no GPU, ROCm, an old GPU, a torch without
+the API, a failed compile) and the callers then keep their Triton kernels.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+
+@functools.lru_cache(maxsize=None)
+def compile_kernel(source: str, name: str, device_index: int, options: tuple[str, ...] = ()):
+    """The kernel ``name`` (an ``extern "C"`` function of ``source``) built for one device, once."""
+    with torch.cuda.device(device_index):
+        return torch.cuda._compile_kernel(source, name, nvcc_options=["--std=c++17", *options])
+
+
+def status(source: str, names: tuple[str, ...], min_capability: tuple[int, int], why: str) -> tuple[bool, str]:
+    """(usable, reason) for the kernels ``names`` of ``source`` on the current CUDA device;
+    ``why`` says what needs ``min_capability``."""
+    if not torch.cuda.is_available():
+        return False, "no CUDA device"
+    if torch.version.hip:
+        return False, "ROCm: these kernels are CUDA C with NVIDIA PTX"
+    major, minor = torch.cuda.get_device_capability()
+    if (major, minor) < min_capability:
+        return False, f"compute capability {major}.{minor} < {min_capability[0]}.{min_capability[1]} ({why})"
+    if not hasattr(torch.cuda, "_compile_kernel"):
+        return False, f"torch {torch.__version__} has no torch.cuda._compile_kernel (NVRTC)"
+    try:
+        for name in names:
+            compile_kernel(source, name, torch.cuda.current_device())
+    except Exception as exc:  # NVRTC missing or failing: the caller keeps its Triton kernels
+        return False, f"NVRTC compile failed: {type(exc).__name__}: {exc}"
+    return True, f"NVRTC, {torch.cuda.get_device_name()}"
