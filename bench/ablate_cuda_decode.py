@@ -2,11 +2,10 @@
 there are no hardware counters). Variants are the same source compiled with ``-DQK_ABLATE=bits``
 (their results are wrong by design): 1 no dequantization (the raw codes feed the MMA), 2 no MMA
 (an xor keeps the operands live), 4 no x loads, 8 no scale conversion, and their combinations;
-15 leaves only the weight loads and the loop. Not cuts but variants of the full kernel: 16 caps
-registers so that 8 blocks fit per SM, 32 keeps two accumulator sets per tile (shorter MMA chains),
-64 prefetches the next K step's x into L1, 96 is both, 128 stages the x of the block's K slice in
-shared memory once, 256 loads the weights two K steps ahead; variants are checked against the full
-kernel before they are timed. Same timing as bench_nvfp4_gemm.py (CUDA-graph
+15 leaves only the weight loads and the loop; 16, not a cut but a
+variant, caps registers so that 8 blocks fit per SM, and is checked against the full kernel before
+it is timed. (Variants measured slower and removed from the source are in
+bench/results/cuda_decode_variants_h200.md.) Same timing as bench_nvfp4_gemm.py (CUDA-graph
 replays, > 200 MB of weight copies, cold L2), bf16 in the same run.
 
     PYTHONPATH=. python bench/ablate_cuda_decode.py --out bench/results
@@ -30,11 +29,8 @@ from bench_nvfp4_gemm import copies_for, copy_bandwidth, random_nvfp4, time_grap
 from qerl_kit.kernels.nvfp4_decode_cuda import nvfp4_decode_cuda  # noqa: E402
 
 VARIANTS = {0: "full kernel", 8: "no scale conversion", 4: "no x loads", 1: "no dequantization",
-            2: "no MMA", 3: "no dequant, no MMA", 15: "weight loads only", 16: "full, 8 blocks/SM",
-            32: "full, 2 accumulator sets", 64: "full, next x prefetched to L1", 96: "full, both",
-            128: "full, x in shared memory", 160: "x in shared, 2 acc. sets", 256: "full, weights 2 steps ahead",
-            384: "x in shared, weights 2 ahead", 416: "x in shared, 2 ahead, 2 acc. sets"}
-FULL_BITS = 16 | 32 | 64 | 128 | 256  # variants of the full kernel (the rest are cuts): checked against 0
+            2: "no MMA", 3: "no dequant, no MMA", 15: "weight loads only", 16: "full, 8 blocks/SM"}
+FULL_BITS = 16  # variants of the full kernel (the rest are cuts): checked against it before timing
 SHAPES = [("7B q/o", 3584, 3584), ("7B gate_up", 37888, 3584), ("32B down", 5120, 27648),
           ("72B gate_up", 59136, 8192)]
 

@@ -54,14 +54,8 @@ typedef unsigned int u32;
 typedef unsigned short u16;
 
 #ifndef QK_ABLATE  // benchmarks only (bench/ablate_cuda_decode.py): leave a stage out to time it
-#define QK_ABLATE 0  // 1: no dequantization, 2: no MMA, 4: no x loads, 8: no scale conversion
-#endif              // Not cuts, variants (prepared, not yet measured: docs/kernels.md): 16 registers
-                    // capped for 8 blocks per SM; 32 two accumulator sets per tile (MMA steps A and
-                    // B of a word in separate chains); 64 the next K step's x prefetched into L1.
-                    // 128: x of the block's whole K slice staged once in shared memory (swizzled, one
-                    // barrier); 256: the weights loaded two K steps ahead instead of one.
-#define QK_ACC ((QK_ABLATE & 32) ? 2 : 1)
-#define QK_XS ((QK_ABLATE & 128) != 0)
+#define QK_ABLATE 0  // 1: no dequantization, 2: no MMA, 4: no x loads, 8: no scale conversion,
+#endif              // 16: registers capped so that 8 blocks fit per SM (a variant, not a cut)
 #if QK_ABLATE & 16
 #define QK_BOUNDS __launch_bounds__(128, 8)
 #else
@@ -132,10 +126,6 @@ __device__ __forceinline__ u16 to_bf16(float f) {
     return d;
 }
 
-__device__ __forceinline__ float acc(const float (&c)[QK_ACC][4], int e) {
-    return QK_ACC == 2 ? c[0][e] + c[QK_ACC - 1][e] : c[0][e];
-}
-
 // One K step's weights for one lane: rows g and g+8 of NT tiles, two 16-byte pieces each.
 template <int NT> struct Step { uint4 q[NT][2][2]; u32 s[NT][2][2]; };
 
@@ -162,12 +152,9 @@ __device__ __forceinline__ void load_step(Step<NT>& st, const unsigned char* q, 
     }
 }
 
-// x staged in shared memory: 16-byte unit u of row m at m * U + swz(u, m), conflict-free for a quad's reads.
-__device__ __forceinline__ int swz(int u, int m) { return u ^ ((u >> 2) & 2) ^ (m & 1); }
-
 template <int MT, int NT>
-__device__ __forceinline__ void compute_step(const Step<NT>& st, float (&c)[NT][MT][QK_ACC][4], const u16* x, int M, int ldx,
-                                             int it, int K, int g, int t, const uint4* xs, int U, int it0) {
+__device__ __forceinline__ void compute_step(const Step<NT>& st, float (&c)[NT][MT][4], const u16* x, int M, int ldx,
+                                             int it, int K, int g, int t) {
     const int pieces = (it * 256 + 128 >= K) ? 1 : 2;
     #pragma unroll
     for (int pc = 0; pc < 2; pc++) {
@@ -188,11 +175,7 @@ __device__ __forceinline__ void compute_step(const Step<NT>& st, float (&c)[NT][
 #if QK_ABLATE & 4
                 xv = make_uint4(m, it, i, t);
 #else
-#if QK_XS
-                if (m < M) xv = xs[m * U + swz((it - it0) * 32 + pc * 16 + 4 * t + i, m)];
-#else
                 if (m < M) xv = __ldg(reinterpret_cast<const uint4*>(x + (size_t)m * ldx + it * 256 + pc * 128 + 32 * t + 8 * i));
-#endif
 #endif
                 b[mt][0] = __byte_perm(xv.x, xv.z, 0x5410);   // x0, x4
                 b[mt][1] = __byte_perm(xv.x, xv.z, 0x7632);   // x1, x5
@@ -207,10 +190,10 @@ __device__ __forceinline__ void compute_step(const Step<NT>& st, float (&c)[NT][
                 const u32 s0 = sg[nt][i >> 1], s1 = sh[nt][i >> 1];
                 u32 a0 = dq(wg, 0, s0), a1 = dq(wh, 0, s1), a2 = dq(wg, 1, s0), a3 = dq(wh, 1, s1);
                 #pragma unroll
-                for (int mt = 0; mt < MT; mt++) mma(c[nt][mt][0], a0, a1, a2, a3, b[mt][0], b[mt][1]);
+                for (int mt = 0; mt < MT; mt++) mma(c[nt][mt], a0, a1, a2, a3, b[mt][0], b[mt][1]);
                 a0 = dq(wg, 2, s0); a1 = dq(wh, 2, s1); a2 = dq(wg, 3, s0); a3 = dq(wh, 3, s1);
                 #pragma unroll
-                for (int mt = 0; mt < MT; mt++) mma(c[nt][mt][QK_ACC - 1], a0, a1, a2, a3, b[mt][2], b[mt][3]);
+                for (int mt = 0; mt < MT; mt++) mma(c[nt][mt], a0, a1, a2, a3, b[mt][2], b[mt][3]);
             }
         }
     }
@@ -233,61 +216,22 @@ __device__ __forceinline__ void decode(const u16* __restrict__ x, int M, int ldx
     const int tile0 = blockIdx.x * 64 * NT;
     const int row = tile0 + warp * 16 * NT + g;
 
-    float c[NT][MT][QK_ACC][4];
+    float c[NT][MT][4];
     #pragma unroll
     for (int nt = 0; nt < NT; nt++)
         #pragma unroll
-        for (int mt = 0; mt < MT; mt++)
-            #pragma unroll
-            for (int a = 0; a < QK_ACC; a++) c[nt][mt][a][0] = c[nt][mt][a][1] = c[nt][mt][a][2] = c[nt][mt][a][3] = 0.f;
-
-    const int U = (it1 - it0) * 32;                       // 16-byte units of x per row in this slice
-#if QK_XS
-    extern __shared__ uint4 xs[];                         // [min(M, 8 * MT)][U], swizzled
-    {
-        const int rows = min(M, 8 * MT);
-        for (int e = threadIdx.x; e < rows * U; e += blockDim.x) {
-            const int m = e / U, u = e - m * U, k = (it0 * 32 + u) * 8;
-            xs[m * U + swz(u, m)] = k < K ? __ldg(reinterpret_cast<const uint4*>(x + (size_t)m * ldx + k))
-                                          : make_uint4(0, 0, 0, 0);
-        }
-        __syncthreads();
-    }
-#else
-    const uint4* xs = nullptr;
-#endif
+        for (int mt = 0; mt < MT; mt++) c[nt][mt][0] = c[nt][mt][1] = c[nt][mt][2] = c[nt][mt][3] = 0.f;
 
     if (row - g < N) {
-#if QK_ABLATE & 256
-        Step<NT> cur, nxt, nx2;                           // the next two K steps load during this one
-        load_step<NT>(cur, q, ldq, sc, lds, row, N, K, it0, t);
-        if (it0 + 1 < it1) load_step<NT>(nxt, q, ldq, sc, lds, row, N, K, it0 + 1, t);
-        for (int it = it0; it < it1; it++) {
-            if (it + 2 < it1) load_step<NT>(nx2, q, ldq, sc, lds, row, N, K, it + 2, t);
-            compute_step<MT, NT>(cur, c, x, M, ldx, it, K, g, t, xs, U, it0);
-            cur = nxt;
-            nxt = nx2;
-        }
-#else
         Step<NT> cur, nxt;                                // the next K step loads during this one
         load_step<NT>(cur, q, ldq, sc, lds, row, N, K, it0, t);
         for (int it = it0; it < it1; it++) {
             if (it + 1 < it1) {
                 load_step<NT>(nxt, q, ldq, sc, lds, row, N, K, it + 1, t);
-#if QK_ABLATE & 64
-                #pragma unroll
-                for (int mt = 0; mt < MT; mt++)
-                    if (g + 8 * mt < M)
-                        #pragma unroll
-                        for (int pc = 0; pc < 2; pc++)
-                            if ((it + 1) * 256 + pc * 128 < K)
-                                asm volatile("prefetch.global.L1 [%0];" :: "l"(x + (size_t)(g + 8 * mt) * ldx + (it + 1) * 256 + pc * 128 + 32 * t));
-#endif
             }
-            compute_step<MT, NT>(cur, c, x, M, ldx, it, K, g, t, xs, U, it0);
+            compute_step<MT, NT>(cur, c, x, M, ldx, it, K, g, t);
             cur = nxt;
         }
-#endif
     }
 
     if (gridDim.y == 1) {
@@ -299,7 +243,7 @@ __device__ __forceinline__ void decode(const u16* __restrict__ x, int M, int ldx
                 for (int e = 0; e < 4; e++) {
                     const int n = row + 16 * nt + 8 * (e >> 1), m = 8 * mt + 2 * t + (e & 1);
                     if (n < N && m < M) {
-                        float v = acc(c[nt][mt], e) * 1073741824.0f / gsp[0];
+                        float v = c[nt][mt][e] * 1073741824.0f / gsp[0];
                         if (has_bias) v += __uint_as_float((u32)bias[n] << 16);
                         y[(size_t)m * ldy + n] = to_bf16(v);
                     }
@@ -314,7 +258,7 @@ __device__ __forceinline__ void decode(const u16* __restrict__ x, int M, int ldx
             #pragma unroll
             for (int e = 0; e < 4; e++) {
                 const int n = row + 16 * nt + 8 * (e >> 1), m = 8 * mt + 2 * t + (e & 1);
-                if (n < N && m < M) part[(size_t)m * N + n] = acc(c[nt][mt], e);
+                if (n < N && m < M) part[(size_t)m * N + n] = c[nt][mt][e];
             }
     __threadfence();
     __syncthreads();
@@ -407,10 +351,6 @@ def nvfp4_decode_cuda(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tenso
     m, n, k = x.shape[0], packed.shape[0], packed.shape[1] * 2
     auto_nt, auto_ips = choose_config(m, n, k)
     nt, ips = nt or auto_nt, ips or auto_ips
-    rows = min(m, 8 if m <= 8 else 16)
-    if ablate & 128:  # x staged in shared memory: under 48 KB per block
-        ips = min(ips, max(1, 49151 // (rows * 32 * 16)))
-    smem = rows * ips * 32 * 16 if ablate & 128 else 0
     slices = math.ceil(-(-k // K_STEP) / ips)
     y = torch.empty((m, n), dtype=torch.bfloat16, device=x.device)
     ws = torch.empty(slices * m * n if slices > 1 else 1, dtype=torch.float32, device=x.device)
@@ -418,11 +358,11 @@ def nvfp4_decode_cuda(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tenso
         bias = bias.to(torch.bfloat16).contiguous()
     device = x.device.index if x.device.index is not None else torch.cuda.current_device()
     kernel = _compiled(_kernel_name(m, nt), device, ablate)
-    _launch(kernel, x, packed, scales, global_scale, bias, y, ws, nt, ips, slices, smem)
+    _launch(kernel, x, packed, scales, global_scale, bias, y, ws, nt, ips, slices)
     return y
 
 
-def _launch(kernel, x, packed, scales, global_scale, bias, y, ws, nt, ips, slices, smem=0) -> None:
+def _launch(kernel, x, packed, scales, global_scale, bias, y, ws, nt, ips, slices) -> None:
     from qerl_kit.kernels.nvfp4_gemv_triton import _counters
 
     m, n, k = x.shape[0], packed.shape[0], packed.shape[1] * 2
@@ -430,7 +370,7 @@ def _launch(kernel, x, packed, scales, global_scale, bias, y, ws, nt, ips, slice
            args=[x, m, x.stride(0), packed, packed.stride(0), scales.view(torch.uint8), scales.stride(0),
                  global_scale, bias if bias is not None else y, int(bias is not None), y, y.stride(0), ws,
                  _counters(x.device), n, k, ips],
-           shared_mem=smem, stream=torch.cuda.current_stream(x.device))
+           stream=torch.cuda.current_stream(x.device))
 
 
 @torch.library.custom_op("qerl_kit::nvfp4_decode_cuda", mutates_args=())
