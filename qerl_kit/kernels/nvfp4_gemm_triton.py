@@ -50,8 +50,6 @@ import importlib.util
 
 import torch
 
-from qerl_kit.kernels.backend import Backend, get_backend
-
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 
 if HAS_TRITON:
@@ -361,14 +359,7 @@ def launch_options(device: torch.device) -> dict:
 
 def nvfp4_dequantize(packed: torch.Tensor, scales: torch.Tensor, global_scale: torch.Tensor,
                      dtype: torch.dtype = torch.bfloat16, **options) -> torch.Tensor:
-    """Dense W [N, K] in ``dtype`` (bf16/fp16) from the packed weight, one fused pass: the CUDA C
-    kernel (``nvfp4_dequant_cuda``, bit-identical to the reference) on the ``auto`` backend when it
-    compiles, else this module's Triton kernel (``options`` pin the Triton kernel's flags)."""
-    if not options and packed.is_cuda and get_backend() is Backend.AUTO:
-        from qerl_kit.kernels import nvfp4_dequant_cuda as cuda
-
-        if cuda.supports(packed, scales, dtype) and cuda.dequant_cuda_status()[0]:
-            return cuda.nvfp4_dequantize_cuda(packed, scales, global_scale, dtype)
+    """Dense W [N, K] in ``dtype`` (bf16/fp16) from the packed weight, one fused pass."""
     if not HAS_TRITON:
         raise ImportError("the NVFP4 Triton kernels need triton (pip install triton)")
     if dtype not in (torch.bfloat16, torch.float16):
