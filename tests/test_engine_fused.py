@@ -17,6 +17,7 @@ triton = pytest.importorskip("triton", reason="the fused kernels need triton")
 from qerl_kit.engine import StaticEngine  # noqa: E402
 from qerl_kit.engine.fused import (add_rmsnorm, add_rmsnorm_ref, rope_to_cache, rope_to_cache_ref,  # noqa: E402
                                    silu_mul, silu_mul_ref)
+from qerl_kit.engine.lora_kernels import kernels_take, lora_apply_, lora_apply_ref_  # noqa: E402
 from qerl_kit.lora import attach_lora  # noqa: E402
 from qerl_kit.models import build_model  # noqa: E402
 from qerl_kit.quantize import quantize_model  # noqa: E402
@@ -184,3 +185,39 @@ def test_gpu_graphs_survive_batch_shape_changes_in_every_format(fmt):
         a = graphs.generate_ids(prompts, n, sp, ignore_eos=True)
         b = eager.generate_ids(prompts, n, sp, ignore_eos=True)
         assert torch.equal(a["completion_ids"], b["completion_ids"]), (fmt, len(prompts), n)
+
+
+# -- grouped LoRA (two launches per projection group) -----------------------------------------------
+
+def _lora_case(ranks, outs, m, k, dtype, seed):
+    g = torch.Generator().manual_seed(seed)
+    mk = lambda *shape: torch.randn(*shape, generator=g).to(DEVICE, dtype)  # noqa: E731
+    As = [mk(r, k) for r in ranks]
+    Bs = [mk(n, r) for n, r in zip(outs, ranks)]
+    offsets = [sum(outs[:i]) + 2 for i in range(len(outs))]  # columns 0-1 and the last 3 have no adapter
+    return mk(m, k), As, Bs, offsets, mk(m, sum(outs) + 5)
+
+
+@pytest.mark.parametrize("ranks,outs", [([4, 4, 4], [48, 16, 16]), ([8, 16], [40, 72]), ([32], [64]),
+                                        ([1], [17]), ([3, 5], [7, 33])], ids=str)
+@pytest.mark.parametrize("m,k", [(1, 96), (5, 600), (19, 96), (2, 8448)])  # 600: 3 chunks; 8448: 17 of 512
+def test_grouped_lora_matches_torch_path(ranks, outs, m, k):
+    dtype = torch.bfloat16 if CUDA else torch.float32
+    x, As, Bs, offsets, y = _lora_case(ranks, outs, m, k, dtype, seed=m + len(ranks))
+    scales = [0.5, 2.0, 1.5][:len(ranks)]
+    assert kernels_take(y, x, As, Bs)
+    want = lora_apply_ref_(y.clone(), x, As, Bs, offsets, scales)
+    got = lora_apply_(y.clone(), x, As, Bs, offsets, scales)
+    assert torch.equal(got[:, :2], y[:, :2]) and torch.equal(got[:, -3:], y[:, -3:])  # untouched columns
+    assert not torch.equal(got, y)
+    tol = 1e-4 if dtype == torch.float32 else 2e-2  # bf16: t rounded once either way, sums may differ in order
+    torch.testing.assert_close(got, want, atol=tol * want.abs().max().item(), rtol=0)
+
+
+def test_grouped_lora_falls_back_beyond_its_limits():
+    x, As, Bs, offsets, y = _lora_case([4] * 4, [8] * 4, 3, 32, torch.float32, seed=1)
+    assert not kernels_take(y, x, As, Bs)                                  # four adapters
+    x, As, Bs, offsets, y = _lora_case([129], [8], 3, 32, torch.float32, seed=2)
+    assert not kernels_take(y, x, As, Bs)                                  # rank over 128
+    want = lora_apply_ref_(y.clone(), x, As, Bs, offsets, [1.0])
+    assert torch.equal(lora_apply_(y.clone(), x, As, Bs, offsets, [1.0]), want)  # the torch path itself

@@ -1,7 +1,7 @@
 """The fused decode step: fewer, larger kernels per layer, on the model's own weights.
 
-For each layer, q/k/v and gate/up become one matmul each, and LoRA runs as one shared
-down-projection per group plus one ``addmm`` per projection:
+For each layer, q/k/v and gate/up become one matmul each, and each group's LoRA runs in two
+launches whatever the number of adapters in it:
 
 * **Fused base weights, no extra memory.** The q, k, v (and gate, up) projections read the same
   input, so their weights are concatenated once into one buffer and each layer's own tensors are
@@ -10,10 +10,11 @@ down-projection per group plus one ``addmm`` per projection:
   it), or ``nn.Linear`` weights for a bf16 model. The model computes exactly what it computed
   before (training, export and state dicts see the same values), and the engine runs one NVFP4
   kernel / cuBLAS call over the concatenated weight.
-* **LoRA unmerged, read live.** peft's matrices are used in place: ``t = x @ cat(A_q, A_k, A_v)^T``
-  (the concatenation is a small copy made inside the step, so optimizer updates are seen), then
-  ``y[:, q] += s * t[:, :r] @ B_q^T`` per projection as an in-place ``addmm`` into the fused
-  output. Captured CUDA graphs therefore never go stale when the adapter trains.
+* **LoRA unmerged, read live.** peft's matrices are used in place: ``t = x @ [A_q; A_k; A_v]^T``,
+  then ``y[:, q] += s * t[:, :r] @ B_q^T`` for every projection into the fused output, as two
+  Triton launches per group (``qerl_kit.engine.lora_kernels``; the torch version was a
+  concatenation, a matmul and one ``addmm`` per projection: five kernels for q/k/v). Captured
+  CUDA graphs therefore never go stale when the adapter trains.
 * Elementwise chains are ``qerl_kit.engine.fused`` kernels (residual add + RMSNorm, RoPE +
   cache write, SiLU x up); attention is ``scaled_dot_product_attention`` with the grouped query
   heads laid out as [rows, kv_heads, group, head_dim], so K/V are never expanded.
@@ -32,6 +33,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from qerl_kit.engine.fused import add_rmsnorm, rope_to_cache, silu_mul
+from qerl_kit.engine.lora_kernels import lora_apply_
 
 
 @dataclass
@@ -93,12 +95,7 @@ class _Group:
             self.bias = self._fuse(owner, tag, "bias") if self.bases[0].bias is not None else None
         else:
             raise ValueError(f"{tag}: projections of type {sorted({type(b).__name__ for b in self.bases})}")
-        if any(lo is not None for lo in self.loras):
-            present = [(i, lo) for i, lo in enumerate(self.loras) if lo is not None]
-            self.lora_idx = [i for i, _ in present]
-            self.ranks = [lo.A.shape[0] for _, lo in present]
-        else:
-            self.lora_idx = []
+        self.lora_idx = [i for i, lo in enumerate(self.loras) if lo is not None]
 
     def _fuse(self, owner: nn.Module, tag: str, attr: str) -> Tensor:
         """One buffer holding every base's ``attr``, the bases re-pointed to row slices of it
@@ -130,15 +127,8 @@ class _Group:
             y = F.linear(x, self.weight, self.bias)
         if self.lora_idx:
             loras = [self.loras[i] for i in self.lora_idx]
-            A = loras[0].A if len(loras) == 1 else torch.cat([lo.A for lo in loras], dim=0)
-            t = x.to(A.dtype) @ A.t()
-            r0 = 0
-            if t.dtype != y.dtype:  # e.g. float32 adapters on a bf16 base (peft casts the same way)
-                t = t.to(y.dtype)
-            for i, lo, r in zip(self.lora_idx, loras, self.ranks):
-                B = lo.B if lo.B.dtype == y.dtype else lo.B.to(y.dtype)
-                y[:, self.offsets[i]:self.offsets[i + 1]].addmm_(t[:, r0:r0 + r], B.t(), alpha=lo.scale)
-                r0 += r
+            lora_apply_(y, x, [lo.A for lo in loras], [lo.B for lo in loras],
+                        [self.offsets[i] for i in self.lora_idx], [lo.scale for lo in loras])
         return y
 
 

@@ -1,0 +1,169 @@
+"""Grouped LoRA for the fused decode step: every adapter of a projection group in two launches.
+
+A fused group (q/k/v, or gate/up) computes ``y = x @ W_cat^T`` in one matmul; its LoRA then adds,
+for each projection i that has an adapter, ``s_i * (x @ A_i^T) @ B_i^T`` to that projection's
+columns of y. With torch ops that is a concatenation of the A's, one matmul, and one ``addmm_``
+per B: five kernels for q/k/v at every layer of every decode step, each a few microseconds of
+mostly launch latency. Here it is two:
+
+* shrink: ``t = x @ [A_1; ...; A_n]^T`` as float32 partial sums over chunks of K (one program per
+  16 adapter rows of one adapter and one chunk: a long K is spread over the GPU, no atomics);
+* expand: sums the partials in chunk order, rounds them to ``t``, and adds
+  ``y[:, off_i : off_i + n_i] += s_i * t_i @ B_i^T`` (one program per output block).
+
+Both read the adapters where peft keeps them, so an optimizer's in-place update is seen by CUDA
+graphs captured earlier, and both round as the torch path does: ``t`` to the adapters' dtype and
+then to y's, ``y`` once after the add (float32 accumulation throughout). ``lora_apply_ref_`` is
+that torch path; ``lora_apply_`` falls back to it for what the kernels do not take (more than
+three adapters in a group, a rank over 128, mixed adapter dtypes, or no Triton).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+import torch
+from torch import Tensor
+
+HAS_TRITON = importlib.util.find_spec("triton") is not None
+MAX_ADAPTERS = 3  # q/k/v
+MAX_RANK = 128
+MAX_SPLITS = 32  # K chunks of the shrink, summed (unrolled) by every expand program
+
+if HAS_TRITON:
+    import triton
+    import triton.language as tl
+
+    from qerl_kit.kernels.backend import interpreting, patch_interpreter_for_numpy24
+
+    if interpreting():
+        patch_interpreter_for_numpy24()
+
+    @triton.jit
+    def _pick(i, v0, v1, v2):
+        """Pointer v_i for i in 0..2 (pointers of one element type)."""
+        if i == 0:
+            v = v0
+        elif i == 1:
+            v = v1
+        else:
+            v = v2
+        return v
+
+    @triton.jit
+    def _sel(i, v0, v1, v2):
+        """Scalar v_i for i in 0..2 (a select, so that Triton's specialisation of 1s cannot clash)."""
+        return tl.where(i == 0, v0, tl.where(i == 1, v1, v2))
+
+    @triton.jit
+    def _shrink_kernel(x_ptr, p_ptr, a0, a1, a2, M, K, stride_xm, RT, sa0, sa1, sa2, r0, r1, r2, c1, c2,
+                       CHUNK, M_BLOCKS, IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr,
+                       BLOCK_K: tl.constexpr):
+        """Partial products over one K chunk: p[split, m, c_i + j] = x[m, chunk] . A_i[j, chunk]."""
+        pid_r, i, pid2 = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+        split, pid_m = pid2 // M_BLOCKS, pid2 % M_BLOCKS
+        a_ptr, sa = _pick(i, a0, a1, a2), _sel(i, sa0, sa1, sa2)
+        r, c = _sel(i, r0, r1, r2), _sel(i, 0, c1, c2)
+        if pid_r * BLOCK_R < r:
+            offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+            offs_r = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
+            acc = tl.zeros((BLOCK_M, BLOCK_R), tl.float32)
+            for k0 in range(split * CHUNK, split * CHUNK + CHUNK, BLOCK_K):
+                offs_k = k0 + tl.arange(0, BLOCK_K)
+                xk = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :],
+                             mask=(offs_m[:, None] < M) & (offs_k[None, :] < K), other=0.0)
+                ak = tl.load(a_ptr + offs_r[:, None] * sa + offs_k[None, :],
+                             mask=(offs_r[:, None] < r) & (offs_k[None, :] < K), other=0.0)
+                if IEEE:  # float32 adapters: a true float32 product, as torch's matmul without TF32
+                    acc += tl.dot(xk.to(ak.dtype), tl.trans(ak), input_precision="ieee")
+                else:
+                    acc += tl.dot(xk.to(ak.dtype), tl.trans(ak))
+            tl.store(p_ptr + (split * M + offs_m[:, None]) * RT + (c + offs_r)[None, :], acc,
+                     mask=(offs_m[:, None] < M) & (offs_r[None, :] < r))
+
+    @triton.jit
+    def _expand_kernel(y_ptr, p_ptr, a0, b0, b1, b2, M, RT, stride_ym, sb0, sb1, sb2, n0, n1, n2,
+                       o0, o1, o2, r0, r1, r2, c1, c2, s0, s1, s2, SPLITS: tl.constexpr,
+                       IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr):
+        """y[m, o_i + n] += s_i * t_i[m, :] . B_i[n, :], t_i the summed partials rounded as torch does."""
+        pid_n, i, pid_m = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+        b_ptr, sb = _pick(i, b0, b1, b2), _sel(i, sb0, sb1, sb2)
+        n, o, r = _sel(i, n0, n1, n2), _sel(i, o0, o1, o2), _sel(i, r0, r1, r2)
+        c, s = _sel(i, 0, c1, c2), _sel(i, s0, s1, s2)
+        if pid_n * BLOCK_N < n:
+            offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+            offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+            offs_r = tl.arange(0, BLOCK_R)
+            t_mask = (offs_m[:, None] < M) & (offs_r[None, :] < r)
+            t = tl.zeros((BLOCK_M, BLOCK_R), tl.float32)
+            for split in tl.static_range(SPLITS):  # unrolled, loads in flight together; in order
+                t += tl.load(p_ptr + (split * M + offs_m[:, None]) * RT + (c + offs_r)[None, :], mask=t_mask,
+                             other=0.0)
+            tt = t.to(a0.dtype.element_ty).to(y_ptr.dtype.element_ty)  # x @ A^T in A's dtype, then y's
+            bb = tl.load(b_ptr + offs_n[:, None] * sb + offs_r[None, :],
+                         mask=(offs_n[:, None] < n) & (offs_r[None, :] < r), other=0.0).to(tt.dtype)
+            if IEEE:
+                acc = tl.dot(tt, tl.trans(bb), input_precision="ieee")
+            else:
+                acc = tl.dot(tt, tl.trans(bb))
+            mask = (offs_m[:, None] < M) & (offs_n[None, :] < n)
+            y_ptrs = y_ptr + offs_m[:, None] * stride_ym + (o + offs_n)[None, :]
+            y = tl.load(y_ptrs, mask=mask, other=0.0).to(tl.float32)
+            tl.store(y_ptrs, (y + s * acc).to(y_ptr.dtype.element_ty), mask=mask)
+
+
+def lora_apply_ref_(y: Tensor, x: Tensor, As: list[Tensor], Bs: list[Tensor], offsets: list[int],
+                    scales: list[float]) -> Tensor:
+    """y[:, offsets[i]:offsets[i] + B_i.shape[0]] += scales[i] * (x @ A_i^T) @ B_i^T, in torch ops
+    (peft's order of casts: x to the adapters' dtype, t to y's dtype, B to y's dtype)."""
+    A = As[0] if len(As) == 1 else torch.cat(As, dim=0)
+    t = x.to(A.dtype) @ A.t()
+    if t.dtype != y.dtype:
+        t = t.to(y.dtype)
+    r0 = 0
+    for A_i, B, off, s in zip(As, Bs, offsets, scales):
+        r = A_i.shape[0]
+        B = B if B.dtype == y.dtype else B.to(y.dtype)
+        y[:, off:off + B.shape[0]].addmm_(t[:, r0:r0 + r], B.t(), alpha=s)
+        r0 += r
+    return y
+
+
+def kernels_take(y: Tensor, x: Tensor, As: list[Tensor], Bs: list[Tensor]) -> bool:
+    """Whether the two Triton launches take this call (the rest runs ``lora_apply_ref_``)."""
+    if not HAS_TRITON or not (y.is_cuda or (interpreting() and y.device.type == "cpu")):
+        return False
+    floats = (torch.bfloat16, torch.float16, torch.float32)
+    return (1 <= len(As) <= MAX_ADAPTERS and len({a.dtype for a in As}) == 1 and len({b.dtype for b in Bs}) == 1
+            and As[0].dtype in floats and Bs[0].dtype in floats and x.dtype in floats and y.dtype in floats
+            and all(a.shape[0] <= MAX_RANK and a.stride(1) == 1 for a in As) and all(b.stride(1) == 1 for b in Bs)
+            and x.dim() == 2 and x.stride(1) == 1 and y.stride(1) == 1)
+
+
+def lora_apply_(y: Tensor, x: Tensor, As: list[Tensor], Bs: list[Tensor], offsets: list[int],
+                scales: list[float]) -> Tensor:
+    """``lora_apply_ref_`` in two launches where ``kernels_take`` says so; y is updated in place."""
+    if not kernels_take(y, x, As, Bs):
+        return lora_apply_ref_(y, x, As, Bs, offsets, scales)
+    m, k, n_ad = x.shape[0], x.shape[1], len(As)
+    ranks = [a.shape[0] for a in As]
+    cols = [sum(ranks[:i]) for i in range(n_ad)] + [0] * (MAX_ADAPTERS - n_ad)
+    pad = lambda v, fill: list(v) + [fill] * (MAX_ADAPTERS - len(v))  # noqa: E731
+    As3, Bs3 = pad(As, As[0]), pad(Bs, Bs[0])
+    r3, n3 = pad(ranks, 0), pad([b.shape[0] for b in Bs], 0)
+    block_m, block_k = 16, 256
+    m_blocks = triton.cdiv(m, block_m)
+    steps = triton.cdiv(k, block_k)
+    chunk = block_k * triton.cdiv(steps, MAX_SPLITS)  # K in at most MAX_SPLITS chunks of 256 * j
+    splits = triton.cdiv(k, chunk)
+    rt = sum(ranks)
+    partials = torch.empty((splits, m, rt), dtype=torch.float32, device=y.device)
+    _shrink_kernel[(triton.cdiv(max(ranks), 16), n_ad, splits * m_blocks)](
+        x, partials, *As3, m, k, x.stride(0), rt, *[a.stride(0) for a in As3], *r3, cols[1], cols[2],
+        chunk, m_blocks, IEEE=As[0].dtype == torch.float32, BLOCK_M=block_m, BLOCK_R=16, BLOCK_K=block_k)
+    _expand_kernel[(triton.cdiv(max(n3), 64), n_ad, m_blocks)](
+        y, partials, As[0], *Bs3, m, rt, y.stride(0), *[b.stride(0) for b in Bs3], *n3,
+        *pad(offsets, 0), *r3, cols[1], cols[2], *[float(s) for s in pad(scales, 0.0)], SPLITS=splits,
+        IEEE=y.dtype == torch.float32, BLOCK_M=block_m, BLOCK_N=64,
+        BLOCK_R=max(16, triton.next_power_of_2(max(ranks))))
+    return y
