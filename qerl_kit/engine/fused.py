@@ -58,7 +58,9 @@ if HAS_TRITON:
 
     @triton.jit
     def _rotate(a, b, c1, c2, s1, s2, DT: tl.constexpr):
-        """(a, b) halves -> x * cos + rotate_half(x) * sin, each product rounded like eager DT."""
+        """(a, b) halves -> x * cos + rotate_half(x) * sin, each product rounded like eager DT (the
+        launch disables FMA contraction: with it, LLVM fused a product and the sum into one bf16
+        FMA on the GPU and the product's rounding was lost, up to 2 ulps off eager)."""
         o1 = (a.to(tl.float32) * c1).to(DT).to(tl.float32) - (b.to(tl.float32) * s1).to(DT).to(tl.float32)
         o2 = (b.to(tl.float32) * c2).to(DT).to(tl.float32) + (a.to(tl.float32) * s2).to(DT).to(tl.float32)
         return o1.to(DT), o2.to(DT)
@@ -167,7 +169,8 @@ def rope_to_cache(q: Tensor, k: Tensor, v: Tensor, cos: Tensor, sin: Tensor, k_c
     _rope_cache_kernel[(R, H + kvh)](q, k, v, cos, sin, q_out, k_cache, v_cache, slot,
                                      q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
                                      cos.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-                                     H, HALF=D // 2, num_warps=1)
+                                     H, HALF=D // 2, num_warps=1,
+                                     enable_fp_fusion=False)  # eager's roundings: no product+sum FMA
     return q_out
 
 
