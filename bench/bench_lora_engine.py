@@ -4,6 +4,7 @@ one ``addmm`` per projection) and against no LoRA work at all (a lower bound, wr
 same run, on Qwen2.5-7B with random weights, LoRA r = 32, a 256-token prompt and 256 new tokens.
 
     PYTHONPATH=. python bench/bench_lora_engine.py --out bench/results
+    PYTHONPATH=. python bench/bench_lora_engine.py --smoke --out /tmp/x   # CPU, tiny model
 """
 
 from __future__ import annotations
@@ -32,19 +33,25 @@ def main() -> None:
     ap.add_argument("--model", default="Qwen2.5-7B")
     ap.add_argument("--batches", nargs="+", type=int, default=[1, 8])
     ap.add_argument("--new", type=int, default=256)
+    ap.add_argument("--smoke", action="store_true", help="CPU, a tiny model, a few tokens")
     args = ap.parse_args()
-    lines = [f"# Engine decode step, LoRA paths ({torch.cuda.get_device_name()}, {datetime.date.today()}, "
-             f"torch {torch.__version__})", "",
-             f"{args.model}, random weights, LoRA r = 32 on every projection, prompt 256, {args.new} new tokens, "
-             "CUDA graphs; decode ms per step, all in one run.", "",
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    prompt, vocab, rank = 256, 152064, 32
+    if args.smoke:
+        args.model, args.batches, args.new = "qwen2-tiny", [1, 2], 4
+        prompt, vocab, rank = 8, 512, 4
+    gpu = torch.cuda.get_device_name() if device == "cuda" else "cpu"
+    lines = [f"# Engine decode step, LoRA paths ({gpu}, {datetime.date.today()}, torch {torch.__version__})", "",
+             f"{args.model}, random weights, LoRA r = {rank} on every projection, prompt {prompt}, {args.new} new "
+             f"tokens, {'CUDA graphs' if device == 'cuda' else 'eager (CPU)'}; decode ms per step, all in one run.", "",
              "| weights | batch | " + " | ".join(PATHS) + " | LoRA cost, torch -> kernels |",
              "|---|---:|" + "---:|" * len(PATHS) + "---|"]
     original = fast.lora_apply_
     try:
         for fmt in ("nvfp4", "bf16"):
-            model = br.with_lora(br.build(args.model, fmt, "cuda"), 32)
+            model = br.with_lora(br.build(args.model, fmt, device), rank)
             for batch in args.batches:
-                prompts = br.random_prompts(batch, 256, 152064)
+                prompts = br.random_prompts(batch, prompt, vocab)
                 ms = {}
                 for name, fn in PATHS.items():
                     fast.lora_apply_ = fn  # the fused step looks the function up at every call

@@ -1,7 +1,9 @@
-"""bench/bench_rollout.py's CPU smoke run, --skip-done, and report_rollout.py merging runs."""
+"""bench/bench_rollout.py's CPU smoke run, --skip-done, report_rollout.py merging runs, and
+bench/bench_lora_engine.py's CPU smoke run."""
 
 import csv
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -47,3 +49,16 @@ def test_skip_done_runs_only_missing_cases_and_reports_merge(tmp_path):
     b_row = json.loads((tmp_path / "b" / "results.json").read_text())["rollout"][0]
     again = [r for r in merged["rollout"] if (r["model"], r["variant"], r["batch"]) == ("qwen2-tiny", "engine-nvfp4", 4)]
     assert again == [b_row]  # the later run's row wins
+
+
+def test_lora_engine_bench_smoke_writes_its_table(tmp_path):
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "bench_lora_engine.py"), "--smoke", "--out", str(tmp_path)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    rows = [line for line in (tmp_path / "lora_engine_h200.md").read_text().splitlines()
+            if line.startswith(("| nvfp4 |", "| bf16 |"))]
+    assert len(rows) == 4                                        # two weight formats x batches 1, 2
+    for row in rows:
+        cells = [c.strip() for c in row.strip("|").split("|")]
+        assert all(float(c) > 0 for c in cells[2:5])            # torch ops, grouped kernels, no LoRA work
