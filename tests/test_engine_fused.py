@@ -221,3 +221,18 @@ def test_grouped_lora_falls_back_beyond_its_limits():
     assert not kernels_take(y, x, As, Bs)                                  # rank over 128
     want = lora_apply_ref_(y.clone(), x, As, Bs, offsets, [1.0])
     assert torch.equal(lora_apply_(y.clone(), x, As, Bs, offsets, [1.0]), want)  # the torch path itself
+
+
+def test_grouped_lora_with_float32_adapters_on_a_bf16_step():
+    # peft's default keeps adapters in float32 on a bf16 base: x is cast up, t rounded back down
+    g = torch.Generator().manual_seed(7)
+    As = [torch.randn(8, 64, generator=g).to(DEVICE) for _ in range(2)]
+    Bs = [torch.randn(24, 8, generator=g).to(DEVICE) for _ in range(2)]
+    x = torch.randn(3, 64, generator=g).to(DEVICE, torch.bfloat16)
+    y = torch.randn(3, 50, generator=g).to(DEVICE, torch.bfloat16)
+    assert kernels_take(y, x, As, Bs)
+    want = lora_apply_ref_(y.clone(), x, As, Bs, [0, 26], [0.5, 2.0])
+    got = lora_apply_(y.clone(), x, As, Bs, [0, 26], [0.5, 2.0])
+    assert got.dtype == torch.bfloat16 and torch.equal(got[:, 24:26], y[:, 24:26])
+    # bf16 rounding of t and y (the CPU interpreter truncates its casts): a few bf16 ulps
+    torch.testing.assert_close(got.float(), want.float(), atol=3e-2 * want.float().abs().max().item(), rtol=0)

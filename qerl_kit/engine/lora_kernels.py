@@ -56,8 +56,19 @@ if HAS_TRITON:
         return tl.where(i == 0, v0, tl.where(i == 1, v1, v2))
 
     @triton.jit
+    def _dot(a, b, IEEE: tl.constexpr, INTERPRET: tl.constexpr):
+        """a @ b in float32. The interpreter's dot reads bfloat16 as integers, so there the operands
+        are widened first (exact); float32 operands get a true float32 product (no TF32), as torch."""
+        if INTERPRET:
+            return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+        elif IEEE:
+            return tl.dot(a, b, input_precision="ieee")
+        else:
+            return tl.dot(a, b)
+
+    @triton.jit
     def _shrink_kernel(x_ptr, p_ptr, a0, a1, a2, M, K, stride_xm, RT, sa0, sa1, sa2, r0, r1, r2, c1, c2,
-                       CHUNK, M_BLOCKS, IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr,
+                       CHUNK, M_BLOCKS, IEEE: tl.constexpr, INTERPRET: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr,
                        BLOCK_K: tl.constexpr):
         """Partial products over one K chunk: p[split, m, c_i + j] = x[m, chunk] . A_i[j, chunk]."""
         pid_r, i, pid2 = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -74,17 +85,14 @@ if HAS_TRITON:
                              mask=(offs_m[:, None] < M) & (offs_k[None, :] < K), other=0.0)
                 ak = tl.load(a_ptr + offs_r[:, None] * sa + offs_k[None, :],
                              mask=(offs_r[:, None] < r) & (offs_k[None, :] < K), other=0.0)
-                if IEEE:  # float32 adapters: a true float32 product, as torch's matmul without TF32
-                    acc += tl.dot(xk.to(ak.dtype), tl.trans(ak), input_precision="ieee")
-                else:
-                    acc += tl.dot(xk.to(ak.dtype), tl.trans(ak))
+                acc += _dot(xk.to(ak.dtype), tl.trans(ak), IEEE, INTERPRET)
             tl.store(p_ptr + (split * M + offs_m[:, None]) * RT + (c + offs_r)[None, :], acc,
                      mask=(offs_m[:, None] < M) & (offs_r[None, :] < r))
 
     @triton.jit
     def _expand_kernel(y_ptr, p_ptr, a0, b0, b1, b2, M, RT, stride_ym, sb0, sb1, sb2, n0, n1, n2,
                        o0, o1, o2, r0, r1, r2, c1, c2, s0, s1, s2, SPLITS: tl.constexpr,
-                       IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr):
+                       IEEE: tl.constexpr, INTERPRET: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr):
         """y[m, o_i + n] += s_i * t_i[m, :] . B_i[n, :], t_i the summed partials rounded as torch does."""
         pid_n, i, pid_m = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         b_ptr, sb = _pick(i, b0, b1, b2), _sel(i, sb0, sb1, sb2)
@@ -102,10 +110,7 @@ if HAS_TRITON:
             tt = t.to(a0.dtype.element_ty).to(y_ptr.dtype.element_ty)  # x @ A^T in A's dtype, then y's
             bb = tl.load(b_ptr + offs_n[:, None] * sb + offs_r[None, :],
                          mask=(offs_n[:, None] < n) & (offs_r[None, :] < r), other=0.0).to(tt.dtype)
-            if IEEE:
-                acc = tl.dot(tt, tl.trans(bb), input_precision="ieee")
-            else:
-                acc = tl.dot(tt, tl.trans(bb))
+            acc = _dot(tt, tl.trans(bb), IEEE, INTERPRET)
             mask = (offs_m[:, None] < M) & (offs_n[None, :] < n)
             y_ptrs = y_ptr + offs_m[:, None] * stride_ym + (o + offs_n)[None, :]
             y = tl.load(y_ptrs, mask=mask, other=0.0).to(tl.float32)
@@ -160,10 +165,10 @@ def lora_apply_(y: Tensor, x: Tensor, As: list[Tensor], Bs: list[Tensor], offset
     partials = torch.empty((splits, m, rt), dtype=torch.float32, device=y.device)
     _shrink_kernel[(triton.cdiv(max(ranks), 16), n_ad, splits * m_blocks)](
         x, partials, *As3, m, k, x.stride(0), rt, *[a.stride(0) for a in As3], *r3, cols[1], cols[2],
-        chunk, m_blocks, IEEE=As[0].dtype == torch.float32, BLOCK_M=block_m, BLOCK_R=16, BLOCK_K=block_k)
+        chunk, m_blocks, IEEE=As[0].dtype == torch.float32, INTERPRET=interpreting(), BLOCK_M=block_m, BLOCK_R=16, BLOCK_K=block_k)
     _expand_kernel[(triton.cdiv(max(n3), 64), n_ad, m_blocks)](
         y, partials, As[0], *Bs3, m, rt, y.stride(0), *[b.stride(0) for b in Bs3], *n3,
         *pad(offsets, 0), *r3, cols[1], cols[2], *[float(s) for s in pad(scales, 0.0)], SPLITS=splits,
-        IEEE=y.dtype == torch.float32, BLOCK_M=block_m, BLOCK_N=64,
+        IEEE=y.dtype == torch.float32, INTERPRET=interpreting(), BLOCK_M=block_m, BLOCK_N=64,
         BLOCK_R=max(16, triton.next_power_of_2(max(ranks))))
     return y
