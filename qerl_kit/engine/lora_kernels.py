@@ -151,6 +151,8 @@ def lora_apply_(y: Tensor, x: Tensor, As: list[Tensor], Bs: list[Tensor], offset
     if not kernels_take(y, x, As, Bs):
         return lora_apply_ref_(y, x, As, Bs, offsets, scales)
     m, k, n_ad = x.shape[0], x.shape[1], len(As)
+    if m == 0:
+        return y
     ranks = [a.shape[0] for a in As]
     cols = [sum(ranks[:i]) for i in range(n_ad)] + [0] * (MAX_ADAPTERS - n_ad)
     pad = lambda v, fill: list(v) + [fill] * (MAX_ADAPTERS - len(v))  # noqa: E731
