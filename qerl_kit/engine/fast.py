@@ -96,6 +96,9 @@ class _Group:
         else:
             raise ValueError(f"{tag}: projections of type {sorted({type(b).__name__ for b in self.bases})}")
         self.lora_idx = [i for i, lo in enumerate(self.loras) if lo is not None]
+        present = [self.loras[i] for i in self.lora_idx]  # the live peft tensors, read at every call
+        self.lora_args = ([lo.A for lo in present], [lo.B for lo in present],
+                          [self.offsets[i] for i in self.lora_idx], [lo.scale for lo in present])
 
     def _fuse(self, owner: nn.Module, tag: str, attr: str) -> Tensor:
         """One buffer holding every base's ``attr``, the bases re-pointed to row slices of it
@@ -126,9 +129,7 @@ class _Group:
         else:
             y = F.linear(x, self.weight, self.bias)
         if self.lora_idx:
-            loras = [self.loras[i] for i in self.lora_idx]
-            lora_apply_(y, x, [lo.A for lo in loras], [lo.B for lo in loras],
-                        [self.offsets[i] for i in self.lora_idx], [lo.scale for lo in loras])
+            lora_apply_(y, x, *self.lora_args)
         return y
 
 

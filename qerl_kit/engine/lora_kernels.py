@@ -154,8 +154,8 @@ def lora_apply_(y: Tensor, x: Tensor, As: list[Tensor], Bs: list[Tensor], offset
     if m == 0:
         return y
     ranks = [a.shape[0] for a in As]
-    cols = [sum(ranks[:i]) for i in range(n_ad)] + [0] * (MAX_ADAPTERS - n_ad)
     pad = lambda v, fill: list(v) + [fill] * (MAX_ADAPTERS - len(v))  # noqa: E731
+    cols = pad([sum(ranks[:i]) for i in range(n_ad)], 0)  # each adapter's first column of t
     As3, Bs3 = pad(As, As[0]), pad(Bs, Bs[0])
     r3, n3 = pad(ranks, 0), pad([b.shape[0] for b in Bs], 0)
     block_m, block_k = 16, 256
