@@ -30,11 +30,17 @@ def _bf16_half(bits: torch.Tensor) -> torch.Tensor:
     return _bits_to_float((bits & 0xFFFF) << 16).double()
 
 
+def _rotl(w: torch.Tensor, d: int) -> torch.Tensor:
+    return ((w << d) | (w >> (32 - d))) & 0xFFFFFFFF if d else w
+
+
 def _pair(w: torch.Tensor, p: int) -> torch.Tensor:
-    """The kernel's pair(): codes at bits 4p and 16 + 4p of w -> two bf16 patterns."""
-    s = {0: w << 12, 1: w << 8, 2: w << 4, 3: w}[p] & 0xFFFFFFFF
-    m = {0: w << 6, 1: w << 2, 2: w >> 2, 3: w >> 6}[p] & 0xFFFFFFFF
-    return (s & 0x80008000) | (m & 0x01C001C0)
+    """The kernel's pair(): codes at bits 4p and 16 + 4p of w -> two bf16 patterns, by rotating w
+    right by 6, merging in the sign bits of one half of the pairs, rotating and masking."""
+    r = _rotl(w, 26)
+    mask = 0x00880088 if p < 2 else 0x88008800
+    t = (w & mask) | (r & ~mask & 0xFFFFFFFF)
+    return _rotl(t, {0: 12, 1: 8, 2: 4, 3: 0}[p]) & 0x81C081C0
 
 
 def _scale(b: torch.Tensor) -> torch.Tensor:

@@ -55,18 +55,38 @@ typedef unsigned short u16;
 
 #ifndef QK_ABLATE  // benchmarks only (bench/ablate_cuda_decode.py): leave a stage out to time it
 #define QK_ABLATE 0  // 1: no dequantization, 2: no MMA, 4: no x loads, 8: no scale conversion,
-#endif              // 16: registers capped so that 8 blocks fit per SM (a variant, not a cut)
+#endif              // variants, not cuts: 16 registers capped so that 8 blocks fit per SM; the
+                    // previous code: 32 its decoding, 64 its buffer copy, 128 its zero-filled x rows; 256 capped registers
 #if QK_ABLATE & 16
-#define QK_BOUNDS __launch_bounds__(128, 8)
+#define QK_BOUNDS(B) __launch_bounds__(128, 8)
+#elif QK_ABLATE & 256  // registers capped at the previous code's counts (72, 128, 84, 164)
+#define QK_BOUNDS(B) __launch_bounds__(128, B)
 #else
-#define QK_BOUNDS __launch_bounds__(128)  // no minimum: an explicit 1 let ptxas take 90 registers, not 72
+#define QK_BOUNDS(B) __launch_bounds__(128)  // no minimum: an explicit 1 let ptxas take 90 registers, not 72
 #endif
 
 // Codes (lo at bits 4p..4p+3, hi at 16+4p..) -> two bf16 e2m1 * 2^-126: sign -> 15/31, magnitude -> 8..6/24..22.
+// A sign must move 7 bits further than its magnitude, so first merge the word with itself rotated
+// right by 6: t01 keeps the sign bits of codes 0, 1, 4, 5 and takes every other bit from the
+// rotated copy, where each of those codes' magnitudes now lies 7 bits below its sign (t23 likewise
+// for codes 2, 3, 6, 7; the bits each pair needs never collide). One rotate and one mask then give
+// a pair: 10 instructions per word of 8 codes instead of 15 (nvcc shares r, t01 and t23).
+template <u32 MASK> __device__ __forceinline__ u32 merge(u32 a, u32 b) {  // (a & MASK) | (b & ~MASK), one LOP3
+    u32 d;
+    asm("lop3.b32 %0, %1, %2, %3, 0xE4;" : "=r"(d) : "r"(a), "r"(b), "n"(MASK));
+    return d;
+}
+
 __device__ __forceinline__ u32 pair(u32 w, int p) {
+#if QK_ABLATE & 32  // the previous decoding (two shifts, two LOP3 per pair), for a same-run comparison
     const u32 s = (p == 0) ? (w << 12) : (p == 1) ? (w << 8) : (p == 2) ? (w << 4) : w;
     const u32 m = (p == 0) ? (w << 6) : (p == 1) ? (w << 2) : (p == 2) ? (w >> 2) : (w >> 6);
     return (s & 0x80008000u) | (m & 0x01C001C0u);
+#endif
+    const u32 r = __funnelshift_r(w, w, 6);
+    const u32 t = (p < 2) ? merge<0x00880088u>(w, r) : merge<0x88008800u>(w, r);
+    const int d = (p == 0) ? 12 : (p == 1) ? 8 : (p == 2) ? 4 : 0;
+    return (d ? __funnelshift_l(t, t, d) : t) & 0x81C081C0u;
 }
 
 __device__ __forceinline__ u32 fma_bf16x2(u32 a, u32 b) {
@@ -171,11 +191,15 @@ __device__ __forceinline__ void compute_step(const Step<NT>& st, float (&c)[NT][
             #pragma unroll
             for (int mt = 0; mt < MT; mt++) {
                 const int m = g + 8 * mt;
-                uint4 xv = make_uint4(0, 0, 0, 0);
 #if QK_ABLATE & 4
-                xv = make_uint4(m, it, i, t);
-#else
+                const uint4 xv = make_uint4(m, it, i, t);
+#elif QK_ABLATE & 128  // previous: rows past M zero-filled (two CS2R per load)
+                uint4 xv = make_uint4(0, 0, 0, 0);
                 if (m < M) xv = __ldg(reinterpret_cast<const uint4*>(x + (size_t)m * ldx + it * 256 + pc * 128 + 32 * t + 8 * i));
+#else
+                // Rows past M read row M - 1: they only fill MMA columns that are never written out.
+                const int mr = m < M ? m : M - 1;
+                const uint4 xv = __ldg(reinterpret_cast<const uint4*>(x + (size_t)mr * ldx + it * 256 + pc * 128 + 32 * t + 8 * i));
 #endif
                 b[mt][0] = __byte_perm(xv.x, xv.z, 0x5410);   // x0, x4
                 b[mt][1] = __byte_perm(xv.x, xv.z, 0x7632);   // x1, x5
@@ -223,6 +247,7 @@ __device__ __forceinline__ void decode(const u16* __restrict__ x, int M, int ldx
         for (int mt = 0; mt < MT; mt++) c[nt][mt][0] = c[nt][mt][1] = c[nt][mt][2] = c[nt][mt][3] = 0.f;
 
     if (row - g < N) {
+#if QK_ABLATE & 64  // previous: one buffer copied into the other after each step
         Step<NT> cur, nxt;                                // the next K step loads during this one
         load_step<NT>(cur, q, ldq, sc, lds, row, N, K, it0, t);
         for (int it = it0; it < it1; it++) {
@@ -232,6 +257,18 @@ __device__ __forceinline__ void decode(const u16* __restrict__ x, int M, int ldx
             compute_step<MT, NT>(cur, c, x, M, ldx, it, K, g, t);
             cur = nxt;
         }
+#else
+        Step<NT> a, b;                                    // the next K step loads during this one;
+        load_step<NT>(a, q, ldq, sc, lds, row, N, K, it0, t);  // two buffers in turn, no copies
+        int it = it0;
+        for (; it + 1 < it1; it += 2) {
+            load_step<NT>(b, q, ldq, sc, lds, row, N, K, it + 1, t);
+            compute_step<MT, NT>(a, c, x, M, ldx, it, K, g, t);
+            if (it + 2 < it1) load_step<NT>(a, q, ldq, sc, lds, row, N, K, it + 2, t);
+            compute_step<MT, NT>(b, c, x, M, ldx, it + 1, K, g, t);
+        }
+        if (it < it1) compute_step<MT, NT>(a, c, x, M, ldx, it, K, g, t);
+#endif
     }
 
     if (gridDim.y == 1) {
@@ -283,10 +320,10 @@ __device__ __forceinline__ void decode(const u16* __restrict__ x, int M, int ldx
              const u16* __restrict__ bias, int has_bias, u16* __restrict__ y, int ldy, float* __restrict__ ws, \
              int* __restrict__ counters, int N, int K, int ips
 #define CALL x, M, ldx, q, ldq, sc, lds, gsp, bias, has_bias, y, ldy, ws, counters, N, K, ips
-extern "C" __global__ void QK_BOUNDS nvfp4_decode_m8_n1(ARGS) { decode<1, 1>(CALL); }
-extern "C" __global__ void QK_BOUNDS nvfp4_decode_m8_n2(ARGS) { decode<1, 2>(CALL); }
-extern "C" __global__ void QK_BOUNDS nvfp4_decode_m16_n1(ARGS) { decode<2, 1>(CALL); }
-extern "C" __global__ void QK_BOUNDS nvfp4_decode_m16_n2(ARGS) { decode<2, 2>(CALL); }
+extern "C" __global__ void QK_BOUNDS(7) nvfp4_decode_m8_n1(ARGS) { decode<1, 1>(CALL); }
+extern "C" __global__ void QK_BOUNDS(4) nvfp4_decode_m8_n2(ARGS) { decode<1, 2>(CALL); }
+extern "C" __global__ void QK_BOUNDS(6) nvfp4_decode_m16_n1(ARGS) { decode<2, 1>(CALL); }
+extern "C" __global__ void QK_BOUNDS(3) nvfp4_decode_m16_n2(ARGS) { decode<2, 2>(CALL); }
 """
 
 
