@@ -4,8 +4,7 @@ there are no hardware counters). Variants are the same source compiled with ``-D
 (an xor keeps the operands live), 4 no x loads, 8 no scale conversion, and their combinations;
 15 leaves only the weight loads and the loop; 16, not a cut but a
 variant, caps registers so that 8 blocks fit per SM, and is checked against the full kernel before
-it is timed; 32, also a variant, is the E2M1 decoding before the rotate-and-merge one (15
-instructions per word of 8 codes instead of 10). (Variants measured slower and removed from the source are in
+it is timed. (Variants measured slower and removed from the source are in
 bench/results/cuda_decode_variants_h200.md.) Same timing as bench_nvfp4_gemm.py (CUDA-graph
 replays, > 200 MB of weight copies, cold L2), bf16 in the same run.
 
@@ -30,11 +29,8 @@ from bench_nvfp4_gemm import copies_for, copy_bandwidth, random_nvfp4, time_grap
 from qerl_kit.kernels.nvfp4_decode_cuda import nvfp4_decode_cuda  # noqa: E402
 
 VARIANTS = {0: "full kernel", 8: "no scale conversion", 4: "no x loads", 1: "no dequantization",
-            2: "no MMA", 3: "no dequant, no MMA", 15: "weight loads only", 16: "full, 8 blocks/SM",
-            32: "full, previous decoding", 224: "previous kernel", 192: "previous + new decoding",
-            64: "previous + new decoding + x rows clamped", 256: "full, registers capped"}
-DEFAULT = [0, 8, 4, 1, 2, 3, 15, 16]
-FULL_BITS = 16 | 32 | 64 | 128 | 256  # variants of the full kernel (the rest are cuts): checked against it before timing
+            2: "no MMA", 3: "no dequant, no MMA", 15: "weight loads only", 16: "full, 8 blocks/SM"}
+FULL_BITS = 16  # variants of the full kernel (the rest are cuts): checked against it before timing
 SHAPES = [("7B q/o", 3584, 3584), ("7B gate_up", 37888, 3584), ("32B down", 5120, 27648),
           ("72B gate_up", 59136, 8192)]
 
@@ -44,9 +40,9 @@ def main() -> None:
     ap.add_argument("--out", default="bench/results")
     ap.add_argument("--name", default="cuda_decode_ablation_h200.md")
     ap.add_argument("--ms", nargs="+", type=int, default=[1, 8, 16])
-    ap.add_argument("--variants", nargs="+", type=int, default=DEFAULT)
+    ap.add_argument("--variants", nargs="+", type=int, default=list(VARIANTS))
     args = ap.parse_args()
-    variants = {v: VARIANTS.get(v, f"bits {v}") for v in args.variants}
+    variants = {v: VARIANTS[v] for v in args.variants}
     torch.manual_seed(0)
     copy_bw = copy_bandwidth()
     lines = [f"# CUDA decode kernel, stages left out ({torch.cuda.get_device_name()}, {datetime.date.today()}, "

@@ -166,7 +166,7 @@ def test_forward_path_on_cpu_is_the_triton_rule():
 
 
 def test_preferred_routes_by_rows_and_layer_size():
-    assert dec.preferred(1, 512, 3584) and not dec.preferred(1, 55296, 5120)
+    assert dec.preferred(1, 512, 3584) and not dec.preferred(1, 13824, 5120) and dec.preferred(1, 55296, 5120)
     assert dec.preferred(2, 512, 3584) and not dec.preferred(3, 512, 3584) and dec.preferred(4, 55296, 5120)
     assert dec.preferred(8, 37888, 3584) and not dec.preferred(8, 3584, 3584)
     assert not dec.preferred(9, 55296, 5120) and not dec.preferred(16, 37888, 3584)

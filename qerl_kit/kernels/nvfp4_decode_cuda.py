@@ -55,14 +55,11 @@ typedef unsigned short u16;
 
 #ifndef QK_ABLATE  // benchmarks only (bench/ablate_cuda_decode.py): leave a stage out to time it
 #define QK_ABLATE 0  // 1: no dequantization, 2: no MMA, 4: no x loads, 8: no scale conversion,
-#endif              // variants, not cuts: 16 registers capped so that 8 blocks fit per SM; the
-                    // previous code: 32 its decoding, 64 its buffer copy, 128 its zero-filled x rows; 256 capped registers
+#endif              // 16: registers capped so that 8 blocks fit per SM (a variant, not a cut)
 #if QK_ABLATE & 16
-#define QK_BOUNDS(B) __launch_bounds__(128, 8)
-#elif QK_ABLATE & 256  // registers capped at the previous code's counts (72, 128, 84, 164)
-#define QK_BOUNDS(B) __launch_bounds__(128, B)
+#define QK_BOUNDS __launch_bounds__(128, 8)
 #else
-#define QK_BOUNDS(B) __launch_bounds__(128)  // no minimum: an explicit 1 let ptxas take 90 registers, not 72
+#define QK_BOUNDS __launch_bounds__(128)  // no minimum: an explicit 1 let ptxas take 90 registers, not 72
 #endif
 
 // Codes (lo at bits 4p..4p+3, hi at 16+4p..) -> two bf16 e2m1 * 2^-126: sign -> 15/31, magnitude -> 8..6/24..22.
@@ -78,11 +75,6 @@ template <u32 MASK> __device__ __forceinline__ u32 merge(u32 a, u32 b) {  // (a 
 }
 
 __device__ __forceinline__ u32 pair(u32 w, int p) {
-#if QK_ABLATE & 32  // the previous decoding (two shifts, two LOP3 per pair), for a same-run comparison
-    const u32 s = (p == 0) ? (w << 12) : (p == 1) ? (w << 8) : (p == 2) ? (w << 4) : w;
-    const u32 m = (p == 0) ? (w << 6) : (p == 1) ? (w << 2) : (p == 2) ? (w >> 2) : (w >> 6);
-    return (s & 0x80008000u) | (m & 0x01C001C0u);
-#endif
     const u32 r = __funnelshift_r(w, w, 6);
     const u32 t = (p < 2) ? merge<0x00880088u>(w, r) : merge<0x88008800u>(w, r);
     const int d = (p == 0) ? 12 : (p == 1) ? 8 : (p == 2) ? 4 : 0;
@@ -193,9 +185,6 @@ __device__ __forceinline__ void compute_step(const Step<NT>& st, float (&c)[NT][
                 const int m = g + 8 * mt;
 #if QK_ABLATE & 4
                 const uint4 xv = make_uint4(m, it, i, t);
-#elif QK_ABLATE & 128  // previous: rows past M zero-filled (two CS2R per load)
-                uint4 xv = make_uint4(0, 0, 0, 0);
-                if (m < M) xv = __ldg(reinterpret_cast<const uint4*>(x + (size_t)m * ldx + it * 256 + pc * 128 + 32 * t + 8 * i));
 #else
                 // Rows past M read row M - 1: they only fill MMA columns that are never written out.
                 const int mr = m < M ? m : M - 1;
@@ -247,7 +236,6 @@ __device__ __forceinline__ void decode(const u16* __restrict__ x, int M, int ldx
         for (int mt = 0; mt < MT; mt++) c[nt][mt][0] = c[nt][mt][1] = c[nt][mt][2] = c[nt][mt][3] = 0.f;
 
     if (row - g < N) {
-#if QK_ABLATE & 64  // previous: one buffer copied into the other after each step
         Step<NT> cur, nxt;                                // the next K step loads during this one
         load_step<NT>(cur, q, ldq, sc, lds, row, N, K, it0, t);
         for (int it = it0; it < it1; it++) {
@@ -257,18 +245,6 @@ __device__ __forceinline__ void decode(const u16* __restrict__ x, int M, int ldx
             compute_step<MT, NT>(cur, c, x, M, ldx, it, K, g, t);
             cur = nxt;
         }
-#else
-        Step<NT> a, b;                                    // the next K step loads during this one;
-        load_step<NT>(a, q, ldq, sc, lds, row, N, K, it0, t);  // two buffers in turn, no copies
-        int it = it0;
-        for (; it + 1 < it1; it += 2) {
-            load_step<NT>(b, q, ldq, sc, lds, row, N, K, it + 1, t);
-            compute_step<MT, NT>(a, c, x, M, ldx, it, K, g, t);
-            if (it + 2 < it1) load_step<NT>(a, q, ldq, sc, lds, row, N, K, it + 2, t);
-            compute_step<MT, NT>(b, c, x, M, ldx, it + 1, K, g, t);
-        }
-        if (it < it1) compute_step<MT, NT>(a, c, x, M, ldx, it, K, g, t);
-#endif
     }
 
     if (gridDim.y == 1) {
@@ -320,10 +296,10 @@ __device__ __forceinline__ void decode(const u16* __restrict__ x, int M, int ldx
              const u16* __restrict__ bias, int has_bias, u16* __restrict__ y, int ldy, float* __restrict__ ws, \
              int* __restrict__ counters, int N, int K, int ips
 #define CALL x, M, ldx, q, ldq, sc, lds, gsp, bias, has_bias, y, ldy, ws, counters, N, K, ips
-extern "C" __global__ void QK_BOUNDS(7) nvfp4_decode_m8_n1(ARGS) { decode<1, 1>(CALL); }
-extern "C" __global__ void QK_BOUNDS(4) nvfp4_decode_m8_n2(ARGS) { decode<1, 2>(CALL); }
-extern "C" __global__ void QK_BOUNDS(6) nvfp4_decode_m16_n1(ARGS) { decode<2, 1>(CALL); }
-extern "C" __global__ void QK_BOUNDS(3) nvfp4_decode_m16_n2(ARGS) { decode<2, 2>(CALL); }
+extern "C" __global__ void QK_BOUNDS nvfp4_decode_m8_n1(ARGS) { decode<1, 1>(CALL); }
+extern "C" __global__ void QK_BOUNDS nvfp4_decode_m8_n2(ARGS) { decode<1, 2>(CALL); }
+extern "C" __global__ void QK_BOUNDS nvfp4_decode_m16_n1(ARGS) { decode<2, 1>(CALL); }
+extern "C" __global__ void QK_BOUNDS nvfp4_decode_m16_n2(ARGS) { decode<2, 2>(CALL); }
 """
 
 
@@ -367,12 +343,13 @@ def choose_config(m: int, n: int, k: int, sms: int | None = None) -> tuple[int, 
 
 def preferred(m: int, n: int, k: int) -> bool:
     """Whether this kernel beat the Triton decode kernel at this size on the H200
-    (bench/results/cuda_decode_h200.md, both timed in the same run): one row on layers under 32M
-    weights (the launch- and latency-bound ones), two rows everywhere, 3..4 rows from 4M weights,
-    5..8 rows from 24M weights; from 9 rows Triton's tensor-core path wins on most layers."""
+    (bench/results/cuda_decode_h200.md, both timed in the same run): one row on layers under 20M
+    weights (the launch- and latency-bound ones) and from 72M (Triton's block-dot kernel wins by
+    1-15% in between), two rows everywhere, 3..4 rows from 4M weights, 5..8 rows from 24M weights;
+    from 9 rows Triton's tensor-core path wins on most layers."""
     w = n * k
     if m == 1:
-        return w < (32 << 20)
+        return w < (20 << 20) or w >= (72 << 20)
     return m == 2 or (m <= 4 and w >= (4 << 20)) or (m <= 8 and w >= (24 << 20))
 
 
