@@ -117,7 +117,6 @@ def copy_bandwidth() -> float:
     dst = torch.empty_like(src)
     t_memcpy = time_graph([lambda: dst.copy_(src)], reps=10)
     t_kernel = time_graph([lambda: torch.mul(src, 1.0, out=dst)], reps=10)
-    del src, dst
     return 2 * (1 << 31) / min(t_memcpy, t_kernel)
 
 

@@ -135,7 +135,7 @@ def nvfp4_dgrad(dy: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor,
     ``DENSE_MIN_M`` rows on, else fused)."""
     if not HAS_TRITON:
         raise ImportError("the NVFP4 Triton kernels need triton (pip install triton)")
-    n, k = packed.shape[0], packed.shape[1] * 2
+    n = packed.shape[0]
     check_nvfp4_operands(dy, packed, scales, global_scale, n, "dy")
     m = dy.shape[0]
     if strategy is None:

@@ -396,7 +396,7 @@ def nvfp4_gemm(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor,
     """
     if not HAS_TRITON:
         raise ImportError("the NVFP4 Triton kernels need triton (pip install triton)")
-    n, k = packed.shape[0], packed.shape[1] * 2
+    k = packed.shape[1] * 2
     check_nvfp4_operands(x, packed, scales, global_scale, k, "x")
     m = x.shape[0]
     if strategy is None:
