@@ -180,6 +180,9 @@ def test_choose_config_covers_the_gpu_and_keeps_slices_nonempty():
         assert nt in (1, 2) and 1 <= ips <= steps
         assert (slices - 1) * ips < steps                  # the last slice has work
         assert -(-n // (64 * nt)) * slices >= 132 or slices == steps
+    # several rows: about 4 blocks per SM, 6 for K of 16384 and more (72B down: 116 K steps)
+    assert dec.choose_config(4, 8192, 8192, sms=132) == (1, 8)       # 128 N blocks x 4 slices
+    assert dec.choose_config(4, 8192, 29568, sms=132) == (1, 20)     # 128 N blocks x 6 slices
 
 
 # -- GPU ------------------------------------------------------------------------------------------

@@ -330,14 +330,17 @@ def supports(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor) -> boo
 def choose_config(m: int, n: int, k: int, sms: int | None = None) -> tuple[int, int]:
     """(16-row tiles per warp, K steps per slice) for an [n, k] weight and m rows. From the H200
     sweep (bench/results/cuda_decode_sweep_h200.md): one row wants two tiles per warp on layers of
-    16M weights and more and about 8 blocks per SM; more rows one tile and about 4 blocks per SM."""
+    16M weights and more and about 8 blocks per SM; 2..8 rows one tile and about 4 blocks per SM,
+    6 when K has 100 steps of 256 or more (the 72B down projection: 6-10% faster at 2-8 rows, 32B
+    down 1%; 7B down, 74 steps, was 0-3% slower with 6: bench/results/cuda_decode_slices_h200.md)."""
     from qerl_kit.kernels.nvfp4_gemv_triton import _sm_count  # cached once per process
 
     sms = sms or _sm_count()
     nt = 2 if m == 1 and n * k >= (16 << 20) else 1
     blocks_n = -(-n // (64 * nt))
     steps = -(-k // K_STEP)
-    slices = max(1, min(steps, round((8 if m == 1 else 4) * sms / blocks_n)))
+    per_sm = 8 if m == 1 else (6 if steps >= 100 and m <= 8 else 4)
+    slices = max(1, min(steps, round(per_sm * sms / blocks_n)))
     return nt, -(-steps // slices)
 
 
