@@ -121,6 +121,45 @@ def test_tile_variants_and_fp16(dtype):
             _check(y, ref[:rows], dtype)
 
 
+def test_blockdot_code_placement_in_its_ptx_is_e2m1_times_2_pow_minus_14():
+    """The block-dot kernel's inline PTX (``_PAIRS_F16``) emulated with the constants read from it,
+    for every pair of code bytes: pair p holds codes p and p + 4 of the word as fp16 e2m1 * 2^-14."""
+    import re
+
+    from qerl_kit.kernels import nvfp4_gemv_triton as g
+
+    ptx = g._PAIRS_F16
+    rot = int(re.search(r"shf\.r\.wrap\.b32 r, \$1, \$1, (\d+);", ptx).group(1))
+    masks = [int(m, 16) for m in re.findall(r"lop3\.b32 w\d, \$1, r, (0x[0-9A-Fa-f]+), 0xE4;", ptx)]
+    shifts = {int(h): int(d) for h, d in re.findall(r"shf\.l\.wrap\.b32 h(\d), w\d, w\d, (\d+);", ptx)}
+    sources = {int(h): int(w) for h, w in re.findall(r"h(\d), w(\d), w\d", ptx)}
+    sources[3] = int(re.search(r"and\.b32 h3, w(\d), ", ptx).group(1))
+    keep = {int(m, 16) for m in re.findall(r"and\.b32 h\d, \w+, (0x[0-9A-Fa-f]+);", ptx)}
+    assert len(masks) == 2 and len(keep) == 1
+    keep = keep.pop()
+
+    def rotl(w, d):
+        return ((w << d) | (w >> (32 - d))) & 0xFFFFFFFF if d % 32 else w
+
+    w = torch.arange(1 << 16, dtype=torch.int64)
+    w = w | (w.flip(0) << 16)  # every pair of bytes, other codes in the high half
+    r = rotl(w, 32 - rot)
+    merged = [(w & m) | (r & (~m & 0xFFFFFFFF)) for m in masks]
+    e2m1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0], dtype=torch.float64)
+
+    def value(code):
+        return torch.where(code >= 8, -e2m1[code & 7], e2m1[code & 7]) * 2.0**-14
+
+    def as_f16(bits):
+        b = (bits & 0xFFFF).to(torch.int32)
+        return torch.where(b >= 2**15, b - 2**16, b).to(torch.int16).view(torch.float16).double()
+
+    for p in range(4):
+        bits = rotl(merged[sources[p]], shifts.get(p, 0)) & keep
+        assert torch.equal(as_f16(bits), value((w >> (4 * p)) & 15)), p
+        assert torch.equal(as_f16(bits >> 16), value((w >> (16 + 4 * p)) & 15)), p
+
+
 @pytest.mark.parametrize("half", [False, True], ids=["f32", "f16"])
 def test_blockdot_decode_kernel(half):
     """The block-dot decode kernel (M <= 4): split-K, prefetch, ragged K, bias, fp16 activations,
