@@ -4,8 +4,9 @@ Why: at 64 rows the Triton kernels run at 0.44-1.1x bf16 and the 7B NVFP4 engine
 at 0.86x the bf16 engine (docs/kernels.md, "In short"), while 8 prompts x 8 samples is exactly
 that batch. Written on 2026-11-30 (session 6) after that session's device time was spent: it
 compiles with NVRTC for sm_90 and ``emulate`` checks its data movement on the CPU
-(tests/test_proto_cuda_gemm.py), but it has never run. ``python bench/proto_cuda_gemm.py`` on a
-GPU checks it against the reference and times it against bf16 and the dispatcher.
+(tests/test_proto_cuda_gemm.py), but it has never run. On a GPU, ``python bench/proto_cuda_gemm.py``
+checks it against the reference and times it against bf16 and the dispatcher at 1-64 rows, and
+``--engine`` times the 7B NVFP4 engine at batch 24-64 with and without it.
 
 Design (the CUDA decode kernel's MMA side, ``qerl_kit/kernels/nvfp4_decode_cuda.py``, with x
 shared through shared memory instead of read per lane):
@@ -350,9 +351,42 @@ def emulate(x: torch.Tensor, w: torch.Tensor, mt: int) -> torch.Tensor:
     return y[:M]
 
 
+def engine(model_name: str = "Qwen2.5-7B", batches=(24, 32, 64), new: int = 128) -> None:
+    """The 7B NVFP4 engine (fused decode step, CUDA graphs, LoRA r 32) with its 17..64-row
+    projections on the dispatcher and then on this kernel, in one run (``--engine``)."""
+    import bench_rollout as br
+
+    from qerl_kit import kernels
+
+    original = kernels.nvfp4_linear
+
+    def routed(x, packed, scales, global_scale, bias=None, backend=None):
+        if x.dim() == 2 and 17 <= x.shape[0] <= 64 and x.is_cuda and packed.shape[1] * 2 % K_STEP == 0:
+            return nvfp4_gemm_cuda(x, packed, scales, global_scale, bias)
+        return original(x, packed, scales, global_scale, bias, backend)
+
+    for name in ("nvfp4_gemm_m32", "nvfp4_gemm_m64"):  # compiled before any graph capture
+        nvrtc.compile_kernel(SOURCE, name, torch.cuda.current_device())
+    model = br.with_lora(br.build(model_name, "nvfp4", "cuda"), 32)
+    print(f"| {model_name} batch | dispatcher ms/step | this kernel ms/step |")
+    print("|---:|---:|---:|")
+    try:
+        for batch in batches:
+            prompts = br.random_prompts(batch, 256, 152064)
+            ms = []
+            for fn in (original, routed):
+                kernels.nvfp4_linear = fn  # the fused step looks it up at every call
+                ms.append(br.engine_run(model, prompts, new)["ms_per_step"])
+            print(f"| {batch} | {ms[0]:.2f} | {ms[1]:.2f} |", flush=True)
+    finally:
+        kernels.nvfp4_linear = original
+
+
 def main() -> None:
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    if "--engine" in sys.argv:
+        return engine()
     from bench_nvfp4_gemm import copies_for, random_nvfp4, time_graph
 
     from qerl_kit.kernels import nvfp4_linear
