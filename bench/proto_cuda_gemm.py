@@ -6,7 +6,8 @@ that batch. Written on 2026-11-30 (session 6) after that session's device time w
 compiles with NVRTC for sm_90 and ``emulate`` checks its data movement on the CPU
 (tests/test_proto_cuda_gemm.py), but it has never run. On a GPU, ``python bench/proto_cuda_gemm.py``
 checks it against the reference and times it against bf16 and the dispatcher at 1-64 rows, and
-``--engine`` times the 7B NVFP4 engine at batch 24-64 with and without it.
+``--sweep`` adds other K splits at 32 and 64 rows, ``--engine`` times the 7B NVFP4 engine at
+batch 24-64 with and without it.
 
 Design (the CUDA decode kernel's MMA side, ``qerl_kit/kernels/nvfp4_decode_cuda.py``, with x
 shared through shared memory instead of read per lane):
@@ -392,6 +393,7 @@ def main() -> None:
     from qerl_kit.kernels import nvfp4_linear
     from qerl_kit.kernels.reference import nvfp4_linear_ref
 
+    sweep = "--sweep" in sys.argv
     torch.manual_seed(0)
     shapes = [(4608, 3584), (3584, 3584), (37888, 3584), (3584, 18944), (55296, 5120), (8192, 29568)]
     print("| N x K | M | ips | rel err | cuda us | dispatch us | bf16 us | cuda x bf16 | dispatch x bf16 |")
@@ -411,6 +413,11 @@ def main() -> None:
             ips = config(m, n, k)[1]
             print(f"| {n} x {k} | {m} | {ips} | {err:.1e} | {t_cuda * 1e6:.1f} | {t_disp * 1e6:.1f} | "
                   f"{t_bf * 1e6:.1f} | {t_bf / t_cuda:.2f} | {t_bf / t_disp:.2f} |", flush=True)
+            if sweep and m in (32, 64):  # other K splits: slices of 1..16
+                steps = k // K_STEP
+                for other in sorted({-(-steps // sl) for sl in (1, 2, 3, 4, 6, 8, 12, 16)} - {ips}):
+                    t = time_graph([lambda w=w: nvfp4_gemm_cuda(x, *w, ips=other) for w in weights])
+                    print(f"| {n} x {k} | {m} | {other} | | {t * 1e6:.1f} | | | {t_bf / t:.2f} | |", flush=True)
         del weights, dense
         torch.cuda.empty_cache()
 
