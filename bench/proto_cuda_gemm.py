@@ -25,8 +25,8 @@ shared through shared memory instead of read per lane):
   bit 2 of the row so that both the staging stores and the ``ldmatrix`` reads are free of bank
   conflicts. One ``ldmatrix.x4`` gives the B fragments of two x tiles. The x traffic from L2 per
   K step is 8 * MT rows x 256 bytes against 256 rows x 64 bytes of weights, equal at 64 rows.
-* Split K and the epilogue as in the decode kernel (float32 partials, the last block of a tile
-  sums them in slice order, one launch, CUDA-graph safe with counters allocated once).
+* Split K and the epilogue are the decode kernel's (``store_y``: float32 partials, the last block
+  of a tile sums them in slice order; one launch, CUDA-graph safe with counters allocated once).
 
 Expected ceiling (not measured): 128 flops per weight at 64 rows; at ~2/3 of the bf16 GEMM's
 780 TFLOP/s that is ~20 weights per clock per SM, ~2x the bf16 matmul at 64 rows.
@@ -46,7 +46,8 @@ K_STEP = 128
 ROWS_PER_BLOCK = 256
 THREADS = 256
 
-# The decode kernel's device helpers (bit placement, scale conversion, loads, mma), reused as is.
+# The decode kernel's device helpers (bit placement, scale conversion, loads, mma, the split-K
+# epilogue store_y, the ARGS/CALL parameter lists), reused as is.
 _HELPERS = dec.SOURCE[:dec.SOURCE.index("// One K step's weights")]
 
 SOURCE = _HELPERS + r"""
@@ -147,14 +148,8 @@ __device__ __forceinline__ void compute(const Step1& st, float (&c)[2][MT][4], u
 
 // y[M, N] = x[M, K] @ W^T (+ bias), M <= 8 * MT; grid (ceil(N / 256), K slices of `ips` steps).
 template <int MT>
-__device__ __forceinline__ void gemm(const u16* __restrict__ x, int M, int ldx,
-                                     const unsigned char* __restrict__ q, int ldq,
-                                     const unsigned char* __restrict__ sc, int lds,
-                                     const float* __restrict__ gsp, const u16* __restrict__ bias, int has_bias,
-                                     u16* __restrict__ y, int ldy, float* __restrict__ ws, int* __restrict__ counters,
-                                     int N, int K, int ips) {
+__device__ __forceinline__ void gemm(ARGS) {
     extern __shared__ uint4 smem[];
-    __shared__ int ticket;
     u32* stages = reinterpret_cast<u32*>(smem);
     const int stage_words = 8 * 8 * MT * 8;  // 8 chunks x 8 MT rows x 32 bytes
     const u32 smem_addr = (u32)__cvta_generic_to_shared(stages);
@@ -190,57 +185,11 @@ __device__ __forceinline__ void gemm(const u16* __restrict__ x, int M, int ldx,
         cur = nxt;
     }
 
-    if (gridDim.y == 1) {
-        #pragma unroll
-        for (int nt = 0; nt < 2; nt++)
-            #pragma unroll
-            for (int mt = 0; mt < MT; mt++)
-                #pragma unroll
-                for (int e = 0; e < 4; e++) {
-                    const int n = row + 16 * nt + 8 * (e >> 1), m = 8 * mt + 2 * t + (e & 1);
-                    if (n < N && m < M) {
-                        float v = c[nt][mt][e] * 1073741824.0f / gsp[0];
-                        if (has_bias) v += __uint_as_float((u32)bias[n] << 16);
-                        y[(size_t)m * ldy + n] = to_bf16(v);
-                    }
-                }
-        return;
-    }
-    float* part = ws + (size_t)blockIdx.y * M * N;
-    #pragma unroll
-    for (int nt = 0; nt < 2; nt++)
-        #pragma unroll
-        for (int mt = 0; mt < MT; mt++)
-            #pragma unroll
-            for (int e = 0; e < 4; e++) {
-                const int n = row + 16 * nt + 8 * (e >> 1), m = 8 * mt + 2 * t + (e & 1);
-                if (n < N && m < M) part[(size_t)m * N + n] = c[nt][mt][e];
-            }
-    __threadfence();
-    __syncthreads();
-    if (threadIdx.x == 0) ticket = atomicAdd(counters + blockIdx.x, 1);
-    __syncthreads();
-    if (ticket != (int)gridDim.y - 1) return;
-    if (threadIdx.x == 0) counters[blockIdx.x] = 0;
-    __threadfence();
-    const int width = min(256, N - tile0);
-    for (int e = threadIdx.x; e < M * width; e += blockDim.x) {
-        const int m = e / width, n = tile0 + e % width;
-        float v = 0.f;
-        for (int sl = 0; sl < (int)gridDim.y; sl++) v += __ldcg(ws + ((size_t)sl * M + m) * N + n);
-        v = v * 1073741824.0f / gsp[0];
-        if (has_bias) v += __uint_as_float((u32)bias[n] << 16);
-        y[(size_t)m * ldy + n] = to_bf16(v);
-    }
+    store_y<2, MT>(c, row, t, tile0, 256, M, N, gsp, bias, has_bias, y, ldy, ws, counters);
 }
 
-#define GARGS const u16* __restrict__ x, int M, int ldx, const unsigned char* __restrict__ q, int ldq, \
-              const unsigned char* __restrict__ sc, int lds, const float* __restrict__ gsp, \
-              const u16* __restrict__ bias, int has_bias, u16* __restrict__ y, int ldy, float* __restrict__ ws, \
-              int* __restrict__ counters, int N, int K, int ips
-#define GCALL x, M, ldx, q, ldq, sc, lds, gsp, bias, has_bias, y, ldy, ws, counters, N, K, ips
-extern "C" __global__ void __launch_bounds__(256) nvfp4_gemm_m32(GARGS) { gemm<4>(GCALL); }
-extern "C" __global__ void __launch_bounds__(256) nvfp4_gemm_m64(GARGS) { gemm<8>(GCALL); }
+extern "C" __global__ void __launch_bounds__(256) nvfp4_gemm_m32(ARGS) { gemm<4>(CALL); }
+extern "C" __global__ void __launch_bounds__(256) nvfp4_gemm_m64(ARGS) { gemm<8>(CALL); }
 """.replace("THREADS_", str(THREADS))
 
 

@@ -138,6 +138,66 @@ __device__ __forceinline__ u16 to_bf16(float f) {
     return d;
 }
 
+// The end of a kernel: this thread's accumulators c (rows row + 16 nt + 8 (e >> 1), x rows
+// 8 mt + 2t + (e & 1)) to bf16 y with the global scale and the bias; with several K slices
+// (gridDim.y > 1) through float32 partials in ws [slices, M, N], the last block to arrive at its
+// tile of block_rows rows (an int32 counter, reset by that block) summing them in slice order.
+template <int NT, int MT>
+__device__ __forceinline__ void store_y(const float (&c)[NT][MT][4], int row, int t, int tile0, int block_rows,
+                                        int M, int N, const float* __restrict__ gsp, const u16* __restrict__ bias,
+                                        int has_bias, u16* __restrict__ y, int ldy, float* __restrict__ ws,
+                                        int* __restrict__ counters) {
+    __shared__ int ticket;
+    if (gridDim.y == 1) {
+        #pragma unroll
+        for (int nt = 0; nt < NT; nt++)
+            #pragma unroll
+            for (int mt = 0; mt < MT; mt++)
+                #pragma unroll
+                for (int e = 0; e < 4; e++) {
+                    const int n = row + 16 * nt + 8 * (e >> 1), m = 8 * mt + 2 * t + (e & 1);
+                    if (n < N && m < M) {
+                        float v = c[nt][mt][e] * 1073741824.0f / gsp[0];
+                        if (has_bias) v += __uint_as_float((u32)bias[n] << 16);
+                        y[(size_t)m * ldy + n] = to_bf16(v);
+                    }
+                }
+        return;
+    }
+    float* part = ws + (size_t)blockIdx.y * M * N;
+    #pragma unroll
+    for (int nt = 0; nt < NT; nt++)
+        #pragma unroll
+        for (int mt = 0; mt < MT; mt++)
+            #pragma unroll
+            for (int e = 0; e < 4; e++) {
+                const int n = row + 16 * nt + 8 * (e >> 1), m = 8 * mt + 2 * t + (e & 1);
+                if (n < N && m < M) part[(size_t)m * N + n] = c[nt][mt][e];
+            }
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) ticket = atomicAdd(counters + blockIdx.x, 1);
+    __syncthreads();
+    if (ticket != (int)gridDim.y - 1) return;
+    if (threadIdx.x == 0) counters[blockIdx.x] = 0;       // ready for the next call
+    __threadfence();
+    const int width = min(block_rows, N - tile0);
+    for (int e = threadIdx.x; e < M * width; e += blockDim.x) {
+        const int m = e / width, n = tile0 + e % width;
+        float v = 0.f;
+        for (int s = 0; s < (int)gridDim.y; s++) v += __ldcg(ws + ((size_t)s * M + m) * N + n);
+        v = v * 1073741824.0f / gsp[0];
+        if (has_bias) v += __uint_as_float((u32)bias[n] << 16);
+        y[(size_t)m * ldy + n] = to_bf16(v);
+    }
+}
+
+#define ARGS const u16* __restrict__ x, int M, int ldx, const unsigned char* __restrict__ q, int ldq, \
+             const unsigned char* __restrict__ sc, int lds, const float* __restrict__ gsp, \
+             const u16* __restrict__ bias, int has_bias, u16* __restrict__ y, int ldy, float* __restrict__ ws, \
+             int* __restrict__ counters, int N, int K, int ips
+#define CALL x, M, ldx, q, ldq, sc, lds, gsp, bias, has_bias, y, ldy, ws, counters, N, K, ips
+
 // One K step's weights for one lane: rows g and g+8 of NT tiles, two 16-byte pieces each.
 template <int NT> struct Step { uint4 q[NT][2][2]; u32 s[NT][2][2]; };
 
@@ -215,13 +275,7 @@ __device__ __forceinline__ void compute_step(const Step<NT>& st, float (&c)[NT][
 // y[M, N] (bf16, row stride ldy) = x[M, K] @ W^T (+ bias). Block: 4 warps, each 16 * NT weight rows;
 // grid (ceil(N / (64 * NT)), K slices of `ips` steps). ws: float32 [slices, M, N] when slices > 1.
 template <int MT, int NT>
-__device__ __forceinline__ void decode(const u16* __restrict__ x, int M, int ldx,
-                                       const unsigned char* __restrict__ q, int ldq,
-                                       const unsigned char* __restrict__ sc, int lds,
-                                       const float* __restrict__ gsp, const u16* __restrict__ bias, int has_bias,
-                                       u16* __restrict__ y, int ldy, float* __restrict__ ws, int* __restrict__ counters,
-                                       int N, int K, int ips) {
-    __shared__ int ticket;
+__device__ __forceinline__ void decode(ARGS) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int g = lane >> 2, t = lane & 3;
     const int steps = (K + 255) / 256;
@@ -247,55 +301,9 @@ __device__ __forceinline__ void decode(const u16* __restrict__ x, int M, int ldx
         }
     }
 
-    if (gridDim.y == 1) {
-        #pragma unroll
-        for (int nt = 0; nt < NT; nt++)
-            #pragma unroll
-            for (int mt = 0; mt < MT; mt++)
-                #pragma unroll
-                for (int e = 0; e < 4; e++) {
-                    const int n = row + 16 * nt + 8 * (e >> 1), m = 8 * mt + 2 * t + (e & 1);
-                    if (n < N && m < M) {
-                        float v = c[nt][mt][e] * 1073741824.0f / gsp[0];
-                        if (has_bias) v += __uint_as_float((u32)bias[n] << 16);
-                        y[(size_t)m * ldy + n] = to_bf16(v);
-                    }
-                }
-        return;
-    }
-    float* part = ws + (size_t)blockIdx.y * M * N;
-    #pragma unroll
-    for (int nt = 0; nt < NT; nt++)
-        #pragma unroll
-        for (int mt = 0; mt < MT; mt++)
-            #pragma unroll
-            for (int e = 0; e < 4; e++) {
-                const int n = row + 16 * nt + 8 * (e >> 1), m = 8 * mt + 2 * t + (e & 1);
-                if (n < N && m < M) part[(size_t)m * N + n] = c[nt][mt][e];
-            }
-    __threadfence();
-    __syncthreads();
-    if (threadIdx.x == 0) ticket = atomicAdd(counters + blockIdx.x, 1);
-    __syncthreads();
-    if (ticket != (int)gridDim.y - 1) return;
-    if (threadIdx.x == 0) counters[blockIdx.x] = 0;       // ready for the next call
-    __threadfence();
-    const int width = min(64 * NT, N - tile0);
-    for (int e = threadIdx.x; e < M * width; e += blockDim.x) {
-        const int m = e / width, n = tile0 + e % width;
-        float v = 0.f;
-        for (int s = 0; s < (int)gridDim.y; s++) v += __ldcg(ws + ((size_t)s * M + m) * N + n);
-        v = v * 1073741824.0f / gsp[0];
-        if (has_bias) v += __uint_as_float((u32)bias[n] << 16);
-        y[(size_t)m * ldy + n] = to_bf16(v);
-    }
+    store_y<NT, MT>(c, row, t, tile0, 64 * NT, M, N, gsp, bias, has_bias, y, ldy, ws, counters);
 }
 
-#define ARGS const u16* __restrict__ x, int M, int ldx, const unsigned char* __restrict__ q, int ldq, \
-             const unsigned char* __restrict__ sc, int lds, const float* __restrict__ gsp, \
-             const u16* __restrict__ bias, int has_bias, u16* __restrict__ y, int ldy, float* __restrict__ ws, \
-             int* __restrict__ counters, int N, int K, int ips
-#define CALL x, M, ldx, q, ldq, sc, lds, gsp, bias, has_bias, y, ldy, ws, counters, N, K, ips
 extern "C" __global__ void QK_BOUNDS nvfp4_decode_m8_n1(ARGS) { decode<1, 1>(CALL); }
 extern "C" __global__ void QK_BOUNDS nvfp4_decode_m8_n2(ARGS) { decode<1, 2>(CALL); }
 extern "C" __global__ void QK_BOUNDS nvfp4_decode_m16_n1(ARGS) { decode<2, 1>(CALL); }
