@@ -128,3 +128,17 @@ def resolve(x: torch.Tensor, backend: "Backend | str | None" = None) -> Backend:
     if x.dtype not in KERNEL_DTYPES:
         raise TypeError(f"the NVFP4 Triton kernels take bfloat16 or float16 activations; got {x.dtype}")
     return Backend.TRITON
+
+
+def register_linear_op(name: str, launcher):
+    """``torch.ops.qerl_kit.<name>(x, packed, scales, global_scale, bias=None) -> y [M, N]`` around a
+    kernel launcher, with the fake (shape-only) implementation torch.compile and graph capture need."""
+
+    def op(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, global_scale: torch.Tensor,
+           bias: torch.Tensor | None = None) -> torch.Tensor:
+        return launcher(x, packed, scales, global_scale, bias)
+
+    op.__name__ = f"{name}_op"
+    custom = torch.library.custom_op(f"qerl_kit::{name}", op, mutates_args=())
+    custom.register_fake(lambda x, packed, scales, global_scale, bias=None: x.new_empty((x.shape[0], packed.shape[0])))
+    return custom

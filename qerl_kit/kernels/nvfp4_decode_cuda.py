@@ -44,6 +44,7 @@ import math
 import torch
 
 from qerl_kit.kernels import nvrtc
+from qerl_kit.kernels.backend import register_linear_op
 
 MAX_M = 16
 K_STEP = 256  # codes per row per loop iteration (4 lanes x 2 pieces x 32 codes)
@@ -398,12 +399,4 @@ def _launch(kernel, x, packed, scales, global_scale, bias, y, ws, nt, ips, slice
            stream=torch.cuda.current_stream(x.device))
 
 
-@torch.library.custom_op("qerl_kit::nvfp4_decode_cuda", mutates_args=())
-def nvfp4_decode_cuda_op(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor,
-                         global_scale: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    return nvfp4_decode_cuda(x, packed, scales, global_scale, bias)
-
-
-@nvfp4_decode_cuda_op.register_fake
-def _(x, packed, scales, global_scale, bias=None):
-    return x.new_empty((x.shape[0], packed.shape[0]))
+nvfp4_decode_cuda_op = register_linear_op("nvfp4_decode_cuda", nvfp4_decode_cuda)

@@ -50,6 +50,8 @@ import importlib.util
 
 import torch
 
+from qerl_kit.kernels.backend import register_linear_op
+
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 
 if HAS_TRITON:
@@ -439,12 +441,4 @@ def _fused_gemm(x, packed, scales, global_scale, bias, config, **options):
 
 # -- registration: torch.ops.qerl_kit.nvfp4_gemm (torch.compile / CUDA-graph friendly) ---------
 
-@torch.library.custom_op("qerl_kit::nvfp4_gemm", mutates_args=())
-def nvfp4_gemm_op(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor,
-                  global_scale: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    return nvfp4_gemm(x, packed, scales, global_scale, bias)
-
-
-@nvfp4_gemm_op.register_fake
-def _(x, packed, scales, global_scale, bias=None):
-    return x.new_empty((x.shape[0], packed.shape[0]))
+nvfp4_gemm_op = register_linear_op("nvfp4_gemm", nvfp4_gemm)

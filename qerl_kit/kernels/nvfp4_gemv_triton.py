@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import torch
 
+from qerl_kit.kernels.backend import register_linear_op
 from qerl_kit.kernels.nvfp4_gemm_triton import (HAS_TRITON, check_nvfp4_operands, launch_options,
                                                 m_bucket)
 
@@ -615,12 +616,4 @@ def nvfp4_gemv(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor,
     return y.to(x.dtype)
 
 
-@torch.library.custom_op("qerl_kit::nvfp4_gemv", mutates_args=())
-def nvfp4_gemv_op(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor,
-                  global_scale: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    return nvfp4_gemv(x, packed, scales, global_scale, bias)
-
-
-@nvfp4_gemv_op.register_fake
-def _(x, packed, scales, global_scale, bias=None):
-    return x.new_empty((x.shape[0], packed.shape[0]))
+nvfp4_gemv_op = register_linear_op("nvfp4_gemv", nvfp4_gemv)
