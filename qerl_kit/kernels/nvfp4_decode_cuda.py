@@ -14,11 +14,12 @@ as everything else (``packed`` uint8 [N, K/2], ``scales`` e4m3 [N, K/16], ``glob
   8 rows of x its N side (one tile up to 8 rows, two up to 16).
 * **Exact dequantization by bit placement.** A code's sign goes to bit 15 and its three magnitude
   bits to bits 8..6 of a bf16, which reads as ``e2m1 * 2^-126`` (codes 0 and 0.5 as subnormals;
-  10 integer instructions per word of 8 codes, see ``pair``). The block scale's byte is placed into a float32 (``s * 2^-120``, exact for every E4M3 value),
-  multiplied by ``2^216`` and rounded to bf16 (exact: 4 significant bits). One ``fma.rn.bf16x2``
-  gives ``e2m1 * s * 2^-30``, exact (at most 6 significant bits, always a normal bf16), and the
-  float32 accumulator is multiplied by ``2^30 / global_scale`` once at the end. So every product
-  the tensor cores see is the NVFP4 weight exactly, up to the one global factor.
+  10 integer instructions per word of 8 codes, see ``pair``). The block scale's byte is placed
+  into a float32 (``s * 2^-120``, exact for every E4M3 value), multiplied by ``2^216`` and rounded
+  to bf16 (exact: 4 significant bits). One ``fma.rn.bf16x2`` gives ``e2m1 * s * 2^-30``, exact
+  (at most 6 significant bits, always a normal bf16), and the float32 accumulator is multiplied
+  by ``2^30 / global_scale`` once at the end. So every product the tensor cores see is the NVFP4
+  weight exactly, up to the one global factor.
 * **Split-K without atomics on y.** Slices of K write float32 partials; the last block to
   arrive at a tile (an int32 counter per tile, reset by that block) sums them in slice order
   (deterministic), applies the global scale and the bias, and writes bf16 y. One launch, no
@@ -32,8 +33,8 @@ activations, ``K % 128 == 0``, ``N % 16 == 0``, 16-byte aligned rows; others go 
 The dispatcher (``qerl_kit.kernels.nvfp4_linear``, auto backend) sends it the 1-8 row calls where
 it beat Triton on the H200 (``preferred``). It reaches 2-2.5x bf16 on the largest layers at one
 row (68% of the copy bandwidth on 72B gate_up), where its weight loads alone would stream at up to
-97% of it: the compute is not hidden behind the stream (bench/results/cuda_decode_ablation_h200.md times it with stages left out,
-``QK_ABLATE``; docs/kernels.md says what would go further).
+97% of it: the compute is not hidden behind the stream (bench/results/cuda_decode_ablation_h200.md
+times it with stages left out, ``QK_ABLATE``; docs/kernels.md says what would go further).
 """
 
 from __future__ import annotations
