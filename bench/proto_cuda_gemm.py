@@ -1,13 +1,17 @@
-"""Prototype, NOT YET RUN ON A GPU: an NVFP4 CUDA kernel for 17..64 rows (GRPO's rollout batch).
+"""Prototype, measured and NOT wired in: an NVFP4 CUDA kernel (mma.sync) for 17..64 rows.
 
-Why: at 64 rows the Triton kernels run at 0.44-1.1x bf16 and the 7B NVFP4 engine decodes batch 64
-at 0.86x the bf16 engine (docs/kernels.md, "In short"), while 8 prompts x 8 samples is exactly
-that batch. Written on 2026-11-30 (session 6) after that session's device time was spent: it
-compiles with NVRTC for sm_90 and ``emulate`` checks its data movement on the CPU
-(tests/test_proto_cuda_gemm.py), but it has never run. On a GPU, ``python bench/proto_cuda_gemm.py``
-checks it against the reference and times it against bf16 and the dispatcher at 1-64 rows, and
-``--sweep`` adds other K splits at 32 and 64 rows, ``--engine`` times the 7B NVFP4 engine at
-batch 24-64 with and without it.
+Why it was tried: at 64 rows the Triton kernels run at 0.44-1.1x bf16 and the 7B NVFP4 engine
+decodes batch 64 at 0.86x the bf16 engine (docs/kernels.md, "In short"), while 8 prompts x 8
+samples is exactly that batch. Written in session 6 without a GPU, run and revised in session 7
+(2026-11-30): it is correct, but slower than the dispatcher except on the two largest layers at
+17-32 rows; its time is per weight (dequantization and ldmatrix latency that 8-16 warps per SM
+do not hide, pipeline depth made no difference), so it stays here as a measured negative result
+(bench/results/proto_cuda_gemm_h200.md, which also says what a kernel that wins would need).
+
+On a GPU: ``python bench/proto_cuda_gemm.py`` checks it against the reference and times it
+against bf16 and the dispatcher at 1-64 rows; ``--sweep`` adds the other pipeline depths and K
+splits at 32 and 64 rows; ``--check`` runs every compiled variant against the reference at small
+shapes; ``--engine`` times the 7B NVFP4 engine at batch 24-64 with and without it.
 
 Design (the CUDA decode kernel's MMA side, ``qerl_kit/kernels/nvfp4_decode_cuda.py``, with x
 shared through shared memory instead of read per lane):
@@ -15,21 +19,22 @@ shared through shared memory instead of read per lane):
 * Block of 8 warps over 256 weight rows (each warp two 16-row tiles, lanes holding rows g and
   g + 8 as in the decode kernel); the product is transposed, ``y^T = W x^T``, with 4 or 8 tiles of
   8 x rows on the MMA's N side (``MT``: up to 32 or 64 rows). K steps of 128 codes.
-* Weights: each lane streams its 16-byte runs of ``packed`` (32 codes of rows g and g + 8) and
-  their two scale bytes from global memory into registers, one step ahead, and dequantizes them
-  exactly as the decode kernel does (the same K permutation: word i of a lane gives codes
-  (0, 4), (1, 5) to one m16n8k16 step and (2, 6), (3, 7) to the next).
+* Weights: each warp copies its 32 rows' codes and scale bytes of a K step into its own
+  shared-memory stage with ``cp.async``, STAGES - 1 steps ahead (2, 3, 4 or 6 stages compiled),
+  then each lane reads its 16-byte run (32 codes of rows g and g + 8) and two scale bytes and
+  dequantizes them exactly as the decode kernel does (the same K permutation: word i of a lane
+  gives codes (0, 4), (1, 5) to one m16n8k16 step and (2, 6), (3, 7) to the next). The first
+  version loaded them one step ahead into registers; it was as fast.
 * x: every K step, the block stages x [8 * MT rows, 128] once into shared memory (two stages,
   one barrier per step), already permuted into that K order: chunk c = 2i + h holds, for each x
   row, the 16 logical k of MMA step (i, h); the 16-byte halves of a row are XOR-swizzled by
   bit 2 of the row so that both the staging stores and the ``ldmatrix`` reads are free of bank
   conflicts. One ``ldmatrix.x4`` gives the B fragments of two x tiles. The x traffic from L2 per
   K step is 8 * MT rows x 256 bytes against 256 rows x 64 bytes of weights, equal at 64 rows.
-* Split K and the epilogue are the decode kernel's (``store_y``: float32 partials, the last block
-  of a tile sums them in slice order; one launch, CUDA-graph safe with counters allocated once).
-
-Expected ceiling (not measured): 128 flops per weight at 64 rows; at ~2/3 of the bf16 GEMM's
-780 TFLOP/s that is ~20 weights per clock per SM, ~2x the bf16 matmul at 64 rows.
+* Split K: float32 partials, the last block of a tile sums them in slice order, 4 columns per
+  load and 8 loads in flight per thread (``store_tile``; the decode kernel's ``store_y`` reads one
+  float at a time, which made the first version's epilogue half its time at 32 rows). One
+  launch, CUDA-graph safe with counters allocated once.
 """
 
 from __future__ import annotations
@@ -62,23 +67,33 @@ __device__ __forceinline__ int xword(int c, int m, int k) {
     return (c * 8 * MT + m) * 8 + ((((k >> 3) ^ (m >> 2)) & 1) << 2) + ((k & 7) >> 1);
 }
 
-struct Step1 { uint4 q[2][2]; u32 s[2][2]; };  // tiles x rows (g, g + 8): 32 codes, 2 scale bytes
+// Weights go through shared memory with cp.async, STAGES - 1 K steps ahead, each warp its own
+// 32 rows (no block barrier for them): a warp's stage is 32 rows x 64 code bytes, then 32 rows x
+// 8 scale bytes. Local row 16 nt + 8 r + g is the lane's row g (r = 0) or g + 8 (r = 1) of tile nt.
+constexpr int WARP_STAGE = 32 * 64 + 32 * 8;
 
-__device__ __forceinline__ void load_w(Step1& st, const unsigned char* q, int ldq, const unsigned char* sc,
-                                       int lds, int row, int N, int it, int t) {
+__device__ __forceinline__ void cp_async16(u32 dst, const void* src, int bytes) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" :: "r"(dst), "l"(src), "r"(bytes));
+}
+__device__ __forceinline__ void cp_async8(u32 dst, const void* src, int bytes) {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 8, %2;" :: "r"(dst), "l"(src), "r"(bytes));
+}
+__device__ __forceinline__ void cp_commit() { asm volatile("cp.async.commit_group;"); }
+template <int PENDING> __device__ __forceinline__ void cp_wait() {
+    asm volatile("cp.async.wait_group %0;" :: "n"(PENDING));
+}
+
+// This warp's rows row0..row0+31 of K step `it` into its stage at shared address `dst`; rows
+// past N are zero-filled (source size 0).
+__device__ __forceinline__ void load_w(u32 dst, const unsigned char* q, int ldq, const unsigned char* sc, int lds,
+                                       int row0, int N, int it, int lane) {
     #pragma unroll
-    for (int nt = 0; nt < 2; nt++)
-        #pragma unroll
-        for (int r = 0; r < 2; r++) {
-            const int n = row + 16 * nt + 8 * r;
-            if (n < N) {
-                st.q[nt][r] = ld_stream(q + (size_t)n * ldq + it * 64 + 16 * t);
-                st.s[nt][r] = ld_u16(sc + (size_t)n * lds + it * 8 + 2 * t);
-            } else {
-                st.q[nt][r] = make_uint4(0, 0, 0, 0);
-                st.s[nt][r] = 0;
-            }
-        }
+    for (int j = 0; j < 4; j++) {
+        const int c = lane + 32 * j, r = c >> 2, p = c & 3, n = row0 + r;
+        cp_async16(dst + r * 64 + 16 * p, q + (size_t)(n < N ? n : 0) * ldq + it * 64 + 16 * p, n < N ? 16 : 0);
+    }
+    const int n = row0 + lane;
+    cp_async8(dst + 32 * 64 + lane * 8, sc + (size_t)(n < N ? n : 0) * lds + it * 8, n < N ? 8 : 0);
 }
 
 // This thread's share of x for K step `it`: 16-byte runs u = tid + 256 j of the [8 MT, 128] tile,
@@ -109,14 +124,19 @@ __device__ __forceinline__ void store_x(const uint4 (&xs)[MT / 2], u32* stage) {
 }
 
 template <int MT>
-__device__ __forceinline__ void compute(const Step1& st, float (&c)[2][MT][4], u32 stage_addr, int lane, int g) {
+__device__ __forceinline__ void compute(const unsigned char* wst, float (&c)[2][MT][4], u32 stage_addr, int lane,
+                                        int g, int t) {
+    uint4 qw[2][2];
     u32 s[2][2][2];  // tile, row (g, g + 8), words 0-1 / 2-3
     #pragma unroll
     for (int nt = 0; nt < 2; nt++)
         #pragma unroll
         for (int r = 0; r < 2; r++) {
-            s[nt][r][0] = scale_bf16x2(st.s[nt][r]);
-            s[nt][r][1] = scale_bf16x2(st.s[nt][r] >> 8);
+            const int lr = 16 * nt + 8 * r + g;
+            qw[nt][r] = *reinterpret_cast<const uint4*>(wst + lr * 64 + 16 * t);
+            const u32 sb = *reinterpret_cast<const u16*>(wst + 32 * 64 + lr * 8 + 2 * t);
+            s[nt][r][0] = scale_bf16x2(sb);
+            s[nt][r][1] = scale_bf16x2(sb >> 8);
         }
     const int lm = lane & 7, lq = lane >> 3;  // ldmatrix: this lane's row within matrix lq
     #pragma unroll
@@ -133,7 +153,7 @@ __device__ __forceinline__ void compute(const Step1& st, float (&c)[2][MT][4], u
             }
             #pragma unroll
             for (int nt = 0; nt < 2; nt++) {
-                const uint4 qg = st.q[nt][0], qh = st.q[nt][1];
+                const uint4 qg = qw[nt][0], qh = qw[nt][1];
                 const u32 wg = i == 0 ? qg.x : i == 1 ? qg.y : i == 2 ? qg.z : qg.w;
                 const u32 wh = i == 0 ? qh.x : i == 1 ? qh.y : i == 2 ? qh.z : qh.w;
                 const u32 s0 = s[nt][0][i >> 1], s1 = s[nt][1][i >> 1];
@@ -146,8 +166,76 @@ __device__ __forceinline__ void compute(const Step1& st, float (&c)[2][MT][4], u
     }
 }
 
-// y[M, N] = x[M, K] @ W^T (+ bias), M <= 8 * MT; grid (ceil(N / 256), K slices of `ips` steps).
+// The split-K epilogue for 256-row tiles at up to 64 rows: float32 partials, then the last block
+// of a tile sums them in slice order, 4 columns per load and 8 loads in flight per thread (the
+// decode kernel's store_y reads one float at a time, which is fine for its <= 16 rows and 64-128
+// columns and far too slow for 64 rows x 256).
 template <int MT>
+__device__ __forceinline__ void store_tile(const float (&c)[2][MT][4], int row, int t, int tile0, int M, int N,
+                                           const float* __restrict__ gsp, const u16* __restrict__ bias,
+                                           int has_bias, u16* __restrict__ y, int ldy, float* __restrict__ ws,
+                                           int* __restrict__ counters) {
+    __shared__ int ticket;
+    if (gridDim.y == 1) {
+        store_y<2, MT>(c, row, t, tile0, 256, M, N, gsp, bias, has_bias, y, ldy, ws, counters);
+        return;
+    }
+    float* part = ws + (size_t)blockIdx.y * M * N;
+    #pragma unroll
+    for (int nt = 0; nt < 2; nt++)
+        #pragma unroll
+        for (int mt = 0; mt < MT; mt++)
+            #pragma unroll
+            for (int e = 0; e < 4; e++) {
+                const int n = row + 16 * nt + 8 * (e >> 1), m = 8 * mt + 2 * t + (e & 1);
+                if (n < N && m < M) part[(size_t)m * N + n] = c[nt][mt][e];
+            }
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) ticket = atomicAdd(counters + blockIdx.x, 1);
+    __syncthreads();
+    if (ticket != (int)gridDim.y - 1) return;
+    if (threadIdx.x == 0) counters[blockIdx.x] = 0;       // ready for the next call
+    __threadfence();
+    const int w4 = min(256, N - tile0) >> 2, groups = M * w4;  // N % 16 == 0: whole groups of 4
+    const float gs = 1073741824.0f / gsp[0];
+    for (int e0 = threadIdx.x; e0 < groups; e0 += 8 * THREADS_) {
+        float4 v[8];
+        #pragma unroll
+        for (int j = 0; j < 8; j++) v[j] = make_float4(0.f, 0.f, 0.f, 0.f);
+        for (int s = 0; s < (int)gridDim.y; s++) {
+            #pragma unroll
+            for (int j = 0; j < 8; j++) {
+                const int e = e0 + j * THREADS_;
+                if (e < groups) {
+                    const int m = e / w4, n = tile0 + 4 * (e % w4);
+                    const float4 p = __ldcg(reinterpret_cast<const float4*>(ws + ((size_t)s * M + m) * N + n));
+                    v[j].x += p.x; v[j].y += p.y; v[j].z += p.z; v[j].w += p.w;
+                }
+            }
+        }
+        #pragma unroll
+        for (int j = 0; j < 8; j++) {
+            const int e = e0 + j * THREADS_;
+            if (e < groups) {
+                const int m = e / w4, n = tile0 + 4 * (e % w4);
+                float o[4] = {v[j].x * gs, v[j].y * gs, v[j].z * gs, v[j].w * gs};
+                u16 h[4];
+                #pragma unroll
+                for (int i = 0; i < 4; i++) {
+                    if (has_bias) o[i] += __uint_as_float((u32)bias[n + i] << 16);
+                    h[i] = to_bf16(o[i]);
+                }
+                *reinterpret_cast<uint2*>(y + (size_t)m * ldy + n) =
+                    make_uint2(h[0] | ((u32)h[1] << 16), h[2] | ((u32)h[3] << 16));
+            }
+        }
+    }
+}
+
+// y[M, N] = x[M, K] @ W^T (+ bias), M <= 8 * MT; grid (ceil(N / 256), K slices of `ips` steps).
+// Shared memory: two x stages, then STAGES weight stages of 8 warps.
+template <int MT, int STAGES>
 __device__ __forceinline__ void gemm(ARGS) {
     extern __shared__ uint4 smem[];
     u32* stages = reinterpret_cast<u32*>(smem);
@@ -158,7 +246,10 @@ __device__ __forceinline__ void gemm(ARGS) {
     const int steps = K / 128;
     const int it0 = blockIdx.y * ips, it1 = min(steps, it0 + ips);
     const int tile0 = blockIdx.x * 256;
-    const int row = tile0 + warp * 32 + g;
+    const int row0 = tile0 + warp * 32, row = row0 + g;
+    const int wbytes = 2 * stage_words * 4 + warp * WARP_STAGE;  // this warp's stage 0
+    const unsigned char* wsmem = reinterpret_cast<const unsigned char*>(smem) + wbytes;
+    const u32 waddr = smem_addr + wbytes;
 
     float c[2][MT][4];
     #pragma unroll
@@ -166,55 +257,75 @@ __device__ __forceinline__ void gemm(ARGS) {
         #pragma unroll
         for (int mt = 0; mt < MT; mt++) c[nt][mt][0] = c[nt][mt][1] = c[nt][mt][2] = c[nt][mt][3] = 0.f;
 
-    Step1 cur, nxt;
+    #pragma unroll
+    for (int s = 0; s < STAGES - 1; s++) {
+        if (it0 + s < it1) load_w(waddr + s * 8 * WARP_STAGE, q, ldq, sc, lds, row0, N, it0 + s, lane);
+        cp_commit();
+    }
     uint4 xs[MT / 2];
-    load_w(cur, q, ldq, sc, lds, row, N, it0, t);
     load_x<MT>(xs, x, M, ldx, it0);
     store_x<MT>(xs, stages);
     __syncthreads();
+    int ws_ = 0;  // weight stage of step it
     for (int it = it0; it < it1; it++) {
-        const int s = (it - it0) & 1;
+        const int xs_ = (it - it0) & 1;
         const bool more = it + 1 < it1;
-        if (more) {
-            load_w(nxt, q, ldq, sc, lds, row, N, it + 1, t);
-            load_x<MT>(xs, x, M, ldx, it + 1);
-        }
-        compute<MT>(cur, c, smem_addr + 4 * s * stage_words, lane, g);
-        if (more) store_x<MT>(xs, stages + (s ^ 1) * stage_words);
+        cp_wait<STAGES - 2>();  // step it's weights have landed
+        __syncwarp();
+        const int next = ws_ == 0 ? STAGES - 1 : ws_ - 1;  // the stage step it - 1 used
+        if (it + STAGES - 1 < it1) load_w(waddr + next * 8 * WARP_STAGE, q, ldq, sc, lds, row0, N, it + STAGES - 1, lane);
+        cp_commit();
+        if (more) load_x<MT>(xs, x, M, ldx, it + 1);
+        compute<MT>(wsmem + ws_ * 8 * WARP_STAGE, c, smem_addr + 4 * xs_ * stage_words, lane, g, t);
+        if (more) store_x<MT>(xs, stages + (xs_ ^ 1) * stage_words);
         __syncthreads();
-        cur = nxt;
+        ws_ = ws_ == STAGES - 1 ? 0 : ws_ + 1;
     }
 
-    store_y<2, MT>(c, row, t, tile0, 256, M, N, gsp, bias, has_bias, y, ldy, ws, counters);
+    store_tile<MT>(c, row, t, tile0, M, N, gsp, bias, has_bias, y, ldy, ws, counters);
 }
 
-extern "C" __global__ void __launch_bounds__(256) nvfp4_gemm_m32(ARGS) { gemm<4>(CALL); }
-extern "C" __global__ void __launch_bounds__(256) nvfp4_gemm_m64(ARGS) { gemm<8>(CALL); }
+#define KERNEL(MT, S, MINB) extern "C" __global__ void __launch_bounds__(256, MINB) \
+    nvfp4_gemm_m##MT##_s##S(ARGS) { gemm<MT / 8, S>(CALL); }
+KERNEL(32, 2, 2) KERNEL(32, 3, 2) KERNEL(32, 4, 2)
+KERNEL(64, 2, 1) KERNEL(64, 3, 1) KERNEL(64, 4, 1) KERNEL(64, 6, 1)
 """.replace("THREADS_", str(THREADS))
 
 
+WARP_STAGE = 32 * 64 + 32 * 8  # one warp's weights of one K step in shared memory: codes, scales
+STAGES = (2, 3, 4, 6)  # weight pipeline depths compiled (6 only for 64 rows)
+
+
 def config(m: int, n: int, k: int, sms: int = 132) -> tuple[int, int]:
-    """(x tiles MT, K steps per slice): one block per SM is what the registers allow (about 170 per
-    thread at MT = 8), so K is split until the grid covers the GPU about twice."""
+    """(x tiles MT, K steps per slice): MT = 4 runs two blocks per SM, MT = 8 one, so K is split
+    until the grid covers the GPU about once."""
     mt = 4 if m <= 32 else 8
     steps = k // K_STEP
     blocks_n = -(-n // ROWS_PER_BLOCK)
-    slices = max(1, min(steps, round(2 * sms / blocks_n)))
+    per_sm = 2 if mt == 4 else 1
+    slices = max(1, min(steps, (per_sm * sms) // blocks_n))
     return mt, -(-steps // slices)
 
 
-def shared_bytes(mt: int) -> int:
-    return 2 * 8 * (8 * mt) * 32
+def shared_bytes(mt: int, stages: int = 4) -> int:
+    return 2 * 8 * (8 * mt) * 32 + stages * 8 * WARP_STAGE
 
 
-def nvfp4_gemm_cuda(x, packed, scales, global_scale, bias=None, ips=None):
+def kernel_for(mt: int, stages: int, device: int):
+    kernel = nvrtc.compile_kernel(SOURCE, f"nvfp4_gemm_m{8 * mt}_s{stages}", device)
+    if shared_bytes(mt, stages) >= 48 * 1024:
+        kernel.set_shared_memory_config(shared_bytes(mt, stages))
+    return kernel
+
+
+def nvfp4_gemm_cuda(x, packed, scales, global_scale, bias=None, ips=None, stages=4):
     """y = x @ W^T (+ bias) for x [17..64, K] bf16 on the GPU (any 1..64 rows work)."""
     from qerl_kit.kernels.nvfp4_gemv_triton import _counters
 
     m, n, k = x.shape[0], packed.shape[0], packed.shape[1] * 2
     aligned = (x.stride(1) == 1 and x.stride(0) % 8 == 0 and x.data_ptr() % 16 == 0 and packed.stride(1) == 1
                and packed.stride(0) % 16 == 0 and packed.data_ptr() % 16 == 0 and scales.stride(1) == 1
-               and scales.stride(0) % 2 == 0)
+               and scales.stride(0) % 8 == 0 and scales.data_ptr() % 8 == 0)
     if not (x.is_cuda and x.dtype == torch.bfloat16 and 1 <= m <= 64 and k % K_STEP == 0 and n % 16 == 0
             and aligned):
         raise ValueError(f"proto_cuda_gemm: needs bf16 CUDA x with 1..64 rows, K % 128 == 0, N % 16 == 0 and "
@@ -225,8 +336,8 @@ def nvfp4_gemm_cuda(x, packed, scales, global_scale, bias=None, ips=None):
     y = torch.empty((m, n), dtype=torch.bfloat16, device=x.device)
     ws = torch.empty(slices * m * n if slices > 1 else 1, dtype=torch.float32, device=x.device)
     device = x.device.index if x.device.index is not None else torch.cuda.current_device()
-    kernel = nvrtc.compile_kernel(SOURCE, f"nvfp4_gemm_m{8 * mt}", device)
-    kernel(grid=(-(-n // ROWS_PER_BLOCK), slices, 1), block=(THREADS, 1, 1), shared_mem=shared_bytes(mt),
+    kernel = kernel_for(mt, stages, device)
+    kernel(grid=(-(-n // ROWS_PER_BLOCK), slices, 1), block=(THREADS, 1, 1), shared_mem=shared_bytes(mt, stages),
            args=[x, m, x.stride(0), packed, packed.stride(0), scales.view(torch.uint8), scales.stride(0),
                  global_scale, bias if bias is not None else y, int(bias is not None), y, y.stride(0), ws,
                  _counters(x.device), n, k, ips],
@@ -315,8 +426,8 @@ def engine(model_name: str = "Qwen2.5-7B", batches=(24, 32, 64), new: int = 128)
             return nvfp4_gemm_cuda(x, packed, scales, global_scale, bias)
         return original(x, packed, scales, global_scale, bias, backend)
 
-    for name in ("nvfp4_gemm_m32", "nvfp4_gemm_m64"):  # compiled before any graph capture
-        nvrtc.compile_kernel(SOURCE, name, torch.cuda.current_device())
+    for mt in (4, 8):  # compiled before any graph capture
+        kernel_for(mt, 4, torch.cuda.current_device())
     model = br.with_lora(br.build(model_name, "nvfp4", "cuda"), 32)
     print(f"| {model_name} batch | dispatcher ms/step | this kernel ms/step |")
     print("|---:|---:|---:|")
@@ -332,11 +443,42 @@ def engine(model_name: str = "Qwen2.5-7B", batches=(24, 32, 64), new: int = 128)
         kernels.nvfp4_linear = original
 
 
+def check() -> int:
+    """``--check``: every compiled pipeline depth against the reference at small shapes (partial
+    256-row tiles, 1..16 K steps, K splits of 1, 3 and all steps, with bias), and a second call
+    bit-identical to the first. Returns the number of failures."""
+    from bench_nvfp4_gemm import random_nvfp4
+
+    from qerl_kit.kernels.reference import nvfp4_linear_ref
+
+    torch.manual_seed(1)
+    bad = 0
+    for n, k in [(256, 128), (512, 256), (272, 1024), (1040, 2048)]:
+        w = random_nvfp4(n, k)
+        bias = torch.randn(n, device="cuda", dtype=torch.bfloat16)
+        for m in (1, 5, 17, 32, 33, 64):
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            ref = nvfp4_linear_ref(x.float(), *w, bias.float())
+            for stages in STAGES if m > 32 else STAGES[:3]:
+                for ips in (None, 1, 3, k // K_STEP):
+                    got = nvfp4_gemm_cuda(x, *w, bias, ips=ips, stages=stages)
+                    err = ((got.float() - ref).norm() / ref.norm()).item()
+                    same = torch.equal(got, nvfp4_gemm_cuda(x, *w, bias, ips=ips, stages=stages))
+                    if err > 1e-2 or not same:
+                        bad += 1
+                        print(f"FAIL N={n} K={k} M={m} stages={stages} ips={ips}: rel err {err:.1e}, "
+                              f"repeatable {same}", flush=True)
+    print(f"check: {bad} failures", flush=True)
+    return bad
+
+
 def main() -> None:
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     if "--engine" in sys.argv:
         return engine()
+    if "--check" in sys.argv:
+        sys.exit(1 if check() else 0)
     from bench_nvfp4_gemm import copies_for, random_nvfp4, time_graph
 
     from qerl_kit.kernels import nvfp4_linear
@@ -359,14 +501,19 @@ def main() -> None:
             t_cuda = time_graph([lambda w=w: nvfp4_gemm_cuda(x, *w) for w in weights])
             t_disp = time_graph([lambda w=w: nvfp4_linear(x, *w) for w in weights])
             t_bf = time_graph([lambda d=d: torch.nn.functional.linear(x, d) for d in dense])
-            ips = config(m, n, k)[1]
+            mt, ips = config(m, n, k)
             print(f"| {n} x {k} | {m} | {ips} | {err:.1e} | {t_cuda * 1e6:.1f} | {t_disp * 1e6:.1f} | "
                   f"{t_bf * 1e6:.1f} | {t_bf / t_cuda:.2f} | {t_bf / t_disp:.2f} |", flush=True)
-            if sweep and m in (32, 64):  # other K splits: slices of 1..16
+            if sweep and m in (32, 64):  # other pipeline depths and K splits (slices of 1..16)
                 steps = k // K_STEP
-                for other in sorted({-(-steps // sl) for sl in (1, 2, 3, 4, 6, 8, 12, 16)} - {ips}):
-                    t = time_graph([lambda w=w: nvfp4_gemm_cuda(x, *w, ips=other) for w in weights])
-                    print(f"| {n} x {k} | {m} | {other} | | {t * 1e6:.1f} | | | {t_bf / t:.2f} | |", flush=True)
+                for stages in STAGES if mt == 8 else STAGES[:3]:
+                    for other in sorted({-(-steps // sl) for sl in (1, 2, 3, 4, 6, 8, 12, 16)} | {ips}):
+                        if (stages, other) == (4, ips):
+                            continue
+                        t = time_graph([lambda w=w: nvfp4_gemm_cuda(x, *w, ips=other, stages=stages)
+                                        for w in weights])
+                        print(f"| {n} x {k} | {m} | {other} s{stages} | | {t * 1e6:.1f} | | | {t_bf / t:.2f} | |",
+                              flush=True)
         del weights, dense
         torch.cuda.empty_cache()
 

@@ -47,17 +47,26 @@ def test_emulated_data_movement_gives_the_product(m, mt):
     torch.testing.assert_close(y, x.double() @ w.double().t(), rtol=1e-12, atol=1e-12)
 
 
-def test_config_splits_k_to_cover_the_gpu_and_picks_the_tile():
-    assert proto.config(17, 37888, 3584) == (4, 14)   # 148 blocks of 256 rows x 2 slices: 2 per SM
-    assert proto.config(64, 3584, 18944)[0] == 8
+def test_config_splits_k_to_cover_the_gpu_about_once_and_picks_the_tile():
+    assert proto.config(17, 37888, 3584) == (4, 28)   # 148 blocks of 256 rows: no split
+    assert proto.config(64, 55296, 5120) == (8, 40)   # 216 blocks: no split
     mt, ips = proto.config(64, 3584, 18944)
     slices = -(-(18944 // 128) // ips)
-    assert 14 * slices >= 132 and (slices - 1) * ips < 18944 // 128
+    assert mt == 8 and 14 * slices <= 132 < 14 * (slices + 1)
+
+
+def test_shared_memory_fits_the_blocks_per_sm_the_launch_bounds_ask_for():
+    # m32 kernels ask for 2 blocks per SM, m64 for 1; an H100/H200 SM has 228 KB (1 KB per block
+    # reserved) and a block may opt in to 227 KB.
+    for stages in (2, 3, 4):
+        assert 2 * (proto.shared_bytes(4, stages) + 1040 + 1024) <= 228 * 1024
+    assert proto.shared_bytes(8, 6) + 1040 <= 227 * 1024
 
 
 def test_source_reuses_the_decode_kernels_helpers_and_defines_both_kernels():
     from qerl_kit.kernels import nvfp4_decode_cuda as dec
 
     assert proto.SOURCE.startswith(dec.SOURCE[:dec.SOURCE.index("// One K step's weights")])
-    assert 'nvfp4_gemm_m32' in proto.SOURCE and 'nvfp4_gemm_m64' in proto.SOURCE
+    for mt, stages in [(4, 2), (4, 3), (4, 4), (8, 2), (8, 3), (8, 4), (8, 6)]:
+        assert f"KERNEL({8 * mt}, {stages}," in proto.SOURCE
     assert "THREADS_" not in proto.SOURCE
