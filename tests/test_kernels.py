@@ -121,6 +121,35 @@ def test_tile_variants_and_fp16(dtype):
             _check(y, ref[:rows], dtype)
 
 
+def test_dense_strategy_in_pieces_of_weight_rows_matches_the_one_piece_product(monkeypatch):
+    """Wide layers at many rows dequantize DENSE_CHUNK_N rows at a time into one reused buffer
+    (the last piece ragged), with and without bias, and give the one-piece product."""
+    from qerl_kit.kernels import nvfp4_gemm_triton as g
+
+    m, n, k = 33, 40, 64
+    q = _weight(n, k, seed=21)
+    x = _randn(m, k, dtype=torch.bfloat16, seed=22)
+    bias = _randn(n, dtype=torch.bfloat16, seed=23)
+    whole = {b is None: gemm_kernel(x, q.packed, q.scales, q.global_scale, b, strategy="dense")
+             for b in (None, bias)}
+    assert g.dense_chunk_rows(m, n) is None
+    monkeypatch.setattr(g, "DENSE_CHUNK_N", 16)
+    monkeypatch.setattr(g, "DENSE_CHUNK_MIN_N", 32)
+    monkeypatch.setattr(g, "DENSE_CHUNK_MIN_M", 33)
+    assert g.dense_chunk_rows(m, n) == 16 and g.dense_chunk_rows(m - 1, n) is None
+    calls = []
+    real = g.nvfp4_dequantize
+    monkeypatch.setattr(g, "nvfp4_dequantize", lambda *a, **kw: calls.append(kw["out"].shape) or real(*a, **kw))
+    for b in (None, bias):
+        ref = nvfp4_linear_ref(x, q.packed, q.scales, q.global_scale, b, dtype=torch.float32)
+        y = gemm_kernel(x, q.packed, q.scales, q.global_scale, b, strategy="dense")
+        _check(y, ref, torch.bfloat16)
+        torch.testing.assert_close(y, whole[b is None], rtol=1e-2, atol=1e-2)
+    assert calls == [(16, k), (16, k), (8, k)] * 2
+    with pytest.raises(ValueError, match="out must be"):
+        real(q.packed, q.scales, q.global_scale, torch.bfloat16, out=torch.empty(n, k + 16, dtype=torch.bfloat16))
+
+
 def test_blockdot_code_placement_in_its_ptx_is_e2m1_times_2_pow_minus_14():
     """The block-dot kernel's inline PTX (``_PAIRS_F16``) emulated with the constants read from it,
     for every pair of code bytes: pair p holds codes p and p + 4 of the word as fp16 e2m1 * 2^-14."""

@@ -360,21 +360,32 @@ def launch_options(device: torch.device) -> dict:
 
 
 def nvfp4_dequantize(packed: torch.Tensor, scales: torch.Tensor, global_scale: torch.Tensor,
-                     dtype: torch.dtype = torch.bfloat16, **options) -> torch.Tensor:
-    """Dense W [N, K] in ``dtype`` (bf16/fp16) from the packed weight, one fused pass."""
+                     dtype: torch.dtype = torch.bfloat16, out: torch.Tensor | None = None,
+                     **options) -> torch.Tensor:
+    """Dense W [N, K] in ``dtype`` (bf16/fp16) from the packed weight, one fused pass; ``out``
+    (GPU only: [N, K] of ``dtype``, unit stride along K) is written instead of a new tensor."""
     if not HAS_TRITON:
         raise ImportError("the NVFP4 Triton kernels need triton (pip install triton)")
     if dtype not in (torch.bfloat16, torch.float16):
         raise TypeError(f"nvfp4_dequantize writes bfloat16 or float16; got {dtype}")
     n, k = packed.shape[0], packed.shape[1] * 2
     opts = {**launch_options(packed.device), **options}
-    w = torch.empty((n, k), dtype=torch.float32 if opts["INTERPRET"] else dtype, device=packed.device)
+    if out is not None and (out.shape != (n, k) or out.dtype != dtype or out.stride(1) != 1
+                            or out.device != packed.device):
+        raise ValueError(f"nvfp4_dequantize: out must be a [{n}, {k}] {dtype} tensor on {packed.device} with "
+                         f"unit stride along K; got {tuple(out.shape)} {out.dtype} on {out.device}")
+    if out is not None and not opts["INTERPRET"]:
+        w = out
+    else:  # the interpreter's path computes in float32 and rounds once at the end
+        w = torch.empty((n, k), dtype=torch.float32 if opts["INTERPRET"] else dtype, device=packed.device)
     bn, bk = (16, 32) if opts["INTERPRET"] else (32, 256)
     grid = (triton.cdiv(n, bn), triton.cdiv(k, bk))
     _nvfp4_dequant_kernel[grid](packed, scales.view(torch.uint8), global_scale, w, n, k,
                                 packed.stride(0), scales.stride(0), w.stride(0),
                                 W_DTYPE=tl.bfloat16 if dtype == torch.bfloat16 else tl.float16,
                                 EVEN_K=k % bk == 0, BLOCK_N=bn, BLOCK_K=bk, num_warps=4, **opts)
+    if out is not None and w is not out:
+        return out.copy_(w)
     return w.to(dtype)
 
 
@@ -383,8 +394,22 @@ def nvfp4_dequantize(packed: torch.Tensor, scales: torch.Tensor, global_scale: t
 DENSE_MIN_M = 128
 
 
+# The dense pass on wide layers (N >= DENSE_CHUNK_MIN_N) from DENSE_CHUNK_MIN_M rows on goes
+# DENSE_CHUNK_N weight rows at a time through one reused buffer: at 2048 rows 7-11% faster on the
+# H200 for 7B/32B/72B gate_up (bench/results/dense_chunks_h200.md), as fast at 8192, slower at 256;
+# and the transient weight is 4096 x K instead of N x K (67 MB instead of 969 MB on 72B gate_up).
+DENSE_CHUNK_N = 4096
+DENSE_CHUNK_MIN_N = 32768
+DENSE_CHUNK_MIN_M = 2048
+
+
 def default_strategy(x: torch.Tensor, m: int) -> str:
     return "dense" if x.is_cuda and m >= DENSE_MIN_M else "fused"
+
+
+def dense_chunk_rows(m: int, n: int) -> int | None:
+    """Weight rows per dequantize-then-matmul piece of the dense strategy (None: all at once)."""
+    return DENSE_CHUNK_N if n >= DENSE_CHUNK_MIN_N and m >= DENSE_CHUNK_MIN_M and n > DENSE_CHUNK_N else None
 
 
 def nvfp4_gemm(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor,
@@ -411,8 +436,21 @@ def nvfp4_gemm(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor,
 
 
 def _dense_gemm(x, packed, scales, global_scale, bias):
-    w = nvfp4_dequantize(packed, scales, global_scale, x.dtype)
-    return torch.nn.functional.linear(x, w, bias)
+    (m, k), n = x.shape, packed.shape[0]
+    rows = dense_chunk_rows(m, n)
+    if rows is None:
+        w = nvfp4_dequantize(packed, scales, global_scale, x.dtype)
+        return torch.nn.functional.linear(x, w, bias)
+    y = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    buf = torch.empty((rows, k), dtype=x.dtype, device=x.device)
+    for n0 in range(0, n, rows):  # one stream: the next dequantization waits for this matmul
+        n1 = min(n, n0 + rows)
+        w = nvfp4_dequantize(packed[n0:n1], scales[n0:n1], global_scale, x.dtype, out=buf[:n1 - n0])
+        if bias is None:
+            torch.mm(x, w.t(), out=y[:, n0:n1])
+        else:
+            torch.addmm(bias[n0:n1], x, w.t(), out=y[:, n0:n1])
+    return y
 
 
 def _fused_gemm(x, packed, scales, global_scale, bias, config, **options):
