@@ -175,28 +175,11 @@ __device__ __forceinline__ void store_tile(const float (&c)[2][MT][4], int row, 
                                            const float* __restrict__ gsp, const u16* __restrict__ bias,
                                            int has_bias, u16* __restrict__ y, int ldy, float* __restrict__ ws,
                                            int* __restrict__ counters) {
-    __shared__ int ticket;
     if (gridDim.y == 1) {
         store_y<2, MT>(c, row, t, tile0, 256, M, N, gsp, bias, has_bias, y, ldy, ws, counters);
         return;
     }
-    float* part = ws + (size_t)blockIdx.y * M * N;
-    #pragma unroll
-    for (int nt = 0; nt < 2; nt++)
-        #pragma unroll
-        for (int mt = 0; mt < MT; mt++)
-            #pragma unroll
-            for (int e = 0; e < 4; e++) {
-                const int n = row + 16 * nt + 8 * (e >> 1), m = 8 * mt + 2 * t + (e & 1);
-                if (n < N && m < M) part[(size_t)m * N + n] = c[nt][mt][e];
-            }
-    __threadfence();
-    __syncthreads();
-    if (threadIdx.x == 0) ticket = atomicAdd(counters + blockIdx.x, 1);
-    __syncthreads();
-    if (ticket != (int)gridDim.y - 1) return;
-    if (threadIdx.x == 0) counters[blockIdx.x] = 0;       // ready for the next call
-    __threadfence();
+    if (!arrive_last<2, MT>(c, row, t, M, N, ws, counters)) return;
     const int w4 = min(256, N - tile0) >> 2, groups = M * w4;  // N % 16 == 0: whole groups of 4
     const float gs = 1073741824.0f / gsp[0];
     for (int e0 = threadIdx.x; e0 < groups; e0 += 8 * THREADS_) {

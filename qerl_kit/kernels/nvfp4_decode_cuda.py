@@ -144,12 +144,37 @@ __device__ __forceinline__ u16 to_bf16(float f) {
 // 8 mt + 2t + (e & 1)) to bf16 y with the global scale and the bias; with several K slices
 // (gridDim.y > 1) through float32 partials in ws [slices, M, N], the last block to arrive at its
 // tile of block_rows rows (an int32 counter, reset by that block) summing them in slice order.
+// Split K: this block's float32 partials into ws [slices, M, N]; true in the block of its tile
+// that arrives last, which then sums the slices (the tile's counter is reset for the next call).
+template <int NT, int MT>
+__device__ __forceinline__ bool arrive_last(const float (&c)[NT][MT][4], int row, int t, int M, int N,
+                                            float* __restrict__ ws, int* __restrict__ counters) {
+    __shared__ int ticket;
+    float* part = ws + (size_t)blockIdx.y * M * N;
+    #pragma unroll
+    for (int nt = 0; nt < NT; nt++)
+        #pragma unroll
+        for (int mt = 0; mt < MT; mt++)
+            #pragma unroll
+            for (int e = 0; e < 4; e++) {
+                const int n = row + 16 * nt + 8 * (e >> 1), m = 8 * mt + 2 * t + (e & 1);
+                if (n < N && m < M) part[(size_t)m * N + n] = c[nt][mt][e];
+            }
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) ticket = atomicAdd(counters + blockIdx.x, 1);
+    __syncthreads();
+    if (ticket != (int)gridDim.y - 1) return false;
+    if (threadIdx.x == 0) counters[blockIdx.x] = 0;       // ready for the next call
+    __threadfence();
+    return true;
+}
+
 template <int NT, int MT>
 __device__ __forceinline__ void store_y(const float (&c)[NT][MT][4], int row, int t, int tile0, int block_rows,
                                         int M, int N, const float* __restrict__ gsp, const u16* __restrict__ bias,
                                         int has_bias, u16* __restrict__ y, int ldy, float* __restrict__ ws,
                                         int* __restrict__ counters) {
-    __shared__ int ticket;
     if (gridDim.y == 1) {
         #pragma unroll
         for (int nt = 0; nt < NT; nt++)
@@ -166,23 +191,7 @@ __device__ __forceinline__ void store_y(const float (&c)[NT][MT][4], int row, in
                 }
         return;
     }
-    float* part = ws + (size_t)blockIdx.y * M * N;
-    #pragma unroll
-    for (int nt = 0; nt < NT; nt++)
-        #pragma unroll
-        for (int mt = 0; mt < MT; mt++)
-            #pragma unroll
-            for (int e = 0; e < 4; e++) {
-                const int n = row + 16 * nt + 8 * (e >> 1), m = 8 * mt + 2 * t + (e & 1);
-                if (n < N && m < M) part[(size_t)m * N + n] = c[nt][mt][e];
-            }
-    __threadfence();
-    __syncthreads();
-    if (threadIdx.x == 0) ticket = atomicAdd(counters + blockIdx.x, 1);
-    __syncthreads();
-    if (ticket != (int)gridDim.y - 1) return;
-    if (threadIdx.x == 0) counters[blockIdx.x] = 0;       // ready for the next call
-    __threadfence();
+    if (!arrive_last<NT, MT>(c, row, t, M, N, ws, counters)) return;
     const int width = min(block_rows, N - tile0);
     for (int e = threadIdx.x; e < M * width; e += blockDim.x) {
         const int m = e / width, n = tile0 + e % width;
