@@ -16,7 +16,8 @@ rows go to the Triton decode kernel
 (``nvfp4_gemv_triton``: a block-dot CUDA-core kernel for one row, tensor cores for 2..64),
 except wide layers (N >= ``WIDE_N``) with more than 32 rows; the rest go to
 ``nvfp4_gemm_triton``, which runs its fused tiled kernel below ``DENSE_MIN_M`` rows and, from
-there on, a fused dequantization pass into a transient bf16 weight (freed after the call)
+there on, a fused dequantization pass into a transient bf16 weight (freed after the call; on wide
+layers from 2048 rows, 4096 weight rows at a time through one buffer)
 followed by cuBLAS, which was faster on the H200 (docs/kernels.md).
 The input gradient (``nvfp4_dgrad_triton``) follows the same rule.
 Each kernel is also a ``torch.ops.qerl_kit.*`` custom op, so ``torch.compile`` and CUDA graphs can
