@@ -363,7 +363,8 @@ def nvfp4_dequantize(packed: torch.Tensor, scales: torch.Tensor, global_scale: t
                      dtype: torch.dtype = torch.bfloat16, out: torch.Tensor | None = None,
                      **options) -> torch.Tensor:
     """Dense W [N, K] in ``dtype`` (bf16/fp16) from the packed weight, one fused pass; ``out``
-    (GPU only: [N, K] of ``dtype``, unit stride along K) is written instead of a new tensor."""
+    ([N, K] of ``dtype`` on the weight's device, unit stride along K) is written instead of a new
+    tensor."""
     if not HAS_TRITON:
         raise ImportError("the NVFP4 Triton kernels need triton (pip install triton)")
     if dtype not in (torch.bfloat16, torch.float16):
@@ -395,8 +396,9 @@ DENSE_MIN_M = 128
 
 
 # The dense pass on wide layers (N >= DENSE_CHUNK_MIN_N) from DENSE_CHUNK_MIN_M rows on goes
-# DENSE_CHUNK_N weight rows at a time through one reused buffer: at 2048 rows 7-11% faster on the
-# H200 for 7B/32B/72B gate_up (bench/results/dense_chunks_h200.md), as fast at 8192, slower at 256;
+# DENSE_CHUNK_N weight rows at a time through one reused buffer: at 2048 rows 1-12% faster in
+# same-run A/Bs on the H200 for 7B/32B/72B gate_up (bench/results/dense_chunks_h200.md), as fast
+# at 8192, slower at 256;
 # and the transient weight is 4096 x K instead of N x K (67 MB instead of 969 MB on 72B gate_up).
 DENSE_CHUNK_N = 4096
 DENSE_CHUNK_MIN_N = 32768
