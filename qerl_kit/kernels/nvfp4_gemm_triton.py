@@ -398,8 +398,8 @@ DENSE_MIN_M = 128
 # The dense pass on wide layers (N >= DENSE_CHUNK_MIN_N) from DENSE_CHUNK_MIN_M rows on goes
 # DENSE_CHUNK_N weight rows at a time through one reused buffer: at 2048 rows 1-12% faster in
 # same-run A/Bs on the H200 for 7B/32B/72B gate_up (bench/results/dense_chunks_h200.md), as fast
-# at 8192, slower at 256;
-# and the transient weight is 4096 x K instead of N x K (67 MB instead of 969 MB on 72B gate_up).
+# at 8192, slower at 256; and the transient weight is 4096 x K instead of N x K (67 MB instead of
+# 969 MB on 72B gate_up).
 DENSE_CHUNK_N = 4096
 DENSE_CHUNK_MIN_N = 32768
 DENSE_CHUNK_MIN_M = 2048
