@@ -56,17 +56,6 @@ THREADS = 256
 _HELPERS = dec.SOURCE[:dec.SOURCE.index("// One K step's weights")]
 
 SOURCE = _HELPERS + r"""
-__device__ __forceinline__ void ldmatrix_x4(u32 (&r)[4], u32 addr) {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr));
-}
-
-// Word index in a stage of the permuted x: chunk c (MMA step 2i + h), x row m, logical k (even).
-template <int MT>
-__device__ __forceinline__ int xword(int c, int m, int k) {
-    return (c * 8 * MT + m) * 8 + ((((k >> 3) ^ (m >> 2)) & 1) << 2) + ((k & 7) >> 1);
-}
-
 // Weights go through shared memory with cp.async, STAGES - 1 K steps ahead, each warp its own
 // 32 rows (no block barrier for them): a warp's stage is 32 rows x 64 code bytes, then 32 rows x
 // 8 scale bytes. Local row 16 nt + 8 r + g is the lane's row g (r = 0) or g + 8 (r = 1) of tile nt.
@@ -106,63 +95,6 @@ __device__ __forceinline__ void load_x(uint4 (&xs)[MT / 2], const u16* x, int M,
         const int t = u & 3, m = ((u >> 7) << 3) | ((u >> 2) & 7), i = (u >> 5) & 3;
         const int mr = m < M ? m : M - 1;  // rows past M fill MMA columns that are never written
         xs[j] = __ldg(reinterpret_cast<const uint4*>(x + (size_t)mr * ldx + it * 128 + 32 * t + 8 * i));
-    }
-}
-
-template <int MT>
-__device__ __forceinline__ void store_x(const uint4 (&xs)[MT / 2], u32* stage) {
-    #pragma unroll
-    for (int j = 0; j < MT / 2; j++) {
-        const int u = threadIdx.x + THREADS_ * j;
-        const int t = u & 3, m = ((u >> 7) << 3) | ((u >> 2) & 7), i = (u >> 5) & 3;
-        const uint4 v = xs[j];
-        stage[xword<MT>(2 * i, m, 2 * t)] = __byte_perm(v.x, v.z, 0x5410);          // x0, x4
-        stage[xword<MT>(2 * i, m, 2 * t + 8)] = __byte_perm(v.x, v.z, 0x7632);      // x1, x5
-        stage[xword<MT>(2 * i + 1, m, 2 * t)] = __byte_perm(v.y, v.w, 0x5410);      // x2, x6
-        stage[xword<MT>(2 * i + 1, m, 2 * t + 8)] = __byte_perm(v.y, v.w, 0x7632);  // x3, x7
-    }
-}
-
-template <int MT>
-__device__ __forceinline__ void compute(const unsigned char* wst, float (&c)[2][MT][4], u32 stage_addr, int lane,
-                                        int g, int t) {
-    uint4 qw[2][2];
-    u32 s[2][2][2];  // tile, row (g, g + 8), words 0-1 / 2-3
-    #pragma unroll
-    for (int nt = 0; nt < 2; nt++)
-        #pragma unroll
-        for (int r = 0; r < 2; r++) {
-            const int lr = 16 * nt + 8 * r + g;
-            qw[nt][r] = *reinterpret_cast<const uint4*>(wst + lr * 64 + 16 * t);
-            const u32 sb = *reinterpret_cast<const u16*>(wst + 32 * 64 + lr * 8 + 2 * t);
-            s[nt][r][0] = scale_bf16x2(sb);
-            s[nt][r][1] = scale_bf16x2(sb >> 8);
-        }
-    const int lm = lane & 7, lq = lane >> 3;  // ldmatrix: this lane's row within matrix lq
-    #pragma unroll
-    for (int i = 0; i < 4; i++) {
-        #pragma unroll
-        for (int h = 0; h < 2; h++) {
-            u32 b[MT][2];
-            #pragma unroll
-            for (int mp = 0; mp < MT / 2; mp++) {  // matrices: (tile 2mp, k 0-7), (2mp, 8-15), (2mp+1, ...)
-                const int m = 8 * (2 * mp + (lq >> 1)) + lm;
-                u32 r4[4];
-                ldmatrix_x4(r4, stage_addr + 4 * xword<MT>(2 * i + h, m, 8 * (lq & 1)));
-                b[2 * mp][0] = r4[0]; b[2 * mp][1] = r4[1]; b[2 * mp + 1][0] = r4[2]; b[2 * mp + 1][1] = r4[3];
-            }
-            #pragma unroll
-            for (int nt = 0; nt < 2; nt++) {
-                const uint4 qg = qw[nt][0], qh = qw[nt][1];
-                const u32 wg = i == 0 ? qg.x : i == 1 ? qg.y : i == 2 ? qg.z : qg.w;
-                const u32 wh = i == 0 ? qh.x : i == 1 ? qh.y : i == 2 ? qh.z : qh.w;
-                const u32 s0 = s[nt][0][i >> 1], s1 = s[nt][1][i >> 1];
-                const u32 a0 = dq(wg, 2 * h, s0), a1 = dq(wh, 2 * h, s1);
-                const u32 a2 = dq(wg, 2 * h + 1, s0), a3 = dq(wh, 2 * h + 1, s1);
-                #pragma unroll
-                for (int mt = 0; mt < MT; mt++) mma(c[nt][mt], a0, a1, a2, a3, b[mt][0], b[mt][1]);
-            }
-        }
     }
 }
 
@@ -217,8 +149,9 @@ __device__ __forceinline__ void store_tile(const float (&c)[2][MT][4], int row, 
 }
 
 // y[M, N] = x[M, K] @ W^T (+ bias), M <= 8 * MT; grid (ceil(N / 256), K slices of `ips` steps).
-// Shared memory: two x stages, then STAGES weight stages of 8 warps.
-template <int MT, int STAGES>
+// Shared memory: two x stages, then STAGES weight stages of 8 warps. L<MT> is the x layout and
+// the MMA: store_x (a thread's share of one K step of x into a stage) and compute (one K step).
+template <template <int> class L, int MT, int STAGES>
 __device__ __forceinline__ void gemm(ARGS) {
     extern __shared__ uint4 smem[];
     u32* stages = reinterpret_cast<u32*>(smem);
@@ -247,7 +180,7 @@ __device__ __forceinline__ void gemm(ARGS) {
     }
     uint4 xs[MT / 2];
     load_x<MT>(xs, x, M, ldx, it0);
-    store_x<MT>(xs, stages);
+    L<MT>::store_x(xs, stages);
     __syncthreads();
     int ws_ = 0;  // weight stage of step it
     for (int it = it0; it < it1; it++) {
@@ -259,8 +192,8 @@ __device__ __forceinline__ void gemm(ARGS) {
         if (it + STAGES - 1 < it1) load_w(waddr + next * 8 * WARP_STAGE, q, ldq, sc, lds, row0, N, it + STAGES - 1, lane);
         cp_commit();
         if (more) load_x<MT>(xs, x, M, ldx, it + 1);
-        compute<MT>(wsmem + ws_ * 8 * WARP_STAGE, c, smem_addr + 4 * xs_ * stage_words, lane, g, t);
-        if (more) store_x<MT>(xs, stages + (xs_ ^ 1) * stage_words);
+        L<MT>::compute(wsmem + ws_ * 8 * WARP_STAGE, c, smem_addr + 4 * xs_ * stage_words, lane, g, t);
+        if (more) L<MT>::store_x(xs, stages + (xs_ ^ 1) * stage_words);
         __syncthreads();
         ws_ = ws_ == STAGES - 1 ? 0 : ws_ + 1;
     }
@@ -268,8 +201,77 @@ __device__ __forceinline__ void gemm(ARGS) {
     store_tile<MT>(c, row, t, tile0, M, N, gsp, bias, has_bias, y, ldy, ws, counters);
 }
 
+// -- The mma.sync layout (the kernels measured in bench/results/proto_cuda_gemm_h200.md) --
+__device__ __forceinline__ void ldmatrix_x4(u32 (&r)[4], u32 addr) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr));
+}
+
+// Word index in a stage of the permuted x: chunk c (MMA step 2i + h), x row m, logical k (even).
+template <int MT>
+__device__ __forceinline__ int xword(int c, int m, int k) {
+    return (c * 8 * MT + m) * 8 + ((((k >> 3) ^ (m >> 2)) & 1) << 2) + ((k & 7) >> 1);
+}
+
+template <int MT> struct MmaSync {
+    static __device__ __forceinline__ void store_x(const uint4 (&xs)[MT / 2], u32* stage) {
+        #pragma unroll
+        for (int j = 0; j < MT / 2; j++) {
+            const int u = threadIdx.x + THREADS_ * j;
+            const int t = u & 3, m = ((u >> 7) << 3) | ((u >> 2) & 7), i = (u >> 5) & 3;
+            const uint4 v = xs[j];
+            stage[xword<MT>(2 * i, m, 2 * t)] = __byte_perm(v.x, v.z, 0x5410);          // x0, x4
+            stage[xword<MT>(2 * i, m, 2 * t + 8)] = __byte_perm(v.x, v.z, 0x7632);      // x1, x5
+            stage[xword<MT>(2 * i + 1, m, 2 * t)] = __byte_perm(v.y, v.w, 0x5410);      // x2, x6
+            stage[xword<MT>(2 * i + 1, m, 2 * t + 8)] = __byte_perm(v.y, v.w, 0x7632);  // x3, x7
+        }
+    }
+
+    static __device__ __forceinline__ void compute(const unsigned char* wst, float (&c)[2][MT][4],
+                                                   u32 stage_addr, int lane, int g, int t) {
+        uint4 qw[2][2];
+        u32 s[2][2][2];  // tile, row (g, g + 8), words 0-1 / 2-3
+        #pragma unroll
+        for (int nt = 0; nt < 2; nt++)
+            #pragma unroll
+            for (int r = 0; r < 2; r++) {
+                const int lr = 16 * nt + 8 * r + g;
+                qw[nt][r] = *reinterpret_cast<const uint4*>(wst + lr * 64 + 16 * t);
+                const u32 sb = *reinterpret_cast<const u16*>(wst + 32 * 64 + lr * 8 + 2 * t);
+                s[nt][r][0] = scale_bf16x2(sb);
+                s[nt][r][1] = scale_bf16x2(sb >> 8);
+            }
+        const int lm = lane & 7, lq = lane >> 3;  // ldmatrix: this lane's row within matrix lq
+        #pragma unroll
+        for (int i = 0; i < 4; i++) {
+            #pragma unroll
+            for (int h = 0; h < 2; h++) {
+                u32 b[MT][2];
+                #pragma unroll
+                for (int mp = 0; mp < MT / 2; mp++) {  // matrices (tile 2mp, k 0-7), (2mp, 8-15), (2mp+1, ..)
+                    const int m = 8 * (2 * mp + (lq >> 1)) + lm;
+                    u32 r4[4];
+                    ldmatrix_x4(r4, stage_addr + 4 * xword<MT>(2 * i + h, m, 8 * (lq & 1)));
+                    b[2 * mp][0] = r4[0]; b[2 * mp][1] = r4[1]; b[2 * mp + 1][0] = r4[2]; b[2 * mp + 1][1] = r4[3];
+                }
+                #pragma unroll
+                for (int nt = 0; nt < 2; nt++) {
+                    const uint4 qg = qw[nt][0], qh = qw[nt][1];
+                    const u32 wg = i == 0 ? qg.x : i == 1 ? qg.y : i == 2 ? qg.z : qg.w;
+                    const u32 wh = i == 0 ? qh.x : i == 1 ? qh.y : i == 2 ? qh.z : qh.w;
+                    const u32 s0 = s[nt][0][i >> 1], s1 = s[nt][1][i >> 1];
+                    const u32 a0 = dq(wg, 2 * h, s0), a1 = dq(wh, 2 * h, s1);
+                    const u32 a2 = dq(wg, 2 * h + 1, s0), a3 = dq(wh, 2 * h + 1, s1);
+                    #pragma unroll
+                    for (int mt = 0; mt < MT; mt++) mma(c[nt][mt], a0, a1, a2, a3, b[mt][0], b[mt][1]);
+                }
+            }
+        }
+    }
+};
+
 #define KERNEL(MT, S, MINB) extern "C" __global__ void __launch_bounds__(256, MINB) \
-    nvfp4_gemm_m##MT##_s##S(ARGS) { gemm<MT / 8, S>(CALL); }
+    nvfp4_gemm_m##MT##_s##S(ARGS) { gemm<MmaSync, MT / 8, S>(CALL); }
 KERNEL(32, 2, 2) KERNEL(32, 3, 2) KERNEL(32, 4, 2)
 KERNEL(64, 2, 1) KERNEL(64, 3, 1) KERNEL(64, 4, 1) KERNEL(64, 6, 1)
 """.replace("THREADS_", str(THREADS))
@@ -295,14 +297,20 @@ def shared_bytes(mt: int, stages: int = 4) -> int:
 
 
 def kernel_for(mt: int, stages: int, device: int):
-    kernel = nvrtc.compile_kernel(SOURCE, f"nvfp4_gemm_m{8 * mt}_s{stages}", device)
+    return with_shared_memory(nvrtc.compile_kernel(SOURCE, f"nvfp4_gemm_m{8 * mt}_s{stages}", device), mt, stages)
+
+
+def with_shared_memory(kernel, mt: int, stages: int):
+    """``kernel`` allowed the dynamic shared memory of (mt, stages) (an opt-in from 48 KB on)."""
     if shared_bytes(mt, stages) >= 48 * 1024:
         kernel.set_shared_memory_config(shared_bytes(mt, stages))
     return kernel
 
 
-def nvfp4_gemm_cuda(x, packed, scales, global_scale, bias=None, ips=None, stages=4):
-    """y = x @ W^T (+ bias) for x [17..64, K] bf16 on the GPU (any 1..64 rows work)."""
+def nvfp4_gemm_cuda(x, packed, scales, global_scale, bias=None, ips=None, stages=4, kernel_for=kernel_for):
+    """y = x @ W^T (+ bias) for x [17..64, K] bf16 on the GPU (any 1..64 rows work);
+    ``kernel_for(mt, stages, device)`` gives the compiled kernel (another layout's, for
+    bench/proto_wgmma_gemm.py)."""
     from qerl_kit.kernels.nvfp4_gemv_triton import _counters
 
     m, n, k = x.shape[0], packed.shape[0], packed.shape[1] * 2

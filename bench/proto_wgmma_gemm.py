@@ -1,0 +1,320 @@
+"""Prototype, NOT YET RUN ON A GPU: the 17..64-row NVFP4 kernel with Hopper's asynchronous wgmma.
+
+Why: the mma.sync prototype (``proto_cuda_gemm.py``) is correct but slower than the dispatcher at
+17-64 rows; its time is per weight, issue- and latency-bound, with every warp issuing MT
+``mma.sync`` per dequantized fragment (bench/results/proto_cuda_gemm_h200.md). Here the same
+block, the same weight pipeline (``cp.async`` into per-warp stages), the same x staging and the
+same split-K epilogue feed ``wgmma.mma_async.m64nNk16`` instead:
+
+* A = the dequantized weights, from registers. A warpgroup (4 warps) issues one wgmma per 64
+  weight rows and 16 k; warp w of the group supplies A rows 16 w .. 16 w + 15, in the layout of
+  ``mma.m16n8k16``'s A fragment, which is what ``dq`` already produces. The rows are chosen so
+  that warp w's two 16-row tiles (its rows 0-15 and 16-31) are A rows 16 w.. of the group's first
+  and second wgmma: the accumulators then sit exactly where ``store_tile`` expects them.
+* B = x^T from shared memory, K-major without swizzle: per MMA step (chunk c = 2i + h), 8-row
+  groups of x rows, each two 8 x 16-byte core matrices (k slots 0-7, 8-15): leading byte offset
+  128, stride byte offset 256. The k slots are permuted exactly as for mma.sync (the weights'
+  K order), so ``store_x`` is the same byte permutes into a different address map, followed by
+  ``fence.proxy.async`` (wgmma reads shared memory through the async proxy).
+* One wgmma replaces MT ``mma.sync`` per warp: 16 issue slots per K step and warpgroup instead of
+  128-256 per warp. ``OVERLAP``: the wgmmas of MMA step s run while step s + 1 is dequantized
+  (two register sets, ``wgmma.wait_group 1``); without it each step waits for its own.
+
+Compiled for sm_90a (wgmma does not exist on plain sm_90): it compiles with NVRTC (16 HGMMA
+per K step, 93-179 registers, no spills). ``emulate`` replays the B layout on the CPU
+(tests/test_proto_wgmma_gemm.py): it checks this file's indexing, not the hardware's reading of
+the descriptor, which only a GPU run can: ``python bench/proto_wgmma_gemm.py`` checks every
+variant against the reference, then times it against the mma.sync prototype, the dispatcher and
+bf16 at 32 and 64 rows (``--check``: the check alone).
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import proto_cuda_gemm as base  # noqa: E402
+
+COMMON = base.SOURCE[:base.SOURCE.index("// -- The mma.sync layout")]
+
+
+def _wgmma_asm(n: int) -> str:
+    """wgmma.mma_async m64n{n}k16, f32 += bf16 (A registers) x bf16 (B shared, K-major)."""
+    regs = n // 2
+    d = ", ".join(f"%{i}" for i in range(regs))
+    outs = ", ".join(f'"+f"(d[{j}][{e}])' for j in range(n // 8) for e in range(4))
+    return f"""
+template <> __device__ __forceinline__ void wgmma<{n // 8}>(float (&d)[{n // 8}][4], u32 a0, u32 a1, u32 a2, u32 a3,
+                                                  unsigned long long db) {{
+    asm volatile("{{\\n.reg .pred p;\\nsetp.ne.b32 p, %{regs + 5}, 0;\\n"
+                 "wgmma.mma_async.sync.aligned.m64n{n}k16.f32.bf16.bf16 {{{d}}}, "
+                 "{{%{regs}, %{regs + 1}, %{regs + 2}, %{regs + 3}}}, %{regs + 4}, p, 1, 1, 0;\\n}}\\n"
+                 : {outs}
+                 : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(db), "r"(1));
+}}
+"""
+
+
+SOURCE = COMMON + r"""
+// -- The wgmma layout --
+template <int MT> __device__ __forceinline__ void wgmma(float (&d)[MT][4], u32 a0, u32 a1, u32 a2, u32 a3,
+                                                        unsigned long long db);
+""" + _wgmma_asm(32) + _wgmma_asm(64) + r"""
+__device__ __forceinline__ void wg_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
+__device__ __forceinline__ void wg_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
+template <int N> __device__ __forceinline__ void wg_wait() {
+    asm volatile("wgmma.wait_group.sync.aligned %0;" :: "n"(N) : "memory");
+}
+// Keeps a register's value where it is until here (an operand of an in-flight wgmma).
+__device__ __forceinline__ void keep(u32& r) { asm volatile("" : "+r"(r) :: "memory"); }
+__device__ __forceinline__ void keep(float& r) { asm volatile("" : "+f"(r) :: "memory"); }
+
+// Byte offset in an x stage: chunk c (MMA step 2i + h), x row m, k slot (0..15).
+template <int MT>
+__device__ __forceinline__ int xoff(int c, int m, int kslot) {
+    return c * (256 * MT) + (m >> 3) * 256 + (kslot >> 3) * 128 + (m & 7) * 16 + (kslot & 7) * 2;
+}
+
+// Shared-memory descriptor of one chunk: K-major, no swizzle, LBO 128 bytes (k slots 0-7 -> 8-15),
+// SBO 256 bytes (x rows 0-7 -> 8-15).
+__device__ __forceinline__ unsigned long long chunk_desc(u32 addr) {
+    return (unsigned long long)((addr & 0x3FFFF) >> 4) | ((unsigned long long)(128 >> 4) << 16)
+           | ((unsigned long long)(256 >> 4) << 32);
+}
+
+template <int MT, bool OVERLAP> struct Wgmma {
+    static __device__ __forceinline__ void store_x(const uint4 (&xs)[MT / 2], u32* stage) {
+        unsigned char* sb = reinterpret_cast<unsigned char*>(stage);
+        #pragma unroll
+        for (int j = 0; j < MT / 2; j++) {
+            const int u = threadIdx.x + THREADS_ * j;
+            const int t = u & 3, m = ((u >> 7) << 3) | ((u >> 2) & 7), i = (u >> 5) & 3;
+            const uint4 v = xs[j];
+            *reinterpret_cast<u32*>(sb + xoff<MT>(2 * i, m, 2 * t)) = __byte_perm(v.x, v.z, 0x5410);          // x0, x4
+            *reinterpret_cast<u32*>(sb + xoff<MT>(2 * i, m, 2 * t + 8)) = __byte_perm(v.x, v.z, 0x7632);      // x1, x5
+            *reinterpret_cast<u32*>(sb + xoff<MT>(2 * i + 1, m, 2 * t)) = __byte_perm(v.y, v.w, 0x5410);      // x2, x6
+            *reinterpret_cast<u32*>(sb + xoff<MT>(2 * i + 1, m, 2 * t + 8)) = __byte_perm(v.y, v.w, 0x7632);  // x3, x7
+        }
+        asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // visible to wgmma after the barrier
+    }
+
+    static __device__ __forceinline__ void compute(const unsigned char* wst, float (&c)[2][MT][4],
+                                                   u32 stage_addr, int lane, int g, int t) {
+        uint4 qw[2][2];
+        u32 s[2][2][2];  // tile, row (g, g + 8), words 0-1 / 2-3
+        #pragma unroll
+        for (int nt = 0; nt < 2; nt++)
+            #pragma unroll
+            for (int r = 0; r < 2; r++) {
+                const int lr = 16 * nt + 8 * r + g;
+                qw[nt][r] = *reinterpret_cast<const uint4*>(wst + lr * 64 + 16 * t);
+                const u32 sb = *reinterpret_cast<const u16*>(wst + 32 * 64 + lr * 8 + 2 * t);
+                s[nt][r][0] = scale_bf16x2(sb);
+                s[nt][r][1] = scale_bf16x2(sb >> 8);
+            }
+        u32 a[2][2][4];  // register set, tile, fragment
+        #pragma unroll
+        for (int step = 0; step < 8; step++) {
+            const int i = step >> 1, h = step & 1, set = OVERLAP ? step & 1 : 0;
+            #pragma unroll
+            for (int nt = 0; nt < 2; nt++) {
+                const uint4 qg = qw[nt][0], qh = qw[nt][1];
+                const u32 wg = i == 0 ? qg.x : i == 1 ? qg.y : i == 2 ? qg.z : qg.w;
+                const u32 wh = i == 0 ? qh.x : i == 1 ? qh.y : i == 2 ? qh.z : qh.w;
+                const u32 s0 = s[nt][0][i >> 1], s1 = s[nt][1][i >> 1];
+                a[set][nt][0] = dq(wg, 2 * h, s0);
+                a[set][nt][1] = dq(wh, 2 * h, s1);
+                a[set][nt][2] = dq(wg, 2 * h + 1, s0);
+                a[set][nt][3] = dq(wh, 2 * h + 1, s1);
+            }
+            wg_fence();  // orders the A registers just written (and the accumulators) before the wgmmas
+            const unsigned long long db = chunk_desc(stage_addr + xoff<MT>(step, 0, 0));
+            #pragma unroll
+            for (int nt = 0; nt < 2; nt++)
+                wgmma<MT>(c[nt], a[set][nt][0], a[set][nt][1], a[set][nt][2], a[set][nt][3], db);
+            wg_commit();
+            if (OVERLAP) {
+                wg_wait<1>();  // step - 1's wgmmas are done: its register set may be rewritten
+                if (step > 0) {
+                    #pragma unroll
+                    for (int nt = 0; nt < 2; nt++)
+                        #pragma unroll
+                        for (int f = 0; f < 4; f++) keep(a[set ^ 1][nt][f]);
+                }
+            } else {
+                wg_wait<0>();
+            }
+        }
+        wg_wait<0>();
+        #pragma unroll
+        for (int nt = 0; nt < 2; nt++) {
+            #pragma unroll
+            for (int f = 0; f < 4; f++) keep(a[OVERLAP ? 1 : 0][nt][f]);
+            #pragma unroll
+            for (int mt = 0; mt < MT; mt++)
+                #pragma unroll
+                for (int e = 0; e < 4; e++) keep(c[nt][mt][e]);
+        }
+    }
+};
+template <int MT> using WgSerial = Wgmma<MT, false>;
+template <int MT> using WgOverlap = Wgmma<MT, true>;
+
+#define KERNEL(MT, S, MINB, V, NAME) extern "C" __global__ void __launch_bounds__(256, MINB) \
+    nvfp4_wgmma_m##MT##_s##S##_##NAME(ARGS) { gemm<V, MT / 8, S>(CALL); }
+KERNEL(32, 2, 2, WgSerial, serial) KERNEL(32, 4, 2, WgSerial, serial)
+KERNEL(32, 2, 2, WgOverlap, overlap) KERNEL(32, 4, 2, WgOverlap, overlap)
+KERNEL(64, 2, 1, WgSerial, serial) KERNEL(64, 4, 1, WgSerial, serial)
+KERNEL(64, 2, 1, WgOverlap, overlap) KERNEL(64, 4, 1, WgOverlap, overlap)
+""".replace("THREADS_", str(base.THREADS))
+
+VARIANTS = ("serial", "overlap")
+
+
+def kernel_for(variant: str):
+    """A ``kernel_for(mt, stages, device)`` for ``base.nvfp4_gemm_cuda`` that builds this file's
+    kernels for sm_90a."""
+    def build(mt: int, stages: int, device: int):
+        return _compiled(f"nvfp4_wgmma_m{8 * mt}_s{stages}_{variant}", device, mt, stages)
+    return build
+
+
+_cache: dict = {}
+
+
+def _compiled(name: str, device: int, mt: int, stages: int):
+    if (name, device) not in _cache:
+        with torch.cuda.device(device):
+            kernel = torch.cuda._compile_kernel(SOURCE, name, compute_capability="90a", nvcc_options=["--std=c++17"])
+        _cache[name, device] = base.with_shared_memory(kernel, mt, stages)
+    return _cache[name, device]
+
+
+def nvfp4_gemm_wgmma(x, packed, scales, global_scale, bias=None, ips=None, stages=4, variant="overlap"):
+    """y = x @ W^T (+ bias) for x [1..64, K] bf16 on an sm_90 GPU."""
+    return base.nvfp4_gemm_cuda(x, packed, scales, global_scale, bias, ips, stages, kernel_for(variant))
+
+
+# -- CPU emulation of the x stage as wgmma's descriptor reads it ----------------------------------
+
+def xoff(mt: int, c: int, m: int, kslot: int) -> int:
+    """SOURCE's xoff<MT>: byte offset of (chunk c, x row m, k slot) in a stage."""
+    return c * (256 * mt) + (m >> 3) * 256 + (kslot >> 3) * 128 + (m & 7) * 16 + (kslot & 7) * 2
+
+
+def descriptor_read(stage: dict, start: int, n: int, lbo: int = 128, sbo: int = 256) -> list:
+    """B [16 k slots][n x rows] as a K-major, unswizzled wgmma descriptor reads it (PTX ISA,
+    "Shared Memory Matrix Layout": core matrices of 8 rows x 16 bytes, LBO between the two core
+    matrices along K, SBO between 8-row groups)."""
+    return [[stage[start + (col >> 3) * sbo + (k >> 3) * lbo + (col & 7) * 16 + (k & 7) * 2] for col in range(n)]
+            for k in range(16)]
+
+
+def emulate(x: torch.Tensor, w: torch.Tensor, mt: int) -> torch.Tensor:
+    """x [M, K] @ w [N, K]^T (float64) through the kernel's data movement: store_x's byte
+    permutes into xoff's addresses, B read back through the descriptor rule, A from the weights'
+    K permutation (lane t's word i gives k slots 2t, 2t+1 / 2t+8, 2t+9 of step (i, h) codes
+    (2h, 2h+4) / (2h+1, 2h+5)), D = A B per 64-row wgmma."""
+    M, K = x.shape
+    N = w.shape[0]
+    rows = 8 * mt
+    assert M <= rows and K % base.K_STEP == 0 and N % 16 == 0
+    y = torch.zeros(rows, N, dtype=torch.float64)
+    for it in range(K // base.K_STEP):
+        stage: dict = {}  # byte offset -> bf16 value (two per 4-byte word)
+        for tid in range(base.THREADS):
+            for j in range(mt // 2):
+                u = tid + base.THREADS * j
+                t, m, i = u & 3, ((u >> 7) << 3) | ((u >> 2) & 7), (u >> 5) & 3
+                v = x[min(m, M - 1), it * 128 + 32 * t + 8 * i: it * 128 + 32 * t + 8 * i + 8].double()
+                for (lo, hi), (c, ks) in zip(((0, 4), (1, 5), (2, 6), (3, 7)),
+                                             ((2 * i, 2 * t), (2 * i, 2 * t + 8), (2 * i + 1, 2 * t),
+                                              (2 * i + 1, 2 * t + 8))):
+                    off = xoff(mt, c, m, ks)
+                    assert off not in stage and off + 2 not in stage, "two stores to one shared word"
+                    stage[off], stage[off + 2] = v[lo], v[hi]
+        assert len(stage) == 16 * rows * 8, "a shared word left unwritten"
+        for step in range(8):
+            i, h = step >> 1, step & 1
+            B = torch.tensor(descriptor_read(stage, xoff(mt, step, 0, 0), rows), dtype=torch.float64)
+            for tile0 in range(0, N, 16):
+                A = torch.zeros(16, 16, dtype=torch.float64)
+                base_k = it * 128 + 8 * i
+                for t in range(4):
+                    wr = w[tile0:tile0 + 16].double()
+                    k0 = base_k + 32 * t
+                    A[:, 2 * t], A[:, 2 * t + 1] = wr[:, k0 + 2 * h], wr[:, k0 + 2 * h + 4]
+                    A[:, 2 * t + 8], A[:, 2 * t + 9] = wr[:, k0 + 2 * h + 1], wr[:, k0 + 2 * h + 5]
+                y[:, tile0:tile0 + 16] += (A @ B).t()
+    return y[:M]
+
+
+# -- GPU: check and time ---------------------------------------------------------------------------
+
+def check() -> int:
+    """Every compiled variant against the reference at small shapes, twice (bit-identical)."""
+    from bench_nvfp4_gemm import random_nvfp4
+
+    from qerl_kit.kernels.reference import nvfp4_linear_ref
+
+    torch.manual_seed(1)
+    bad = 0
+    for n, k in [(256, 128), (272, 1024), (1040, 2048)]:
+        w = random_nvfp4(n, k)
+        bias = torch.randn(n, device="cuda", dtype=torch.bfloat16)
+        for m in (1, 17, 32, 33, 64):
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            ref = nvfp4_linear_ref(x.float(), *w, bias.float())
+            for variant in VARIANTS:
+                for stages in (2, 4):
+                    for ips in (None, 1, k // base.K_STEP):
+                        got = nvfp4_gemm_wgmma(x, *w, bias, ips=ips, stages=stages, variant=variant)
+                        err = ((got.float() - ref).norm() / ref.norm()).item()
+                        same = torch.equal(got, nvfp4_gemm_wgmma(x, *w, bias, ips=ips, stages=stages,
+                                                                 variant=variant))
+                        if err > 1e-2 or not same:
+                            bad += 1
+                            print(f"FAIL N={n} K={k} M={m} {variant} stages={stages} ips={ips}: rel err "
+                                  f"{err:.1e}, repeatable {same}", flush=True)
+    print(f"check: {bad} failures", flush=True)
+    return bad
+
+
+def main() -> None:
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    failures = check()  # timings follow even after failures: a layout bug does not change the speed much
+    if "--check" in sys.argv:
+        sys.exit(1 if failures else 0)
+    from bench_nvfp4_gemm import copies_for, random_nvfp4, time_graph
+
+    from qerl_kit.kernels import nvfp4_linear
+
+    torch.manual_seed(0)
+    shapes = [(4608, 3584), (37888, 3584), (3584, 18944), (55296, 5120), (8192, 29568)]
+    print("| N x K | M | ips | wgmma serial us | wgmma overlap us | mma.sync us | dispatch us | bf16 us "
+          "| overlap x bf16 | dispatch x bf16 |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for n, k in shapes:
+        q_bytes = n * k // 2 + n * k // 16
+        weights = [random_nvfp4(n, k) for _ in range(copies_for(q_bytes))]
+        dense = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) for _ in range(copies_for(n * k * 2))]
+        for m in (32, 64):
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            ips = base.config(m, n, k)[1]
+            t = [time_graph([lambda w=w, v=v: nvfp4_gemm_wgmma(x, *w, variant=v) for w in weights])
+                 for v in VARIANTS]
+            t.append(time_graph([lambda w=w: base.nvfp4_gemm_cuda(x, *w, stages=2) for w in weights]))
+            t.append(time_graph([lambda w=w: nvfp4_linear(x, *w) for w in weights]))
+            t_bf = time_graph([lambda d=d: torch.nn.functional.linear(x, d) for d in dense])
+            print(f"| {n} x {k} | {m} | {ips} | " + " | ".join(f"{v * 1e6:.1f}" for v in t)
+                  + f" | {t_bf * 1e6:.1f} | {t_bf / t[1]:.2f} | {t_bf / t[3]:.2f} |", flush=True)
+        del weights, dense
+        torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()

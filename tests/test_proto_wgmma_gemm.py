@@ -1,0 +1,71 @@
+"""The wgmma prototype (bench/proto_wgmma_gemm.py), on the CPU: its x stage layout (every byte
+written once, the staging stores free of bank conflicts, 16-byte core matrices) and its data
+movement, with B read back by the descriptor rule of the PTX ISA, against the plain product."""
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+BENCH = Path(__file__).resolve().parents[1] / "bench"
+sys.path.insert(0, str(BENCH))
+spec = importlib.util.spec_from_file_location("proto_wgmma_gemm", BENCH / "proto_wgmma_gemm.py")
+proto = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(proto)
+
+
+@pytest.mark.parametrize("mt", [4, 8])
+def test_stage_layout_is_a_bijection_of_core_matrices_and_the_stores_hit_32_banks(mt):
+    rows = 8 * mt
+    offs = {proto.xoff(mt, c, m, k) for c in range(8) for m in range(rows) for k in range(16)}
+    assert offs == set(range(0, 8 * rows * 32, 2))  # every bf16 slot of the 8 chunks, once
+    for c in range(8):  # a core matrix (8 rows x 8 k slots) is 128 contiguous bytes
+        for m0 in range(0, rows, 8):
+            for k0 in (0, 8):
+                core = sorted(proto.xoff(mt, c, m0 + r, k0 + k) for r in range(8) for k in range(8))
+                assert core == list(range(core[0], core[0] + 128, 2)) and core[0] % 128 == 0
+    for warp in range(proto.base.THREADS * (mt // 2) // 32):  # store_x: 4 stores, each 32 banks
+        for which in range(4):
+            banks = set()
+            for lane in range(32):
+                u = warp * 32 + lane
+                t, m, i = u & 3, ((u >> 7) << 3) | ((u >> 2) & 7), (u >> 5) & 3
+                c, k = 2 * i + (which >> 1), 2 * t + 8 * (which & 1)
+                banks.add(proto.xoff(mt, c, m, k) // 4 % 32)
+            assert len(banks) == 32, (warp, which)
+
+
+@pytest.mark.parametrize("m,mt", [(1, 4), (17, 4), (32, 4), (33, 8), (64, 8)])
+def test_emulated_data_movement_gives_the_product(m, mt):
+    g = torch.Generator().manual_seed(m)
+    x = torch.randn(m, 256, generator=g)
+    w = torch.randn(32, 256, generator=g)
+    torch.testing.assert_close(proto.emulate(x, w, mt), x.double() @ w.double().t(), rtol=1e-12, atol=1e-12)
+
+
+def test_a_wrong_descriptor_stride_is_caught_by_the_emulation():
+    """The emulation must fail when the descriptor's strides disagree with the stores."""
+    x, w = torch.randn(16, 128), torch.randn(16, 128)
+    good = proto.emulate(x, w, 4)
+    real = proto.descriptor_read
+    try:
+        proto.descriptor_read = lambda stage, start, n: real(stage, start, n, lbo=256, sbo=128)
+        with pytest.raises(Exception):
+            bad = proto.emulate(x, w, 4)
+            torch.testing.assert_close(bad, good)
+    finally:
+        proto.descriptor_read = real
+
+
+def test_source_shares_the_mma_sync_prototypes_pipeline_and_defines_the_kernels():
+    assert proto.SOURCE.startswith(proto.COMMON) and "struct MmaSync" not in proto.SOURCE
+    assert "THREADS_" not in proto.SOURCE
+    for n in (32, 64):
+        assert f"m64n{n}k16.f32.bf16.bf16" in proto.SOURCE
+        for stages in (2, 4):
+            for variant in proto.VARIANTS:
+                assert f"KERNEL({n}, {stages}," in proto.SOURCE and f", {variant})" in proto.SOURCE
+    asm = proto._wgmma_asm(64)
+    assert asm.count('"+f"') == 32 and "%36, p, 1, 1, 0" in asm and "setp.ne.b32 p, %37, 0" in asm
