@@ -1,4 +1,4 @@
-"""Prototype, NOT YET RUN ON A GPU: the 17..64-row NVFP4 kernel with Hopper's asynchronous wgmma.
+"""Prototype, measured, not wired in: the 17..64-row NVFP4 kernel with Hopper's asynchronous wgmma.
 
 Why: the mma.sync prototype (``proto_cuda_gemm.py``) is correct but slower than the dispatcher at
 17-64 rows; its time is per weight, issue- and latency-bound, with every warp issuing MT
@@ -20,12 +20,16 @@ same split-K epilogue feed ``wgmma.mma_async.m64nNk16`` instead:
   128-256 per warp. ``OVERLAP``: the wgmmas of MMA step s run while step s + 1 is dequantized
   (two register sets, ``wgmma.wait_group 1``); without it each step waits for its own.
 
-Compiled for sm_90a (wgmma does not exist on plain sm_90): it compiles with NVRTC (16 HGMMA
-per K step, 93-179 registers, no spills). ``emulate`` replays the B layout on the CPU
-(tests/test_proto_wgmma_gemm.py): it checks this file's indexing, not the hardware's reading of
-the descriptor, which only a GPU run can: ``python bench/proto_wgmma_gemm.py`` checks every
-variant against the reference, then times it against the mma.sync prototype, the dispatcher and
-bf16 at 32 and 64 rows (``--check``: the check alone).
+Compiled for sm_90a (wgmma does not exist on plain sm_90) with NVRTC: 16 HGMMA per K step,
+93-179 registers, no spills. ``emulate`` replays the B layout on the CPU
+(tests/test_proto_wgmma_gemm.py); ``python bench/proto_wgmma_gemm.py`` checks every variant
+against the reference on the GPU, then times it against the mma.sync prototype, the dispatcher
+and bf16 at 32 and 64 rows (``--check``: the check alone).
+
+Measured on the H200 (session 7, bench/results/proto_wgmma_gemm_h200.md): correct on its first
+run; 1.18-1.27x bf16 at 32 rows on the largest layers, where it beats the dispatcher, but far
+slower on small layers, where the 256-row block needs a deep K split (the results file lists
+what to try next).
 """
 
 from __future__ import annotations
