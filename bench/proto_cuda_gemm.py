@@ -56,10 +56,12 @@ THREADS = 256
 _HELPERS = dec.SOURCE[:dec.SOURCE.index("// One K step's weights")]
 
 SOURCE = _HELPERS + r"""
-// Weights go through shared memory with cp.async, STAGES - 1 K steps ahead, each warp its own
-// 32 rows (no block barrier for them): a warp's stage is 32 rows x 64 code bytes, then 32 rows x
-// 8 scale bytes. Local row 16 nt + 8 r + g is the lane's row g (r = 0) or g + 8 (r = 1) of tile nt.
-constexpr int WARP_STAGE = 32 * 64 + 32 * 8;
+// Blocks of W warps (W = 8: 256 threads; W = 4: one warpgroup), each warp NT 16-row tiles of the
+// weight: 16 NT W rows per block. Weights go through shared memory with cp.async, STAGES - 1 K
+// steps ahead, each warp its own 16 NT rows (no block barrier for them): a warp's stage is
+// 16 NT rows x 64 code bytes, then 16 NT rows x 8 scale bytes. Local row 16 nt + 8 r + g is the
+// lane's row g (r = 0) or g + 8 (r = 1) of tile nt.
+template <int NT> __host__ __device__ constexpr int warp_stage() { return 16 * NT * (64 + 8); }
 
 __device__ __forceinline__ void cp_async16(u32 dst, const void* src, int bytes) {
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" :: "r"(dst), "l"(src), "r"(bytes));
@@ -72,56 +74,59 @@ template <int PENDING> __device__ __forceinline__ void cp_wait() {
     asm volatile("cp.async.wait_group %0;" :: "n"(PENDING));
 }
 
-// This warp's rows row0..row0+31 of K step `it` into its stage at shared address `dst`; rows
-// past N are zero-filled (source size 0).
+// This warp's rows row0 .. row0 + 16 NT - 1 of K step `it` into its stage at shared address
+// `dst`; rows past N are zero-filled (source size 0).
+template <int NT>
 __device__ __forceinline__ void load_w(u32 dst, const unsigned char* q, int ldq, const unsigned char* sc, int lds,
                                        int row0, int N, int it, int lane) {
     #pragma unroll
-    for (int j = 0; j < 4; j++) {
+    for (int j = 0; j < 2 * NT; j++) {
         const int c = lane + 32 * j, r = c >> 2, p = c & 3, n = row0 + r;
         cp_async16(dst + r * 64 + 16 * p, q + (size_t)(n < N ? n : 0) * ldq + it * 64 + 16 * p, n < N ? 16 : 0);
     }
     const int n = row0 + lane;
-    cp_async8(dst + 32 * 64 + lane * 8, sc + (size_t)(n < N ? n : 0) * lds + it * 8, n < N ? 8 : 0);
+    if (NT == 2 || lane < 16 * NT)
+        cp_async8(dst + 16 * NT * 64 + lane * 8, sc + (size_t)(n < N ? n : 0) * lds + it * 8, n < N ? 8 : 0);
 }
 
-// This thread's share of x for K step `it`: 16-byte runs u = tid + 256 j of the [8 MT, 128] tile,
-// run u = (row m, word i, lane t) with t fastest, then 8 rows, then i, then the next 8 rows.
-template <int MT>
-__device__ __forceinline__ void load_x(uint4 (&xs)[MT / 2], const u16* x, int M, int ldx, int it) {
+// This thread's share of x for K step `it`: 16-byte runs u = tid + T j of the [8 MT, 128] tile
+// (T threads, XR = 128 MT / T runs each), run u = (row m, word i, lane t) with t fastest, then 8
+// rows, then i, then the next 8 rows.
+template <int MT, int T, int XR = 128 * MT / T>
+__device__ __forceinline__ void load_x(uint4 (&xs)[XR], const u16* x, int M, int ldx, int it) {
     #pragma unroll
-    for (int j = 0; j < MT / 2; j++) {
-        const int u = threadIdx.x + THREADS_ * j;
+    for (int j = 0; j < XR; j++) {
+        const int u = threadIdx.x + T * j;
         const int t = u & 3, m = ((u >> 7) << 3) | ((u >> 2) & 7), i = (u >> 5) & 3;
         const int mr = m < M ? m : M - 1;  // rows past M fill MMA columns that are never written
         xs[j] = __ldg(reinterpret_cast<const uint4*>(x + (size_t)mr * ldx + it * 128 + 32 * t + 8 * i));
     }
 }
 
-// The split-K epilogue for 256-row tiles at up to 64 rows: float32 partials, then the last block
+// The split-K epilogue for ROWS-row tiles at up to 64 rows: float32 partials, then the last block
 // of a tile sums them in slice order, 4 columns per load and 8 loads in flight per thread (the
 // decode kernel's store_y reads one float at a time, which is fine for its <= 16 rows and 64-128
 // columns and far too slow for 64 rows x 256).
-template <int MT>
-__device__ __forceinline__ void store_tile(const float (&c)[2][MT][4], int row, int t, int tile0, int M, int N,
+template <int MT, int NT, int T, int ROWS>
+__device__ __forceinline__ void store_tile(const float (&c)[NT][MT][4], int row, int t, int tile0, int M, int N,
                                            const float* __restrict__ gsp, const u16* __restrict__ bias,
                                            int has_bias, u16* __restrict__ y, int ldy, float* __restrict__ ws,
                                            int* __restrict__ counters) {
     if (gridDim.y == 1) {
-        store_y<2, MT>(c, row, t, tile0, 256, M, N, gsp, bias, has_bias, y, ldy, ws, counters);
+        store_y<NT, MT>(c, row, t, tile0, ROWS, M, N, gsp, bias, has_bias, y, ldy, ws, counters);
         return;
     }
-    if (!arrive_last<2, MT>(c, row, t, M, N, ws, counters)) return;
-    const int w4 = min(256, N - tile0) >> 2, groups = M * w4;  // N % 16 == 0: whole groups of 4
+    if (!arrive_last<NT, MT>(c, row, t, M, N, ws, counters)) return;
+    const int w4 = min(ROWS, N - tile0) >> 2, groups = M * w4;  // N % 16 == 0: whole groups of 4
     const float gs = 1073741824.0f / gsp[0];
-    for (int e0 = threadIdx.x; e0 < groups; e0 += 8 * THREADS_) {
+    for (int e0 = threadIdx.x; e0 < groups; e0 += 8 * T) {
         float4 v[8];
         #pragma unroll
         for (int j = 0; j < 8; j++) v[j] = make_float4(0.f, 0.f, 0.f, 0.f);
         for (int s = 0; s < (int)gridDim.y; s++) {
             #pragma unroll
             for (int j = 0; j < 8; j++) {
-                const int e = e0 + j * THREADS_;
+                const int e = e0 + j * T;
                 if (e < groups) {
                     const int m = e / w4, n = tile0 + 4 * (e % w4);
                     const float4 p = __ldcg(reinterpret_cast<const float4*>(ws + ((size_t)s * M + m) * N + n));
@@ -131,7 +136,7 @@ __device__ __forceinline__ void store_tile(const float (&c)[2][MT][4], int row, 
         }
         #pragma unroll
         for (int j = 0; j < 8; j++) {
-            const int e = e0 + j * THREADS_;
+            const int e = e0 + j * T;
             if (e < groups) {
                 const int m = e / w4, n = tile0 + 4 * (e % w4);
                 float o[4] = {v[j].x * gs, v[j].y * gs, v[j].z * gs, v[j].w * gs};
@@ -148,11 +153,12 @@ __device__ __forceinline__ void store_tile(const float (&c)[2][MT][4], int row, 
     }
 }
 
-// y[M, N] = x[M, K] @ W^T (+ bias), M <= 8 * MT; grid (ceil(N / 256), K slices of `ips` steps).
-// Shared memory: two x stages, then STAGES weight stages of 8 warps. L<MT> is the x layout and
-// the MMA: store_x (a thread's share of one K step of x into a stage) and compute (one K step).
-template <template <int> class L, int MT, int STAGES>
+// y[M, N] = x[M, K] @ W^T (+ bias), M <= 8 * MT; grid (ceil(N / ROWS), K slices of `ips` steps).
+// Shared memory: two x stages, then STAGES weight stages of W warps. L<MT, NT, T> is the x layout
+// and the MMA: store_x (a thread's share of one K step of x into a stage) and compute (one step).
+template <template <int, int, int> class L, int MT, int STAGES, int W, int NT>
 __device__ __forceinline__ void gemm(ARGS) {
+    constexpr int T = 32 * W, ROWS = 16 * NT * W, WS = warp_stage<NT>(), XR = 128 * MT / T;
     extern __shared__ uint4 smem[];
     u32* stages = reinterpret_cast<u32*>(smem);
     const int stage_words = 8 * 8 * MT * 8;  // 8 chunks x 8 MT rows x 32 bytes
@@ -161,26 +167,26 @@ __device__ __forceinline__ void gemm(ARGS) {
     const int g = lane >> 2, t = lane & 3;
     const int steps = K / 128;
     const int it0 = blockIdx.y * ips, it1 = min(steps, it0 + ips);
-    const int tile0 = blockIdx.x * 256;
-    const int row0 = tile0 + warp * 32, row = row0 + g;
-    const int wbytes = 2 * stage_words * 4 + warp * WARP_STAGE;  // this warp's stage 0
+    const int tile0 = blockIdx.x * ROWS;
+    const int row0 = tile0 + warp * 16 * NT, row = row0 + g;
+    const int wbytes = 2 * stage_words * 4 + warp * WS;  // this warp's stage 0
     const unsigned char* wsmem = reinterpret_cast<const unsigned char*>(smem) + wbytes;
     const u32 waddr = smem_addr + wbytes;
 
-    float c[2][MT][4];
+    float c[NT][MT][4];
     #pragma unroll
-    for (int nt = 0; nt < 2; nt++)
+    for (int nt = 0; nt < NT; nt++)
         #pragma unroll
         for (int mt = 0; mt < MT; mt++) c[nt][mt][0] = c[nt][mt][1] = c[nt][mt][2] = c[nt][mt][3] = 0.f;
 
     #pragma unroll
     for (int s = 0; s < STAGES - 1; s++) {
-        if (it0 + s < it1) load_w(waddr + s * 8 * WARP_STAGE, q, ldq, sc, lds, row0, N, it0 + s, lane);
+        if (it0 + s < it1) load_w<NT>(waddr + s * W * WS, q, ldq, sc, lds, row0, N, it0 + s, lane);
         cp_commit();
     }
-    uint4 xs[MT / 2];
-    load_x<MT>(xs, x, M, ldx, it0);
-    L<MT>::store_x(xs, stages);
+    uint4 xs[XR];
+    load_x<MT, T>(xs, x, M, ldx, it0);
+    L<MT, NT, T>::store_x(xs, stages);
     __syncthreads();
     int ws_ = 0;  // weight stage of step it
     for (int it = it0; it < it1; it++) {
@@ -189,16 +195,17 @@ __device__ __forceinline__ void gemm(ARGS) {
         cp_wait<STAGES - 2>();  // step it's weights have landed
         __syncwarp();
         const int next = ws_ == 0 ? STAGES - 1 : ws_ - 1;  // the stage step it - 1 used
-        if (it + STAGES - 1 < it1) load_w(waddr + next * 8 * WARP_STAGE, q, ldq, sc, lds, row0, N, it + STAGES - 1, lane);
+        if (it + STAGES - 1 < it1)
+            load_w<NT>(waddr + next * W * WS, q, ldq, sc, lds, row0, N, it + STAGES - 1, lane);
         cp_commit();
-        if (more) load_x<MT>(xs, x, M, ldx, it + 1);
-        L<MT>::compute(wsmem + ws_ * 8 * WARP_STAGE, c, smem_addr + 4 * xs_ * stage_words, lane, g, t);
-        if (more) L<MT>::store_x(xs, stages + (xs_ ^ 1) * stage_words);
+        if (more) load_x<MT, T>(xs, x, M, ldx, it + 1);
+        L<MT, NT, T>::compute(wsmem + ws_ * W * WS, c, smem_addr + 4 * xs_ * stage_words, lane, g, t);
+        if (more) L<MT, NT, T>::store_x(xs, stages + (xs_ ^ 1) * stage_words);
         __syncthreads();
         ws_ = ws_ == STAGES - 1 ? 0 : ws_ + 1;
     }
 
-    store_tile<MT>(c, row, t, tile0, M, N, gsp, bias, has_bias, y, ldy, ws, counters);
+    store_tile<MT, NT, T, ROWS>(c, row, t, tile0, M, N, gsp, bias, has_bias, y, ldy, ws, counters);
 }
 
 // -- The mma.sync layout (the kernels measured in bench/results/proto_cuda_gemm_h200.md) --
@@ -213,11 +220,11 @@ __device__ __forceinline__ int xword(int c, int m, int k) {
     return (c * 8 * MT + m) * 8 + ((((k >> 3) ^ (m >> 2)) & 1) << 2) + ((k & 7) >> 1);
 }
 
-template <int MT> struct MmaSync {
-    static __device__ __forceinline__ void store_x(const uint4 (&xs)[MT / 2], u32* stage) {
+template <int MT, int NT, int T> struct MmaSync {
+    static __device__ __forceinline__ void store_x(const uint4 (&xs)[128 * MT / T], u32* stage) {
         #pragma unroll
-        for (int j = 0; j < MT / 2; j++) {
-            const int u = threadIdx.x + THREADS_ * j;
+        for (int j = 0; j < 128 * MT / T; j++) {
+            const int u = threadIdx.x + T * j;
             const int t = u & 3, m = ((u >> 7) << 3) | ((u >> 2) & 7), i = (u >> 5) & 3;
             const uint4 v = xs[j];
             stage[xword<MT>(2 * i, m, 2 * t)] = __byte_perm(v.x, v.z, 0x5410);          // x0, x4
@@ -227,17 +234,17 @@ template <int MT> struct MmaSync {
         }
     }
 
-    static __device__ __forceinline__ void compute(const unsigned char* wst, float (&c)[2][MT][4],
+    static __device__ __forceinline__ void compute(const unsigned char* wst, float (&c)[NT][MT][4],
                                                    u32 stage_addr, int lane, int g, int t) {
-        uint4 qw[2][2];
-        u32 s[2][2][2];  // tile, row (g, g + 8), words 0-1 / 2-3
+        uint4 qw[NT][2];
+        u32 s[NT][2][2];  // tile, row (g, g + 8), words 0-1 / 2-3
         #pragma unroll
-        for (int nt = 0; nt < 2; nt++)
+        for (int nt = 0; nt < NT; nt++)
             #pragma unroll
             for (int r = 0; r < 2; r++) {
                 const int lr = 16 * nt + 8 * r + g;
                 qw[nt][r] = *reinterpret_cast<const uint4*>(wst + lr * 64 + 16 * t);
-                const u32 sb = *reinterpret_cast<const u16*>(wst + 32 * 64 + lr * 8 + 2 * t);
+                const u32 sb = *reinterpret_cast<const u16*>(wst + 16 * NT * 64 + lr * 8 + 2 * t);
                 s[nt][r][0] = scale_bf16x2(sb);
                 s[nt][r][1] = scale_bf16x2(sb >> 8);
             }
@@ -255,7 +262,7 @@ template <int MT> struct MmaSync {
                     b[2 * mp][0] = r4[0]; b[2 * mp][1] = r4[1]; b[2 * mp + 1][0] = r4[2]; b[2 * mp + 1][1] = r4[3];
                 }
                 #pragma unroll
-                for (int nt = 0; nt < 2; nt++) {
+                for (int nt = 0; nt < NT; nt++) {
                     const uint4 qg = qw[nt][0], qh = qw[nt][1];
                     const u32 wg = i == 0 ? qg.x : i == 1 ? qg.y : i == 2 ? qg.z : qg.w;
                     const u32 wh = i == 0 ? qh.x : i == 1 ? qh.y : i == 2 ? qh.z : qh.w;
@@ -271,46 +278,53 @@ template <int MT> struct MmaSync {
 };
 
 #define KERNEL(MT, S, MINB) extern "C" __global__ void __launch_bounds__(256, MINB) \
-    nvfp4_gemm_m##MT##_s##S(ARGS) { gemm<MmaSync, MT / 8, S>(CALL); }
+    nvfp4_gemm_m##MT##_s##S(ARGS) { gemm<MmaSync, MT / 8, S, 8, 2>(CALL); }
 KERNEL(32, 2, 2) KERNEL(32, 3, 2) KERNEL(32, 4, 2)
 KERNEL(64, 2, 1) KERNEL(64, 3, 1) KERNEL(64, 4, 1) KERNEL(64, 6, 1)
-""".replace("THREADS_", str(THREADS))
+"""
 
 
-WARP_STAGE = 32 * 64 + 32 * 8  # one warp's weights of one K step in shared memory: codes, scales
 STAGES = (2, 3, 4, 6)  # weight pipeline depths compiled (6 only for 64 rows)
 
 
-def config(m: int, n: int, k: int, sms: int = 132) -> tuple[int, int]:
-    """(x tiles MT, K steps per slice): MT = 4 runs two blocks per SM, MT = 8 one, so K is split
-    until the grid covers the GPU about once."""
+def warp_stage(nt: int = 2) -> int:
+    """Bytes of one warp's weights of one K step in shared memory (codes, then scales)."""
+    return 16 * nt * (64 + 8)
+
+
+def config(m: int, n: int, k: int, sms: int = 132, rows: int = ROWS_PER_BLOCK, per_sm: int | None = None):
+    """(x tiles MT, K steps per slice) for blocks of ``rows`` weight rows: MT = 4 runs two blocks
+    of 256 rows per SM, MT = 8 one, so K is split until the grid covers the GPU about once."""
     mt = 4 if m <= 32 else 8
     steps = k // K_STEP
-    blocks_n = -(-n // ROWS_PER_BLOCK)
-    per_sm = 2 if mt == 4 else 1
+    blocks_n = -(-n // rows)
+    per_sm = per_sm or (2 if mt == 4 else 1)
     slices = max(1, min(steps, (per_sm * sms) // blocks_n))
     return mt, -(-steps // slices)
 
 
-def shared_bytes(mt: int, stages: int = 4) -> int:
-    return 2 * 8 * (8 * mt) * 32 + stages * 8 * WARP_STAGE
+def shared_bytes(mt: int, stages: int = 4, warps: int = 8, nt: int = 2) -> int:
+    return 2 * 8 * (8 * mt) * 32 + stages * warps * warp_stage(nt)
 
 
-def kernel_for(mt: int, stages: int, device: int):
+def kernel_for(mt: int, stages: int, device: int, warps: int = 8, nt: int = 2):
+    if (warps, nt) != (8, 2):
+        raise ValueError("the mma.sync kernels are compiled for blocks of 8 warps x 2 tiles only")
     return with_shared_memory(nvrtc.compile_kernel(SOURCE, f"nvfp4_gemm_m{8 * mt}_s{stages}", device), mt, stages)
 
 
-def with_shared_memory(kernel, mt: int, stages: int):
-    """``kernel`` allowed the dynamic shared memory of (mt, stages) (an opt-in from 48 KB on)."""
-    if shared_bytes(mt, stages) >= 48 * 1024:
-        kernel.set_shared_memory_config(shared_bytes(mt, stages))
+def with_shared_memory(kernel, mt: int, stages: int, warps: int = 8, nt: int = 2):
+    """``kernel`` allowed the dynamic shared memory of its shape (an opt-in from 48 KB on)."""
+    if shared_bytes(mt, stages, warps, nt) >= 48 * 1024:
+        kernel.set_shared_memory_config(shared_bytes(mt, stages, warps, nt))
     return kernel
 
 
-def nvfp4_gemm_cuda(x, packed, scales, global_scale, bias=None, ips=None, stages=4, kernel_for=kernel_for):
-    """y = x @ W^T (+ bias) for x [17..64, K] bf16 on the GPU (any 1..64 rows work);
-    ``kernel_for(mt, stages, device)`` gives the compiled kernel (another layout's, for
-    bench/proto_wgmma_gemm.py)."""
+def nvfp4_gemm_cuda(x, packed, scales, global_scale, bias=None, ips=None, stages=4, kernel_for=kernel_for,
+                    warps=8, nt=2):
+    """y = x @ W^T (+ bias) for x [17..64, K] bf16 on the GPU (any 1..64 rows work), in blocks of
+    ``warps`` warps x ``nt`` 16-row tiles; ``kernel_for(mt, stages, device, warps, nt)`` gives the
+    compiled kernel (another layout's, for bench/proto_wgmma_gemm.py)."""
     from qerl_kit.kernels.nvfp4_gemv_triton import _counters
 
     m, n, k = x.shape[0], packed.shape[0], packed.shape[1] * 2
@@ -321,14 +335,15 @@ def nvfp4_gemm_cuda(x, packed, scales, global_scale, bias=None, ips=None, stages
             and aligned):
         raise ValueError(f"proto_cuda_gemm: needs bf16 CUDA x with 1..64 rows, K % 128 == 0, N % 16 == 0 and "
                          f"16-byte aligned rows; got x {tuple(x.shape)} {x.dtype}, weight {tuple(packed.shape)}")
-    mt, auto_ips = config(m, n, k, torch.cuda.get_device_properties(x.device).multi_processor_count)
+    rows = 16 * nt * warps
+    mt, auto_ips = config(m, n, k, torch.cuda.get_device_properties(x.device).multi_processor_count, rows)
     ips = ips or auto_ips
     slices = -(-(k // K_STEP) // ips)
     y = torch.empty((m, n), dtype=torch.bfloat16, device=x.device)
     ws = torch.empty(slices * m * n if slices > 1 else 1, dtype=torch.float32, device=x.device)
     device = x.device.index if x.device.index is not None else torch.cuda.current_device()
-    kernel = kernel_for(mt, stages, device)
-    kernel(grid=(-(-n // ROWS_PER_BLOCK), slices, 1), block=(THREADS, 1, 1), shared_mem=shared_bytes(mt, stages),
+    kernel = kernel_for(mt, stages, device, warps, nt)
+    kernel(grid=(-(-n // rows), slices, 1), block=(32 * warps, 1, 1), shared_mem=shared_bytes(mt, stages, warps, nt),
            args=[x, m, x.stride(0), packed, packed.stride(0), scales.view(torch.uint8), scales.stride(0),
                  global_scale, bias if bias is not None else y, int(bias is not None), y, y.stride(0), ws,
                  _counters(x.device), n, k, ips],
@@ -337,6 +352,38 @@ def nvfp4_gemm_cuda(x, packed, scales, global_scale, bias=None, ips=None, stages
 
 
 # -- CPU emulation of the data movement ----------------------------------------------------------
+
+
+def weight_stage_writes(nt: int) -> dict:
+    """SOURCE's load_w<NT> for one warp: shared byte offset -> (local row, byte of the row's 64
+    code bytes, or "s" + byte of its 8 scale bytes) of one K step."""
+    out = {}
+    for lane in range(32):
+        for j in range(2 * nt):
+            c = lane + 32 * j
+            r, p = c >> 2, c & 3
+            for b in range(16):
+                out[r * 64 + 16 * p + b] = (r, 16 * p + b)
+        if nt == 2 or lane < 16 * nt:
+            for b in range(8):
+                out[16 * nt * 64 + lane * 8 + b] = (lane, f"s{b}")
+    return out
+
+
+def weight_stage_reads(nt: int) -> dict:
+    """SOURCE's compute for one warp: (lane, tile, row half) -> the 16 code bytes and 2 scale
+    bytes it reads, as (local row, byte) pairs through weight_stage_writes."""
+    writes = weight_stage_writes(nt)
+    reads = {}
+    for lane in range(32):
+        g, t = lane >> 2, lane & 3
+        for tile in range(nt):
+            for half in range(2):
+                lr = 16 * tile + 8 * half + g
+                codes = [writes[lr * 64 + 16 * t + b] for b in range(16)]
+                scales = [writes[16 * nt * 64 + lr * 8 + 2 * t + b] for b in range(2)]
+                reads[lane, tile, half] = codes + scales
+    return reads
 
 def xword(mt: int, c: int, m: int, k: int) -> int:
     """SOURCE's xword<MT>: a stage's word index for chunk c, x row m, logical k (even)."""

@@ -28,8 +28,10 @@ and bf16 at 32 and 64 rows (``--check``: the check alone).
 
 Measured on the H200 (session 7, bench/results/proto_wgmma_gemm_h200.md): correct on its first
 run; 1.18-1.27x bf16 at 32 rows on the largest layers, where it beats the dispatcher, but far
-slower on small layers, where the 256-row block needs a deep K split (the results file lists
-what to try next).
+slower on small layers, where the 256-row block needs a deep K split. Written after that run and
+NOT YET RUN: blocks of 128 and 64 weight rows (one warpgroup; ``SHAPES``, ``warps``/``nt``), so
+that small layers get enough blocks with one or two K slices. The 256-row kernels compile to the
+same SASS as the measured ones.
 """
 
 from __future__ import annotations
@@ -90,12 +92,12 @@ __device__ __forceinline__ unsigned long long chunk_desc(u32 addr) {
            | ((unsigned long long)(256 >> 4) << 32);
 }
 
-template <int MT, bool OVERLAP> struct Wgmma {
-    static __device__ __forceinline__ void store_x(const uint4 (&xs)[MT / 2], u32* stage) {
+template <int MT, int NT, int T, bool OVERLAP> struct Wgmma {
+    static __device__ __forceinline__ void store_x(const uint4 (&xs)[128 * MT / T], u32* stage) {
         unsigned char* sb = reinterpret_cast<unsigned char*>(stage);
         #pragma unroll
-        for (int j = 0; j < MT / 2; j++) {
-            const int u = threadIdx.x + THREADS_ * j;
+        for (int j = 0; j < 128 * MT / T; j++) {
+            const int u = threadIdx.x + T * j;
             const int t = u & 3, m = ((u >> 7) << 3) | ((u >> 2) & 7), i = (u >> 5) & 3;
             const uint4 v = xs[j];
             *reinterpret_cast<u32*>(sb + xoff<MT>(2 * i, m, 2 * t)) = __byte_perm(v.x, v.z, 0x5410);          // x0, x4
@@ -106,26 +108,26 @@ template <int MT, bool OVERLAP> struct Wgmma {
         asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // visible to wgmma after the barrier
     }
 
-    static __device__ __forceinline__ void compute(const unsigned char* wst, float (&c)[2][MT][4],
+    static __device__ __forceinline__ void compute(const unsigned char* wst, float (&c)[NT][MT][4],
                                                    u32 stage_addr, int lane, int g, int t) {
-        uint4 qw[2][2];
-        u32 s[2][2][2];  // tile, row (g, g + 8), words 0-1 / 2-3
+        uint4 qw[NT][2];
+        u32 s[NT][2][2];  // tile, row (g, g + 8), words 0-1 / 2-3
         #pragma unroll
-        for (int nt = 0; nt < 2; nt++)
+        for (int nt = 0; nt < NT; nt++)
             #pragma unroll
             for (int r = 0; r < 2; r++) {
                 const int lr = 16 * nt + 8 * r + g;
                 qw[nt][r] = *reinterpret_cast<const uint4*>(wst + lr * 64 + 16 * t);
-                const u32 sb = *reinterpret_cast<const u16*>(wst + 32 * 64 + lr * 8 + 2 * t);
+                const u32 sb = *reinterpret_cast<const u16*>(wst + 16 * NT * 64 + lr * 8 + 2 * t);
                 s[nt][r][0] = scale_bf16x2(sb);
                 s[nt][r][1] = scale_bf16x2(sb >> 8);
             }
-        u32 a[2][2][4];  // register set, tile, fragment
+        u32 a[2][NT][4];  // register set, tile, fragment
         #pragma unroll
         for (int step = 0; step < 8; step++) {
             const int i = step >> 1, h = step & 1, set = OVERLAP ? step & 1 : 0;
             #pragma unroll
-            for (int nt = 0; nt < 2; nt++) {
+            for (int nt = 0; nt < NT; nt++) {
                 const uint4 qg = qw[nt][0], qh = qw[nt][1];
                 const u32 wg = i == 0 ? qg.x : i == 1 ? qg.y : i == 2 ? qg.z : qg.w;
                 const u32 wh = i == 0 ? qh.x : i == 1 ? qh.y : i == 2 ? qh.z : qh.w;
@@ -138,14 +140,14 @@ template <int MT, bool OVERLAP> struct Wgmma {
             wg_fence();  // orders the A registers just written (and the accumulators) before the wgmmas
             const unsigned long long db = chunk_desc(stage_addr + xoff<MT>(step, 0, 0));
             #pragma unroll
-            for (int nt = 0; nt < 2; nt++)
+            for (int nt = 0; nt < NT; nt++)
                 wgmma<MT>(c[nt], a[set][nt][0], a[set][nt][1], a[set][nt][2], a[set][nt][3], db);
             wg_commit();
             if (OVERLAP) {
                 wg_wait<1>();  // step - 1's wgmmas are done: its register set may be rewritten
                 if (step > 0) {
                     #pragma unroll
-                    for (int nt = 0; nt < 2; nt++)
+                    for (int nt = 0; nt < NT; nt++)
                         #pragma unroll
                         for (int f = 0; f < 4; f++) keep(a[set ^ 1][nt][f]);
                 }
@@ -155,7 +157,7 @@ template <int MT, bool OVERLAP> struct Wgmma {
         }
         wg_wait<0>();
         #pragma unroll
-        for (int nt = 0; nt < 2; nt++) {
+        for (int nt = 0; nt < NT; nt++) {
             #pragma unroll
             for (int f = 0; f < 4; f++) keep(a[OVERLAP ? 1 : 0][nt][f]);
             #pragma unroll
@@ -165,42 +167,49 @@ template <int MT, bool OVERLAP> struct Wgmma {
         }
     }
 };
-template <int MT> using WgSerial = Wgmma<MT, false>;
-template <int MT> using WgOverlap = Wgmma<MT, true>;
+template <int MT, int NT, int T> using WgSerial = Wgmma<MT, NT, T, false>;
+template <int MT, int NT, int T> using WgOverlap = Wgmma<MT, NT, T, true>;
 
-#define KERNEL(MT, S, MINB, V, NAME) extern "C" __global__ void __launch_bounds__(256, MINB) \
-    nvfp4_wgmma_m##MT##_s##S##_##NAME(ARGS) { gemm<V, MT / 8, S>(CALL); }
-KERNEL(32, 2, 2, WgSerial, serial) KERNEL(32, 4, 2, WgSerial, serial)
-KERNEL(32, 2, 2, WgOverlap, overlap) KERNEL(32, 4, 2, WgOverlap, overlap)
-KERNEL(64, 2, 1, WgSerial, serial) KERNEL(64, 4, 1, WgSerial, serial)
-KERNEL(64, 2, 1, WgOverlap, overlap) KERNEL(64, 4, 1, WgOverlap, overlap)
-""".replace("THREADS_", str(base.THREADS))
+// nvfp4_wgmma_m{rows of x}_w{warps}n{tiles per warp}_s{stages}_{variant}: blocks of 256, 128 or 64
+// weight rows (8 warps x 2 tiles: two warpgroups; 4 x 2 and 4 x 1: one).
+#define KERNEL(MT, W, NT, S, MINB, V, NAME) extern "C" __global__ void __launch_bounds__(32 * W, MINB) \
+    nvfp4_wgmma_m##MT##_w##W##n##NT##_s##S##_##NAME(ARGS) { gemm<V, MT / 8, S, W, NT>(CALL); }
+#define SHAPES(MT, MINB8, V, NAME) KERNEL(MT, 8, 2, 2, MINB8, V, NAME) KERNEL(MT, 8, 2, 4, MINB8, V, NAME) \
+    KERNEL(MT, 4, 2, 4, 2, V, NAME) KERNEL(MT, 4, 1, 4, 2, V, NAME)
+SHAPES(32, 2, WgSerial, serial) SHAPES(32, 2, WgOverlap, overlap)
+SHAPES(64, 1, WgSerial, serial) SHAPES(64, 1, WgOverlap, overlap)
+"""
 
 VARIANTS = ("serial", "overlap")
+# Block shapes compiled, (warps, 16-row tiles per warp) -> weight rows per block: 256, 128, 64;
+# with their pipeline depths (the 128- and 64-row blocks only 4 stages).
+SHAPES = {(8, 2): (2, 4), (4, 2): (4,), (4, 1): (4,)}
 
 
 def kernel_for(variant: str):
-    """A ``kernel_for(mt, stages, device)`` for ``base.nvfp4_gemm_cuda`` that builds this file's
-    kernels for sm_90a."""
-    def build(mt: int, stages: int, device: int):
-        return _compiled(f"nvfp4_wgmma_m{8 * mt}_s{stages}_{variant}", device, mt, stages)
+    """A ``kernel_for(mt, stages, device, warps, nt)`` for ``base.nvfp4_gemm_cuda`` that builds
+    this file's kernels for sm_90a."""
+    def build(mt: int, stages: int, device: int, warps: int = 8, nt: int = 2):
+        if stages not in SHAPES.get((warps, nt), ()):
+            raise ValueError(f"no wgmma kernel for {warps} warps x {nt} tiles with {stages} stages")
+        name = f"nvfp4_wgmma_m{8 * mt}_w{warps}n{nt}_s{stages}_{variant}"
+        if (name, device) not in _cache:
+            with torch.cuda.device(device):
+                kernel = torch.cuda._compile_kernel(SOURCE, name, compute_capability="90a",
+                                                    nvcc_options=["--std=c++17"])
+            _cache[name, device] = base.with_shared_memory(kernel, mt, stages, warps, nt)
+        return _cache[name, device]
     return build
 
 
 _cache: dict = {}
 
 
-def _compiled(name: str, device: int, mt: int, stages: int):
-    if (name, device) not in _cache:
-        with torch.cuda.device(device):
-            kernel = torch.cuda._compile_kernel(SOURCE, name, compute_capability="90a", nvcc_options=["--std=c++17"])
-        _cache[name, device] = base.with_shared_memory(kernel, mt, stages)
-    return _cache[name, device]
-
-
-def nvfp4_gemm_wgmma(x, packed, scales, global_scale, bias=None, ips=None, stages=4, variant="overlap"):
-    """y = x @ W^T (+ bias) for x [1..64, K] bf16 on an sm_90 GPU."""
-    return base.nvfp4_gemm_cuda(x, packed, scales, global_scale, bias, ips, stages, kernel_for(variant))
+def nvfp4_gemm_wgmma(x, packed, scales, global_scale, bias=None, ips=None, stages=4, variant="overlap",
+                     warps=8, nt=2):
+    """y = x @ W^T (+ bias) for x [1..64, K] bf16 on an sm_90 GPU, in blocks of ``warps`` warps x
+    ``nt`` 16-row tiles (256, 128 or 64 weight rows)."""
+    return base.nvfp4_gemm_cuda(x, packed, scales, global_scale, bias, ips, stages, kernel_for(variant), warps, nt)
 
 
 # -- CPU emulation of the x stage as wgmma's descriptor reads it ----------------------------------
@@ -274,21 +283,25 @@ def check() -> int:
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             ref = nvfp4_linear_ref(x.float(), *w, bias.float())
             for variant in VARIANTS:
-                for stages in (2, 4):
-                    for ips in (None, 1, k // base.K_STEP):
-                        got = nvfp4_gemm_wgmma(x, *w, bias, ips=ips, stages=stages, variant=variant)
-                        err = ((got.float() - ref).norm() / ref.norm()).item()
-                        same = torch.equal(got, nvfp4_gemm_wgmma(x, *w, bias, ips=ips, stages=stages,
-                                                                 variant=variant))
-                        if err > 1e-2 or not same:
-                            bad += 1
-                            print(f"FAIL N={n} K={k} M={m} {variant} stages={stages} ips={ips}: rel err "
-                                  f"{err:.1e}, repeatable {same}", flush=True)
+                for (warps, nt), depths in SHAPES.items():
+                    for stages in depths:
+                        for ips in (None, 1, k // base.K_STEP):
+                            kw = dict(ips=ips, stages=stages, variant=variant, warps=warps, nt=nt)
+                            got = nvfp4_gemm_wgmma(x, *w, bias, **kw)
+                            err = ((got.float() - ref).norm() / ref.norm()).item()
+                            same = torch.equal(got, nvfp4_gemm_wgmma(x, *w, bias, **kw))
+                            if err > 1e-2 or not same:
+                                bad += 1
+                                print(f"FAIL N={n} K={k} M={m} {kw}: rel err {err:.1e}, repeatable {same}",
+                                      flush=True)
     print(f"check: {bad} failures", flush=True)
     return bad
 
 
 def main() -> None:
+    """The check, then per layer and M in {32, 64}: the overlapped variant in each block shape
+    (default K split), the mma.sync prototype, the dispatcher and bf16; ``--sweep`` adds K splits
+    per block shape."""
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     failures = check()  # timings follow even after failures: a layout bug does not change the speed much
     if "--check" in sys.argv:
@@ -298,24 +311,38 @@ def main() -> None:
     from qerl_kit.kernels import nvfp4_linear
 
     torch.manual_seed(0)
-    shapes = [(4608, 3584), (37888, 3584), (3584, 18944), (55296, 5120), (8192, 29568)]
-    print("| N x K | M | ips | wgmma serial us | wgmma overlap us | mma.sync us | dispatch us | bf16 us "
-          "| overlap x bf16 | dispatch x bf16 |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    shapes = [(4608, 3584), (3584, 3584), (37888, 3584), (3584, 18944), (55296, 5120), (8192, 29568)]
+    blocks = [(8, 2), (4, 2), (4, 1)]
+    print("| N x K | M | " + " | ".join(f"wgmma {16 * nt * w} rows us (ips)" for w, nt in blocks)
+          + " | mma.sync us | dispatch us | bf16 us | best wgmma x bf16 | dispatch x bf16 |")
+    print("|---|---:|" + "---:|" * (len(blocks) + 5))
     for n, k in shapes:
         q_bytes = n * k // 2 + n * k // 16
         weights = [random_nvfp4(n, k) for _ in range(copies_for(q_bytes))]
         dense = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) for _ in range(copies_for(n * k * 2))]
         for m in (32, 64):
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-            ips = base.config(m, n, k)[1]
-            t = [time_graph([lambda w=w, v=v: nvfp4_gemm_wgmma(x, *w, variant=v) for w in weights])
-                 for v in VARIANTS]
-            t.append(time_graph([lambda w=w: base.nvfp4_gemm_cuda(x, *w, stages=2) for w in weights]))
-            t.append(time_graph([lambda w=w: nvfp4_linear(x, *w) for w in weights]))
+            cells, best = [], float("inf")
+            for w_, nt in blocks:
+                ips = base.config(m, n, k, sms, 16 * nt * w_, per_sm=None if w_ == 8 else 2)[1]
+                t = time_graph([lambda q=q, i=ips, a=w_, b=nt: nvfp4_gemm_wgmma(x, *q, ips=i, warps=a, nt=b)
+                                for q in weights])
+                best = min(best, t)
+                cells.append(f"{t * 1e6:.1f} ({ips})")
+                if "--sweep" in sys.argv:
+                    steps = k // base.K_STEP
+                    for other in sorted({-(-steps // sl) for sl in (1, 2, 3, 4, 6, 8, 12)} - {ips}):
+                        t2 = time_graph([lambda q=q, i=other, a=w_, b=nt: nvfp4_gemm_wgmma(x, *q, ips=i, warps=a,
+                                                                                            nt=b) for q in weights])
+                        print(f"  sweep {n} x {k} M={m} {16 * nt * w_} rows ips {other}: {t2 * 1e6:.1f} us",
+                              flush=True)
+                        best = min(best, t2)
+            t_sync = time_graph([lambda q=q: base.nvfp4_gemm_cuda(x, *q, stages=2) for q in weights])
+            t_disp = time_graph([lambda q=q: nvfp4_linear(x, *q) for q in weights])
             t_bf = time_graph([lambda d=d: torch.nn.functional.linear(x, d) for d in dense])
-            print(f"| {n} x {k} | {m} | {ips} | " + " | ".join(f"{v * 1e6:.1f}" for v in t)
-                  + f" | {t_bf * 1e6:.1f} | {t_bf / t[1]:.2f} | {t_bf / t[3]:.2f} |", flush=True)
+            print(f"| {n} x {k} | {m} | " + " | ".join(cells) + f" | {t_sync * 1e6:.1f} | {t_disp * 1e6:.1f} | "
+                  f"{t_bf * 1e6:.1f} | {t_bf / best:.2f} | {t_bf / t_disp:.2f} |", flush=True)
         del weights, dense
         torch.cuda.empty_cache()
 

@@ -70,3 +70,16 @@ def test_source_reuses_the_decode_kernels_helpers_and_defines_both_kernels():
     for mt, stages in [(4, 2), (4, 3), (4, 4), (8, 2), (8, 3), (8, 4), (8, 6)]:
         assert f"KERNEL({8 * mt}, {stages}," in proto.SOURCE
     assert "THREADS_" not in proto.SOURCE
+
+
+@pytest.mark.parametrize("nt", [1, 2])
+def test_weight_stage_is_written_once_and_read_as_the_lanes_rows(nt):
+    """load_w fills a warp's stage (16 nt rows x 64 code bytes, then 8 scale bytes per row) once,
+    and lane (g, t) of tile nt reads row 16 nt + 8 half + g: code bytes 16 t.., scale bytes 2 t.."""
+    writes = proto.weight_stage_writes(nt)
+    assert len(writes) == proto.warp_stage(nt) == 16 * nt * 72
+    assert len(set(writes.values())) == len(writes)
+    for (lane, tile, half), got in proto.weight_stage_reads(nt).items():
+        g, t = lane >> 2, lane & 3
+        row = 16 * tile + 8 * half + g
+        assert got == [(row, 16 * t + b) for b in range(16)] + [(row, f"s{2 * t}"), (row, f"s{2 * t + 1}")]

@@ -64,8 +64,12 @@ def test_source_shares_the_mma_sync_prototypes_pipeline_and_defines_the_kernels(
     assert "THREADS_" not in proto.SOURCE
     for n in (32, 64):
         assert f"m64n{n}k16.f32.bf16.bf16" in proto.SOURCE
-        for stages in (2, 4):
-            for variant in proto.VARIANTS:
-                assert f"KERNEL({n}, {stages}," in proto.SOURCE and f", {variant})" in proto.SOURCE
+        for variant in proto.VARIANTS:
+            assert f"SHAPES({n}, " in proto.SOURCE and f", {variant})" in proto.SOURCE
+    # every block shape and depth the launcher may ask for is instantiated by the SHAPES macro
+    macro = proto.SOURCE[proto.SOURCE.index("#define SHAPES"):].split("\nSHAPES(")[0]
+    for (warps, nt), depths in proto.SHAPES.items():
+        for stages in depths:
+            assert f"KERNEL(MT, {warps}, {nt}, {stages}," in macro, (warps, nt, stages)
     asm = proto._wgmma_asm(64)
     assert asm.count('"+f"') == 32 and "%36, p, 1, 1, 0" in asm and "setp.ne.b32 p, %37, 0" in asm
