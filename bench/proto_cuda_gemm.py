@@ -450,22 +450,27 @@ def emulate(x: torch.Tensor, w: torch.Tensor, mt: int) -> torch.Tensor:
     return y[:M]
 
 
-def engine(model_name: str = "Qwen2.5-7B", batches=(24, 32, 64), new: int = 128) -> None:
+def engine(model_name: str = "Qwen2.5-7B", batches=(24, 32, 64), new: int = 128, linear=None, warm=None) -> None:
     """The 7B NVFP4 engine (fused decode step, CUDA graphs, LoRA r 32) with its 17..64-row
-    projections on the dispatcher and then on this kernel, in one run (``--engine``)."""
+    projections on the dispatcher and then on ``linear`` (this file's kernel by default), in one
+    run (``--engine``); ``warm()`` compiles what ``linear`` launches before any graph capture."""
     import bench_rollout as br
 
     from qerl_kit import kernels
 
     original = kernels.nvfp4_linear
+    linear = linear or nvfp4_gemm_cuda
 
     def routed(x, packed, scales, global_scale, bias=None, backend=None):
         if x.dim() == 2 and 17 <= x.shape[0] <= 64 and x.is_cuda and packed.shape[1] * 2 % K_STEP == 0:
-            return nvfp4_gemm_cuda(x, packed, scales, global_scale, bias)
+            return linear(x, packed, scales, global_scale, bias)
         return original(x, packed, scales, global_scale, bias, backend)
 
-    for mt in (4, 8):  # compiled before any graph capture
-        kernel_for(mt, 4, torch.cuda.current_device())
+    if warm is not None:
+        warm()
+    else:
+        for mt in (4, 8):
+            kernel_for(mt, 4, torch.cuda.current_device())
     model = br.with_lora(br.build(model_name, "nvfp4", "cuda"), 32)
     print(f"| {model_name} batch | dispatcher ms/step | this kernel ms/step |")
     print("|---:|---:|---:|")

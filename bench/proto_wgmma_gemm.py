@@ -298,11 +298,52 @@ def check() -> int:
     return bad
 
 
+def block_for(n: int) -> tuple[int, int]:
+    """(warps, tiles per warp) for a layer of ``n`` weight rows: a first guess for ``--engine``
+    (64-row blocks where 256-row ones leave the GPU short of blocks), to be replaced by the sweep."""
+    return (4, 1) if n <= 8192 else (8, 2)
+
+
+def routed_linear(x, packed, scales, global_scale, bias=None):
+    warps, nt = block_for(packed.shape[0])
+    return nvfp4_gemm_wgmma(x, packed, scales, global_scale, bias, warps=warps, nt=nt)
+
+
+def warm_all() -> None:
+    """Compiles every kernel the engine may launch (before CUDA-graph capture)."""
+    device = torch.cuda.current_device()
+    for variant in ("overlap",):
+        for (warps, nt), depths in SHAPES.items():
+            for mt in (4, 8):
+                kernel_for(variant)(mt, 4 if 4 in depths else depths[-1], device, warps, nt)
+
+
+def profile() -> None:
+    """``--profile``: each block shape on 7B qkv and 32B gate_up at 64 rows, eagerly, 20 times,
+    for a profiler wrapped around the process, e.g.
+    ``ncu --kernel-name regex:nvfp4_wgmma --launch-skip 10 --launch-count 6 --set full
+    python bench/proto_wgmma_gemm.py --profile``."""
+    from bench_nvfp4_gemm import random_nvfp4
+
+    for n, k in [(4608, 3584), (55296, 5120)]:
+        w = random_nvfp4(n, k)
+        x = torch.randn(64, k, device="cuda", dtype=torch.bfloat16)
+        for warps, nt in SHAPES:
+            for _ in range(20):
+                nvfp4_gemm_wgmma(x, *w, warps=warps, nt=nt)
+        torch.cuda.synchronize()
+
+
 def main() -> None:
     """The check, then per layer and M in {32, 64}: the overlapped variant in each block shape
     (default K split), the mma.sync prototype, the dispatcher and bf16; ``--sweep`` adds K splits
-    per block shape."""
+    per block shape; ``--engine`` times the 7B engine with ``routed_linear`` at 17-64 rows and
+    ``--profile`` runs the kernels for a profiler (neither runs the check)."""
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    if "--profile" in sys.argv:
+        return profile()
+    if "--engine" in sys.argv:
+        return base.engine(linear=routed_linear, warm=warm_all)
     failures = check()  # timings follow even after failures: a layout bug does not change the speed much
     if "--check" in sys.argv:
         sys.exit(1 if failures else 0)
