@@ -1,30 +1,31 @@
-"""The 17..64-row CUDA prototype (bench/proto_cuda_gemm.py), on the CPU: its shared-memory layout
+"""The 17..64-row CUDA prototype (bench/proto_cuda_gemm.py), on the CPU: its shared-memory layouts
 for x (every word written once, no bank conflicts for the staging stores or the ldmatrix reads)
-and its data movement emulated lane by lane against the plain product."""
+and the weights, and its data movement emulated lane by lane (proto_cuda_gemm_emulate.py)
+against the plain product."""
 
-import importlib.util
+import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-spec = importlib.util.spec_from_file_location(
-    "proto_cuda_gemm", Path(__file__).resolve().parents[1] / "bench" / "proto_cuda_gemm.py")
-proto = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(proto)
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+
+import proto_cuda_gemm as proto  # noqa: E402
+import proto_cuda_gemm_emulate as emu  # noqa: E402
 
 
 @pytest.mark.parametrize("mt", [4, 8])
 def test_stage_layout_is_a_bijection_without_bank_conflicts(mt):
     rows = 8 * mt
-    words = {proto.xword(mt, c, m, k) for c in range(8) for m in range(rows) for k in range(0, 16, 2)}
+    words = {emu.xword(mt, c, m, k) for c in range(8) for m in range(rows) for k in range(0, 16, 2)}
     assert words == set(range(8 * rows * 8))
     # ldmatrix: each 8x8 matrix is 8 row addresses of 16 bytes; one phase reads all 8 rows, so
     # their 4-bank groups must differ.
     for c in range(8):
         for m0 in range(0, rows, 8):
             for khalf in (0, 8):
-                groups = {(proto.xword(mt, c, m0 + r, khalf) % 32) // 4 for r in range(8)}
+                groups = {(emu.xword(mt, c, m0 + r, khalf) % 32) // 4 for r in range(8)}
                 assert len(groups) == 8, (c, m0, khalf)
     # staging: a warp's 32 lanes (t fastest, then 8 rows) store one word each per store
     for warp in range(proto.THREADS * (mt // 2) // 32):
@@ -34,7 +35,7 @@ def test_stage_layout_is_a_bijection_without_bank_conflicts(mt):
                 u = warp * 32 + lane
                 t, m, i = u & 3, ((u >> 7) << 3) | ((u >> 2) & 7), (u >> 5) & 3
                 c, k = 2 * i + (which >> 1), 2 * t + 8 * (which & 1)
-                banks.add(proto.xword(mt, c, m, k) % 32)
+                banks.add(emu.xword(mt, c, m, k) % 32)
             assert len(banks) == 32, (warp, which)
 
 
@@ -43,7 +44,7 @@ def test_emulated_data_movement_gives_the_product(m, mt):
     g = torch.Generator().manual_seed(m)
     x = torch.randn(m, 256, generator=g)
     w = torch.randn(32, 256, generator=g)
-    y = proto.emulate(x, w, mt)
+    y = emu.emulate(x, w, mt)
     torch.testing.assert_close(y, x.double() @ w.double().t(), rtol=1e-12, atol=1e-12)
 
 
@@ -76,10 +77,10 @@ def test_source_reuses_the_decode_kernels_helpers_and_defines_both_kernels():
 def test_weight_stage_is_written_once_and_read_as_the_lanes_rows(nt):
     """load_w fills a warp's stage (16 nt rows x 64 code bytes, then 8 scale bytes per row) once,
     and lane (g, t) of tile nt reads row 16 nt + 8 half + g: code bytes 16 t.., scale bytes 2 t.."""
-    writes = proto.weight_stage_writes(nt)
+    writes = emu.weight_stage_writes(nt)
     assert len(writes) == proto.warp_stage(nt) == 16 * nt * 72
     assert len(set(writes.values())) == len(writes)
-    for (lane, tile, half), got in proto.weight_stage_reads(nt).items():
+    for (lane, tile, half), got in emu.weight_stage_reads(nt).items():
         g, t = lane >> 2, lane & 3
         row = 16 * tile + 8 * half + g
         assert got == [(row, 16 * t + b) for b in range(16)] + [(row, f"s{2 * t}"), (row, f"s{2 * t + 1}")]
