@@ -140,10 +140,6 @@ __device__ __forceinline__ u16 to_bf16(float f) {
     return d;
 }
 
-// The end of a kernel: this thread's accumulators c (rows row + 16 nt + 8 (e >> 1), x rows
-// 8 mt + 2t + (e & 1)) to bf16 y with the global scale and the bias; with several K slices
-// (gridDim.y > 1) through float32 partials in ws [slices, M, N], the last block to arrive at its
-// tile of block_rows rows (an int32 counter, reset by that block) summing them in slice order.
 // Split K: this block's float32 partials into ws [slices, M, N]; true in the block of its tile
 // that arrives last, which then sums the slices (the tile's counter is reset for the next call).
 template <int NT, int MT>
@@ -170,6 +166,10 @@ __device__ __forceinline__ bool arrive_last(const float (&c)[NT][MT][4], int row
     return true;
 }
 
+// The end of a kernel: this thread's accumulators c (rows row + 16 nt + 8 (e >> 1), x rows
+// 8 mt + 2t + (e & 1)) to bf16 y with the global scale and the bias; with several K slices
+// (gridDim.y > 1) through float32 partials in ws [slices, M, N], the last block to arrive at its
+// tile of block_rows rows (an int32 counter, reset by that block) summing them in slice order.
 template <int NT, int MT>
 __device__ __forceinline__ void store_y(const float (&c)[NT][MT][4], int row, int t, int tile0, int block_rows,
                                         int M, int N, const float* __restrict__ gsp, const u16* __restrict__ bias,
