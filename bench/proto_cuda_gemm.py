@@ -156,7 +156,7 @@ __device__ __forceinline__ void store_tile(const float (&c)[NT][MT][4], int row,
 // y[M, N] = x[M, K] @ W^T (+ bias), M <= 8 * MT; grid (ceil(N / ROWS), K slices of `ips` steps).
 // Shared memory: two x stages, then STAGES weight stages of W warps. L<MT, NT, T> is the x layout
 // and the MMA: store_x (a thread's share of one K step of x into a stage) and compute (one step).
-template <template <int, int, int> class L, int MT, int STAGES, int W, int NT>
+template <template <int, int, int> class L, int MT, int STAGES, int W, int NT, int XD = 1>
 __device__ __forceinline__ void gemm(ARGS) {
     constexpr int T = 32 * W, ROWS = 16 * NT * W, WS = warp_stage<NT>(), XR = 128 * MT / T;
     extern __shared__ uint4 smem[];
@@ -184,25 +184,56 @@ __device__ __forceinline__ void gemm(ARGS) {
         if (it0 + s < it1) load_w<NT>(waddr + s * W * WS, q, ldq, sc, lds, row0, N, it0 + s, lane);
         cp_commit();
     }
-    uint4 xs[XR];
-    load_x<MT, T>(xs, x, M, ldx, it0);
-    L<MT, NT, T>::store_x(xs, stages);
-    __syncthreads();
-    int ws_ = 0;  // weight stage of step it
-    for (int it = it0; it < it1; it++) {
-        const int xs_ = (it - it0) & 1;
-        const bool more = it + 1 < it1;
-        cp_wait<STAGES - 2>();  // step it's weights have landed
-        __syncwarp();
-        const int next = ws_ == 0 ? STAGES - 1 : ws_ - 1;  // the stage step it - 1 used
-        if (it + STAGES - 1 < it1)
-            load_w<NT>(waddr + next * W * WS, q, ldq, sc, lds, row0, N, it + STAGES - 1, lane);
-        cp_commit();
-        if (more) load_x<MT, T>(xs, x, M, ldx, it + 1);
-        L<MT, NT, T>::compute(wsmem + ws_ * W * WS, c, smem_addr + 4 * xs_ * stage_words, lane, g, t);
-        if (more) L<MT, NT, T>::store_x(xs, stages + (xs_ ^ 1) * stage_words);
+    if constexpr (XD == 1) {  // x loaded one K step ahead (the measured kernels)
+        uint4 xs[XR];
+        load_x<MT, T>(xs, x, M, ldx, it0);
+        L<MT, NT, T>::store_x(xs, stages);
         __syncthreads();
-        ws_ = ws_ == STAGES - 1 ? 0 : ws_ + 1;
+        int ws_ = 0;  // weight stage of step it
+        for (int it = it0; it < it1; it++) {
+            const int xs_ = (it - it0) & 1;
+            const bool more = it + 1 < it1;
+            cp_wait<STAGES - 2>();  // step it's weights have landed
+            __syncwarp();
+            const int next = ws_ == 0 ? STAGES - 1 : ws_ - 1;  // the stage step it - 1 used
+            if (it + STAGES - 1 < it1)
+                load_w<NT>(waddr + next * W * WS, q, ldq, sc, lds, row0, N, it + STAGES - 1, lane);
+            cp_commit();
+            if (more) load_x<MT, T>(xs, x, M, ldx, it + 1);
+            L<MT, NT, T>::compute(wsmem + ws_ * W * WS, c, smem_addr + 4 * xs_ * stage_words, lane, g, t);
+            if (more) L<MT, NT, T>::store_x(xs, stages + (xs_ ^ 1) * stage_words);
+            __syncthreads();
+            ws_ = ws_ == STAGES - 1 ? 0 : ws_ + 1;
+        }
+    } else {  // x loaded two K steps ahead: two register sets, the loop unrolled by two
+        uint4 xa[XR], xb[XR];
+        load_x<MT, T>(xa, x, M, ldx, it0);
+        L<MT, NT, T>::store_x(xa, stages);
+        if (it0 + 1 < it1) load_x<MT, T>(xa, x, M, ldx, it0 + 1);
+        if (it0 + 2 < it1) load_x<MT, T>(xb, x, M, ldx, it0 + 2);
+        __syncthreads();
+        int ws_ = 0;  // weight stage of step it
+        // Step it with buf holding x of step it + 1: computes, stages that x, reloads buf with it + 3.
+        auto step = [&](int it, uint4 (&buf)[XR]) {
+            const int xs_ = (it - it0) & 1;
+            cp_wait<STAGES - 2>();
+            __syncwarp();
+            const int next = ws_ == 0 ? STAGES - 1 : ws_ - 1;
+            if (it + STAGES - 1 < it1)
+                load_w<NT>(waddr + next * W * WS, q, ldq, sc, lds, row0, N, it + STAGES - 1, lane);
+            cp_commit();
+            L<MT, NT, T>::compute(wsmem + ws_ * W * WS, c, smem_addr + 4 * xs_ * stage_words, lane, g, t);
+            if (it + 1 < it1) {
+                L<MT, NT, T>::store_x(buf, stages + (xs_ ^ 1) * stage_words);
+                if (it + 3 < it1) load_x<MT, T>(buf, x, M, ldx, it + 3);
+            }
+            __syncthreads();
+            ws_ = ws_ == STAGES - 1 ? 0 : ws_ + 1;
+        };
+        for (int it = it0; it < it1; it += 2) {
+            step(it, xa);
+            if (it + 1 < it1) step(it + 1, xb);
+        }
     }
 
     store_tile<MT, NT, T, ROWS>(c, row, t, tile0, M, N, gsp, bias, has_bias, y, ldy, ws, counters);

@@ -29,9 +29,11 @@ and bf16 at 32 and 64 rows (``--check``: the check alone).
 Measured on the H200 (session 7, bench/results/proto_wgmma_gemm_h200.md): correct on its first
 run; 1.18-1.27x bf16 at 32 rows on the largest layers, where it beats the dispatcher, but far
 slower on small layers, where the 256-row block needs a deep K split. Written after that run and
-NOT YET RUN: blocks of 128 and 64 weight rows (one warpgroup; ``SHAPES``, ``warps``/``nt``), so
-that small layers get enough blocks with one or two K slices. The 256-row kernels compile to the
-same SASS as the measured ones.
+NOT YET RUN: blocks of 128 and 64 weight rows (one warpgroup; ``CONFIGS``, ``warps``/``nt``), so
+that small layers get enough blocks with one or two K slices, and x loaded two K steps ahead
+(``xd``; at 32 rows a K step's compute is shorter than an L2 round trip, so staging x waited on
+its load every step). The 256-row kernels with ``xd`` 1 are the measured ones' source; each
+kernel is now compiled alone (``kernel_source``), so their register allocation differs a little.
 """
 
 from __future__ import annotations
@@ -170,32 +172,42 @@ template <int MT, int NT, int T, bool OVERLAP> struct Wgmma {
 template <int MT, int NT, int T> using WgSerial = Wgmma<MT, NT, T, false>;
 template <int MT, int NT, int T> using WgOverlap = Wgmma<MT, NT, T, true>;
 
-// nvfp4_wgmma_m{rows of x}_w{warps}n{tiles per warp}_s{stages}_{variant}: blocks of 256, 128 or 64
-// weight rows (8 warps x 2 tiles: two warpgroups; 4 x 2 and 4 x 1: one).
-#define KERNEL(MT, W, NT, S, MINB, V, NAME) extern "C" __global__ void __launch_bounds__(32 * W, MINB) \
-    nvfp4_wgmma_m##MT##_w##W##n##NT##_s##S##_##NAME(ARGS) { gemm<V, MT / 8, S, W, NT>(CALL); }
-#define SHAPES(MT, MINB8, V, NAME) KERNEL(MT, 8, 2, 2, MINB8, V, NAME) KERNEL(MT, 8, 2, 4, MINB8, V, NAME) \
-    KERNEL(MT, 4, 2, 4, 2, V, NAME) KERNEL(MT, 4, 1, 4, 2, V, NAME)
-SHAPES(32, 2, WgSerial, serial) SHAPES(32, 2, WgOverlap, overlap)
-SHAPES(64, 1, WgSerial, serial) SHAPES(64, 1, WgOverlap, overlap)
+// One kernel per NVRTC program (kernel_source): compiling every variant in one source would
+// build all of them for each name.
+#define KERNEL(MT, W, NT, S, XD, MINB, V, NAME) extern "C" __global__ void __launch_bounds__(32 * W, MINB) \
+    NAME(ARGS) { gemm<V, MT / 8, S, W, NT, XD>(CALL); }
 """
 
 VARIANTS = ("serial", "overlap")
-# Block shapes compiled, (warps, 16-row tiles per warp) -> weight rows per block: 256, 128, 64;
-# with their pipeline depths (the 128- and 64-row blocks only 4 stages).
-SHAPES = {(8, 2): (2, 4), (4, 2): (4,), (4, 1): (4,)}
+# Kernels: (warps, 16-row tiles per warp, weight stages, x steps ahead). 8 x 2 = 256 weight rows
+# per block (two warpgroups, the measured shape), 4 x 2 = 128 and 4 x 1 = 64 (one warpgroup).
+CONFIGS = ((8, 2, 2, 1), (8, 2, 4, 1), (4, 2, 4, 1), (4, 1, 4, 1), (8, 2, 4, 2), (4, 2, 4, 2), (4, 1, 4, 2))
 
 
-def kernel_for(variant: str):
+def kernel_name(mt: int, warps: int, nt: int, stages: int, xd: int, variant: str) -> str:
+    return f"nvfp4_wgmma_m{8 * mt}_w{warps}n{nt}_s{stages}_x{xd}_{variant}"
+
+
+def kernel_source(mt: int, warps: int, nt: int, stages: int, xd: int, variant: str) -> str:
+    """SOURCE plus the one kernel of this configuration."""
+    if (warps, nt, stages, xd) not in CONFIGS or variant not in VARIANTS or mt not in (4, 8):
+        raise ValueError(f"no wgmma kernel for MT={mt}, {warps} warps x {nt} tiles, {stages} stages, "
+                         f"x {xd} steps ahead, {variant}")
+    minb = 1 if (warps, mt) == (8, 8) else 2
+    policy = "WgOverlap" if variant == "overlap" else "WgSerial"
+    name = kernel_name(mt, warps, nt, stages, xd, variant)
+    return SOURCE + f"KERNEL({8 * mt}, {warps}, {nt}, {stages}, {xd}, {minb}, {policy}, {name})\n"
+
+
+def kernel_for(variant: str, xd: int = 1):
     """A ``kernel_for(mt, stages, device, warps, nt)`` for ``base.nvfp4_gemm_cuda`` that builds
     this file's kernels for sm_90a."""
     def build(mt: int, stages: int, device: int, warps: int = 8, nt: int = 2):
-        if stages not in SHAPES.get((warps, nt), ()):
-            raise ValueError(f"no wgmma kernel for {warps} warps x {nt} tiles with {stages} stages")
-        name = f"nvfp4_wgmma_m{8 * mt}_w{warps}n{nt}_s{stages}_{variant}"
+        name = kernel_name(mt, warps, nt, stages, xd, variant)
         if (name, device) not in _cache:
+            source = kernel_source(mt, warps, nt, stages, xd, variant)
             with torch.cuda.device(device):
-                kernel = torch.cuda._compile_kernel(SOURCE, name, compute_capability="90a",
+                kernel = torch.cuda._compile_kernel(source, name, compute_capability="90a",
                                                     nvcc_options=["--std=c++17"])
             _cache[name, device] = base.with_shared_memory(kernel, mt, stages, warps, nt)
         return _cache[name, device]
@@ -206,10 +218,11 @@ _cache: dict = {}
 
 
 def nvfp4_gemm_wgmma(x, packed, scales, global_scale, bias=None, ips=None, stages=4, variant="overlap",
-                     warps=8, nt=2):
+                     warps=8, nt=2, xd=1):
     """y = x @ W^T (+ bias) for x [1..64, K] bf16 on an sm_90 GPU, in blocks of ``warps`` warps x
-    ``nt`` 16-row tiles (256, 128 or 64 weight rows)."""
-    return base.nvfp4_gemm_cuda(x, packed, scales, global_scale, bias, ips, stages, kernel_for(variant), warps, nt)
+    ``nt`` 16-row tiles (256, 128 or 64 weight rows), x loaded ``xd`` K steps ahead."""
+    return base.nvfp4_gemm_cuda(x, packed, scales, global_scale, bias, ips, stages, kernel_for(variant, xd),
+                                warps, nt)
 
 
 # -- CPU emulation of the x stage as wgmma's descriptor reads it ----------------------------------
@@ -268,8 +281,12 @@ def emulate(x: torch.Tensor, w: torch.Tensor, mt: int) -> torch.Tensor:
 
 # -- GPU: check and time ---------------------------------------------------------------------------
 
+# What ``check`` runs: every configuration overlapped, and the serial variant on both block sizes.
+CHECKED = [("overlap", c) for c in CONFIGS] + [("serial", (8, 2, 4, 1)), ("serial", (4, 1, 4, 1))]
+
+
 def check() -> int:
-    """Every compiled variant against the reference at small shapes, twice (bit-identical)."""
+    """The CHECKED kernels against the reference at small shapes, twice (bit-identical)."""
     from bench_nvfp4_gemm import random_nvfp4
 
     from qerl_kit.kernels.reference import nvfp4_linear_ref
@@ -282,18 +299,15 @@ def check() -> int:
         for m in (1, 17, 32, 33, 64):
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             ref = nvfp4_linear_ref(x.float(), *w, bias.float())
-            for variant in VARIANTS:
-                for (warps, nt), depths in SHAPES.items():
-                    for stages in depths:
-                        for ips in (None, 1, k // base.K_STEP):
-                            kw = dict(ips=ips, stages=stages, variant=variant, warps=warps, nt=nt)
-                            got = nvfp4_gemm_wgmma(x, *w, bias, **kw)
-                            err = ((got.float() - ref).norm() / ref.norm()).item()
-                            same = torch.equal(got, nvfp4_gemm_wgmma(x, *w, bias, **kw))
-                            if err > 1e-2 or not same:
-                                bad += 1
-                                print(f"FAIL N={n} K={k} M={m} {kw}: rel err {err:.1e}, repeatable {same}",
-                                      flush=True)
+            for variant, (warps, nt, stages, xd) in CHECKED:
+                for ips in (None, 1, k // base.K_STEP):
+                    kw = dict(ips=ips, stages=stages, variant=variant, warps=warps, nt=nt, xd=xd)
+                    got = nvfp4_gemm_wgmma(x, *w, bias, **kw)
+                    err = ((got.float() - ref).norm() / ref.norm()).item()
+                    same = torch.equal(got, nvfp4_gemm_wgmma(x, *w, bias, **kw))
+                    if err > 1e-2 or not same:
+                        bad += 1
+                        print(f"FAIL N={n} K={k} M={m} {kw}: rel err {err:.1e}, repeatable {same}", flush=True)
     print(f"check: {bad} failures", flush=True)
     return bad
 
@@ -312,10 +326,9 @@ def routed_linear(x, packed, scales, global_scale, bias=None):
 def warm_all() -> None:
     """Compiles every kernel the engine may launch (before CUDA-graph capture)."""
     device = torch.cuda.current_device()
-    for variant in ("overlap",):
-        for (warps, nt), depths in SHAPES.items():
-            for mt in (4, 8):
-                kernel_for(variant)(mt, 4 if 4 in depths else depths[-1], device, warps, nt)
+    for warps, nt in {block_for(n) for n in (512, 1 << 20)}:
+        for mt in (4, 8):
+            kernel_for("overlap")(mt, 4, device, warps, nt)
 
 
 def profile() -> None:
@@ -328,9 +341,9 @@ def profile() -> None:
     for n, k in [(4608, 3584), (55296, 5120)]:
         w = random_nvfp4(n, k)
         x = torch.randn(64, k, device="cuda", dtype=torch.bfloat16)
-        for warps, nt in SHAPES:
+        for warps, nt, stages, xd in CONFIGS:
             for _ in range(20):
-                nvfp4_gemm_wgmma(x, *w, warps=warps, nt=nt)
+                nvfp4_gemm_wgmma(x, *w, stages=stages, warps=warps, nt=nt, xd=xd)
         torch.cuda.synchronize()
 
 
@@ -355,9 +368,10 @@ def main() -> None:
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     shapes = [(4608, 3584), (3584, 3584), (37888, 3584), (3584, 18944), (55296, 5120), (8192, 29568)]
     blocks = [(8, 2), (4, 2), (4, 1)]
-    print("| N x K | M | " + " | ".join(f"wgmma {16 * nt * w} rows us (ips)" for w, nt in blocks)
+    cols = [(w_, nt, xd) for w_, nt in blocks for xd in (1, 2)]
+    print("| N x K | M | " + " | ".join(f"{16 * nt * w_} rows x{xd} us (ips)" for w_, nt, xd in cols)
           + " | mma.sync us | dispatch us | bf16 us | best wgmma x bf16 | dispatch x bf16 |")
-    print("|---|---:|" + "---:|" * (len(blocks) + 5))
+    print("|---|---:|" + "---:|" * (len(cols) + 5))
     for n, k in shapes:
         q_bytes = n * k // 2 + n * k // 16
         weights = [random_nvfp4(n, k) for _ in range(copies_for(q_bytes))]
@@ -365,18 +379,18 @@ def main() -> None:
         for m in (32, 64):
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             cells, best = [], float("inf")
-            for w_, nt in blocks:
+            for w_, nt, xd in cols:
                 ips = base.config(m, n, k, sms, 16 * nt * w_, per_sm=None if w_ == 8 else 2)[1]
-                t = time_graph([lambda q=q, i=ips, a=w_, b=nt: nvfp4_gemm_wgmma(x, *q, ips=i, warps=a, nt=b)
-                                for q in weights])
+                t = time_graph([lambda q=q, i=ips, a=w_, b=nt, d=xd: nvfp4_gemm_wgmma(x, *q, ips=i, warps=a, nt=b,
+                                                                                     xd=d) for q in weights])
                 best = min(best, t)
                 cells.append(f"{t * 1e6:.1f} ({ips})")
-                if "--sweep" in sys.argv:
+                if "--sweep" in sys.argv and xd == 2:
                     steps = k // base.K_STEP
                     for other in sorted({-(-steps // sl) for sl in (1, 2, 3, 4, 6, 8, 12)} - {ips}):
-                        t2 = time_graph([lambda q=q, i=other, a=w_, b=nt: nvfp4_gemm_wgmma(x, *q, ips=i, warps=a,
-                                                                                            nt=b) for q in weights])
-                        print(f"  sweep {n} x {k} M={m} {16 * nt * w_} rows ips {other}: {t2 * 1e6:.1f} us",
+                        t2 = time_graph([lambda q=q, i=other, a=w_, b=nt: nvfp4_gemm_wgmma(x, *q, ips=i, warps=a, nt=b,
+                                                                                            xd=2) for q in weights])
+                        print(f"  sweep {n} x {k} M={m} {16 * nt * w_} rows x2 ips {other}: {t2 * 1e6:.1f} us",
                               flush=True)
                         best = min(best, t2)
             t_sync = time_graph([lambda q=q: base.nvfp4_gemm_cuda(x, *q, stages=2) for q in weights])

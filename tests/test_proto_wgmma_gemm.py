@@ -59,17 +59,22 @@ def test_a_wrong_descriptor_stride_is_caught_by_the_emulation():
         proto.descriptor_read = real
 
 
-def test_source_shares_the_mma_sync_prototypes_pipeline_and_defines_the_kernels():
+def test_source_shares_the_mma_sync_prototypes_pipeline_and_builds_one_kernel_per_config():
     assert proto.SOURCE.startswith(proto.COMMON) and "struct MmaSync" not in proto.SOURCE
-    assert "THREADS_" not in proto.SOURCE
+    assert "THREADS_" not in proto.SOURCE and 'extern "C"' not in proto.SOURCE.split("#define KERNEL")[0]
     for n in (32, 64):
         assert f"m64n{n}k16.f32.bf16.bf16" in proto.SOURCE
-        for variant in proto.VARIANTS:
-            assert f"SHAPES({n}, " in proto.SOURCE and f", {variant})" in proto.SOURCE
-    # every block shape and depth the launcher may ask for is instantiated by the SHAPES macro
-    macro = proto.SOURCE[proto.SOURCE.index("#define SHAPES"):].split("\nSHAPES(")[0]
-    for (warps, nt), depths in proto.SHAPES.items():
-        for stages in depths:
-            assert f"KERNEL(MT, {warps}, {nt}, {stages}," in macro, (warps, nt, stages)
+    names = set()
+    for mt in (4, 8):
+        for cfg in proto.CONFIGS:
+            for variant in proto.VARIANTS:
+                name = proto.kernel_name(mt, *cfg, variant)
+                source = proto.kernel_source(mt, *cfg, variant)
+                assert source.startswith(proto.SOURCE) and source.count("KERNEL(") == 2  # define + one use
+                assert source.rstrip().endswith(f"{name})")
+                names.add(name)
+    assert len(names) == 2 * len(proto.CONFIGS) * len(proto.VARIANTS)
+    with pytest.raises(ValueError, match="no wgmma kernel"):
+        proto.kernel_source(8, 4, 1, 2, 1, "overlap")  # a depth not compiled for 64-row blocks
     asm = proto._wgmma_asm(64)
     assert asm.count('"+f"') == 32 and "%36, p, 1, 1, 0" in asm and "setp.ne.b32 p, %37, 0" in asm
