@@ -89,6 +89,23 @@ __device__ __forceinline__ void load_w(u32 dst, const unsigned char* q, int ldq,
         cp_async8(dst + 16 * NT * 64 + lane * 8, sc + (size_t)(n < N ? n : 0) * lds + it * 8, n < N ? 8 : 0);
 }
 
+// A lane's weights of one K step from its warp's stage: the 16 code bytes of rows g and g + 8 of
+// each tile and their two scales as bf16x2 pairs (words 0-1, 2-3).
+template <int NT>
+__device__ __forceinline__ void load_fragments(const unsigned char* wst, int g, int t, uint4 (&qw)[NT][2],
+                                               u32 (&s)[NT][2][2]) {
+    #pragma unroll
+    for (int nt = 0; nt < NT; nt++)
+        #pragma unroll
+        for (int r = 0; r < 2; r++) {
+            const int lr = 16 * nt + 8 * r + g;
+            qw[nt][r] = *reinterpret_cast<const uint4*>(wst + lr * 64 + 16 * t);
+            const u32 sb = *reinterpret_cast<const u16*>(wst + 16 * NT * 64 + lr * 8 + 2 * t);
+            s[nt][r][0] = scale_bf16x2(sb);
+            s[nt][r][1] = scale_bf16x2(sb >> 8);
+        }
+}
+
 // This thread's share of x for K step `it`: 16-byte runs u = tid + T j of the [8 MT, 128] tile
 // (T threads, XR = 128 MT / T runs each), run u = (row m, word i, lane t) with t fastest, then 8
 // rows, then i, then the next 8 rows.
@@ -269,16 +286,7 @@ template <int MT, int NT, int T> struct MmaSync {
                                                    u32 stage_addr, int lane, int g, int t) {
         uint4 qw[NT][2];
         u32 s[NT][2][2];  // tile, row (g, g + 8), words 0-1 / 2-3
-        #pragma unroll
-        for (int nt = 0; nt < NT; nt++)
-            #pragma unroll
-            for (int r = 0; r < 2; r++) {
-                const int lr = 16 * nt + 8 * r + g;
-                qw[nt][r] = *reinterpret_cast<const uint4*>(wst + lr * 64 + 16 * t);
-                const u32 sb = *reinterpret_cast<const u16*>(wst + 16 * NT * 64 + lr * 8 + 2 * t);
-                s[nt][r][0] = scale_bf16x2(sb);
-                s[nt][r][1] = scale_bf16x2(sb >> 8);
-            }
+        load_fragments<NT>(wst, g, t, qw, s);
         const int lm = lane & 7, lq = lane >> 3;  // ldmatrix: this lane's row within matrix lq
         #pragma unroll
         for (int i = 0; i < 4; i++) {

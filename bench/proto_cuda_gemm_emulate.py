@@ -103,3 +103,19 @@ def emulate(x: torch.Tensor, w: torch.Tensor, mt: int) -> torch.Tensor:
                             A[r, 2 * t + 8], A[r, 2 * t + 9] = wr[base + 2 * h + 1], wr[base + 2 * h + 5]
                     y[:, tile0:tile0 + 16] += (A @ B).t()
     return y[:M]
+
+
+def staging_banks(word_of, mt: int) -> list:
+    """For each warp and each of store_x's four stores: the set of shared-memory banks its 32
+    lanes write, with ``word_of(c, m, k)`` the 4-byte word a layout gives chunk c, x row m and
+    k slot k (32 distinct banks: no conflict)."""
+    out = []
+    for warp in range(128 * mt // 32):
+        for which in range(4):
+            banks = set()
+            for lane in range(32):
+                u = warp * 32 + lane
+                t, m, i = u & 3, ((u >> 7) << 3) | ((u >> 2) & 7), (u >> 5) & 3
+                banks.add(word_of(2 * i + (which >> 1), m, 2 * t + 8 * (which & 1)) % 32)
+            out.append(banks)
+    return out

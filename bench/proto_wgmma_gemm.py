@@ -114,16 +114,7 @@ template <int MT, int NT, int T, bool OVERLAP> struct Wgmma {
                                                    u32 stage_addr, int lane, int g, int t) {
         uint4 qw[NT][2];
         u32 s[NT][2][2];  // tile, row (g, g + 8), words 0-1 / 2-3
-        #pragma unroll
-        for (int nt = 0; nt < NT; nt++)
-            #pragma unroll
-            for (int r = 0; r < 2; r++) {
-                const int lr = 16 * nt + 8 * r + g;
-                qw[nt][r] = *reinterpret_cast<const uint4*>(wst + lr * 64 + 16 * t);
-                const u32 sb = *reinterpret_cast<const u16*>(wst + 16 * NT * 64 + lr * 8 + 2 * t);
-                s[nt][r][0] = scale_bf16x2(sb);
-                s[nt][r][1] = scale_bf16x2(sb >> 8);
-            }
+        load_fragments<NT>(wst, g, t, qw, s);
         u32 a[2][NT][4];  // register set, tile, fragment
         #pragma unroll
         for (int step = 0; step < 8; step++) {

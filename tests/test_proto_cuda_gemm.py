@@ -28,15 +28,7 @@ def test_stage_layout_is_a_bijection_without_bank_conflicts(mt):
                 groups = {(emu.xword(mt, c, m0 + r, khalf) % 32) // 4 for r in range(8)}
                 assert len(groups) == 8, (c, m0, khalf)
     # staging: a warp's 32 lanes (t fastest, then 8 rows) store one word each per store
-    for warp in range(proto.THREADS * (mt // 2) // 32):
-        for which in range(4):
-            banks = set()
-            for lane in range(32):
-                u = warp * 32 + lane
-                t, m, i = u & 3, ((u >> 7) << 3) | ((u >> 2) & 7), (u >> 5) & 3
-                c, k = 2 * i + (which >> 1), 2 * t + 8 * (which & 1)
-                banks.add(emu.xword(mt, c, m, k) % 32)
-            assert len(banks) == 32, (warp, which)
+    assert all(len(banks) == 32 for banks in emu.staging_banks(lambda c, m, k: emu.xword(mt, c, m, k), mt))
 
 
 @pytest.mark.parametrize("m,mt", [(1, 4), (17, 4), (32, 4), (33, 8), (64, 8)])
