@@ -120,6 +120,18 @@ __device__ __forceinline__ void load_x(uint4 (&xs)[XR], const u16* x, int M, int
     }
 }
 
+// Step `it` of x already permuted into the stage layout (2048 MT bytes per step) into the stage at
+// shared address `dst`, 16 bytes per copy.
+template <int MT, int T>
+__device__ __forceinline__ void load_x_async(u32 dst, const u16* xp, int it) {
+    const unsigned char* src = reinterpret_cast<const unsigned char*>(xp) + (size_t)it * 2048 * MT;
+    #pragma unroll
+    for (int j = 0; j < 128 * MT / T; j++) {
+        const int c = threadIdx.x + T * j;
+        cp_async16(dst + 16 * c, src + 16 * c, 16);
+    }
+}
+
 // The split-K epilogue for ROWS-row tiles at up to 64 rows: float32 partials, then the last block
 // of a tile sums them in slice order, 4 columns per load and 8 loads in flight per thread (the
 // decode kernel's store_y reads one float at a time, which is fine for its <= 16 rows and 64-128
@@ -186,7 +198,8 @@ __device__ __forceinline__ void gemm(ARGS) {
     const int it0 = blockIdx.y * ips, it1 = min(steps, it0 + ips);
     const int tile0 = blockIdx.x * ROWS;
     const int row0 = tile0 + warp * 16 * NT, row = row0 + g;
-    const int wbytes = 2 * stage_words * 4 + warp * WS;  // this warp's stage 0
+    constexpr int XS = XD == 0 ? STAGES : 2;  // x stages: a ring like the weights' when copied by cp.async
+    const int wbytes = XS * stage_words * 4 + warp * WS;  // this warp's stage 0
     const unsigned char* wsmem = reinterpret_cast<const unsigned char*>(smem) + wbytes;
     const u32 waddr = smem_addr + wbytes;
 
@@ -198,10 +211,28 @@ __device__ __forceinline__ void gemm(ARGS) {
 
     #pragma unroll
     for (int s = 0; s < STAGES - 1; s++) {
-        if (it0 + s < it1) load_w<NT>(waddr + s * W * WS, q, ldq, sc, lds, row0, N, it0 + s, lane);
+        if (it0 + s < it1) {
+            load_w<NT>(waddr + s * W * WS, q, ldq, sc, lds, row0, N, it0 + s, lane);
+            if constexpr (XD == 0) load_x_async<MT, T>(smem_addr + s * stage_words * 4, x, it0 + s);
+        }
         cp_commit();
     }
-    if constexpr (XD == 1) {  // x loaded one K step ahead (the measured kernels)
+    if constexpr (XD == 0) {  // x already in stage layout (permuted once per call): cp.async with the weights
+        int ws_ = 0;  // weight and x stage of step it
+        for (int it = it0; it < it1; it++) {
+            cp_wait<STAGES - 2>();  // this thread's copies of step it have landed
+            asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // ... for wgmma's reads too
+            __syncthreads();  // everyone's copies of step it are in; everyone is done with step it - 1
+            const int next = ws_ == 0 ? STAGES - 1 : ws_ - 1;  // the stages step it - 1 used
+            if (it + STAGES - 1 < it1) {
+                load_w<NT>(waddr + next * W * WS, q, ldq, sc, lds, row0, N, it + STAGES - 1, lane);
+                load_x_async<MT, T>(smem_addr + next * stage_words * 4, x, it + STAGES - 1);
+            }
+            cp_commit();
+            L<MT, NT, T>::compute(wsmem + ws_ * W * WS, c, smem_addr + 4 * ws_ * stage_words, lane, g, t);
+            ws_ = ws_ == STAGES - 1 ? 0 : ws_ + 1;
+        }
+    } else if constexpr (XD == 1) {  // x loaded one K step ahead (the measured kernels)
         uint4 xs[XR];
         load_x<MT, T>(xs, x, M, ldx, it0);
         L<MT, NT, T>::store_x(xs, stages);
@@ -342,8 +373,8 @@ def config(m: int, n: int, k: int, sms: int = 132, rows: int = ROWS_PER_BLOCK, p
     return mt, -(-steps // slices)
 
 
-def shared_bytes(mt: int, stages: int = 4, warps: int = 8, nt: int = 2) -> int:
-    return 2 * 8 * (8 * mt) * 32 + stages * warps * warp_stage(nt)
+def shared_bytes(mt: int, stages: int = 4, warps: int = 8, nt: int = 2, x_stages: int = 2) -> int:
+    return x_stages * 8 * (8 * mt) * 32 + stages * warps * warp_stage(nt)
 
 
 def kernel_for(mt: int, stages: int, device: int, warps: int = 8, nt: int = 2):
@@ -352,18 +383,19 @@ def kernel_for(mt: int, stages: int, device: int, warps: int = 8, nt: int = 2):
     return with_shared_memory(nvrtc.compile_kernel(SOURCE, f"nvfp4_gemm_m{8 * mt}_s{stages}", device), mt, stages)
 
 
-def with_shared_memory(kernel, mt: int, stages: int, warps: int = 8, nt: int = 2):
+def with_shared_memory(kernel, mt: int, stages: int, warps: int = 8, nt: int = 2, x_stages: int = 2):
     """``kernel`` allowed the dynamic shared memory of its shape (an opt-in from 48 KB on)."""
-    if shared_bytes(mt, stages, warps, nt) >= 48 * 1024:
-        kernel.set_shared_memory_config(shared_bytes(mt, stages, warps, nt))
+    if shared_bytes(mt, stages, warps, nt, x_stages) >= 48 * 1024:
+        kernel.set_shared_memory_config(shared_bytes(mt, stages, warps, nt, x_stages))
     return kernel
 
 
 def nvfp4_gemm_cuda(x, packed, scales, global_scale, bias=None, ips=None, stages=4, kernel_for=kernel_for,
-                    warps=8, nt=2):
+                    warps=8, nt=2, x_stages=2, x_arg=None):
     """y = x @ W^T (+ bias) for x [17..64, K] bf16 on the GPU (any 1..64 rows work), in blocks of
     ``warps`` warps x ``nt`` 16-row tiles; ``kernel_for(mt, stages, device, warps, nt)`` gives the
-    compiled kernel (another layout's, for bench/proto_wgmma_gemm.py)."""
+    compiled kernel (another layout's, for bench/proto_wgmma_gemm.py); ``x_arg`` is what the kernel
+    reads as x (by default x itself) and ``x_stages`` how many x stages its shared memory holds."""
     from qerl_kit.kernels.nvfp4_gemv_triton import _counters
 
     m, n, k = x.shape[0], packed.shape[0], packed.shape[1] * 2
@@ -382,8 +414,9 @@ def nvfp4_gemm_cuda(x, packed, scales, global_scale, bias=None, ips=None, stages
     ws = torch.empty(slices * m * n if slices > 1 else 1, dtype=torch.float32, device=x.device)
     device = x.device.index if x.device.index is not None else torch.cuda.current_device()
     kernel = kernel_for(mt, stages, device, warps, nt)
-    kernel(grid=(-(-n // rows), slices, 1), block=(32 * warps, 1, 1), shared_mem=shared_bytes(mt, stages, warps, nt),
-           args=[x, m, x.stride(0), packed, packed.stride(0), scales.view(torch.uint8), scales.stride(0),
+    kernel(grid=(-(-n // rows), slices, 1), block=(32 * warps, 1, 1),
+           shared_mem=shared_bytes(mt, stages, warps, nt, x_stages),
+           args=[x if x_arg is None else x_arg, m, x.stride(0), packed, packed.stride(0), scales.view(torch.uint8), scales.stride(0),
                  global_scale, bias if bias is not None else y, int(bias is not None), y, y.stride(0), ws,
                  _counters(x.device), n, k, ips],
            stream=torch.cuda.current_stream(x.device))

@@ -32,7 +32,9 @@ slower on small layers, where the 256-row block needs a deep K split. Written af
 NOT YET RUN: blocks of 128 and 64 weight rows (one warpgroup; ``CONFIGS``, ``warps``/``nt``), so
 that small layers get enough blocks with one or two K slices, and x loaded two K steps ahead
 (``xd``; at 32 rows a K step's compute is shorter than an L2 round trip, so staging x waited on
-its load every step). The 256-row kernels with ``xd`` 1 are the measured ones' source; each
+its load every step), or ``xd`` 0: x permuted once per call into the stage layout (``permute_x``,
+one gather) and copied with the weights by ``cp.async`` through as many stages, one barrier per
+step and no register staging. The 256-row kernels with ``xd`` 1 are the measured ones' source; each
 kernel is now compiled alone (``kernel_source``), so their register allocation differs a little.
 """
 
@@ -172,7 +174,10 @@ template <int MT, int NT, int T> using WgOverlap = Wgmma<MT, NT, T, true>;
 VARIANTS = ("serial", "overlap")
 # Kernels: (warps, 16-row tiles per warp, weight stages, x steps ahead). 8 x 2 = 256 weight rows
 # per block (two warpgroups, the measured shape), 4 x 2 = 128 and 4 x 1 = 64 (one warpgroup).
-CONFIGS = ((8, 2, 2, 1), (8, 2, 4, 1), (4, 2, 4, 1), (4, 1, 4, 1), (8, 2, 4, 2), (4, 2, 4, 2), (4, 1, 4, 2))
+# x steps ahead 0: x permuted once per call into the stage layout (``permute_x``) and copied with
+# the weights by cp.async, through as many stages as the weights.
+CONFIGS = ((8, 2, 2, 1), (8, 2, 4, 1), (4, 2, 4, 1), (4, 1, 4, 1), (8, 2, 4, 2), (4, 2, 4, 2), (4, 1, 4, 2),
+           (8, 2, 4, 0), (4, 2, 4, 0), (4, 1, 4, 0))
 
 
 def kernel_name(mt: int, warps: int, nt: int, stages: int, xd: int, variant: str) -> str:
@@ -200,7 +205,7 @@ def kernel_for(variant: str, xd: int = 1):
             with torch.cuda.device(device):
                 kernel = torch.cuda._compile_kernel(source, name, compute_capability="90a",
                                                     nvcc_options=["--std=c++17"])
-            _cache[name, device] = base.with_shared_memory(kernel, mt, stages, warps, nt)
+            _cache[name, device] = base.with_shared_memory(kernel, mt, stages, warps, nt, x_stages(xd, stages))
         return _cache[name, device]
     return build
 
@@ -208,12 +213,39 @@ def kernel_for(variant: str, xd: int = 1):
 _cache: dict = {}
 
 
+def x_stages(xd: int, stages: int) -> int:
+    return stages if xd == 0 else 2
+
+
 def nvfp4_gemm_wgmma(x, packed, scales, global_scale, bias=None, ips=None, stages=4, variant="overlap",
                      warps=8, nt=2, xd=1):
     """y = x @ W^T (+ bias) for x [1..64, K] bf16 on an sm_90 GPU, in blocks of ``warps`` warps x
-    ``nt`` 16-row tiles (256, 128 or 64 weight rows), x loaded ``xd`` K steps ahead."""
+    ``nt`` 16-row tiles (256, 128 or 64 weight rows), x loaded ``xd`` K steps ahead (0: permuted
+    into the stage layout first, then copied by cp.async)."""
+    x_arg = permute_x(x, 4 if x.shape[0] <= 32 else 8) if xd == 0 else None
     return base.nvfp4_gemm_cuda(x, packed, scales, global_scale, bias, ips, stages, kernel_for(variant, xd),
-                                warps, nt)
+                                warps, nt, x_stages(xd, stages), x_arg)
+
+
+_perm_cache: dict = {}
+
+
+def permute_x(x: torch.Tensor, mt: int) -> torch.Tensor:
+    """x [M, K] -> every K step's x stage, as store_x would write it (rows past M repeat row
+    M - 1): [K / 128 * 1024 MT] bf16, one gather through an index cached per shape."""
+    m, k = x.shape
+    key = (m, k, mt, x.device)
+    if key not in _perm_cache:
+        c, row, ks = torch.meshgrid(torch.arange(8), torch.arange(8 * mt), torch.arange(16), indexing="ij")
+        i, h = c >> 1, c & 1
+        t, hi, khalf = (ks & 7) >> 1, ks & 1, ks >> 3
+        k_in_step = 32 * t + 8 * i + 2 * h + khalf + 4 * hi  # the logical k that store_x puts there
+        slot = (c * (256 * mt) + (row >> 3) * 256 + khalf * 128 + (row & 7) * 16 + (ks & 7) * 2) // 2
+        src = torch.empty(8 * 8 * mt * 16, dtype=torch.long)
+        src[slot.flatten()] = (row.clamp(max=m - 1) * k + k_in_step).flatten()
+        steps = torch.arange(k // base.K_STEP).unsqueeze(1)
+        _perm_cache[key] = (src.unsqueeze(0) + steps * base.K_STEP).flatten().to(x.device)
+    return x.contiguous().reshape(-1)[_perm_cache[key]]
 
 
 # -- CPU emulation of the x stage as wgmma's descriptor reads it ----------------------------------
@@ -231,6 +263,22 @@ def descriptor_read(stage: dict, start: int, n: int, lbo: int = 128, sbo: int = 
             for k in range(16)]
 
 
+def stage_values(x: torch.Tensor, mt: int, it: int) -> dict:
+    """Byte offset -> x value of K step ``it``'s stage as store_x writes it (two values per word)."""
+    M = x.shape[0]
+    stage: dict = {}
+    for u in range(128 * mt):  # every 16-byte run of x [8 MT, 128], whichever thread loads it
+        t, m, i = u & 3, ((u >> 7) << 3) | ((u >> 2) & 7), (u >> 5) & 3
+        v = x[min(m, M - 1), it * 128 + 32 * t + 8 * i: it * 128 + 32 * t + 8 * i + 8].double()
+        for (lo, hi), (c, ks) in zip(((0, 4), (1, 5), (2, 6), (3, 7)),
+                                     ((2 * i, 2 * t), (2 * i, 2 * t + 8), (2 * i + 1, 2 * t), (2 * i + 1, 2 * t + 8))):
+            off = xoff(mt, c, m, ks)
+            assert off not in stage and off + 2 not in stage, "two stores to one shared word"
+            stage[off], stage[off + 2] = v[lo], v[hi]
+    assert len(stage) == 16 * 8 * mt * 8, "a shared word left unwritten"
+    return stage
+
+
 def emulate(x: torch.Tensor, w: torch.Tensor, mt: int) -> torch.Tensor:
     """x [M, K] @ w [N, K]^T (float64) through the kernel's data movement: store_x's byte
     permutes into xoff's addresses, B read back through the descriptor rule, A from the weights'
@@ -242,19 +290,7 @@ def emulate(x: torch.Tensor, w: torch.Tensor, mt: int) -> torch.Tensor:
     assert M <= rows and K % base.K_STEP == 0 and N % 16 == 0
     y = torch.zeros(rows, N, dtype=torch.float64)
     for it in range(K // base.K_STEP):
-        stage: dict = {}  # byte offset -> bf16 value (two per 4-byte word)
-        for tid in range(base.THREADS):
-            for j in range(mt // 2):
-                u = tid + base.THREADS * j
-                t, m, i = u & 3, ((u >> 7) << 3) | ((u >> 2) & 7), (u >> 5) & 3
-                v = x[min(m, M - 1), it * 128 + 32 * t + 8 * i: it * 128 + 32 * t + 8 * i + 8].double()
-                for (lo, hi), (c, ks) in zip(((0, 4), (1, 5), (2, 6), (3, 7)),
-                                             ((2 * i, 2 * t), (2 * i, 2 * t + 8), (2 * i + 1, 2 * t),
-                                              (2 * i + 1, 2 * t + 8))):
-                    off = xoff(mt, c, m, ks)
-                    assert off not in stage and off + 2 not in stage, "two stores to one shared word"
-                    stage[off], stage[off + 2] = v[lo], v[hi]
-        assert len(stage) == 16 * rows * 8, "a shared word left unwritten"
+        stage = stage_values(x, mt, it)
         for step in range(8):
             i, h = step >> 1, step & 1
             B = torch.tensor(descriptor_read(stage, xoff(mt, step, 0, 0), rows), dtype=torch.float64)

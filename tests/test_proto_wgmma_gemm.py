@@ -74,3 +74,17 @@ def test_source_shares_the_mma_sync_prototypes_pipeline_and_builds_one_kernel_pe
         proto.kernel_source(8, 4, 1, 2, 1, "overlap")  # a depth not compiled for 64-row blocks
     asm = proto._wgmma_asm(64)
     assert asm.count('"+f"') == 32 and "%36, p, 1, 1, 0" in asm and "setp.ne.b32 p, %37, 0" in asm
+
+
+@pytest.mark.parametrize("m,mt", [(5, 4), (32, 4), (33, 8), (64, 8)])
+def test_x_permuted_once_per_call_is_the_stages_store_x_would_write(m, mt):
+    """xd = 0 copies x from permute_x's output straight into the stages: it must hold, step by
+    step, exactly the values store_x puts at each byte offset (rows past M repeating row M - 1)."""
+    x = torch.randn(m, 384, generator=torch.Generator().manual_seed(m)).to(torch.bfloat16)
+    xp = proto.permute_x(x, mt)
+    assert xp.shape == (3 * 1024 * mt,)
+    for it in range(3):
+        stage = proto.stage_values(x, mt, it)
+        got = {2 * j: xp[it * 1024 * mt + j].double() for j in range(1024 * mt)}
+        assert got.keys() == stage.keys()
+        assert all(got[off] == stage[off] for off in stage), it
