@@ -395,7 +395,7 @@ def main() -> None:
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     shapes = [(4608, 3584), (3584, 3584), (37888, 3584), (3584, 18944), (55296, 5120), (8192, 29568)]
     blocks = [(8, 2), (4, 2), (4, 1)]
-    cols = [(w_, nt, xd) for w_, nt in blocks for xd in (1, 2)]
+    cols = [(w_, nt, xd) for w_, nt in blocks for xd in (0, 1, 2)]  # xd 0 includes permute_x's gather
     print("| N x K | M | " + " | ".join(f"{16 * nt * w_} rows x{xd} us (ips)" for w_, nt, xd in cols)
           + " | mma.sync us | dispatch us | bf16 us | best wgmma x bf16 | dispatch x bf16 |")
     print("|---|---:|" + "---:|" * (len(cols) + 5))
@@ -412,12 +412,12 @@ def main() -> None:
                                                                                      xd=d) for q in weights])
                 best = min(best, t)
                 cells.append(f"{t * 1e6:.1f} ({ips})")
-                if "--sweep" in sys.argv and xd == 2:
+                if "--sweep" in sys.argv:  # other K splits: 1, 2, 4, 8 slices
                     steps = k // base.K_STEP
-                    for other in sorted({-(-steps // sl) for sl in (1, 2, 3, 4, 6, 8, 12)} - {ips}):
-                        t2 = time_graph([lambda q=q, i=other, a=w_, b=nt: nvfp4_gemm_wgmma(x, *q, ips=i, warps=a, nt=b,
-                                                                                            xd=2) for q in weights])
-                        print(f"  sweep {n} x {k} M={m} {16 * nt * w_} rows x2 ips {other}: {t2 * 1e6:.1f} us",
+                    for other in sorted({-(-steps // sl) for sl in (1, 2, 4, 8)} - {ips}):
+                        t2 = time_graph([lambda q=q, i=other, a=w_, b=nt, d=xd: nvfp4_gemm_wgmma(
+                            x, *q, ips=i, warps=a, nt=b, xd=d) for q in weights])
+                        print(f"  sweep {n} x {k} M={m} {16 * nt * w_} rows x{xd} ips {other}: {t2 * 1e6:.1f} us",
                               flush=True)
                         best = min(best, t2)
             t_sync = time_graph([lambda q=q: base.nvfp4_gemm_cuda(x, *q, stages=2) for q in weights])
