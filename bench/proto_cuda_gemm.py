@@ -39,6 +39,7 @@ shared through shared memory instead of read per lane):
 
 from __future__ import annotations
 
+import functools
 import sys
 from pathlib import Path
 
@@ -49,7 +50,6 @@ from qerl_kit.kernels import nvrtc
 
 K_STEP = 128
 ROWS_PER_BLOCK = 256
-THREADS = 256
 
 # The decode kernel's device helpers (bit placement, scale conversion, loads, mma, the split-K
 # epilogue store_y, the ARGS/CALL parameter lists), reused as is.
@@ -362,10 +362,15 @@ def warp_stage(nt: int = 2) -> int:
     return 16 * nt * (64 + 8)
 
 
+def x_tiles(m: int) -> int:
+    """MT, the 8-row x tiles a kernel is compiled for: 4 up to 32 rows, else 8."""
+    return 4 if m <= 32 else 8
+
+
 def config(m: int, n: int, k: int, sms: int = 132, rows: int = ROWS_PER_BLOCK, per_sm: int | None = None):
     """(x tiles MT, K steps per slice) for blocks of ``rows`` weight rows: MT = 4 runs two blocks
     of 256 rows per SM, MT = 8 one, so K is split until the grid covers the GPU about once."""
-    mt = 4 if m <= 32 else 8
+    mt = x_tiles(m)
     steps = k // K_STEP
     blocks_n = -(-n // rows)
     per_sm = per_sm or (2 if mt == 4 else 1)
@@ -377,6 +382,7 @@ def shared_bytes(mt: int, stages: int = 4, warps: int = 8, nt: int = 2, x_stages
     return x_stages * 8 * (8 * mt) * 32 + stages * warps * warp_stage(nt)
 
 
+@functools.lru_cache(maxsize=None)  # compiled and allowed its shared memory once, not per launch
 def kernel_for(mt: int, stages: int, device: int, warps: int = 8, nt: int = 2):
     if (warps, nt) != (8, 2):
         raise ValueError("the mma.sync kernels are compiled for blocks of 8 warps x 2 tiles only")
@@ -416,7 +422,8 @@ def nvfp4_gemm_cuda(x, packed, scales, global_scale, bias=None, ips=None, stages
     kernel = kernel_for(mt, stages, device, warps, nt)
     kernel(grid=(-(-n // rows), slices, 1), block=(32 * warps, 1, 1),
            shared_mem=shared_bytes(mt, stages, warps, nt, x_stages),
-           args=[x if x_arg is None else x_arg, m, x.stride(0), packed, packed.stride(0), scales.view(torch.uint8), scales.stride(0),
+           args=[x if x_arg is None else x_arg, m, x.stride(0), packed, packed.stride(0),
+                 scales.view(torch.uint8), scales.stride(0),
                  global_scale, bias if bias is not None else y, int(bias is not None), y, y.stride(0), ws,
                  _counters(x.device), n, k, ips],
            stream=torch.cuda.current_stream(x.device))

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from proto_cuda_gemm import K_STEP, THREADS
+from proto_cuda_gemm import K_STEP
 
 
 def weight_stage_writes(nt: int) -> dict:
@@ -40,6 +40,26 @@ def weight_stage_reads(nt: int) -> dict:
                 reads[lane, tile, half] = codes + scales
     return reads
 
+def run_of(u: int) -> tuple[int, int, int]:
+    """SOURCE's load_x/store_x: 16-byte run u of x [8 MT, 128] -> (lane t, x row m, word i), t
+    fastest, then 8 rows, then i, then the next 8 rows."""
+    return u & 3, ((u >> 7) << 3) | ((u >> 2) & 7), (u >> 5) & 3
+
+
+def store_x_words(x: torch.Tensor, mt: int, it: int):
+    """store_x of K step ``it``, whichever thread does it: (chunk c, x row m, k slot, (value,
+    value)) for every 4-byte word written; rows past M repeat row M - 1. Both layouts (xword,
+    proto_wgmma_gemm.xoff) place these words."""
+    M = x.shape[0]
+    for u in range(128 * mt):
+        t, m, i = run_of(u)
+        k0 = it * K_STEP + 32 * t + 8 * i
+        v = x[min(m, M - 1), k0:k0 + 8].double()
+        for (lo, hi), (c, ks) in zip(((0, 4), (1, 5), (2, 6), (3, 7)),
+                                     ((2 * i, 2 * t), (2 * i, 2 * t + 8), (2 * i + 1, 2 * t), (2 * i + 1, 2 * t + 8))):
+            yield c, m, ks, (v[lo], v[hi])
+
+
 def xword(mt: int, c: int, m: int, k: int) -> int:
     """SOURCE's xword<MT>: a stage's word index for chunk c, x row m, logical k (even)."""
     return (c * 8 * mt + m) * 8 + ((((k >> 3) ^ (m >> 2)) & 1) << 2) + ((k & 7) >> 1)
@@ -59,17 +79,10 @@ def emulate(x: torch.Tensor, w: torch.Tensor, mt: int) -> torch.Tensor:
     y = torch.zeros(rows, N, dtype=torch.float64)
     for it in range(K // K_STEP):
         stage = [None] * (8 * rows * 8)  # words: pairs of (x value, x value)
-        for tid in range(THREADS):      # store_x
-            for j in range(mt // 2):
-                u = tid + THREADS * j
-                t, m, i = u & 3, ((u >> 7) << 3) | ((u >> 2) & 7), (u >> 5) & 3
-                mr = m if m < M else M - 1
-                v = x[mr, it * 128 + 32 * t + 8 * i: it * 128 + 32 * t + 8 * i + 8].double()
-                for word, (c, kk) in zip(((v[0], v[4]), (v[1], v[5]), (v[2], v[6]), (v[3], v[7])),
-                                         ((2 * i, 2 * t), (2 * i, 2 * t + 8), (2 * i + 1, 2 * t), (2 * i + 1, 2 * t + 8))):
-                    idx = xword(mt, c, m, kk)
-                    assert stage[idx] is None, "two stores to one shared word"
-                    stage[idx] = word
+        for c, m, kk, word in store_x_words(x, mt, it):
+            idx = xword(mt, c, m, kk)
+            assert stage[idx] is None, "two stores to one shared word"
+            stage[idx] = word
         assert all(s is not None for s in stage), "a shared word left unwritten"
         for tile0 in range(0, N, 16):   # one 16-row weight tile (any warp, any nt: the same mapping)
             for i in range(4):
@@ -114,8 +127,7 @@ def staging_banks(word_of, mt: int) -> list:
         for which in range(4):
             banks = set()
             for lane in range(32):
-                u = warp * 32 + lane
-                t, m, i = u & 3, ((u >> 7) << 3) | ((u >> 2) & 7), (u >> 5) & 3
+                t, m, i = run_of(warp * 32 + lane)
                 banks.add(word_of(2 * i + (which >> 1), m, 2 * t + 8 * (which & 1)) % 32)
             out.append(banks)
     return out

@@ -48,6 +48,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import proto_cuda_gemm as base  # noqa: E402
+from proto_cuda_gemm_emulate import store_x_words  # noqa: E402
 
 COMMON = base.SOURCE[:base.SOURCE.index("// -- The mma.sync layout")]
 
@@ -222,7 +223,7 @@ def nvfp4_gemm_wgmma(x, packed, scales, global_scale, bias=None, ips=None, stage
     """y = x @ W^T (+ bias) for x [1..64, K] bf16 on an sm_90 GPU, in blocks of ``warps`` warps x
     ``nt`` 16-row tiles (256, 128 or 64 weight rows), x loaded ``xd`` K steps ahead (0: permuted
     into the stage layout first, then copied by cp.async)."""
-    x_arg = permute_x(x, 4 if x.shape[0] <= 32 else 8) if xd == 0 else None
+    x_arg = permute_x(x, base.x_tiles(x.shape[0])) if xd == 0 else None
     return base.nvfp4_gemm_cuda(x, packed, scales, global_scale, bias, ips, stages, kernel_for(variant, xd),
                                 warps, nt, x_stages(xd, stages), x_arg)
 
@@ -240,7 +241,7 @@ def permute_x(x: torch.Tensor, mt: int) -> torch.Tensor:
         i, h = c >> 1, c & 1
         t, hi, khalf = (ks & 7) >> 1, ks & 1, ks >> 3
         k_in_step = 32 * t + 8 * i + 2 * h + khalf + 4 * hi  # the logical k that store_x puts there
-        slot = (c * (256 * mt) + (row >> 3) * 256 + khalf * 128 + (row & 7) * 16 + (ks & 7) * 2) // 2
+        slot = xoff(mt, c, row, ks) // 2
         src = torch.empty(8 * 8 * mt * 16, dtype=torch.long)
         src[slot.flatten()] = (row.clamp(max=m - 1) * k + k_in_step).flatten()
         steps = torch.arange(k // base.K_STEP).unsqueeze(1)
@@ -265,16 +266,11 @@ def descriptor_read(stage: dict, start: int, n: int, lbo: int = 128, sbo: int = 
 
 def stage_values(x: torch.Tensor, mt: int, it: int) -> dict:
     """Byte offset -> x value of K step ``it``'s stage as store_x writes it (two values per word)."""
-    M = x.shape[0]
     stage: dict = {}
-    for u in range(128 * mt):  # every 16-byte run of x [8 MT, 128], whichever thread loads it
-        t, m, i = u & 3, ((u >> 7) << 3) | ((u >> 2) & 7), (u >> 5) & 3
-        v = x[min(m, M - 1), it * 128 + 32 * t + 8 * i: it * 128 + 32 * t + 8 * i + 8].double()
-        for (lo, hi), (c, ks) in zip(((0, 4), (1, 5), (2, 6), (3, 7)),
-                                     ((2 * i, 2 * t), (2 * i, 2 * t + 8), (2 * i + 1, 2 * t), (2 * i + 1, 2 * t + 8))):
-            off = xoff(mt, c, m, ks)
-            assert off not in stage and off + 2 not in stage, "two stores to one shared word"
-            stage[off], stage[off + 2] = v[lo], v[hi]
+    for c, m, ks, (lo, hi) in store_x_words(x, mt, it):
+        off = xoff(mt, c, m, ks)
+        assert off not in stage and off + 2 not in stage, "two stores to one shared word"
+        stage[off], stage[off + 2] = lo, hi
     assert len(stage) == 16 * 8 * mt * 8, "a shared word left unwritten"
     return stage
 
