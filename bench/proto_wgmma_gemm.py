@@ -181,28 +181,37 @@ CONFIGS = ((8, 2, 2, 1), (8, 2, 4, 1), (4, 2, 4, 1), (4, 1, 4, 1), (8, 2, 4, 2),
            (8, 2, 4, 0), (4, 2, 4, 0), (4, 1, 4, 0))
 
 
-def kernel_name(mt: int, warps: int, nt: int, stages: int, xd: int, variant: str) -> str:
-    return f"nvfp4_wgmma_m{8 * mt}_w{warps}n{nt}_s{stages}_x{xd}_{variant}"
+def default_minb(mt: int, warps: int) -> int:
+    """Blocks per SM the registers are capped for (``__launch_bounds__``' second argument) unless
+    asked otherwise: one 256-row block at 64 x rows (164 registers), else two."""
+    return 1 if (warps, mt) == (8, 8) else 2
 
 
-def kernel_source(mt: int, warps: int, nt: int, stages: int, xd: int, variant: str) -> str:
-    """SOURCE plus the one kernel of this configuration."""
-    if (warps, nt, stages, xd) not in CONFIGS or variant not in VARIANTS or mt not in (4, 8):
+def kernel_name(mt: int, warps: int, nt: int, stages: int, xd: int, variant: str, minb: int | None = None) -> str:
+    cap = "" if minb in (None, default_minb(mt, warps)) else f"_b{minb}"
+    return f"nvfp4_wgmma_m{8 * mt}_w{warps}n{nt}_s{stages}_x{xd}_{variant}{cap}"
+
+
+def kernel_source(mt: int, warps: int, nt: int, stages: int, xd: int, variant: str, minb: int | None = None) -> str:
+    """SOURCE plus the one kernel of this configuration (registers capped for ``minb`` blocks per
+    SM; ``default_minb`` when None). Blocks and x placements are CONFIGS'; stages 2-4 each."""
+    if ((warps, nt) not in {c[:2] for c in CONFIGS} or xd not in (0, 1, 2) or stages not in (2, 3, 4)
+            or variant not in VARIANTS or mt not in (4, 8) or minb not in (None, 1, 2, 3, 4)):
         raise ValueError(f"no wgmma kernel for MT={mt}, {warps} warps x {nt} tiles, {stages} stages, "
-                         f"x {xd} steps ahead, {variant}")
-    minb = 1 if (warps, mt) == (8, 8) else 2
+                         f"x {xd} steps ahead, {variant}, {minb} blocks per SM")
+    minb = minb or default_minb(mt, warps)
     policy = "WgOverlap" if variant == "overlap" else "WgSerial"
-    name = kernel_name(mt, warps, nt, stages, xd, variant)
+    name = kernel_name(mt, warps, nt, stages, xd, variant, minb)
     return SOURCE + f"KERNEL({8 * mt}, {warps}, {nt}, {stages}, {xd}, {minb}, {policy}, {name})\n"
 
 
-def kernel_for(variant: str, xd: int = 1):
+def kernel_for(variant: str, xd: int = 1, minb: int | None = None):
     """A ``kernel_for(mt, stages, device, warps, nt)`` for ``base.nvfp4_gemm_cuda`` that builds
     this file's kernels for sm_90a."""
     def build(mt: int, stages: int, device: int, warps: int = 8, nt: int = 2):
-        name = kernel_name(mt, warps, nt, stages, xd, variant)
+        name = kernel_name(mt, warps, nt, stages, xd, variant, minb)
         if (name, device) not in _cache:
-            source = kernel_source(mt, warps, nt, stages, xd, variant)
+            source = kernel_source(mt, warps, nt, stages, xd, variant, minb)
             with torch.cuda.device(device):
                 kernel = torch.cuda._compile_kernel(source, name, compute_capability="90a",
                                                     nvcc_options=["--std=c++17"])
@@ -219,12 +228,12 @@ def x_stages(xd: int, stages: int) -> int:
 
 
 def nvfp4_gemm_wgmma(x, packed, scales, global_scale, bias=None, ips=None, stages=4, variant="overlap",
-                     warps=8, nt=2, xd=1):
+                     warps=8, nt=2, xd=1, minb=None):
     """y = x @ W^T (+ bias) for x [1..64, K] bf16 on an sm_90 GPU, in blocks of ``warps`` warps x
     ``nt`` 16-row tiles (256, 128 or 64 weight rows), x loaded ``xd`` K steps ahead (0: permuted
     into the stage layout first, then copied by cp.async)."""
     x_arg = permute_x(x, base.x_tiles(x.shape[0])) if xd == 0 else None
-    return base.nvfp4_gemm_cuda(x, packed, scales, global_scale, bias, ips, stages, kernel_for(variant, xd),
+    return base.nvfp4_gemm_cuda(x, packed, scales, global_scale, bias, ips, stages, kernel_for(variant, xd, minb),
                                 warps, nt, x_stages(xd, stages), x_arg)
 
 
@@ -370,17 +379,70 @@ def profile() -> None:
         torch.cuda.synchronize()
 
 
+# ``--occupancy``: (warps, tiles, stages, x steps ahead, blocks per SM the registers are capped for).
+# The measured shapes ran one 256-row block per SM at 64 x rows (164 registers): 2 warps per
+# scheduler, 0.5 eligible, and 216 blocks of 72B gate_up in 1.64 waves (ncu, session 8).
+OCCUPANCY = ((8, 2, 4, 1, 1), (8, 2, 4, 2, 1), (8, 2, 4, 1, 2), (8, 2, 4, 2, 2), (8, 2, 3, 0, 2), (4, 2, 4, 2, 3),
+             (4, 1, 4, 2, 4), (4, 1, 2, 0, 4), (4, 1, 3, 0, 4))
+
+
+def blocks_per_sm(mt: int, warps: int, nt: int, stages: int, xd: int, minb: int) -> int:
+    """What fits per SM: ``minb`` (registers) or fewer where shared memory runs out first."""
+    smem = base.shared_bytes(mt, stages, warps, nt, x_stages(xd, stages)) + 1024  # + the driver's reserve
+    return max(1, min(minb, 228 * 1024 // smem))
+
+
+def occupancy(shapes, weights_for, time_graph, nvfp4_linear, sms: int) -> None:
+    """Per layer and M in {32, 64}: each OCCUPANCY configuration at the K split that fills
+    ``blocks_per_sm`` blocks per SM once, and at half and twice as many slices; best of them."""
+    print("| N x K | M | " + " | ".join(f"{16 * w * nt}r s{s} x{xd} b{b}" for w, nt, s, xd, b in OCCUPANCY)
+          + " | dispatch us | bf16 us | best x bf16 |")
+    print("|---|---:|" + "---:|" * (len(OCCUPANCY) + 3))
+    for n, k in shapes:
+        weights, dense = weights_for(n, k)
+        steps = k // base.K_STEP
+        for m in (32, 64):
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            mt = base.x_tiles(m)
+            cells, best = [], float("inf")
+            for w_, nt, stages, xd, minb in OCCUPANCY:
+                per_sm = blocks_per_sm(mt, w_, nt, stages, xd, minb)
+                ips = base.config(m, n, k, sms, 16 * nt * w_, per_sm=per_sm)[1]
+                slices = -(-steps // ips)
+                tried = {}
+                for sl in sorted({slices, max(1, slices // 2), min(steps, 2 * slices)}):
+                    i = -(-steps // sl)
+                    tried[i] = time_graph([lambda q=q, i=i: nvfp4_gemm_wgmma(
+                        x, *q, ips=i, stages=stages, warps=w_, nt=nt, xd=xd, minb=minb) for q in weights])
+                got = nvfp4_gemm_wgmma(x, *weights[0], stages=stages, warps=w_, nt=nt, xd=xd, minb=minb)
+                ref = nvfp4_linear(x, *weights[0]).float()
+                err = ((got.float() - ref).norm() / ref.norm()).item()
+                if err > 1e-2:
+                    print(f"FAIL {n} x {k} M={m} {(w_, nt, stages, xd, minb)}: rel err {err:.1e}", flush=True)
+                i_best = min(tried, key=tried.get)
+                best = min(best, tried[i_best])
+                cells.append(f"{tried[i_best] * 1e6:.1f} ({i_best})")
+            t_disp = time_graph([lambda q=q: nvfp4_linear(x, *q) for q in weights])
+            t_bf = time_graph([lambda d=d: torch.nn.functional.linear(x, d) for d in dense])
+            print(f"| {n} x {k} | {m} | " + " | ".join(cells) + f" | {t_disp * 1e6:.1f} | {t_bf * 1e6:.1f} | "
+                  f"{t_bf / best:.2f} |", flush=True)
+        del weights, dense
+        torch.cuda.empty_cache()
+
+
 def main() -> None:
     """The check, then per layer and M in {32, 64}: the overlapped variant in each block shape
     (default K split), the mma.sync prototype, the dispatcher and bf16; ``--sweep`` adds K splits
     per block shape; ``--engine`` times the 7B engine with ``routed_linear`` at 17-64 rows and
-    ``--profile`` runs the kernels for a profiler (neither runs the check)."""
+    ``--profile`` runs the kernels for a profiler (neither runs the check); ``--occupancy`` times
+    OCCUPANCY's register caps and depths, each checked at the shape it is timed on."""
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     if "--profile" in sys.argv:
         return profile()
     if "--engine" in sys.argv:
         return base.engine(linear=routed_linear, warm=warm_all)
-    failures = check()  # timings follow even after failures: a layout bug does not change the speed much
+    # Timings follow even after failures: a layout bug does not change the speed much.
+    failures = 0 if "--occupancy" in sys.argv else check()  # --occupancy checks what it times
     if "--check" in sys.argv:
         sys.exit(1 if failures else 0)
     from bench_nvfp4_gemm import copies_for, random_nvfp4, time_graph
@@ -390,15 +452,21 @@ def main() -> None:
     torch.manual_seed(0)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     shapes = [(4608, 3584), (3584, 3584), (37888, 3584), (3584, 18944), (55296, 5120), (8192, 29568)]
+
+    def weights_for(n, k):  # enough copies of the layer that each timed call reads it from HBM
+        q_bytes = n * k // 2 + n * k // 16
+        return ([random_nvfp4(n, k) for _ in range(copies_for(q_bytes))],
+                [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) for _ in range(copies_for(n * k * 2))])
+
+    if "--occupancy" in sys.argv:
+        return occupancy(shapes, weights_for, time_graph, nvfp4_linear, sms)
     blocks = [(8, 2), (4, 2), (4, 1)]
     cols = [(w_, nt, xd) for w_, nt in blocks for xd in (0, 1, 2)]  # xd 0 includes permute_x's gather
     print("| N x K | M | " + " | ".join(f"{16 * nt * w_} rows x{xd} us (ips)" for w_, nt, xd in cols)
           + " | mma.sync us | dispatch us | bf16 us | best wgmma x bf16 | dispatch x bf16 |")
     print("|---|---:|" + "---:|" * (len(cols) + 5))
     for n, k in shapes:
-        q_bytes = n * k // 2 + n * k // 16
-        weights = [random_nvfp4(n, k) for _ in range(copies_for(q_bytes))]
-        dense = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) for _ in range(copies_for(n * k * 2))]
+        weights, dense = weights_for(n, k)
         for m in (32, 64):
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             cells, best = [], float("inf")

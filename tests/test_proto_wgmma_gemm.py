@@ -71,7 +71,12 @@ def test_source_shares_the_mma_sync_prototypes_pipeline_and_builds_one_kernel_pe
                 names.add(name)
     assert len(names) == 2 * len(proto.CONFIGS) * len(proto.VARIANTS)
     with pytest.raises(ValueError, match="no wgmma kernel"):
-        proto.kernel_source(8, 4, 1, 2, 1, "overlap")  # a depth not compiled for 64-row blocks
+        proto.kernel_source(8, 4, 1, 5, 1, "overlap")  # a depth no block is compiled for
+    with pytest.raises(ValueError, match="no wgmma kernel"):
+        proto.kernel_source(8, 4, 1, 4, 1, "overlap", minb=5)
+    capped = proto.kernel_source(8, 8, 2, 4, 2, "overlap", minb=2)  # registers capped for two 256-row blocks
+    assert capped.rstrip().endswith("KERNEL(64, 8, 2, 4, 2, 2, WgOverlap, nvfp4_wgmma_m64_w8n2_s4_x2_overlap_b2)")
+    assert proto.kernel_name(8, 8, 2, 4, 2, "overlap", 1) == proto.kernel_name(8, 8, 2, 4, 2, "overlap")
     asm = proto._wgmma_asm(64)
     assert asm.count('"+f"') == 32 and "%36, p, 1, 1, 0" in asm and "setp.ne.b32 p, %37, 0" in asm
 
