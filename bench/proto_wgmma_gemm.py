@@ -48,124 +48,16 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import proto_cuda_gemm as base  # noqa: E402
+
+from qerl_kit.kernels import cuda_pipeline as cp  # noqa: E402
+from qerl_kit.kernels import nvfp4_wgmma_cuda as wgk  # noqa: E402
 from proto_cuda_gemm_emulate import store_x_words  # noqa: E402
 
-COMMON = base.SOURCE[:base.SOURCE.index("// -- The mma.sync layout")]
+COMMON = cp.PIPELINE
 
-
-def _wgmma_asm(n: int) -> str:
-    """wgmma.mma_async m64n{n}k16, f32 += bf16 (A registers) x bf16 (B shared, K-major)."""
-    regs = n // 2
-    d = ", ".join(f"%{i}" for i in range(regs))
-    outs = ", ".join(f'"+f"(d[{j}][{e}])' for j in range(n // 8) for e in range(4))
-    return f"""
-template <> __device__ __forceinline__ void wgmma<{n // 8}>(float (&d)[{n // 8}][4], u32 a0, u32 a1, u32 a2, u32 a3,
-                                                  unsigned long long db) {{
-    asm volatile("{{\\n.reg .pred p;\\nsetp.ne.b32 p, %{regs + 5}, 0;\\n"
-                 "wgmma.mma_async.sync.aligned.m64n{n}k16.f32.bf16.bf16 {{{d}}}, "
-                 "{{%{regs}, %{regs + 1}, %{regs + 2}, %{regs + 3}}}, %{regs + 4}, p, 1, 1, 0;\\n}}\\n"
-                 : {outs}
-                 : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(db), "r"(1));
-}}
-"""
-
-
-SOURCE = COMMON + r"""
-// -- The wgmma layout --
-template <int MT> __device__ __forceinline__ void wgmma(float (&d)[MT][4], u32 a0, u32 a1, u32 a2, u32 a3,
-                                                        unsigned long long db);
-""" + _wgmma_asm(32) + _wgmma_asm(64) + r"""
-__device__ __forceinline__ void wg_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
-__device__ __forceinline__ void wg_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
-template <int N> __device__ __forceinline__ void wg_wait() {
-    asm volatile("wgmma.wait_group.sync.aligned %0;" :: "n"(N) : "memory");
-}
-// Keeps a register's value where it is until here (an operand of an in-flight wgmma).
-__device__ __forceinline__ void keep(u32& r) { asm volatile("" : "+r"(r) :: "memory"); }
-__device__ __forceinline__ void keep(float& r) { asm volatile("" : "+f"(r) :: "memory"); }
-
-// Byte offset in an x stage: chunk c (MMA step 2i + h), x row m, k slot (0..15).
-template <int MT>
-__device__ __forceinline__ int xoff(int c, int m, int kslot) {
-    return c * (256 * MT) + (m >> 3) * 256 + (kslot >> 3) * 128 + (m & 7) * 16 + (kslot & 7) * 2;
-}
-
-// Shared-memory descriptor of one chunk: K-major, no swizzle, LBO 128 bytes (k slots 0-7 -> 8-15),
-// SBO 256 bytes (x rows 0-7 -> 8-15).
-__device__ __forceinline__ unsigned long long chunk_desc(u32 addr) {
-    return (unsigned long long)((addr & 0x3FFFF) >> 4) | ((unsigned long long)(128 >> 4) << 16)
-           | ((unsigned long long)(256 >> 4) << 32);
-}
-
-template <int MT, int NT, int T, bool OVERLAP> struct Wgmma {
-    static __device__ __forceinline__ void store_x(const uint4 (&xs)[128 * MT / T], u32* stage) {
-        unsigned char* sb = reinterpret_cast<unsigned char*>(stage);
-        #pragma unroll
-        for (int j = 0; j < 128 * MT / T; j++) {
-            const int u = threadIdx.x + T * j;
-            const int t = u & 3, m = ((u >> 7) << 3) | ((u >> 2) & 7), i = (u >> 5) & 3;
-            const uint4 v = xs[j];
-            *reinterpret_cast<u32*>(sb + xoff<MT>(2 * i, m, 2 * t)) = __byte_perm(v.x, v.z, 0x5410);          // x0, x4
-            *reinterpret_cast<u32*>(sb + xoff<MT>(2 * i, m, 2 * t + 8)) = __byte_perm(v.x, v.z, 0x7632);      // x1, x5
-            *reinterpret_cast<u32*>(sb + xoff<MT>(2 * i + 1, m, 2 * t)) = __byte_perm(v.y, v.w, 0x5410);      // x2, x6
-            *reinterpret_cast<u32*>(sb + xoff<MT>(2 * i + 1, m, 2 * t + 8)) = __byte_perm(v.y, v.w, 0x7632);  // x3, x7
-        }
-        asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // visible to wgmma after the barrier
-    }
-
-    static __device__ __forceinline__ void compute(const unsigned char* wst, float (&c)[NT][MT][4],
-                                                   u32 stage_addr, int lane, int g, int t) {
-        uint4 qw[NT][2];
-        u32 s[NT][2][2];  // tile, row (g, g + 8), words 0-1 / 2-3
-        load_fragments<NT>(wst, g, t, qw, s);
-        u32 a[2][NT][4];  // register set, tile, fragment
-        #pragma unroll
-        for (int step = 0; step < 8; step++) {
-            const int i = step >> 1, h = step & 1, set = OVERLAP ? step & 1 : 0;
-            #pragma unroll
-            for (int nt = 0; nt < NT; nt++) {
-                const uint4 qg = qw[nt][0], qh = qw[nt][1];
-                const u32 wg = i == 0 ? qg.x : i == 1 ? qg.y : i == 2 ? qg.z : qg.w;
-                const u32 wh = i == 0 ? qh.x : i == 1 ? qh.y : i == 2 ? qh.z : qh.w;
-                const u32 s0 = s[nt][0][i >> 1], s1 = s[nt][1][i >> 1];
-                a[set][nt][0] = dq(wg, 2 * h, s0);
-                a[set][nt][1] = dq(wh, 2 * h, s1);
-                a[set][nt][2] = dq(wg, 2 * h + 1, s0);
-                a[set][nt][3] = dq(wh, 2 * h + 1, s1);
-            }
-            wg_fence();  // orders the A registers just written (and the accumulators) before the wgmmas
-            const unsigned long long db = chunk_desc(stage_addr + xoff<MT>(step, 0, 0));
-            #pragma unroll
-            for (int nt = 0; nt < NT; nt++)
-                wgmma<MT>(c[nt], a[set][nt][0], a[set][nt][1], a[set][nt][2], a[set][nt][3], db);
-            wg_commit();
-            if (OVERLAP) {
-                wg_wait<1>();  // step - 1's wgmmas are done: its register set may be rewritten
-                if (step > 0) {
-                    #pragma unroll
-                    for (int nt = 0; nt < NT; nt++)
-                        #pragma unroll
-                        for (int f = 0; f < 4; f++) keep(a[set ^ 1][nt][f]);
-                }
-            } else {
-                wg_wait<0>();
-            }
-        }
-        wg_wait<0>();
-        #pragma unroll
-        for (int nt = 0; nt < NT; nt++) {
-            #pragma unroll
-            for (int f = 0; f < 4; f++) keep(a[OVERLAP ? 1 : 0][nt][f]);
-            #pragma unroll
-            for (int mt = 0; mt < MT; mt++)
-                #pragma unroll
-                for (int e = 0; e < 4; e++) keep(c[nt][mt][e]);
-        }
-    }
-};
-template <int MT, int NT, int T> using WgSerial = Wgmma<MT, NT, T, false>;
-template <int MT, int NT, int T> using WgOverlap = Wgmma<MT, NT, T, true>;
-
+# The shipped wgmma layout (qerl_kit/kernels/nvfp4_wgmma_cuda.py), here compiled one kernel per
+# configuration (block shape, depth, x placement, register cap, overlapped or serial).
+SOURCE = COMMON + wgk.LAYOUT + r"""
 // One kernel per NVRTC program (kernel_source): compiling every variant in one source would
 // build all of them for each name.
 #define KERNEL(MT, W, NT, S, XD, MINB, V, NAME) extern "C" __global__ void __launch_bounds__(32 * W, MINB) \

@@ -11,7 +11,9 @@ Triton on CUDA when it imports, the reference (dequantize + torch matmul) elsewh
 bf16 forward calls with at most ``CUDA_DECODE_MAX_M`` rows go to the CUDA C decode kernel
 (``nvfp4_decode_cuda``, compiled with NVRTC at first use) when it compiles, the shape fits and it
 beat Triton at that size on the H200 (``nvfp4_decode_cuda.preferred``);
-forcing ``triton`` keeps them on Triton. Otherwise, forward calls with at most ``DECODE_MAX_M``
+forcing ``triton`` keeps them on Triton. Likewise, on ``auto``, bf16 forward calls of 17..64 rows
+go to the Hopper wgmma kernel (``nvfp4_wgmma_cuda``, sm_90a only) on the large layers where it
+beat Triton on the H200 (``nvfp4_wgmma_cuda.preferred``). Otherwise, forward calls with at most ``DECODE_MAX_M``
 rows go to the Triton decode kernel
 (``nvfp4_gemv_triton``: a block-dot CUDA-core kernel for one row, tensor cores for 2..64),
 except wide layers (N >= ``WIDE_N``) with more than 32 rows; the rest go to
@@ -43,14 +45,14 @@ CUDA_DECODE_MAX_M = 8  # rows sent to nvfp4_decode_cuda on the auto backend (whe
 
 __all__ = [
     "Backend", "ENV_VAR", "DECODE_MAX_M", "WIDE_N", "CUDA_DECODE_MAX_M", "forward_kernel", "forward_path",
-    "cuda_decode_status", "get_backend", "set_backend", "resolve", "triton_status", "nvfp4_linear", "nvfp4_dgrad", "nvfp4_linear_ref", "nvfp4_dgrad_ref",
+    "cuda_decode_status", "wgmma_status", "get_backend", "set_backend", "resolve", "triton_status", "nvfp4_linear", "nvfp4_dgrad", "nvfp4_linear_ref", "nvfp4_dgrad_ref",
 ]
 
 
 def _ops():
-    # Importing the kernel modules registers torch.ops.qerl_kit.nvfp4_{gemm,gemv,dgrad,decode_cuda}.
+    # Importing the kernel modules registers torch.ops.qerl_kit.nvfp4_{gemm,gemv,dgrad,decode_cuda,wgmma_cuda}.
     from qerl_kit.kernels import (nvfp4_decode_cuda, nvfp4_dgrad_triton, nvfp4_gemm_triton,  # noqa: F401
-                                  nvfp4_gemv_triton)
+                                  nvfp4_gemv_triton, nvfp4_wgmma_cuda)
 
     return torch.ops.qerl_kit
 
@@ -72,6 +74,23 @@ def _use_cuda_decode(x2: torch.Tensor, packed: torch.Tensor, scales: torch.Tenso
             and cuda.cuda_decode_status()[0])
 
 
+def wgmma_status() -> tuple[bool, str]:
+    """(usable, reason): whether the Hopper wgmma kernel compiles and runs here (decided once)."""
+    from qerl_kit.kernels.nvfp4_wgmma_cuda import wgmma_status as status
+
+    return status()
+
+
+def _use_wgmma(x2: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, backend) -> bool:
+    choice = _parse(backend) if backend is not None else get_backend()
+    if choice is not Backend.AUTO or not x2.is_cuda:
+        return False
+    from qerl_kit.kernels import nvfp4_wgmma_cuda as wg
+
+    return (wg.preferred(x2.shape[0], packed.shape[0], packed.shape[1] * 2) and wg.supports(x2, packed, scales)
+            and wg.wgmma_status()[0])
+
+
 def forward_kernel(m: int, n: int) -> str:
     """Which Triton kernel module takes a forward of ``m`` rows into ``n`` features: "decode"
     (``nvfp4_gemv_triton``) or "gemm" (``nvfp4_gemm_triton``, fused or dense by its own rule)."""
@@ -81,9 +100,12 @@ def forward_kernel(m: int, n: int) -> str:
 def forward_path(x2: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor,
                  backend: Backend | str | None = None) -> str:
     """Which kernel ``nvfp4_linear`` runs for ``x2`` [M, K] off the reference backend: "cuda"
-    (``nvfp4_decode_cuda``), "decode" (``nvfp4_gemv_triton``) or "gemm" (``nvfp4_gemm_triton``)."""
+    (``nvfp4_decode_cuda``), "wgmma" (``nvfp4_wgmma_cuda``), "decode" (``nvfp4_gemv_triton``) or
+    "gemm" (``nvfp4_gemm_triton``)."""
     if _use_cuda_decode(x2, packed, scales, backend):
         return "cuda"
+    if _use_wgmma(x2, packed, scales, backend):
+        return "wgmma"
     return forward_kernel(x2.shape[0], packed.shape[0])
 
 
@@ -98,7 +120,7 @@ def nvfp4_linear(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor,
     if bias is not None and bias.dtype != x.dtype:
         bias = bias.to(x.dtype)
     ops = _ops()
-    op = {"cuda": ops.nvfp4_decode_cuda, "decode": ops.nvfp4_gemv,
+    op = {"cuda": ops.nvfp4_decode_cuda, "wgmma": ops.nvfp4_wgmma_cuda, "decode": ops.nvfp4_gemv,
           "gemm": ops.nvfp4_gemm}[forward_path(x2, packed, scales, backend)]
     return op(x2, packed, scales, global_scale, bias).reshape(*x.shape[:-1], packed.shape[0])
 

@@ -1,0 +1,125 @@
+"""Where the wgmma prototype beats the dispatcher at 17..64 rows: every layer of Qwen2.5-7B..72B.
+
+The wgmma prototype (``proto_wgmma_gemm.py``) won at 32 rows on the largest layers and lost on
+small ones (bench/results/proto_wgmma_gemm_h200.md). Before any of it moves into
+``qerl_kit.kernels``, this measures, per projection shape and M in {24, 32, 48, 64}, in one run:
+the dispatcher (``nvfp4_linear``), torch's bf16 matmul and the prototype in the configurations
+that won somewhere (256-row blocks, x one or two K steps ahead; 128-row blocks) at the default
+K split and at half and twice as many slices. Each is checked against the dispatcher's output.
+
+Its "rule" column is ``qerl_kit.kernels.nvfp4_wgmma_cuda.preferred``, the dispatch rule drawn
+from this table (session 8, bench/results/route_wgmma_h200.md); once the kernel shipped, the
+"dispatch" column includes it wherever the rule says "wgmma".
+
+``--engine MODEL [B ...] [--no-bf16]`` times that model's NVFP4 engine (CUDA graphs, LoRA r 32)
+with the wgmma kernel off and on, and the bf16 engine, in one run.
+
+    PYTHONPATH=. python bench/route_wgmma.py            # the table
+    PYTHONPATH=. python bench/route_wgmma.py --engine Qwen2.5-32B 32 64
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import proto_cuda_gemm as base  # noqa: E402
+import proto_wgmma_gemm as wg  # noqa: E402
+from bench_nvfp4_gemm import MODELS, copies_for, layer_shapes, random_nvfp4, time_graph  # noqa: E402
+
+from qerl_kit.kernels import nvfp4_linear as dispatch  # noqa: E402
+from qerl_kit.kernels import nvfp4_wgmma_cuda as wgk  # noqa: E402
+
+# (warps, tiles per warp, x steps ahead): the configurations that won a cell in the sweep
+CANDIDATES = ((8, 2, 2), (8, 2, 1), (4, 2, 2))
+ROWS = (24, 32, 48, 64)
+
+
+def table(sms: int) -> None:
+    print("| model | proj | N x K | M | " + " | ".join(f"{16 * w * nt}r x{xd} us (ips)" for w, nt, xd in CANDIDATES)
+          + " | dispatch us | bf16 us | best x dispatch | best x bf16 | rule |")
+    print("|---|---|---|---:|" + "---:|" * (len(CANDIDATES) + 5))
+    seen = set()
+    for model in MODELS:
+        for proj, n, k in layer_shapes(model):
+            if (n, k) in seen or k % base.K_STEP or n % 16:
+                continue
+            seen.add((n, k))
+            weights = [random_nvfp4(n, k) for _ in range(copies_for(n * k // 2 + n * k // 16))]
+            dense = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) for _ in range(copies_for(n * k * 2))]
+            steps = k // base.K_STEP
+            for m in ROWS:
+                x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+                ref = dispatch(x, *weights[0]).float()
+                cells, best = [], float("inf")
+                for warps, nt, xd in CANDIDATES:
+                    ips = base.config(m, n, k, sms, 16 * warps * nt, per_sm=None if warps == 8 else 2)[1]
+                    slices = -(-steps // ips)
+                    tried = {}
+                    for sl in sorted({slices, max(1, slices // 2), min(steps, 2 * slices)}):
+                        i = -(-steps // sl)
+                        tried[i] = time_graph([lambda q=q, i=i: wg.nvfp4_gemm_wgmma(
+                            x, *q, ips=i, warps=warps, nt=nt, xd=xd) for q in weights])
+                    got = wg.nvfp4_gemm_wgmma(x, *weights[0], warps=warps, nt=nt, xd=xd).float()
+                    err = ((got - ref).norm() / ref.norm()).item()
+                    i_best = min(tried, key=tried.get)
+                    best = min(best, tried[i_best])
+                    cells.append(f"{tried[i_best] * 1e6:.1f} ({i_best})" + (f" FAIL {err:.1e}" if err > 1e-2 else ""))
+                t_disp = time_graph([lambda q=q: dispatch(x, *q) for q in weights])
+                t_bf = time_graph([lambda d=d: torch.nn.functional.linear(x, d) for d in dense])
+                print(f"| {model.replace('Qwen2.5-', '')} | {proj} | {n} x {k} | {m} | " + " | ".join(cells)
+                      + f" | {t_disp * 1e6:.1f} | {t_bf * 1e6:.1f} | {t_disp / best:.2f} | {t_bf / best:.2f} | "
+                      f"{'wgmma' if wgk.preferred(m, n, k) else 'dispatch'} |", flush=True)
+            del weights, dense
+            torch.cuda.empty_cache()
+
+
+def engine(model_name: str, batches=(32, 64), new: int = 128, bf16: bool = True) -> None:
+    """``model_name``'s NVFP4 engine (fused decode step, CUDA graphs, LoRA r 32) at each batch with
+    the wgmma kernel off (``preferred`` patched to False: the previous dispatch) and on, and the
+    bf16 engine, in one run (each run captures its own graphs, so the dispatch is re-decided)."""
+    import bench_rollout as br
+
+    rule = wgk.preferred
+    rows = {}
+    model = br.with_lora(br.build(model_name, "nvfp4", "cuda"), 32)
+    try:
+        for batch in batches:
+            prompts = br.random_prompts(batch, 256, 152064)
+            for on in (False, True):
+                wgk.preferred = rule if on else (lambda m, n, k: False)
+                rows.setdefault(batch, []).append(br.engine_run(model, prompts, new)["ms_per_step"])
+    finally:
+        wgk.preferred = rule
+    del model
+    br.free()
+    if bf16:
+        model = br.with_lora(br.build(model_name, "bf16", "cuda"), 32)
+        for batch in batches:
+            rows[batch].append(br.engine_run(model, br.random_prompts(batch, 256, 152064), new)["ms_per_step"])
+        del model
+        br.free()
+    print(f"| {model_name} batch | NVFP4 without wgmma ms/step | NVFP4 with wgmma ms/step | bf16 ms/step | "
+          "with / without | NVFP4 (with) / bf16 |")
+    print("|---:|---:|---:|---:|---:|---:|")
+    for batch, ms in rows.items():
+        ms = ms + [float("nan")] * (3 - len(ms))
+        print(f"| {batch} | {ms[0]:.2f} | {ms[1]:.2f} | {ms[2]:.2f} | {ms[0] / ms[1]:.2f}x | {ms[2] / ms[1]:.2f}x |",
+              flush=True)
+
+
+def main() -> None:
+    if "--engine" in sys.argv:
+        args = sys.argv[sys.argv.index("--engine") + 1:]
+        batches = tuple(int(b) for b in args[1:] if b.isdigit()) or (32, 64)
+        return engine(args[0], batches, bf16="--no-bf16" not in sys.argv)
+    table(torch.cuda.get_device_properties(0).multi_processor_count)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,137 @@
+"""The Hopper wgmma kernel for 17..64 rows (qerl_kit/kernels/nvfp4_wgmma_cuda.py).
+
+On the CPU: the routing rule, the K split, the fit check and the status off Hopper; the wgmma
+layout's data movement is emulated against the reference in tests/test_proto_wgmma_gemm.py (the
+shipped kernels are that file's 256-row, two-steps-ahead configuration, same source). On an sm_90
+GPU the kernel runs against the exact product at real layer shapes for 17..64 rows, with bias,
+split and unsplit K, strided x, through the dispatcher and captured in a CUDA graph.
+"""
+
+import pytest
+import torch
+
+from qerl_kit import nvfp4
+from qerl_kit.kernels import WIDE_N, forward_path, nvfp4_linear, set_backend, wgmma_status
+from qerl_kit.kernels import nvfp4_wgmma_cuda as wg
+from tests.test_decode_cuda import _exact_weight, _rel
+
+CUDA = torch.cuda.is_available()
+
+
+def test_preferred_is_the_measured_rule():
+    # up to 32 rows: layers of 2^26 weights and more, N >= 5120
+    assert wg.preferred(32, 55296, 5120) and wg.preferred(17, 8192, 8192) and wg.preferred(24, 5120, 27648)
+    assert not wg.preferred(32, 3584, 18944)           # 7B down: narrow, lost (0.88x)
+    assert not wg.preferred(32, 7168, 5120)            # 14B qkv: 2^25.1 weights, a tie at 32 rows
+    # 33..64 rows: 5120 <= N < WIDE_N and 2^25 weights and more; the tiled GEMM keeps wide layers
+    assert wg.preferred(64, 7168, 5120) and wg.preferred(48, 29568, 8192) and wg.preferred(64, 8192, 29568)
+    assert not wg.preferred(64, 55296, 5120) and not wg.preferred(33, WIDE_N, 8192)
+    assert not wg.preferred(64, 5120, 5120)            # 2^24.6 weights
+    assert not wg.preferred(16, 55296, 5120) and not wg.preferred(65, 8192, 29568)   # outside 17..64
+
+
+def test_choose_ips_splits_k_to_cover_the_gpu_once():
+    for m, n, k in [(24, 27648, 5120), (64, 8192, 29568), (32, 8192, 8192), (48, 7168, 5120), (17, 59136, 8192)]:
+        ips = wg.choose_ips(m, n, k, sms=132)
+        steps = k // wg.K_STEP
+        slices = -(-steps // ips)
+        assert 1 <= ips <= steps and (slices - 1) * ips < steps   # every slice has work
+        assert -(-n // wg.ROWS) * slices <= 132 or slices == 1     # at most one block per SM
+    # the route table's best splits (bench/results/route_wgmma_h200.md)
+    assert wg.choose_ips(64, 8192, 29568, sms=132) == 58    # 72B down: 32 tiles x 4 slices
+    assert wg.choose_ips(32, 8192, 8192, sms=132) == 16     # 72B o: 32 tiles x 4 slices
+    assert wg.choose_ips(24, 27648, 5120, sms=132) == 40    # 14B gate_up: 108 tiles, K unsplit
+    assert wg.choose_ips(48, 7168, 5120, sms=132) == 10     # 14B qkv: 28 tiles x 4 slices
+
+
+def test_cpu_calls_never_take_it_and_the_status_says_why():
+    q = nvfp4.quantize(torch.randn(5120, 128))
+    x = torch.randn(32, 128, dtype=torch.bfloat16)
+    assert not wg.supports(x, q.packed, q.scales)
+    with pytest.raises(ValueError, match="17..64 rows"):
+        wg.nvfp4_wgmma_cuda(x, q.packed, q.scales, q.global_scale)
+    assert forward_path(x, q.packed, q.scales) == "decode"
+    if not CUDA:
+        assert wgmma_status() == (False, "no CUDA device")
+
+
+def test_source_holds_the_two_shipped_kernels_on_the_shared_pipeline():
+    from qerl_kit.kernels import cuda_pipeline as cp
+
+    assert wg.SOURCE.startswith(cp.PIPELINE) and wg.LAYOUT in wg.SOURCE
+    for name, mt, minb in [("nvfp4_wgmma_m32", 4, 2), ("nvfp4_wgmma_m64", 8, 1)]:
+        assert f"__launch_bounds__(256, {minb}) {name}(ARGS) {{ gemm<WgOverlap, {mt}, 4, 8, 2, 2>(CALL); }}" in wg.SOURCE
+    asm = wg._wgmma_asm(64)  # 32 accumulators, then A's 4 registers, B's descriptor (%36) and scale-d (%37)
+    assert asm.count('"+f"') == 32 and "%36, p, 1, 1, 0" in asm and "setp.ne.b32 p, %37, 0" in asm
+    # two x stages (8 chunks x 64 rows x 32 bytes) + 4 weight stages of 8 warps (32 rows x 72 bytes): ncu 106.5 KB
+    assert cp.shared_bytes(8) == 2 * (8 * 64 * 32) + 4 * 8 * (32 * 72) == 106496
+
+
+# -- GPU ------------------------------------------------------------------------------------------
+
+gpu = pytest.mark.skipif(not CUDA or not wgmma_status()[0],
+                         reason=f"needs the wgmma kernel: {wgmma_status()[1]}" if CUDA else "needs a CUDA GPU")
+
+
+def _weight(n, k, seed):
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(n, k, generator=g) * torch.exp(torch.randn(n, 1, generator=g))
+    return nvfp4.quantize(w).to("cuda")
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("n,k", [(7168, 5120), (8192, 8192), (5120, 27648), (55296, 5120), (272, 1024)], ids=str)
+def test_gpu_matches_exact_product(n, k):
+    q = _weight(n, k, seed=n + k)
+    bias = torch.randn(n, device="cuda").to(torch.bfloat16)
+    w = _exact_weight(q.packed, q.scales, q.global_scale)
+    steps = k // wg.K_STEP
+    for m in (17, 24, 32, 33, 48, 64):
+        x = torch.randn(m, k, device="cuda").to(torch.bfloat16)
+        ref = x.double() @ w.T + bias.double()
+        for ips in (None, steps, 1, 3):                        # default, unsplit, most slices, ragged
+            y = wg.nvfp4_wgmma_cuda(x, q.packed, q.scales, q.global_scale, bias, ips=ips)
+            assert y.dtype == torch.bfloat16 and y.shape == (m, n)
+            assert _rel(y, ref) < 3e-3, (m, ips)                # bf16 output rounding only
+            for r in (0, m // 2, m - 1):
+                assert _rel(y[r], ref[r]) < 4e-3, (m, ips, r)
+
+
+@pytest.mark.gpu
+@gpu
+def test_gpu_strided_rows_determinism_and_dispatch():
+    q = _weight(8192, 8192, seed=5)
+    buf = torch.randn(32, 8448, device="cuda").to(torch.bfloat16)
+    x = buf[:, :8192]                                      # row stride 8448
+    assert wg.supports(x, q.packed, q.scales)
+    y = wg.nvfp4_wgmma_cuda(x, q.packed, q.scales, q.global_scale)
+    w = _exact_weight(q.packed, q.scales, q.global_scale)
+    assert _rel(y, x.double() @ w.T) < 3e-3
+    assert torch.equal(y, wg.nvfp4_wgmma_cuda(x.contiguous(), q.packed, q.scales, q.global_scale))
+    assert forward_path(x, q.packed, q.scales) == "wgmma"
+    assert forward_path(x, q.packed, q.scales, backend="triton") == "decode"
+    assert torch.equal(y, nvfp4_linear(x, q.packed, q.scales, q.global_scale))   # auto -> this kernel
+    with set_backend("triton"):                            # forcing Triton keeps Triton
+        assert _rel(nvfp4_linear(x, q.packed, q.scales, q.global_scale), x.double() @ w.T) < 1e-2
+    small = _weight(3584, 3584, seed=6)                    # a small layer stays on Triton
+    assert forward_path(torch.randn(32, 3584, device="cuda").bfloat16(), small.packed, small.scales) == "decode"
+    assert not wg.supports(torch.randn(32, 8192, device="cuda").half(), q.packed, q.scales)   # fp16
+    assert not wg.supports(torch.randn(16, 8192, device="cuda").bfloat16(), q.packed, q.scales)
+
+
+@pytest.mark.gpu
+@gpu
+def test_gpu_captures_in_a_cuda_graph_with_split_k():
+    q = _weight(8192, 29568, seed=9)
+    x = torch.randn(64, 29568, device="cuda").to(torch.bfloat16)
+    assert wg.choose_ips(64, 8192, 29568) < 29568 // wg.K_STEP   # the split path
+    nvfp4_linear(x, q.packed, q.scales, q.global_scale)   # warm-up: compiles, allocates the counters
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y = nvfp4_linear(x, q.packed, q.scales, q.global_scale)
+    for _ in range(3):
+        x.copy_(torch.randn(64, 29568, device="cuda").to(torch.bfloat16))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(y, wg.nvfp4_wgmma_cuda(x, q.packed, q.scales, q.global_scale))
