@@ -19,14 +19,19 @@ CUDA = torch.cuda.is_available()
 
 
 def test_preferred_is_the_measured_rule():
-    # up to 32 rows: layers of 2^26 weights and more, N >= 5120
-    assert wg.preferred(32, 55296, 5120) and wg.preferred(17, 8192, 8192) and wg.preferred(24, 5120, 27648)
-    assert not wg.preferred(32, 3584, 18944)           # 7B down: narrow, lost (0.88x)
-    assert not wg.preferred(32, 7168, 5120)            # 14B qkv: 2^25.1 weights, a tie at 32 rows
-    # 33..64 rows: 5120 <= N < WIDE_N and 2^25 weights and more; the tiled GEMM keeps wide layers
-    assert wg.preferred(64, 7168, 5120) and wg.preferred(48, 29568, 8192) and wg.preferred(64, 8192, 29568)
-    assert not wg.preferred(64, 55296, 5120) and not wg.preferred(33, WIDE_N, 8192)
-    assert not wg.preferred(64, 5120, 5120)            # 2^24.6 weights
+    # where the 256-row kernel won in route_wgmma_h200.md (ratios against the dispatcher, 24/32 | 48/64 rows)
+    for m in (17, 24, 32, 33, 48, 64):
+        assert wg.preferred(m, 13824, 5120)            # 14B gate/up: 1.22/1.17 | 1.21/1.13
+        assert wg.preferred(m, 5120, 27648)            # 32B down: 1.22/1.17 | 1.28/1.17
+        assert wg.preferred(m, 29568, 8192) and wg.preferred(m, 8192, 29568) and wg.preferred(m, 10240, 8192)
+        assert not wg.preferred(m, 5120, 13824)        # 14B down: 1.01/0.93 | 0.99/0.88
+        assert not wg.preferred(m, 7168, 5120)         # 14B/32B qkv: 1.03/1.01 | 1.04/0.91
+        assert not wg.preferred(m, 3584, 18944)        # 7B down: 0.90/0.81 | 0.84/0.72
+        assert not wg.preferred(m, 5120, 5120) and not wg.preferred(m, 1024, 8192)   # small, k/v
+    assert wg.preferred(32, 8192, 8192) and not wg.preferred(64, 8192, 8192)     # 72B o: 1.08 | 0.91
+    assert wg.preferred(32, 55296, 5120) and not wg.preferred(64, 55296, 5120)   # 32B gate_up: tiled GEMM ties from 33
+    assert not wg.preferred(32, 37888, 3584) and not wg.preferred(32, 18944, 3584)  # 7B, K = 3584: 0.97, 0.91
+    assert wg.preferred(64, 18944, 3584) and not wg.preferred(64, WIDE_N, 3584)    # 1.05; wide: tiled GEMM
     assert not wg.preferred(16, 55296, 5120) and not wg.preferred(65, 8192, 29568)   # outside 17..64
 
 

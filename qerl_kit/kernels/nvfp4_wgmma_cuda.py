@@ -211,17 +211,18 @@ def supports(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor) -> boo
 
 def preferred(m: int, n: int, k: int) -> bool:
     """Whether this kernel beat the dispatcher's Triton path at this size on the H200
-    (bench/results/route_wgmma_h200.md, every Qwen2.5 7B-72B layer at 24/32/48/64 rows, in one
-    run). Up to 32 rows: layers of 2^26 weights and more with N >= 5120 (1.08-1.35x; small or
-    narrow layers lost, to 0.2x). 33..64 rows: N from 5120 up to ``WIDE_N`` (where the tiled
-    Triton GEMM takes over and ties it) and 2^25 weights and more (1.06-1.54x)."""
+    (bench/results/route_wgmma_h200.md: every Qwen2.5 7B-72B layer at 24/32/48/64 rows, this
+    kernel's column against the dispatcher, in one run): layers of 2^26 weights and more with
+    N >= 5120 and either N >= 8192 or K >= 16384 (1.06-1.54x); up to 32 rows also K >= 5120
+    (7B's K = 3584 layers lost, 0.91-0.97x), from 33 rows more than 2^26 weights (72B o, exactly
+    2^26, lost at 64 rows, 0.91x) and N below ``WIDE_N``, where the tiled Triton GEMM takes over
+    and ties it. Smaller or narrower layers lost, down to 0.13x (k/v)."""
     from qerl_kit.kernels import WIDE_N
 
-    if not MIN_M <= m <= MAX_M or n < 5120:
+    w = n * k
+    if not MIN_M <= m <= MAX_M or n < 5120 or w < 1 << 26 or (n < 8192 and k < 16384):
         return False
-    if m <= 32:
-        return n * k >= 1 << 26
-    return n < WIDE_N and n * k >= 1 << 25
+    return k >= 5120 if m <= 32 else (n < WIDE_N and w > 1 << 26)
 
 
 def nvfp4_wgmma_cuda(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor,
