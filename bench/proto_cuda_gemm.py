@@ -14,7 +14,9 @@ splits at 32 and 64 rows; ``--check`` runs every compiled variant against the re
 shapes; ``--engine`` times the 7B NVFP4 engine at batch 24-64 with and without it.
 
 Design (the CUDA decode kernel's MMA side, ``qerl_kit/kernels/nvfp4_decode_cuda.py``, with x
-shared through shared memory instead of read per lane):
+shared through shared memory instead of read per lane; the block pipeline is now
+``qerl_kit/kernels/cuda_pipeline.py``, shared with the shipped wgmma kernel, and this file adds
+the mma.sync layout):
 
 * Block of 8 warps over 256 weight rows (each warp two 16-row tiles, lanes holding rows g and
   g + 8 as in the decode kernel); the product is transposed, ``y^T = W x^T``, with 4 or 8 tiles of

@@ -26,16 +26,14 @@ Compiled for sm_90a (wgmma does not exist on plain sm_90) with NVRTC: 16 HGMMA p
 against the reference on the GPU, then times it against the mma.sync prototype, the dispatcher
 and bf16 at 32 and 64 rows (``--check``: the check alone).
 
-Measured on the H200 (session 7, bench/results/proto_wgmma_gemm_h200.md): correct on its first
-run; 1.18-1.27x bf16 at 32 rows on the largest layers, where it beats the dispatcher, but far
-slower on small layers, where the 256-row block needs a deep K split. Written after that run and
-NOT YET RUN: blocks of 128 and 64 weight rows (one warpgroup; ``CONFIGS``, ``warps``/``nt``), so
-that small layers get enough blocks with one or two K slices, and x loaded two K steps ahead
-(``xd``; at 32 rows a K step's compute is shorter than an L2 round trip, so staging x waited on
-its load every step), or ``xd`` 0: x permuted once per call into the stage layout (``permute_x``,
-one gather) and copied with the weights by ``cp.async`` through as many stages, one barrier per
-step and no register staging. The 256-row kernels with ``xd`` 1 are the measured ones' source; each
-kernel is now compiled alone (``kernel_source``), so their register allocation differs a little.
+Measured on the H200 (sessions 7 and 8, bench/results/proto_wgmma_gemm_h200.md): correct
+(every configuration, first run); the 256-row blocks with x two K steps ahead beat the Triton
+dispatcher on large layers and now ship as ``qerl_kit/kernels/nvfp4_wgmma_cuda.py`` (its
+``LAYOUT`` is this file's layout, its kernels this file's ``nvfp4_wgmma_m{32,64}_w8n2_s4_x2_overlap``,
+SASS identical; where it wins: bench/route_wgmma.py). The rest did not make a better kernel:
+128- and 64-row blocks won a few cells (7B gate_up at 24-32 rows, 128-row blocks) and lost most
+(x re-read from L2 by every block); x permuted once per call and copied by ``cp.async``
+(``xd`` 0), register caps for more blocks per SM (``--occupancy``) and the serial variant lost.
 """
 
 from __future__ import annotations
@@ -256,19 +254,30 @@ def warm_all() -> None:
 
 
 def profile() -> None:
-    """``--profile``: each block shape on 7B qkv and 32B gate_up at 64 rows, eagerly, 20 times,
-    for a profiler wrapped around the process, e.g.
-    ``ncu --kernel-name regex:nvfp4_wgmma --launch-skip 10 --launch-count 6 --set full
-    python bench/proto_wgmma_gemm.py --profile``."""
+    """``--profile``: eager calls for a profiler wrapped around the process, 3 of each: at 64 rows
+    on 32B gate_up and 7B qkv the 256-row (x two steps ahead) and 64-row (x permuted) kernels,
+    at 32 rows on 32B gate_up the 256-row one, then the dispatcher and bf16 on the same x. Session 8
+    ran it as ``ncu --kernel-name-base function --section SpeedOfLight --section WarpStateStats
+    --section Occupancy --section MemoryWorkloadAnalysis --section SchedulerStats --section
+    LaunchStats python bench/proto_wgmma_gemm.py --profile`` (the dispatcher then had no wgmma path;
+    it now sends 32B gate_up at 32 rows to the shipped kernel)."""
     from bench_nvfp4_gemm import random_nvfp4
 
-    for n, k in [(4608, 3584), (55296, 5120)]:
+    from qerl_kit.kernels import nvfp4_linear
+
+    torch.manual_seed(0)
+    for n, k, m, configs in [(55296, 5120, 64, [(8, 2, 4, 2), (4, 1, 4, 0)]), (4608, 3584, 64, [(4, 1, 4, 0), (8, 2, 4, 2)]),
+                             (55296, 5120, 32, [(8, 2, 4, 2)])]:
         w = random_nvfp4(n, k)
-        x = torch.randn(64, k, device="cuda", dtype=torch.bfloat16)
-        for warps, nt, stages, xd in CONFIGS:
-            for _ in range(20):
+        x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+        for warps, nt, stages, xd in configs:
+            for _ in range(3):
                 nvfp4_gemm_wgmma(x, *w, stages=stages, warps=warps, nt=nt, xd=xd)
-        torch.cuda.synchronize()
+        dense = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
+        for _ in range(3):
+            nvfp4_linear(x, *w)
+            torch.nn.functional.linear(x, dense)
+    torch.cuda.synchronize()
 
 
 # ``--occupancy``: (warps, tiles, stages, x steps ahead, blocks per SM the registers are capped for).

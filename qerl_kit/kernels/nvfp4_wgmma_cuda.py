@@ -2,9 +2,10 @@
 
 At GRPO's rollout batches (8 prompts x 8 samples = 64 rows) the Triton kernels fall below bf16 on
 the larger layers. This kernel, measured first as a prototype (``bench/proto_wgmma_gemm.py``),
-beats them there: 1.1-1.5x the dispatcher's previous path on the 14B/32B/72B MLP and large
-attention layers at 24-64 rows, up to 1.47x bf16 (bench/results/route_wgmma_h200.md). It loses on
-small layers, so the dispatcher sends it only what ``preferred`` says.
+beats them there: on the 14B/32B/72B MLP and large attention layers at 24-64 rows, 1.00-1.44x
+(median 1.25x) the Triton path it replaces, 0.65-1.47x bf16; the 72B engine decodes 1.18x
+faster at batch 32 and 1.07x at 64, 32B reaches bf16 at batch 32 (bench/results/route_wgmma_h200.md).
+It loses on small layers, so the dispatcher sends it only what ``preferred`` says.
 
 Design (one block = 8 warps = two warpgroups over 256 weight rows, K steps of 128 codes):
 
@@ -213,7 +214,7 @@ def preferred(m: int, n: int, k: int) -> bool:
     """Whether this kernel beat the dispatcher's Triton path at this size on the H200
     (bench/results/route_wgmma_h200.md: every Qwen2.5 7B-72B layer at 24/32/48/64 rows, this
     kernel's column against the dispatcher, in one run): layers of 2^26 weights and more with
-    N >= 5120 and either N >= 8192 or K >= 16384 (1.06-1.54x); up to 32 rows also K >= 5120
+    N >= 5120 and either N >= 8192 or K >= 16384 (1.00-1.44x); up to 32 rows also K >= 5120
     (7B's K = 3584 layers lost, 0.91-0.97x), from 33 rows more than 2^26 weights (72B o, exactly
     2^26, lost at 64 rows, 0.91x) and N below ``WIDE_N``, where the tiled Triton GEMM takes over
     and ties it. Smaller or narrower layers lost, down to 0.13x (k/v)."""
