@@ -293,15 +293,41 @@ def blocks_per_sm(mt: int, warps: int, nt: int, stages: int, xd: int, minb: int)
     return max(1, min(minb, 228 * 1024 // smem))
 
 
-def occupancy(shapes, weights_for, time_graph, nvfp4_linear, sms: int) -> None:
+def best_split(time_graph, x, weights, ips: int, **kw) -> tuple[float, int]:
+    """(seconds, K steps per slice): the fastest of ``ips``'s K split and half and twice as many
+    slices, ``nvfp4_gemm_wgmma(**kw)`` over ``weights``; each checked against the dispatcher."""
+    from qerl_kit.kernels import nvfp4_linear
+
+    steps = x.shape[1] // base.K_STEP
+    slices = -(-steps // ips)
+    tried = {}
+    for sl in sorted({slices, max(1, slices // 2), min(steps, 2 * slices)}):
+        i = -(-steps // sl)
+        tried[i] = time_graph([lambda q=q, i=i: nvfp4_gemm_wgmma(x, *q, ips=i, **kw) for q in weights])
+    ref = nvfp4_linear(x, *weights[0]).float()
+    err = ((nvfp4_gemm_wgmma(x, *weights[0], **kw).float() - ref).norm() / ref.norm()).item()
+    if err > 1e-2:
+        print(f"FAIL {tuple(weights[0][0].shape)} M={x.shape[0]} {kw}: rel err {err:.1e}", flush=True)
+    best = min(tried, key=tried.get)
+    return tried[best], best
+
+
+def baselines(time_graph, x, weights, dense) -> tuple[float, float]:
+    """(dispatcher, bf16) seconds on the same x."""
+    from qerl_kit.kernels import nvfp4_linear
+
+    return (time_graph([lambda q=q: nvfp4_linear(x, *q) for q in weights]),
+            time_graph([lambda d=d: torch.nn.functional.linear(x, d) for d in dense]))
+
+
+def occupancy(shapes, weights_for, time_graph, sms: int) -> None:
     """Per layer and M in {32, 64}: each OCCUPANCY configuration at the K split that fills
-    ``blocks_per_sm`` blocks per SM once, and at half and twice as many slices; best of them."""
+    ``blocks_per_sm`` blocks per SM once (``best_split``: and half and twice as many slices)."""
     print("| N x K | M | " + " | ".join(f"{16 * w * nt}r s{s} x{xd} b{b}" for w, nt, s, xd, b in OCCUPANCY)
           + " | dispatch us | bf16 us | best x bf16 |")
     print("|---|---:|" + "---:|" * (len(OCCUPANCY) + 3))
     for n, k in shapes:
         weights, dense = weights_for(n, k)
-        steps = k // base.K_STEP
         for m in (32, 64):
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             mt = base.x_tiles(m)
@@ -309,22 +335,10 @@ def occupancy(shapes, weights_for, time_graph, nvfp4_linear, sms: int) -> None:
             for w_, nt, stages, xd, minb in OCCUPANCY:
                 per_sm = blocks_per_sm(mt, w_, nt, stages, xd, minb)
                 ips = base.config(m, n, k, sms, 16 * nt * w_, per_sm=per_sm)[1]
-                slices = -(-steps // ips)
-                tried = {}
-                for sl in sorted({slices, max(1, slices // 2), min(steps, 2 * slices)}):
-                    i = -(-steps // sl)
-                    tried[i] = time_graph([lambda q=q, i=i: nvfp4_gemm_wgmma(
-                        x, *q, ips=i, stages=stages, warps=w_, nt=nt, xd=xd, minb=minb) for q in weights])
-                got = nvfp4_gemm_wgmma(x, *weights[0], stages=stages, warps=w_, nt=nt, xd=xd, minb=minb)
-                ref = nvfp4_linear(x, *weights[0]).float()
-                err = ((got.float() - ref).norm() / ref.norm()).item()
-                if err > 1e-2:
-                    print(f"FAIL {n} x {k} M={m} {(w_, nt, stages, xd, minb)}: rel err {err:.1e}", flush=True)
-                i_best = min(tried, key=tried.get)
-                best = min(best, tried[i_best])
-                cells.append(f"{tried[i_best] * 1e6:.1f} ({i_best})")
-            t_disp = time_graph([lambda q=q: nvfp4_linear(x, *q) for q in weights])
-            t_bf = time_graph([lambda d=d: torch.nn.functional.linear(x, d) for d in dense])
+                t, i = best_split(time_graph, x, weights, ips, stages=stages, warps=w_, nt=nt, xd=xd, minb=minb)
+                best = min(best, t)
+                cells.append(f"{t * 1e6:.1f} ({i})")
+            t_disp, t_bf = baselines(time_graph, x, weights, dense)
             print(f"| {n} x {k} | {m} | " + " | ".join(cells) + f" | {t_disp * 1e6:.1f} | {t_bf * 1e6:.1f} | "
                   f"{t_bf / best:.2f} |", flush=True)
         del weights, dense
@@ -348,8 +362,6 @@ def main() -> None:
         sys.exit(1 if failures else 0)
     from bench_nvfp4_gemm import copies_for, random_nvfp4, time_graph
 
-    from qerl_kit.kernels import nvfp4_linear
-
     torch.manual_seed(0)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     shapes = [(4608, 3584), (3584, 3584), (37888, 3584), (3584, 18944), (55296, 5120), (8192, 29568)]
@@ -360,7 +372,7 @@ def main() -> None:
                 [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) for _ in range(copies_for(n * k * 2))])
 
     if "--occupancy" in sys.argv:
-        return occupancy(shapes, weights_for, time_graph, nvfp4_linear, sms)
+        return occupancy(shapes, weights_for, time_graph, sms)
     blocks = [(8, 2), (4, 2), (4, 1)]
     cols = [(w_, nt, xd) for w_, nt in blocks for xd in (0, 1, 2)]  # xd 0 includes permute_x's gather
     print("| N x K | M | " + " | ".join(f"{16 * nt * w_} rows x{xd} us (ips)" for w_, nt, xd in cols)
@@ -386,8 +398,7 @@ def main() -> None:
                               flush=True)
                         best = min(best, t2)
             t_sync = time_graph([lambda q=q: base.nvfp4_gemm_cuda(x, *q, stages=2) for q in weights])
-            t_disp = time_graph([lambda q=q: nvfp4_linear(x, *q) for q in weights])
-            t_bf = time_graph([lambda d=d: torch.nn.functional.linear(x, d) for d in dense])
+            t_disp, t_bf = baselines(time_graph, x, weights, dense)
             print(f"| {n} x {k} | {m} | " + " | ".join(cells) + f" | {t_sync * 1e6:.1f} | {t_disp * 1e6:.1f} | "
                   f"{t_bf * 1e6:.1f} | {t_bf / best:.2f} | {t_bf / t_disp:.2f} |", flush=True)
         del weights, dense

@@ -32,7 +32,6 @@ import proto_cuda_gemm as base  # noqa: E402
 import proto_wgmma_gemm as wg  # noqa: E402
 from bench_nvfp4_gemm import MODELS, copies_for, layer_shapes, random_nvfp4, time_graph  # noqa: E402
 
-from qerl_kit.kernels import nvfp4_linear as dispatch  # noqa: E402
 from qerl_kit.kernels import nvfp4_wgmma_cuda as wgk  # noqa: E402
 
 # (warps, tiles per warp, x steps ahead): the configurations that won a cell in the sweep
@@ -52,26 +51,15 @@ def table(sms: int) -> None:
             seen.add((n, k))
             weights = [random_nvfp4(n, k) for _ in range(copies_for(n * k // 2 + n * k // 16))]
             dense = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) for _ in range(copies_for(n * k * 2))]
-            steps = k // base.K_STEP
             for m in ROWS:
                 x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-                ref = dispatch(x, *weights[0]).float()
                 cells, best = [], float("inf")
                 for warps, nt, xd in CANDIDATES:
                     ips = base.config(m, n, k, sms, 16 * warps * nt, per_sm=None if warps == 8 else 2)[1]
-                    slices = -(-steps // ips)
-                    tried = {}
-                    for sl in sorted({slices, max(1, slices // 2), min(steps, 2 * slices)}):
-                        i = -(-steps // sl)
-                        tried[i] = time_graph([lambda q=q, i=i: wg.nvfp4_gemm_wgmma(
-                            x, *q, ips=i, warps=warps, nt=nt, xd=xd) for q in weights])
-                    got = wg.nvfp4_gemm_wgmma(x, *weights[0], warps=warps, nt=nt, xd=xd).float()
-                    err = ((got - ref).norm() / ref.norm()).item()
-                    i_best = min(tried, key=tried.get)
-                    best = min(best, tried[i_best])
-                    cells.append(f"{tried[i_best] * 1e6:.1f} ({i_best})" + (f" FAIL {err:.1e}" if err > 1e-2 else ""))
-                t_disp = time_graph([lambda q=q: dispatch(x, *q) for q in weights])
-                t_bf = time_graph([lambda d=d: torch.nn.functional.linear(x, d) for d in dense])
+                    t, i = wg.best_split(time_graph, x, weights, ips, warps=warps, nt=nt, xd=xd)
+                    best = min(best, t)
+                    cells.append(f"{t * 1e6:.1f} ({i})")
+                t_disp, t_bf = wg.baselines(time_graph, x, weights, dense)
                 print(f"| {model.replace('Qwen2.5-', '')} | {proj} | {n} x {k} | {m} | " + " | ".join(cells)
                       + f" | {t_disp * 1e6:.1f} | {t_bf * 1e6:.1f} | {t_disp / best:.2f} | {t_bf / best:.2f} | "
                       f"{'wgmma' if wgk.preferred(m, n, k) else 'dispatch'} |", flush=True)
