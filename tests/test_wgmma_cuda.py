@@ -60,6 +60,21 @@ def test_cpu_calls_never_take_it_and_the_status_says_why():
         assert wgmma_status() == (False, "no CUDA device")
 
 
+def test_status_keeps_sm90a_code_off_other_gpus(monkeypatch):
+    """sm_90a code (wgmma) runs on compute capability 9.0 only: older and newer GPUs get a reason
+    and keep Triton, without a compile attempt."""
+    from qerl_kit.kernels import nvrtc
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.version, "hip", None)
+    monkeypatch.setattr(nvrtc, "compile_kernel", lambda *a, **k: pytest.fail("compiled on a GPU it cannot run on"))
+    for cap, why in [((8, 9), "compute capability 8.9 < 9.0 (wgmma)"),
+                     ((10, 0), "compute capability 10.0: wgmma is built for sm_90a only"),
+                     ((12, 0), "compute capability 12.0: wgmma is built for sm_90a only")]:
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda cap=cap: cap)
+        assert nvrtc.status(wg.SOURCE, ("nvfp4_wgmma_m32",), (9, 0), "wgmma", arch=wg.ARCH) == (False, why)
+
+
 def test_source_holds_the_two_shipped_kernels_on_the_shared_pipeline():
     from qerl_kit.kernels import cuda_pipeline as cp
 

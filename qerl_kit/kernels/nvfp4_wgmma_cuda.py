@@ -172,9 +172,9 @@ extern "C" __global__ void __launch_bounds__(256, 1) nvfp4_wgmma_m64(ARGS) { gem
 
 
 def choose_ips(m: int, n: int, k: int, sms: int | None = None) -> int:
-    """K steps per slice: K is split until the grid covers the GPU about once (one block per SM;
-    the route table's best split was this one on 12 of 14 large layers, where twice as many
-    slices, the prototype's default at up to 32 rows, lost up to 20%)."""
+    """K steps per slice: K is split until the grid covers the GPU about once, one block per SM.
+    On all 32 cells of the route table that ``preferred`` sends here, the best of this split and
+    half and twice as many slices was this one."""
     from qerl_kit.kernels.nvfp4_gemv_triton import _sm_count  # cached once per process
 
     sms = sms or _sm_count()
