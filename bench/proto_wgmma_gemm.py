@@ -260,7 +260,11 @@ def profile() -> None:
     ran it as ``ncu --kernel-name-base function --section SpeedOfLight --section WarpStateStats
     --section Occupancy --section MemoryWorkloadAnalysis --section SchedulerStats --section
     LaunchStats python bench/proto_wgmma_gemm.py --profile`` (the dispatcher then had no wgmma path;
-    it now sends 32B gate_up at 32 rows to the shipped kernel)."""
+    it now sends 32B gate_up at 32 rows to the shipped kernel). What it did not show, and the next
+    question (the kernel issues every 2.7 cycles with 2 warps per scheduler, but wgmma depth,
+    occupancy and x staging each changed little): where the warps stall, by reason and by
+    instruction, ``ncu -k regex:wgmma --section WarpStateStats --section SourceCounters --metrics
+    regex:smsp__average_warps_issue_stalled_.*_per_issue_active.ratio python ... --profile``."""
     from bench_nvfp4_gemm import random_nvfp4
 
     from qerl_kit.kernels import nvfp4_linear
