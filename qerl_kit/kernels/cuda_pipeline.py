@@ -293,7 +293,7 @@ def with_shared_memory(kernel, mt: int, stages: int = STAGES, warps: int = WARPS
 
 def launch(kernel, x, packed, scales, global_scale, bias, ips: int, mt: int, stages: int = STAGES,
            warps: int = WARPS, nt: int = TILES, x_stages: int = 2, x_arg=None) -> torch.Tensor:
-    """Runs a PIPELINE kernel (this file's, or a prototype's of another shape or layout) on x
+    """Runs a PIPELINE kernel (the shipped wgmma one, or a prototype's of another shape or layout) on x
     [M, K]: grid (N / (16 nt warps), K slices of ``ips`` steps); ``x_arg`` is what the kernel
     reads as x (by default x itself). Returns y [M, N] bf16."""
     from qerl_kit.kernels.nvfp4_gemv_triton import _counters
