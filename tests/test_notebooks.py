@@ -76,4 +76,5 @@ def test_notebook_executes(name, tmp_path, monkeypatch):
 
         if not torch.cuda.is_available():
             assert "SKIPPED: no CUDA GPU" in text and "Traceback" not in text
+            assert "wgmma kernel (17-64 rows, sm_90): off (no CUDA device)" in text   # kernel_report's status
     print(f"{name}: {seconds:.0f} s")

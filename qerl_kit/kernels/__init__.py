@@ -25,6 +25,9 @@ The input gradient (``nvfp4_dgrad_triton``) follows the same rule.
 Each kernel is also a ``torch.ops.qerl_kit.*`` custom op, so ``torch.compile`` and CUDA graphs can
 capture it (run one eager call per shape first: that is when the autotuner picks a config).
 
+``kernel_report(model)`` says which of these each NVFP4 layer shape of a model takes at a few row
+counts on this machine, and why a kernel family is off.
+
 Importing this package does not import Triton; the kernel modules load on first use.
 """
 
@@ -35,6 +38,7 @@ import torch
 from qerl_kit.kernels.backend import (ENV_VAR, Backend, _parse, get_backend, resolve, set_backend,
                                       triton_status)
 from qerl_kit.kernels.reference import nvfp4_dgrad_ref, nvfp4_linear_ref
+from qerl_kit.kernels.report import KernelReport, kernel_report
 
 DECODE_MAX_M = 64
 # From bench/results/sweep_small_m_h200.md: at 33..64 rows the tiled GEMM (64x128x128) beat the
@@ -45,7 +49,7 @@ CUDA_DECODE_MAX_M = 8  # rows sent to nvfp4_decode_cuda on the auto backend (whe
 
 __all__ = [
     "Backend", "ENV_VAR", "DECODE_MAX_M", "WIDE_N", "CUDA_DECODE_MAX_M", "forward_kernel", "forward_path",
-    "cuda_decode_status", "wgmma_status", "get_backend", "set_backend", "resolve", "triton_status", "nvfp4_linear", "nvfp4_dgrad", "nvfp4_linear_ref", "nvfp4_dgrad_ref",
+    "cuda_decode_status", "wgmma_status", "kernel_report", "KernelReport", "get_backend", "set_backend", "resolve", "triton_status", "nvfp4_linear", "nvfp4_dgrad", "nvfp4_linear_ref", "nvfp4_dgrad_ref",
 ]
 
 
