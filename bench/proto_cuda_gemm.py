@@ -69,6 +69,8 @@ __device__ __forceinline__ int xword(int c, int m, int k) {
 }
 
 template <int MT, int NT, int T> struct MmaSync {
+    static __device__ __forceinline__ void finish(float (&)[NT][MT][4]) {}  // mma.sync is synchronous
+
     static __device__ __forceinline__ void store_x(const uint4 (&xs)[128 * MT / T], u32* stage) {
         #pragma unroll
         for (int j = 0; j < 128 * MT / T; j++) {

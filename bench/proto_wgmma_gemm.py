@@ -60,9 +60,19 @@ SOURCE = COMMON + wgk.LAYOUT + r"""
 // build all of them for each name.
 #define KERNEL(MT, W, NT, S, XD, MINB, V, NAME) extern "C" __global__ void __launch_bounds__(32 * W, MINB) \
     NAME(ARGS) { gemm<V, MT / 8, S, W, NT, XD>(CALL); }
+template <int MT, int NT, int T> using WgDeep4 = Wgmma<MT, NT, T, 4, false>;
+template <int MT, int NT, int T> using WgCarry = Wgmma<MT, NT, T, 2, true>;
+template <int MT, int NT, int T> using WgDeep4Carry = Wgmma<MT, NT, T, 4, true>;
 """
 
-VARIANTS = ("serial", "overlap")
+# How many MMA steps' wgmmas may be in flight while the next is decoded, and whether they stay in
+# flight into the next K step: serial 1 (each step waits for its own), overlap 2 (the shipped
+# kernel), deep4 up to 3 (four register sets); the carry variants also skip the drain at the end
+# of every K step (written in session 8 after the GPU time was spent; compiled, not yet run).
+VARIANTS = ("serial", "overlap", "deep4", "carry", "deep4carry")
+POLICIES = dict(zip(VARIANTS, ("WgSerial", "WgOverlap", "WgDeep4", "WgCarry", "WgDeep4Carry")))
+# ``--depth``: the 256-row, x-two-steps-ahead kernel (the shipped one) in these variants.
+DEPTHS = ("overlap", "deep4", "carry", "deep4carry")
 # Kernels: (warps, 16-row tiles per warp, weight stages, x steps ahead). 8 x 2 = 256 weight rows
 # per block (two warpgroups, the measured shape), 4 x 2 = 128 and 4 x 1 = 64 (one warpgroup).
 # x steps ahead 0: x permuted once per call into the stage layout (``permute_x``) and copied with
@@ -90,7 +100,7 @@ def kernel_source(mt: int, warps: int, nt: int, stages: int, xd: int, variant: s
         raise ValueError(f"no wgmma kernel for MT={mt}, {warps} warps x {nt} tiles, {stages} stages, "
                          f"x {xd} steps ahead, {variant}, {minb} blocks per SM")
     minb = minb or default_minb(mt, warps)
-    policy = "WgOverlap" if variant == "overlap" else "WgSerial"
+    policy = POLICIES[variant]
     name = kernel_name(mt, warps, nt, stages, xd, variant, minb)
     return SOURCE + f"KERNEL({8 * mt}, {warps}, {nt}, {stages}, {xd}, {minb}, {policy}, {name})\n"
 
@@ -204,7 +214,8 @@ def emulate(x: torch.Tensor, w: torch.Tensor, mt: int) -> torch.Tensor:
 # -- GPU: check and time ---------------------------------------------------------------------------
 
 # What ``check`` runs: every configuration overlapped, and the serial variant on both block sizes.
-CHECKED = [("overlap", c) for c in CONFIGS] + [("serial", (8, 2, 4, 1)), ("serial", (4, 1, 4, 1))]
+CHECKED = ([("overlap", c) for c in CONFIGS] + [("serial", (8, 2, 4, 1)), ("serial", (4, 1, 4, 1))]
+           + [(v, (8, 2, 4, 2)) for v in DEPTHS[1:]])
 
 
 def check() -> int:
@@ -324,22 +335,21 @@ def baselines(time_graph, x, weights, dense) -> tuple[float, float]:
             time_graph([lambda d=d: torch.nn.functional.linear(x, d) for d in dense]))
 
 
-def occupancy(shapes, weights_for, time_graph, sms: int) -> None:
-    """Per layer and M in {32, 64}: each OCCUPANCY configuration at the K split that fills
-    ``blocks_per_sm`` blocks per SM once (``best_split``: and half and twice as many slices)."""
-    print("| N x K | M | " + " | ".join(f"{16 * w * nt}r s{s} x{xd} b{b}" for w, nt, s, xd, b in OCCUPANCY)
-          + " | dispatch us | bf16 us | best x bf16 |")
-    print("|---|---:|" + "---:|" * (len(OCCUPANCY) + 3))
+def table(shapes, weights_for, time_graph, sms: int, columns) -> None:
+    """Per layer and M in {32, 64}: each of ``columns`` ((header, nvfp4_gemm_wgmma keywords,
+    blocks per SM)) at the K split that fills that many blocks per SM once (``best_split``: and
+    half and twice as many slices), against the dispatcher and bf16."""
+    print("| N x K | M | " + " | ".join(h for h, _, _ in columns) + " | dispatch us | bf16 us | best x bf16 |")
+    print("|---|---:|" + "---:|" * (len(columns) + 3))
     for n, k in shapes:
         weights, dense = weights_for(n, k)
         for m in (32, 64):
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-            mt = base.x_tiles(m)
             cells, best = [], float("inf")
-            for w_, nt, stages, xd, minb in OCCUPANCY:
-                per_sm = blocks_per_sm(mt, w_, nt, stages, xd, minb)
-                ips = base.config(m, n, k, sms, 16 * nt * w_, per_sm=per_sm)[1]
-                t, i = best_split(time_graph, x, weights, ips, stages=stages, warps=w_, nt=nt, xd=xd, minb=minb)
+            for _, kw, per_sm in columns:
+                rows = 16 * kw.get("nt", 2) * kw.get("warps", 8)
+                ips = base.config(m, n, k, sms, rows, per_sm=per_sm(base.x_tiles(m)))[1]
+                t, i = best_split(time_graph, x, weights, ips, **kw)
                 best = min(best, t)
                 cells.append(f"{t * 1e6:.1f} ({i})")
             t_disp, t_bf = baselines(time_graph, x, weights, dense)
@@ -349,19 +359,32 @@ def occupancy(shapes, weights_for, time_graph, sms: int) -> None:
         torch.cuda.empty_cache()
 
 
+def occupancy_columns():
+    return [(f"{16 * w * nt}r s{s} x{xd} b{b}", dict(stages=s, warps=w, nt=nt, xd=xd, minb=b),
+             lambda mt, w=w, nt=nt, s=s, xd=xd, b=b: blocks_per_sm(mt, w, nt, s, xd, b))
+            for w, nt, s, xd, b in OCCUPANCY]
+
+
+def depth_columns():
+    # one block per SM, as the shipped kernel's choose_ips
+    return [(v, dict(variant=v, warps=8, nt=2, xd=2), lambda mt: 1) for v in DEPTHS]
+
+
 def main() -> None:
     """The check, then per layer and M in {32, 64}: the overlapped variant in each block shape
     (default K split), the mma.sync prototype, the dispatcher and bf16; ``--sweep`` adds K splits
     per block shape; ``--engine`` times the 7B engine with ``routed_linear`` at 17-64 rows and
     ``--profile`` runs the kernels for a profiler (neither runs the check); ``--occupancy`` times
-    OCCUPANCY's register caps and depths, each checked at the shape it is timed on."""
+    OCCUPANCY's register caps and depths and ``--depth`` the DEPTHS variants, each checked at the
+    shape it is timed on."""
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     if "--profile" in sys.argv:
         return profile()
     if "--engine" in sys.argv:
         return base.engine(linear=routed_linear, warm=warm_all)
     # Timings follow even after failures: a layout bug does not change the speed much.
-    failures = 0 if "--occupancy" in sys.argv else check()  # --occupancy checks what it times
+    timed = "--occupancy" in sys.argv or "--depth" in sys.argv
+    failures = 0 if timed else check()  # --occupancy and --depth check what they time
     if "--check" in sys.argv:
         sys.exit(1 if failures else 0)
     from bench_nvfp4_gemm import copies_for, random_nvfp4, time_graph
@@ -375,8 +398,9 @@ def main() -> None:
         return ([random_nvfp4(n, k) for _ in range(copies_for(q_bytes))],
                 [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) for _ in range(copies_for(n * k * 2))])
 
-    if "--occupancy" in sys.argv:
-        return occupancy(shapes, weights_for, time_graph, sms)
+    if timed:
+        return table(shapes, weights_for, time_graph, sms,
+                     occupancy_columns() if "--occupancy" in sys.argv else depth_columns())
     blocks = [(8, 2), (4, 2), (4, 1)]
     cols = [(w_, nt, xd) for w_, nt in blocks for xd in (0, 1, 2)]  # xd 0 includes permute_x's gather
     print("| N x K | M | " + " | ".join(f"{16 * nt * w_} rows x{xd} us (ips)" for w_, nt, xd in cols)

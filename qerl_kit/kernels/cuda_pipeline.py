@@ -3,7 +3,8 @@
 ``PIPELINE`` is CUDA C: the decode kernel's device helpers (``nvfp4_decode_cuda``: code and scale
 bit placement, ``dq``, the split-K arrival) followed by one block's K loop, generic over an MMA
 layout ``L<MT, NT, T>`` that supplies ``store_x`` (a thread's share of one K step of x into a
-shared-memory stage) and ``compute`` (one K step's dequantization and MMAs):
+shared-memory stage), ``compute`` (one K step's dequantization and MMAs) and ``finish`` (waits
+for any MMAs it left in flight, before the epilogue):
 
 * Blocks of W warps, each warp NT 16-row tiles of the weight. Weights go through per-warp
   shared-memory stages with ``cp.async``, STAGES - 1 K steps (of 128 codes) ahead, no block
@@ -262,6 +263,7 @@ __device__ __forceinline__ void gemm(ARGS) {
         }
     }
 
+    L<MT, NT, T>::finish(c);  // MMAs the layout leaves in flight past its last K step (none by default)
     store_tile<MT, NT, T, ROWS>(c, row, t, tile0, M, N, gsp, bias, has_bias, y, ldy, ws, counters);
 }
 

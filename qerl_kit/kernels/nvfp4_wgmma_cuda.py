@@ -92,7 +92,11 @@ __device__ __forceinline__ unsigned long long chunk_desc(u32 addr) {
            | ((unsigned long long)(256 >> 4) << 32);
 }
 
-template <int MT, int NT, int T, bool OVERLAP> struct Wgmma {
+// DEPTH register sets, up to DEPTH - 1 MMA steps' wgmmas in flight while the next one is decoded
+// (1: each step waits for its own); CARRY: the last ones stay in flight into the next K step
+// (its first waits retire them; finish() drains them before the epilogue).
+template <int MT, int NT, int T, int DEPTH, bool CARRY> struct Wgmma {
+    static_assert(8 % DEPTH == 0, "a K step's 8 MMA steps cycle the register sets whole");
     static __device__ __forceinline__ void store_x(const uint4 (&xs)[128 * MT / T], u32* stage) {
         unsigned char* sb = reinterpret_cast<unsigned char*>(stage);
         #pragma unroll
@@ -113,10 +117,10 @@ template <int MT, int NT, int T, bool OVERLAP> struct Wgmma {
         uint4 qw[NT][2];
         u32 s[NT][2][2];  // tile, row (g, g + 8), words 0-1 / 2-3
         load_fragments<NT>(wst, g, t, qw, s);
-        u32 a[2][NT][4];  // register set, tile, fragment
+        u32 a[DEPTH][NT][4];  // register set, tile, fragment
         #pragma unroll
         for (int step = 0; step < 8; step++) {
-            const int i = step >> 1, h = step & 1, set = OVERLAP ? step & 1 : 0;
+            const int i = step >> 1, h = step & 1, set = step % DEPTH;
             #pragma unroll
             for (int nt = 0; nt < NT; nt++) {
                 const uint4 qg = qw[nt][0], qh = qw[nt][1];
@@ -134,32 +138,44 @@ template <int MT, int NT, int T, bool OVERLAP> struct Wgmma {
             for (int nt = 0; nt < NT; nt++)
                 wgmma<MT>(c[nt], a[set][nt][0], a[set][nt][1], a[set][nt][2], a[set][nt][3], db);
             wg_commit();
-            if (OVERLAP) {
-                wg_wait<1>();  // step - 1's wgmmas are done: its register set may be rewritten
-                if (step > 0) {
+            wg_wait<DEPTH - 1>();  // step - DEPTH + 1's wgmmas are done: its register set may be rewritten
+            if (DEPTH > 1 && step >= DEPTH - 1) {
+                #pragma unroll
+                for (int nt = 0; nt < NT; nt++)
                     #pragma unroll
-                    for (int nt = 0; nt < NT; nt++)
-                        #pragma unroll
-                        for (int f = 0; f < 4; f++) keep(a[set ^ 1][nt][f]);
-                }
-            } else {
-                wg_wait<0>();
+                    for (int f = 0; f < 4; f++) keep(a[(step + 1) % DEPTH][nt][f]);
             }
         }
-        wg_wait<0>();
-        #pragma unroll
-        for (int nt = 0; nt < NT; nt++) {
+        if (!CARRY) {
+            wg_wait<0>();
             #pragma unroll
-            for (int f = 0; f < 4; f++) keep(a[OVERLAP ? 1 : 0][nt][f]);
-            #pragma unroll
-            for (int mt = 0; mt < MT; mt++)
+            for (int nt = 0; nt < NT; nt++) {
                 #pragma unroll
-                for (int e = 0; e < 4; e++) keep(c[nt][mt][e]);
+                for (int j = 0; j < (DEPTH > 1 ? DEPTH - 1 : 1); j++)  // the sets of the last steps in flight
+                    #pragma unroll
+                    for (int f = 0; f < 4; f++) keep(a[(7 - j) % DEPTH][nt][f]);
+                #pragma unroll
+                for (int mt = 0; mt < MT; mt++)
+                    #pragma unroll
+                    for (int e = 0; e < 4; e++) keep(c[nt][mt][e]);
+            }
+        }
+    }
+
+    static __device__ __forceinline__ void finish(float (&c)[NT][MT][4]) {
+        if (CARRY) {
+            wg_wait<0>();
+            #pragma unroll
+            for (int nt = 0; nt < NT; nt++)
+                #pragma unroll
+                for (int mt = 0; mt < MT; mt++)
+                    #pragma unroll
+                    for (int e = 0; e < 4; e++) keep(c[nt][mt][e]);
         }
     }
 };
-template <int MT, int NT, int T> using WgSerial = Wgmma<MT, NT, T, false>;
-template <int MT, int NT, int T> using WgOverlap = Wgmma<MT, NT, T, true>;
+template <int MT, int NT, int T> using WgSerial = Wgmma<MT, NT, T, 1, false>;
+template <int MT, int NT, int T> using WgOverlap = Wgmma<MT, NT, T, 2, false>;
 
 """
 
