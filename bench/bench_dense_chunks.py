@@ -70,4 +70,8 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    saved = g.DENSE_CHUNK_N, g.DENSE_CHUNK_MIN_N, g.DENSE_CHUNK_MIN_M
+    try:
+        main()
+    finally:  # dense() sets the module's thresholds per call: leave them as they were
+        g.DENSE_CHUNK_N, g.DENSE_CHUNK_MIN_N, g.DENSE_CHUNK_MIN_M = saved

@@ -63,8 +63,9 @@ template <> __device__ __forceinline__ void wgmma<{n // 8}>(float (&d)[{n // 8}]
 """
 
 
-# The wgmma layout: store_x (a thread's share of one K step of x into a stage) and compute (one
-# K step's dequantization and wgmmas), as PIPELINE's gemm<L, ...> expects them.
+# The wgmma layout: store_x (a thread's share of one K step of x into a stage), compute (one K
+# step's dequantization and wgmmas) and finish (the wgmmas left in flight, if any), as PIPELINE's
+# gemm<L, ...> expects them.
 LAYOUT = r"""
 // -- The wgmma layout --
 template <int MT> __device__ __forceinline__ void wgmma(float (&d)[MT][4], u32 a0, u32 a1, u32 a2, u32 a3,
