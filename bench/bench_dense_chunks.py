@@ -28,8 +28,14 @@ SHAPES = [("7B gate_up", 37888, 3584), ("32B gate_up", 55296, 5120), ("72B gate_
 
 
 def dense(x, w, rows):
+    """The dense path in pieces of ``rows`` weight rows (None: one piece), whatever the shape; the
+    module's thresholds are set for this call only (a graph capture keeps the launches it recorded)."""
+    saved = g.DENSE_CHUNK_N, g.DENSE_CHUNK_MIN_N, g.DENSE_CHUNK_MIN_M
     g.DENSE_CHUNK_N, g.DENSE_CHUNK_MIN_N, g.DENSE_CHUNK_MIN_M = (rows or 1 << 30), 0, 0
-    return g._dense_gemm(x, *w, None)
+    try:
+        return g._dense_gemm(x, *w, None)
+    finally:
+        g.DENSE_CHUNK_N, g.DENSE_CHUNK_MIN_N, g.DENSE_CHUNK_MIN_M = saved
 
 
 def main() -> None:
@@ -70,8 +76,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    saved = g.DENSE_CHUNK_N, g.DENSE_CHUNK_MIN_N, g.DENSE_CHUNK_MIN_M
-    try:
-        main()
-    finally:  # dense() sets the module's thresholds per call: leave them as they were
-        g.DENSE_CHUNK_N, g.DENSE_CHUNK_MIN_N, g.DENSE_CHUNK_MIN_M = saved
+    main()
