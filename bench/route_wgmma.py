@@ -1,8 +1,9 @@
 """Where the wgmma prototype beats the dispatcher at 17..64 rows: every layer of Qwen2.5-7B..72B.
 
 The wgmma prototype (``proto_wgmma_gemm.py``) won at 32 rows on the largest layers and lost on
-small ones (bench/results/proto_wgmma_gemm_h200.md). Before any of it moves into
-``qerl_kit.kernels``, this measures, per projection shape and M in {24, 32, 48, 64}, in one run:
+small ones (bench/results/proto_wgmma_gemm_h200.md). This decided what of it moved into
+``qerl_kit.kernels`` (``nvfp4_wgmma_cuda``); it measures, per projection shape and M in
+{24, 32, 48, 64}, in one run:
 the dispatcher (``nvfp4_linear``), torch's bf16 matmul and the prototype in the configurations
 that won somewhere (256-row blocks, x one or two K steps ahead; 128-row blocks) at the default
 K split and at half and twice as many slices. Each is checked against the dispatcher's output.
