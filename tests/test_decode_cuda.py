@@ -228,6 +228,34 @@ def test_gpu_matches_exact_product(n, k):
                 assert _rel(y[r], ref[r]) < 4e-3, (m, nt, ips, r)
 
 
+def assert_strided_deterministic_and_dispatched(kernel, path, x, q):
+    """A CUDA kernel on x with a row stride: the exact product, bitwise equal on contiguous x,
+    what ``nvfp4_linear`` runs on the auto backend (``path``), and Triton when forced. Returns y."""
+    y = kernel(x, q.packed, q.scales, q.global_scale)
+    assert _rel(y, _exact(x, q)) < 3e-3
+    assert torch.equal(y, kernel(x.contiguous(), q.packed, q.scales, q.global_scale))
+    assert forward_path(x, q.packed, q.scales) == path
+    assert forward_path(x, q.packed, q.scales, backend="triton") == "decode"
+    assert torch.equal(y, nvfp4_linear(x, q.packed, q.scales, q.global_scale))   # auto -> this kernel
+    with set_backend("triton"):                          # forcing Triton keeps Triton
+        assert _rel(nvfp4_linear(x, q.packed, q.scales, q.global_scale), _exact(x, q)) < 1e-2
+    return y
+
+
+def assert_graph_replays_match(kernel, x, q):
+    """``nvfp4_linear`` on x captured in a CUDA graph: three replays on new x, each bitwise equal to
+    an eager call of ``kernel``."""
+    nvfp4_linear(x, q.packed, q.scales, q.global_scale)  # warm-up: compiles, allocates the counters
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y = nvfp4_linear(x, q.packed, q.scales, q.global_scale)
+    for _ in range(3):
+        x.copy_(torch.randn(x.shape, device="cuda").to(torch.bfloat16))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(y, kernel(x, q.packed, q.scales, q.global_scale))
+
+
 @pytest.mark.gpu
 @gpu
 def test_gpu_strided_rows_determinism_and_dispatch():
@@ -235,14 +263,7 @@ def test_gpu_strided_rows_determinism_and_dispatch():
     buf = torch.randn(3, 4096, device="cuda").to(torch.bfloat16)
     x = buf[:, :3584]                                    # row stride 4096
     assert dec.supports(x, q.packed, q.scales)
-    y = dec.nvfp4_decode_cuda(x, q.packed, q.scales, q.global_scale)
-    assert _rel(y, _exact(x, q)) < 3e-3
-    assert torch.equal(y, dec.nvfp4_decode_cuda(x.contiguous(), q.packed, q.scales, q.global_scale))
-    assert forward_path(x, q.packed, q.scales) == "cuda"
-    assert forward_path(x, q.packed, q.scales, backend="triton") == "decode"
-    assert torch.equal(y, nvfp4_linear(x, q.packed, q.scales, q.global_scale))   # auto -> this kernel
-    with set_backend("triton"):                          # forcing Triton keeps Triton
-        assert _rel(nvfp4_linear(x, q.packed, q.scales, q.global_scale), _exact(x, q)) < 1e-2
+    assert_strided_deterministic_and_dispatched(dec.nvfp4_decode_cuda, "cuda", x, q)
     odd = torch.randn(2, 3584 + 64, device="cuda").to(torch.bfloat16)[:, 64:]  # fine: 128-byte offset
     assert dec.supports(odd, q.packed, q.scales)
     assert not dec.supports(torch.randn(2, 3584, device="cuda").half(), q.packed, q.scales)  # fp16 -> Triton
@@ -255,12 +276,4 @@ def test_gpu_captures_in_a_cuda_graph_with_split_k():
     q = _weight(3584, 18944, seed=9)
     x = torch.randn(4, 18944, device="cuda").to(torch.bfloat16)
     assert dec.choose_config(4, 3584, 18944)[1] < -(-18944 // dec.K_STEP)   # the split path
-    nvfp4_linear(x, q.packed, q.scales, q.global_scale)  # warm-up: allocates the counters
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        y = nvfp4_linear(x, q.packed, q.scales, q.global_scale)
-    for _ in range(3):
-        x.copy_(torch.randn(4, 18944, device="cuda").to(torch.bfloat16))
-        graph.replay()
-        torch.cuda.synchronize()
-        assert torch.equal(y, dec.nvfp4_decode_cuda(x, q.packed, q.scales, q.global_scale))
+    assert_graph_replays_match(dec.nvfp4_decode_cuda, x, q)

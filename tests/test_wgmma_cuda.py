@@ -11,9 +11,10 @@ import pytest
 import torch
 
 from qerl_kit import nvfp4
-from qerl_kit.kernels import WIDE_N, forward_path, nvfp4_linear, set_backend, wgmma_status
+from qerl_kit.kernels import WIDE_N, forward_path, wgmma_status
 from qerl_kit.kernels import nvfp4_wgmma_cuda as wg
-from tests.test_decode_cuda import _exact_weight, _rel
+from tests.test_decode_cuda import (_exact, _exact_weight, _rel, _weight, assert_graph_replays_match,
+                                    assert_strided_deterministic_and_dispatched)
 
 CUDA = torch.cuda.is_available()
 
@@ -93,12 +94,6 @@ gpu = pytest.mark.skipif(not CUDA or not wgmma_status()[0],
                          reason=f"needs the wgmma kernel: {wgmma_status()[1]}" if CUDA else "needs a CUDA GPU")
 
 
-def _weight(n, k, seed):
-    g = torch.Generator().manual_seed(seed)
-    w = torch.randn(n, k, generator=g) * torch.exp(torch.randn(n, 1, generator=g))
-    return nvfp4.quantize(w).to("cuda")
-
-
 @pytest.mark.gpu
 @gpu
 @pytest.mark.parametrize("n,k", [(7168, 5120), (8192, 8192), (5120, 27648), (55296, 5120), (272, 1024)], ids=str)
@@ -109,7 +104,7 @@ def test_gpu_matches_exact_product(n, k):
     steps = k // wg.K_STEP
     for m in (17, 24, 32, 33, 48, 64):
         x = torch.randn(m, k, device="cuda").to(torch.bfloat16)
-        ref = x.double() @ w.T + bias.double()
+        ref = _exact(x, q, bias, w)
         for ips in (None, steps, 1, 3):                        # default, unsplit, most slices, ragged
             y = wg.nvfp4_wgmma_cuda(x, q.packed, q.scales, q.global_scale, bias, ips=ips)
             assert y.dtype == torch.bfloat16 and y.shape == (m, n)
@@ -125,15 +120,7 @@ def test_gpu_strided_rows_determinism_and_dispatch():
     buf = torch.randn(32, 8448, device="cuda").to(torch.bfloat16)
     x = buf[:, :8192]                                      # row stride 8448
     assert wg.supports(x, q.packed, q.scales)
-    y = wg.nvfp4_wgmma_cuda(x, q.packed, q.scales, q.global_scale)
-    w = _exact_weight(q.packed, q.scales, q.global_scale)
-    assert _rel(y, x.double() @ w.T) < 3e-3
-    assert torch.equal(y, wg.nvfp4_wgmma_cuda(x.contiguous(), q.packed, q.scales, q.global_scale))
-    assert forward_path(x, q.packed, q.scales) == "wgmma"
-    assert forward_path(x, q.packed, q.scales, backend="triton") == "decode"
-    assert torch.equal(y, nvfp4_linear(x, q.packed, q.scales, q.global_scale))   # auto -> this kernel
-    with set_backend("triton"):                            # forcing Triton keeps Triton
-        assert _rel(nvfp4_linear(x, q.packed, q.scales, q.global_scale), x.double() @ w.T) < 1e-2
+    assert_strided_deterministic_and_dispatched(wg.nvfp4_wgmma_cuda, "wgmma", x, q)
     small = _weight(3584, 3584, seed=6)                    # a small layer stays on Triton
     assert forward_path(torch.randn(32, 3584, device="cuda").bfloat16(), small.packed, small.scales) == "decode"
     assert not wg.supports(torch.randn(32, 8192, device="cuda").half(), q.packed, q.scales)   # fp16
@@ -146,12 +133,4 @@ def test_gpu_captures_in_a_cuda_graph_with_split_k():
     q = _weight(8192, 29568, seed=9)
     x = torch.randn(64, 29568, device="cuda").to(torch.bfloat16)
     assert wg.choose_ips(64, 8192, 29568) < 29568 // wg.K_STEP   # the split path
-    nvfp4_linear(x, q.packed, q.scales, q.global_scale)   # warm-up: compiles, allocates the counters
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        y = nvfp4_linear(x, q.packed, q.scales, q.global_scale)
-    for _ in range(3):
-        x.copy_(torch.randn(64, 29568, device="cuda").to(torch.bfloat16))
-        graph.replay()
-        torch.cuda.synchronize()
-        assert torch.equal(y, wg.nvfp4_wgmma_cuda(x, q.packed, q.scales, q.global_scale))
+    assert_graph_replays_match(wg.nvfp4_wgmma_cuda, x, q)
