@@ -327,6 +327,26 @@ def best_split(time_graph, x, weights, ips: int, **kw) -> tuple[float, int]:
     return tried[best], best
 
 
+def weights_for(n: int, k: int):
+    """Enough random NVFP4 and bf16 copies of an [n, k] layer that each timed call reads it from HBM."""
+    from bench_nvfp4_gemm import copies_for, random_nvfp4
+
+    return ([random_nvfp4(n, k) for _ in range(copies_for(n * k // 2 + n * k // 16))],
+            [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) for _ in range(copies_for(n * k * 2))])
+
+
+def layer_rows(shapes, ms=(32, 64)):
+    """(n, k, m, x, weights, dense) for each layer shape and row count: one layer's copies at a
+    time, released before the next layer's are made."""
+    for n, k in shapes:
+        weights, dense = weights_for(n, k)
+        for m in ms:
+            yield n, k, m, torch.randn(m, k, device="cuda", dtype=torch.bfloat16), weights, dense
+        weights.clear()  # the caller's references are these lists: emptied, the copies are freed
+        dense.clear()
+        torch.cuda.empty_cache()
+
+
 def baselines(time_graph, x, weights, dense) -> tuple[float, float]:
     """(dispatcher, bf16) seconds on the same x."""
     from qerl_kit.kernels import nvfp4_linear
@@ -335,28 +355,23 @@ def baselines(time_graph, x, weights, dense) -> tuple[float, float]:
             time_graph([lambda d=d: torch.nn.functional.linear(x, d) for d in dense]))
 
 
-def table(shapes, weights_for, time_graph, sms: int, columns) -> None:
+def table(shapes, time_graph, sms: int, columns) -> None:
     """Per layer and M in {32, 64}: each of ``columns`` ((header, nvfp4_gemm_wgmma keywords,
     blocks per SM)) at the K split that fills that many blocks per SM once (``best_split``: and
     half and twice as many slices), against the dispatcher and bf16."""
     print("| N x K | M | " + " | ".join(h for h, _, _ in columns) + " | dispatch us | bf16 us | best x bf16 |")
     print("|---|---:|" + "---:|" * (len(columns) + 3))
-    for n, k in shapes:
-        weights, dense = weights_for(n, k)
-        for m in (32, 64):
-            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-            cells, best = [], float("inf")
-            for _, kw, per_sm in columns:
-                rows = 16 * kw.get("nt", 2) * kw.get("warps", 8)
-                ips = base.config(m, n, k, sms, rows, per_sm=per_sm(base.x_tiles(m)))[1]
-                t, i = best_split(time_graph, x, weights, ips, **kw)
-                best = min(best, t)
-                cells.append(f"{t * 1e6:.1f} ({i})")
-            t_disp, t_bf = baselines(time_graph, x, weights, dense)
-            print(f"| {n} x {k} | {m} | " + " | ".join(cells) + f" | {t_disp * 1e6:.1f} | {t_bf * 1e6:.1f} | "
-                  f"{t_bf / best:.2f} |", flush=True)
-        del weights, dense
-        torch.cuda.empty_cache()
+    for n, k, m, x, weights, dense in layer_rows(shapes):
+        cells, best = [], float("inf")
+        for _, kw, per_sm in columns:
+            rows = 16 * kw.get("nt", 2) * kw.get("warps", 8)
+            ips = base.config(m, n, k, sms, rows, per_sm=per_sm(base.x_tiles(m)))[1]
+            t, i = best_split(time_graph, x, weights, ips, **kw)
+            best = min(best, t)
+            cells.append(f"{t * 1e6:.1f} ({i})")
+        t_disp, t_bf = baselines(time_graph, x, weights, dense)
+        print(f"| {n} x {k} | {m} | " + " | ".join(cells) + f" | {t_disp * 1e6:.1f} | {t_bf * 1e6:.1f} | "
+              f"{t_bf / best:.2f} |", flush=True)
 
 
 def occupancy_columns():
@@ -387,50 +402,39 @@ def main() -> None:
     failures = 0 if timed else check()  # --occupancy and --depth check what they time
     if "--check" in sys.argv:
         sys.exit(1 if failures else 0)
-    from bench_nvfp4_gemm import copies_for, random_nvfp4, time_graph
+    from bench_nvfp4_gemm import time_graph
 
     torch.manual_seed(0)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     shapes = [(4608, 3584), (3584, 3584), (37888, 3584), (3584, 18944), (55296, 5120), (8192, 29568)]
-
-    def weights_for(n, k):  # enough copies of the layer that each timed call reads it from HBM
-        q_bytes = n * k // 2 + n * k // 16
-        return ([random_nvfp4(n, k) for _ in range(copies_for(q_bytes))],
-                [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) for _ in range(copies_for(n * k * 2))])
-
     if timed:
-        return table(shapes, weights_for, time_graph, sms,
+        return table(shapes, time_graph, sms,
                      occupancy_columns() if "--occupancy" in sys.argv else depth_columns())
     blocks = [(8, 2), (4, 2), (4, 1)]
     cols = [(w_, nt, xd) for w_, nt in blocks for xd in (0, 1, 2)]  # xd 0 includes permute_x's gather
     print("| N x K | M | " + " | ".join(f"{16 * nt * w_} rows x{xd} us (ips)" for w_, nt, xd in cols)
           + " | mma.sync us | dispatch us | bf16 us | best wgmma x bf16 | dispatch x bf16 |")
     print("|---|---:|" + "---:|" * (len(cols) + 5))
-    for n, k in shapes:
-        weights, dense = weights_for(n, k)
-        for m in (32, 64):
-            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-            cells, best = [], float("inf")
-            for w_, nt, xd in cols:
-                ips = base.config(m, n, k, sms, 16 * nt * w_, per_sm=None if w_ == 8 else 2)[1]
-                t = time_graph([lambda q=q, i=ips, a=w_, b=nt, d=xd: nvfp4_gemm_wgmma(x, *q, ips=i, warps=a, nt=b,
-                                                                                     xd=d) for q in weights])
-                best = min(best, t)
-                cells.append(f"{t * 1e6:.1f} ({ips})")
-                if "--sweep" in sys.argv:  # other K splits: 1, 2, 4, 8 slices
-                    steps = k // base.K_STEP
-                    for other in sorted({-(-steps // sl) for sl in (1, 2, 4, 8)} - {ips}):
-                        t2 = time_graph([lambda q=q, i=other, a=w_, b=nt, d=xd: nvfp4_gemm_wgmma(
-                            x, *q, ips=i, warps=a, nt=b, xd=d) for q in weights])
-                        print(f"  sweep {n} x {k} M={m} {16 * nt * w_} rows x{xd} ips {other}: {t2 * 1e6:.1f} us",
-                              flush=True)
-                        best = min(best, t2)
-            t_sync = time_graph([lambda q=q: base.nvfp4_gemm_cuda(x, *q, stages=2) for q in weights])
-            t_disp, t_bf = baselines(time_graph, x, weights, dense)
-            print(f"| {n} x {k} | {m} | " + " | ".join(cells) + f" | {t_sync * 1e6:.1f} | {t_disp * 1e6:.1f} | "
-                  f"{t_bf * 1e6:.1f} | {t_bf / best:.2f} | {t_bf / t_disp:.2f} |", flush=True)
-        del weights, dense
-        torch.cuda.empty_cache()
+    for n, k, m, x, weights, dense in layer_rows(shapes):
+        cells, best = [], float("inf")
+        for w_, nt, xd in cols:
+            ips = base.config(m, n, k, sms, 16 * nt * w_, per_sm=None if w_ == 8 else 2)[1]
+            t = time_graph([lambda q=q, i=ips, a=w_, b=nt, d=xd: nvfp4_gemm_wgmma(x, *q, ips=i, warps=a, nt=b,
+                                                                                 xd=d) for q in weights])
+            best = min(best, t)
+            cells.append(f"{t * 1e6:.1f} ({ips})")
+            if "--sweep" in sys.argv:  # other K splits: 1, 2, 4, 8 slices
+                steps = k // base.K_STEP
+                for other in sorted({-(-steps // sl) for sl in (1, 2, 4, 8)} - {ips}):
+                    t2 = time_graph([lambda q=q, i=other, a=w_, b=nt, d=xd: nvfp4_gemm_wgmma(
+                        x, *q, ips=i, warps=a, nt=b, xd=d) for q in weights])
+                    print(f"  sweep {n} x {k} M={m} {16 * nt * w_} rows x{xd} ips {other}: {t2 * 1e6:.1f} us",
+                          flush=True)
+                    best = min(best, t2)
+        t_sync = time_graph([lambda q=q: base.nvfp4_gemm_cuda(x, *q, stages=2) for q in weights])
+        t_disp, t_bf = baselines(time_graph, x, weights, dense)
+        print(f"| {n} x {k} | {m} | " + " | ".join(cells) + f" | {t_sync * 1e6:.1f} | {t_disp * 1e6:.1f} | "
+              f"{t_bf * 1e6:.1f} | {t_bf / best:.2f} | {t_bf / t_disp:.2f} |", flush=True)
 
 
 if __name__ == "__main__":

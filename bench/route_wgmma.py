@@ -31,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import proto_cuda_gemm as base  # noqa: E402
 import proto_wgmma_gemm as wg  # noqa: E402
-from bench_nvfp4_gemm import MODELS, copies_for, layer_shapes, random_nvfp4, time_graph  # noqa: E402
+from bench_nvfp4_gemm import MODELS, layer_shapes, time_graph  # noqa: E402
 
 from qerl_kit.kernels import nvfp4_wgmma_cuda as wgk  # noqa: E402
 
@@ -44,28 +44,23 @@ def table(sms: int) -> None:
     print("| model | proj | N x K | M | " + " | ".join(f"{16 * w * nt}r x{xd} us (ips)" for w, nt, xd in CANDIDATES)
           + " | dispatch us | bf16 us | best x dispatch | best x bf16 | rule |")
     print("|---|---|---|---:|" + "---:|" * (len(CANDIDATES) + 5))
-    seen = set()
+    labels = {}  # (N, K) -> (model, projection) of its first occurrence
     for model in MODELS:
         for proj, n, k in layer_shapes(model):
-            if (n, k) in seen or k % base.K_STEP or n % 16:
-                continue
-            seen.add((n, k))
-            weights = [random_nvfp4(n, k) for _ in range(copies_for(n * k // 2 + n * k // 16))]
-            dense = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) for _ in range(copies_for(n * k * 2))]
-            for m in ROWS:
-                x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-                cells, best = [], float("inf")
-                for warps, nt, xd in CANDIDATES:
-                    ips = base.config(m, n, k, sms, 16 * warps * nt, per_sm=None if warps == 8 else 2)[1]
-                    t, i = wg.best_split(time_graph, x, weights, ips, warps=warps, nt=nt, xd=xd)
-                    best = min(best, t)
-                    cells.append(f"{t * 1e6:.1f} ({i})")
-                t_disp, t_bf = wg.baselines(time_graph, x, weights, dense)
-                print(f"| {model.replace('Qwen2.5-', '')} | {proj} | {n} x {k} | {m} | " + " | ".join(cells)
-                      + f" | {t_disp * 1e6:.1f} | {t_bf * 1e6:.1f} | {t_disp / best:.2f} | {t_bf / best:.2f} | "
-                      f"{'wgmma' if wgk.preferred(m, n, k) else 'dispatch'} |", flush=True)
-            del weights, dense
-            torch.cuda.empty_cache()
+            if k % base.K_STEP == 0 and n % 16 == 0:
+                labels.setdefault((n, k), (model.replace("Qwen2.5-", ""), proj))
+    for n, k, m, x, weights, dense in wg.layer_rows(labels, ROWS):
+        cells, best = [], float("inf")
+        for warps, nt, xd in CANDIDATES:
+            ips = base.config(m, n, k, sms, 16 * warps * nt, per_sm=None if warps == 8 else 2)[1]
+            t, i = wg.best_split(time_graph, x, weights, ips, warps=warps, nt=nt, xd=xd)
+            best = min(best, t)
+            cells.append(f"{t * 1e6:.1f} ({i})")
+        t_disp, t_bf = wg.baselines(time_graph, x, weights, dense)
+        model, proj = labels[n, k]
+        print(f"| {model} | {proj} | {n} x {k} | {m} | " + " | ".join(cells)
+              + f" | {t_disp * 1e6:.1f} | {t_bf * 1e6:.1f} | {t_disp / best:.2f} | {t_bf / best:.2f} | "
+              f"{'wgmma' if wgk.preferred(m, n, k) else 'dispatch'} |", flush=True)
 
 
 def engine(model_name: str, batches=(32, 64), new: int = 128, bf16: bool = True) -> None:
