@@ -68,16 +68,6 @@ def cuda_decode_status() -> tuple[bool, str]:
     return status()
 
 
-def _use_cuda_decode(x2: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, backend) -> bool:
-    choice = _parse(backend) if backend is not None else get_backend()
-    if choice is not Backend.AUTO or x2.shape[0] > CUDA_DECODE_MAX_M or not x2.is_cuda:
-        return False
-    from qerl_kit.kernels import nvfp4_decode_cuda as cuda
-
-    return (cuda.preferred(x2.shape[0], packed.shape[0], packed.shape[1] * 2) and cuda.supports(x2, packed, scales)
-            and cuda.cuda_decode_status()[0])
-
-
 def wgmma_status() -> tuple[bool, str]:
     """(usable, reason): whether the Hopper wgmma kernel compiles and runs here (decided once)."""
     from qerl_kit.kernels.nvfp4_wgmma_cuda import wgmma_status as status
@@ -85,14 +75,22 @@ def wgmma_status() -> tuple[bool, str]:
     return status()
 
 
-def _use_wgmma(x2: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, backend) -> bool:
+def _cuda_path(x2: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, backend) -> str | None:
+    """"cuda" (``nvfp4_decode_cuda``, up to ``CUDA_DECODE_MAX_M`` rows) or "wgmma"
+    (``nvfp4_wgmma_cuda``) where a CUDA C kernel takes this call on the auto backend: the call fits
+    it, it beat Triton at this size (its ``preferred``) and it compiles here; None otherwise."""
     choice = _parse(backend) if backend is not None else get_backend()
     if choice is not Backend.AUTO or not x2.is_cuda:
-        return False
+        return None
+    from qerl_kit.kernels import nvfp4_decode_cuda as dec
     from qerl_kit.kernels import nvfp4_wgmma_cuda as wg
 
-    return (wg.preferred(x2.shape[0], packed.shape[0], packed.shape[1] * 2) and wg.supports(x2, packed, scales)
-            and wg.wgmma_status()[0])
+    m, n, k = x2.shape[0], packed.shape[0], packed.shape[1] * 2
+    for path, kernel, status, max_m in (("cuda", dec, dec.cuda_decode_status, CUDA_DECODE_MAX_M),
+                                        ("wgmma", wg, wg.wgmma_status, wg.MAX_M)):
+        if m <= max_m and kernel.preferred(m, n, k) and kernel.supports(x2, packed, scales) and status()[0]:
+            return path
+    return None
 
 
 def forward_kernel(m: int, n: int) -> str:
@@ -106,11 +104,7 @@ def forward_path(x2: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor,
     """Which kernel ``nvfp4_linear`` runs for ``x2`` [M, K] off the reference backend: "cuda"
     (``nvfp4_decode_cuda``), "wgmma" (``nvfp4_wgmma_cuda``), "decode" (``nvfp4_gemv_triton``) or
     "gemm" (``nvfp4_gemm_triton``)."""
-    if _use_cuda_decode(x2, packed, scales, backend):
-        return "cuda"
-    if _use_wgmma(x2, packed, scales, backend):
-        return "wgmma"
-    return forward_kernel(x2.shape[0], packed.shape[0])
+    return _cuda_path(x2, packed, scales, backend) or forward_kernel(x2.shape[0], packed.shape[0])
 
 
 def nvfp4_linear(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor,
