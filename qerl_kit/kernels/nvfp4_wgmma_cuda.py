@@ -200,20 +200,19 @@ def choose_ips(m: int, n: int, k: int, sms: int | None = None) -> int:
     return -(-steps // slices)
 
 
-def _kernel_name(m: int) -> str:
-    return f"nvfp4_wgmma_m{8 * x_tiles(m)}"
+def _kernel_name(mt: int) -> str:
+    return f"nvfp4_wgmma_m{8 * mt}"
 
 
 @functools.lru_cache(maxsize=None)
-def _compiled(name: str, device_index: int):
-    kernel = nvrtc.compile_kernel(SOURCE, name, device_index, arch=ARCH)
-    return with_shared_memory(kernel, 4 if name.endswith("m32") else 8)
+def _compiled(mt: int, device_index: int):
+    return with_shared_memory(nvrtc.compile_kernel(SOURCE, _kernel_name(mt), device_index, arch=ARCH), mt)
 
 
 @functools.lru_cache(maxsize=None)
 def wgmma_status() -> tuple[bool, str]:
     """(usable, reason): whether this kernel compiles and runs here, decided once per process."""
-    return nvrtc.status(SOURCE, ("nvfp4_wgmma_m32", "nvfp4_wgmma_m64"), (9, 0), "wgmma", arch=ARCH)
+    return nvrtc.status(SOURCE, (_kernel_name(4), _kernel_name(8)), (9, 0), "wgmma", arch=ARCH)
 
 
 def supports(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor) -> bool:
@@ -257,7 +256,8 @@ def nvfp4_wgmma_cuda(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor
     if bias is not None:
         bias = bias.to(torch.bfloat16).contiguous()
     device = x.device.index if x.device.index is not None else torch.cuda.current_device()
-    return launch(_compiled(_kernel_name(m), device), x, packed, scales, global_scale, bias, ips, x_tiles(m))
+    mt = x_tiles(m)
+    return launch(_compiled(mt, device), x, packed, scales, global_scale, bias, ips, mt)
 
 
 nvfp4_wgmma_cuda_op = register_linear_op("nvfp4_wgmma_cuda", nvfp4_wgmma_cuda)
