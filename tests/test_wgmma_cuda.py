@@ -30,9 +30,11 @@ def test_preferred_is_the_measured_rule():
         assert not wg.preferred(m, 3584, 18944)        # 7B down: 0.90/0.81 | 0.84/0.72
         assert not wg.preferred(m, 5120, 5120) and not wg.preferred(m, 1024, 8192)   # small, k/v
     assert wg.preferred(32, 8192, 8192) and not wg.preferred(64, 8192, 8192)     # 72B o: 1.08 | 0.91
-    assert wg.preferred(32, 55296, 5120) and not wg.preferred(64, 55296, 5120)   # 32B gate_up: tiled GEMM ties from 33
-    assert not wg.preferred(32, 37888, 3584) and not wg.preferred(32, 18944, 3584)  # 7B, K = 3584: 0.97, 0.91
-    assert wg.preferred(64, 18944, 3584) and not wg.preferred(64, WIDE_N, 3584)    # 1.05; wide: tiled GEMM
+    for m in (17, 24, 32, 33, 48, 64):                 # wide gate_up with K >= 5120: from 33 rows, session 9's
+        assert wg.preferred(m, 55296, 5120) and wg.preferred(m, 59136, 8192)  # kernel beat the tiled GEMM 1.16-1.23x
+        assert not wg.preferred(m, 37888, 3584)         # 7B gate_up, K = 3584: 0.97 | 0.89-0.96
+    assert not wg.preferred(32, 18944, 3584) and wg.preferred(64, 18944, 3584)     # 7B gate/up: 0.91 | 1.05
+    assert not wg.preferred(64, WIDE_N, 3584) and wg.preferred(64, WIDE_N, 5120)
     assert not wg.preferred(16, 55296, 5120) and not wg.preferred(65, 8192, 29568)   # outside 17..64
 
 
@@ -79,13 +81,22 @@ def test_status_keeps_sm90a_code_off_other_gpus(monkeypatch):
 def test_source_holds_the_two_shipped_kernels_on_the_shared_pipeline():
     from qerl_kit.kernels import cuda_pipeline as cp
 
-    assert wg.SOURCE.startswith(cp.PIPELINE) and wg.LAYOUT in wg.SOURCE
-    for name, mt, minb in [("nvfp4_wgmma_m32", 4, 2), ("nvfp4_wgmma_m64", 8, 1)]:
-        assert f"__launch_bounds__(256, {minb}) {name}(ARGS) {{ gemm<WgOverlap, {mt}, 4, 8, 2, 2>(CALL); }}" in wg.SOURCE
+    assert wg.SOURCE.startswith(cp.PIPELINE) and wg.LAYOUT in wg.SOURCE and wg.WARP_SPECIALIZED in wg.SOURCE
+    for name, mt in [("nvfp4_wgmma_m32", 4), ("nvfp4_wgmma_m64", 8)]:   # a producer + two consumer warpgroups
+        assert f"__launch_bounds__(384, 1) {name}(ARGS) {{ gemm_ws<{mt}, 4>(CALL); }}" in wg.SOURCE
+    assert wg.THREADS == 384 and wg.ROWS == 256
     asm = wg._wgmma_asm(64)  # 32 accumulators, then A's 4 registers, B's descriptor (%36) and scale-d (%37)
     assert asm.count('"+f"') == 32 and "%36, p, 1, 1, 0" in asm and "setp.ne.b32 p, %37, 0" in asm
-    # two x stages (8 chunks x 64 rows x 32 bytes) + 4 weight stages of 8 warps (32 rows x 72 bytes): ncu 106.5 KB
-    assert cp.shared_bytes(8) == 2 * (8 * 64 * 32) + 4 * 8 * (32 * 72) == 106496
+    # 4 x stages (8 chunks x 64 rows x 32 bytes) + 4 weight stages of 8 consumer warps (32 rows x 72
+    # bytes) + 8 mbarriers; under the 227 KB a block may opt into
+    assert wg.shared_bytes(8) == 4 * (8 * 64 * 32) + 4 * 8 * (32 * 72) + 8 * 8 == 139328 < 227 * 1024
+    assert wg.shared_bytes(4) == 4 * (8 * 32 * 32) + 4 * 8 * (32 * 72) + 8 * 8
+    # the producer's copies land where each consumer warp's load_fragments reads its rows: codes of
+    # local row r at (r >> 5) * warp_stage + (r & 31) * 64, scales after the warp's 32 code rows
+    assert "waddr + s * WB + (r >> 5) * WSB + (r & 31) * 64 + 16 * p" in wg.SOURCE
+    assert "waddr + s * WB + (r >> 5) * WSB + 16 * NT * 64 + (r & 31) * 8" in wg.SOURCE
+    assert "qw[nt][r] = *reinterpret_cast<const uint4*>(wst + lr * 64 + 16 * t);" in cp.PIPELINE
+    assert "wst + 16 * NT * 64 + lr * 8 + 2 * t" in cp.PIPELINE
 
 
 # -- GPU ------------------------------------------------------------------------------------------

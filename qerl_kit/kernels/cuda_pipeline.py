@@ -15,8 +15,10 @@ for any MMAs it left in flight, before the epilogue):
 * Split K over grid.y: float32 partials, the last block of a tile sums them in slice order, 4
   columns per load and 8 loads in flight (``store_tile``).
 
-``nvfp4_wgmma_cuda`` is the shipped layout (Hopper wgmma); ``bench/proto_cuda_gemm.py`` (mma.sync)
-and ``bench/proto_wgmma_gemm.py`` (other wgmma shapes) are measured prototypes on the same pipeline.
+``nvfp4_wgmma_cuda`` ships the wgmma layout in its own warp-specialized block (a producer
+warpgroup and mbarriers instead of this loop, the same loads, fragments and epilogue);
+``bench/proto_cuda_gemm.py`` (mma.sync) and ``bench/proto_wgmma_gemm.py`` (the single-role wgmma
+kernel that shipped in session 8, and other shapes) are measured prototypes on this loop.
 ``launch`` runs any of them.
 """
 

@@ -1,34 +1,38 @@
 """NVFP4 forward for 17..64 rows on Hopper (sm_90a): dequantized weights feed ``wgmma``.
 
 At GRPO's rollout batches (8 prompts x 8 samples = 64 rows) the Triton kernels fall below bf16 on
-the larger layers. This kernel, measured first as a prototype (``bench/proto_wgmma_gemm.py``),
-beats them there: on the 14B/32B/72B MLP and large attention layers at 24-64 rows, 1.00-1.44x
-(median 1.25x) the Triton path it replaces, 0.65-1.47x bf16; the 72B engine decodes 1.18x
-faster at batch 32 and 1.07x at 64, 32B reaches bf16 at batch 32 (bench/results/route_wgmma_h200.md).
-It loses on small layers, so the dispatcher sends it only what ``preferred`` says.
+the larger layers. This kernel beats them there. Session 8 shipped a single-role version
+(``bench/proto_wgmma_gemm.py``: on the 14B/32B/72B MLP and large attention layers at 24-64 rows,
+1.00-1.44x the Triton path, bench/results/route_wgmma_h200.md); session 9 gave it a producer
+warpgroup, 0.78-0.98x its time on every layer measured (bench/ab_wgmma_ws.py,
+bench/results/proto_wgmma_gemm_h200.md). It loses on small layers, so the dispatcher sends it
+only what ``preferred`` says.
 
-Design (one block = 8 warps = two warpgroups over 256 weight rows, K steps of 128 codes):
+Design (one block = 12 warps over 256 weight rows, K steps of 128 codes):
 
-* Weights: each warp copies its 32 rows' codes and scale bytes of a K step into its own
-  shared-memory stage with ``cp.async``, three steps ahead (4 stages), then each lane dequantizes
-  its 16-byte run exactly as the CUDA decode kernel does (``dq``, the same K permutation), straight
-  into the A fragments of ``wgmma.mma_async.m64nNk16`` (A from registers: warp w of a warpgroup
-  supplies A rows 16 w .. 16 w + 15, in ``mma.m16n8k16``'s A layout).
-* x: loaded two K steps ahead into registers, then stored once per K step and block into a
-  shared-memory stage in that K order, K-major without swizzle (core matrices of 8 rows x 16
-  bytes, leading byte offset 128, stride byte offset 256), which is B of the wgmma (N = 32 or 64
-  x rows: ``MT`` 4 or 8 tiles of 8), followed by ``fence.proxy.async``.
-* The product is transposed, y^T = W x^T: one wgmma per 64 weight rows and 16 k instead of MT
-  ``mma.sync`` per warp; the wgmmas of MMA step s run while step s + 1 is dequantized (two
-  register sets, ``wgmma.wait_group 1``).
+* Producer (warps 0-3): per K step, waits on the stage's ``empty`` mbarrier, copies the 256
+  rows' codes and scale bytes with ``cp.async`` into the consumer warps' stage regions (tracked
+  by the stage's ``full`` mbarrier, ``cp.async.mbarrier.arrive``), stores x (loaded one K step
+  ahead into registers) into the x stage in the weights' K order, K-major without swizzle (core
+  matrices of 8 rows x 16 bytes, leading byte offset 128, stride byte offset 256: B of the
+  wgmma, N = 32 or 64 x rows, ``MT`` 4 or 8 tiles of 8), ``fence.proxy.async``, and arrives on
+  ``full``. Four stages.
+* Consumers (warps 4-11, two warpgroups): wait on ``full``, and each lane dequantizes its 16-byte
+  run exactly as the CUDA decode kernel does (``dq``, the same K permutation) straight into the A
+  fragments of ``wgmma.mma_async.m64nNk16`` (A from registers: warp w of a warpgroup supplies A
+  rows 16 w .. 16 w + 15, in ``mma.m16n8k16``'s A layout); the wgmmas of MMA step s run while
+  step s + 1 is dequantized (two register sets). After the K step's last wgmma they arrive on
+  ``empty``. No block barrier in the K loop: copies, x staging and their waits leave the
+  consumers, which are what the single-role kernel's warps stalled on (ncu, session 9).
+* The product is transposed, y^T = W x^T: one wgmma per 64 weight rows and 16 k.
 * Split K over grid.y: float32 partials, the last block of a tile sums them in slice order, 4
-  columns per load and 8 loads in flight (``store_tile``); one launch, CUDA-graph safe.
+  columns per load and 8 loads in flight (``store_tile``, all 384 threads); one launch,
+  CUDA-graph safe.
 
-``PIPELINE`` (the block's stages, loads and epilogue, generic over the layout ``L``) is also what
-``bench/proto_cuda_gemm.py`` (the mma.sync layout, measured slower) and the wgmma prototype's
-variants build on. Compiled at first use with NVRTC for sm_90a (``wgmma`` exists on no other
-architecture): ``wgmma_status`` says why it is off anywhere else, and the dispatcher then keeps
-the Triton kernels.
+``PIPELINE`` (``cuda_pipeline``) supplies the loads, fragments and epilogue; its single-role
+``gemm`` is what the prototypes build on. Compiled at first use with NVRTC for sm_90a (``wgmma``
+exists on no other architecture): ``wgmma_status`` says why it is off anywhere else, and the
+dispatcher then keeps the Triton kernels.
 """
 
 from __future__ import annotations
@@ -39,9 +43,12 @@ import torch
 
 from qerl_kit.kernels import nvrtc
 from qerl_kit.kernels.backend import register_linear_op
-from qerl_kit.kernels.cuda_pipeline import K_STEP, PIPELINE, TILES, WARPS, launch, with_shared_memory, x_tiles
+from qerl_kit.kernels.cuda_pipeline import K_STEP, PIPELINE, warp_stage, x_tiles
 
-ROWS = 16 * WARPS * TILES  # weight rows per block
+CONSUMER_WARPS, TILES = 8, 2  # two consumer warpgroups, each warp two 16-row tiles
+ROWS = 16 * TILES * CONSUMER_WARPS  # weight rows per block
+THREADS = 32 * (4 + CONSUMER_WARPS)  # a producer warpgroup, then the consumers
+STAGES = 4  # weight and x stages in flight (6 was slower: bench/results/proto_wgmma_gemm_h200.md)
 MIN_M, MAX_M = 17, 64
 ARCH = "90a"
 
@@ -180,12 +187,102 @@ template <int MT, int NT, int T> using WgOverlap = Wgmma<MT, NT, T, 2, false>;
 
 """
 
-# The shipped kernels: 256-row blocks, x two K steps ahead; registers for two blocks per SM at up
-# to 32 rows (MT 4), one at 64 (164 registers; capping them for two was slower: --occupancy).
-SOURCE = PIPELINE + LAYOUT + r"""
-extern "C" __global__ void __launch_bounds__(256, 2) nvfp4_wgmma_m32(ARGS) { gemm<WgOverlap, 4, 4, 8, 2, 2>(CALL); }
-extern "C" __global__ void __launch_bounds__(256, 1) nvfp4_wgmma_m64(ARGS) { gemm<WgOverlap, 8, 4, 8, 2, 2>(CALL); }
+# The block: a producer warpgroup (warps 0-3) feeding two consumer warpgroups (warps 4-11) through
+# full/empty mbarrier rings, no block barrier in the K loop (module docstring).
+WARP_SPECIALIZED = r"""
+// -- Warp specialization: mbarriers --
+__device__ __forceinline__ void mbar_init(u32 a, u32 n) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" :: "r"(a), "r"(n) : "memory");
+}
+__device__ __forceinline__ void mbar_arrive(u32 a) {
+    asm volatile("{\n.reg .b64 st;\nmbarrier.arrive.shared::cta.b64 st, [%0];\n}" :: "r"(a) : "memory");
+}
+// The barrier's current phase also waits for the cp.async copies this thread issued so far.
+__device__ __forceinline__ void cp_mbar_arrive(u32 a) {
+    asm volatile("cp.async.mbarrier.arrive.shared::cta.b64 [%0];" :: "r"(a) : "memory");
+}
+__device__ __forceinline__ void mbar_wait(u32 a, u32 parity) {
+    asm volatile("{\n.reg .pred P1;\nLAB_WAIT:\n"
+                 "mbarrier.try_wait.parity.shared::cta.b64 P1, [%0], %1;\n"
+                 "@P1 bra DONE;\nbra LAB_WAIT;\nDONE:\n}" :: "r"(a), "r"(parity) : "memory");
+}
+
+// y[M, N] = x[M, K] @ W^T (+ bias), M <= 8 * MT; grid (ceil(N / 256), K slices of `ips` steps),
+// 384 threads. Shared memory: S x stages (2048 MT bytes, the wgmma B layout), S weight stages
+// (8 consumer warps x warp_stage<2>, the layout load_fragments reads), then the full[S] and
+// empty[S] mbarriers.
+template <int MT, int S>
+__device__ __forceinline__ void gemm_ws(ARGS) {
+    constexpr int NT = 2, CW = 8, ROWS = 16 * NT * CW, WSB = warp_stage<NT>(), XB = 2048 * MT, WB = CW * WSB;
+    extern __shared__ uint4 smem[];
+    unsigned char* sb = reinterpret_cast<unsigned char*>(smem);
+    const u32 base = (u32)__cvta_generic_to_shared(smem);
+    const u32 waddr = base + S * XB, bar = base + S * XB + S * WB;  // full[s]: bar + 8 s, empty[s]: bar + 8 (S + s)
+    const int steps = K / 128;
+    const int it0 = blockIdx.y * ips, it1 = min(steps, it0 + ips);
+    const int tile0 = blockIdx.x * ROWS;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
+    if (threadIdx.x == 0) {
+        for (int s = 0; s < S; s++) {
+            mbar_init(bar + 8 * s, 128);        // the producer's 128 threads (and their tracked copies)
+            mbar_init(bar + 8 * (S + s), 256);  // the consumers' 256 threads
+        }
+    }
+    __syncthreads();
+
+    float c[NT][MT][4];
+    #pragma unroll
+    for (int nt = 0; nt < NT; nt++)
+        #pragma unroll
+        for (int mt = 0; mt < MT; mt++) c[nt][mt][0] = c[nt][mt][1] = c[nt][mt][2] = c[nt][mt][3] = 0.f;
+    int row = N;  // the producer has no rows of its own: the epilogue skips them
+    if (warp < 4) {  // producer: x one K step ahead in registers, weights by cp.async
+        uint4 xs[MT];
+        if (it0 < it1) load_x<MT, 128>(xs, x, M, ldx, it0);
+        for (int it = it0; it < it1; it++) {
+            const int i = it - it0, s = i % S;
+            mbar_wait(bar + 8 * (S + s), ((i / S) & 1) ^ 1);  // the consumers released the stage (round 0: at once)
+            #pragma unroll
+            for (int j = 0; j < 8; j++) {  // 256 rows x 64 code bytes: 1024 copies of 16 bytes
+                const int ci = threadIdx.x + 128 * j, r = ci >> 2, p = ci & 3, n = tile0 + r;
+                cp_async16(waddr + s * WB + (r >> 5) * WSB + (r & 31) * 64 + 16 * p,
+                           q + (size_t)(n < N ? n : 0) * ldq + it * 64 + 16 * p, n < N ? 16 : 0);
+            }
+            #pragma unroll
+            for (int j = 0; j < 2; j++) {  // 256 rows x 8 scale bytes
+                const int r = threadIdx.x + 128 * j, n = tile0 + r;
+                cp_async8(waddr + s * WB + (r >> 5) * WSB + 16 * NT * 64 + (r & 31) * 8,
+                          sc + (size_t)(n < N ? n : 0) * lds + it * 8, n < N ? 8 : 0);
+            }
+            cp_mbar_arrive(bar + 8 * s);
+            WgOverlap<MT, NT, 128>::store_x(xs, reinterpret_cast<u32*>(sb + s * XB));  // ends in fence.proxy.async
+            mbar_arrive(bar + 8 * s);
+            if (it + 1 < it1) load_x<MT, 128>(xs, x, M, ldx, it + 1);
+        }
+    } else {  // consumers: the shipped decoding and wgmma layout
+        const int cw = warp - 4;
+        row = tile0 + cw * 16 * NT + g;
+        for (int it = it0; it < it1; it++) {
+            const int i = it - it0, s = i % S;
+            mbar_wait(bar + 8 * s, (i / S) & 1);
+            WgOverlap<MT, NT, 256>::compute(sb + S * XB + s * WB + cw * WSB, c, base + s * XB, lane, g, t);
+            mbar_arrive(bar + 8 * (S + s));  // compute() ended with wgmma.wait_group 0: the stage is free
+        }
+    }
+    store_tile<MT, NT, 384, ROWS>(c, row, t, tile0, M, N, gsp, bias, has_bias, y, ldy, ws, counters);
+}
 """
+
+# The shipped kernels: one 384-thread block per SM (registers: 136 at 32 rows, 168 at 64).
+SOURCE = PIPELINE + LAYOUT + WARP_SPECIALIZED + r"""
+extern "C" __global__ void __launch_bounds__(384, 1) nvfp4_wgmma_m32(ARGS) { gemm_ws<4, 4>(CALL); }
+extern "C" __global__ void __launch_bounds__(384, 1) nvfp4_wgmma_m64(ARGS) { gemm_ws<8, 4>(CALL); }
+"""
+
+
+def shared_bytes(mt: int) -> int:
+    """Dynamic shared memory of a block: STAGES x and weight stages, then 2 STAGES mbarriers."""
+    return STAGES * (2048 * mt + CONSUMER_WARPS * warp_stage(TILES)) + 16 * STAGES
 
 
 def choose_ips(m: int, n: int, k: int, sms: int | None = None) -> int:
@@ -206,7 +303,9 @@ def _kernel_name(mt: int) -> str:
 
 @functools.lru_cache(maxsize=None)
 def _compiled(mt: int, device_index: int):
-    return with_shared_memory(nvrtc.compile_kernel(SOURCE, _kernel_name(mt), device_index, arch=ARCH), mt)
+    kernel = nvrtc.compile_kernel(SOURCE, _kernel_name(mt), device_index, arch=ARCH)
+    kernel.set_shared_memory_config(shared_bytes(mt))  # over 48 KB: an opt-in
+    return kernel
 
 
 @functools.lru_cache(maxsize=None)
@@ -227,19 +326,24 @@ def supports(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor) -> boo
 
 
 def preferred(m: int, n: int, k: int) -> bool:
-    """Whether this kernel beat the dispatcher's Triton path at this size on the H200
-    (bench/results/route_wgmma_h200.md: every Qwen2.5 7B-72B layer at 24/32/48/64 rows, this
-    kernel's column against the dispatcher, in one run): layers of 2^26 weights and more with
-    N >= 5120 and either N >= 8192 or K >= 16384 (1.00-1.44x); up to 32 rows also K >= 5120
-    (7B's K = 3584 layers lost, 0.91-0.97x), from 33 rows more than 2^26 weights (72B o, exactly
-    2^26, lost at 64 rows, 0.91x) and N below ``WIDE_N``, where the tiled Triton GEMM takes over
-    and ties it. Smaller or narrower layers lost, down to 0.13x (k/v)."""
+    """Whether this kernel beat the dispatcher's Triton path at this size on the H200.
+    Session 8's rule (bench/results/route_wgmma_h200.md: every Qwen2.5 7B-72B layer at
+    24/32/48/64 rows, the single-role kernel against the dispatcher, in one run): layers of 2^26
+    weights and more with N >= 5120 and either N >= 8192 or K >= 16384 (1.00-1.44x); up to 32
+    rows also K >= 5120 (7B's K = 3584 layers lost, 0.91-0.97x), from 33 rows more than 2^26
+    weights (72B o, exactly 2^26, lost at 64 rows, 0.91x). Session 9 (the warp-specialized
+    kernel, 0.79-0.98x the single-role one's time wherever both were timed) adds the wide layers
+    (N >= ``WIDE_N``, where the dispatcher runs the tiled Triton GEMM) from 33 rows when K >= 5120:
+    32B and 72B gate_up 1.16-1.23x at 33/48/64 rows, 7B gate_up (K = 3584) 0.89-0.96x
+    (bench/results/proto_wgmma_gemm_h200.md). Smaller or narrower layers lost, down to 0.13x (k/v)."""
     from qerl_kit.kernels import WIDE_N
 
     w = n * k
     if not MIN_M <= m <= MAX_M or n < 5120 or w < 1 << 26 or (n < 8192 and k < 16384):
         return False
-    return k >= 5120 if m <= 32 else (n < WIDE_N and w > 1 << 26)
+    if m <= 32:
+        return k >= 5120
+    return k >= 5120 if n >= WIDE_N else w > 1 << 26
 
 
 def nvfp4_wgmma_cuda(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor,
@@ -257,7 +361,18 @@ def nvfp4_wgmma_cuda(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor
         bias = bias.to(torch.bfloat16).contiguous()
     device = x.device.index if x.device.index is not None else torch.cuda.current_device()
     mt = x_tiles(m)
-    return launch(_compiled(mt, device), x, packed, scales, global_scale, bias, ips, mt)
+    from qerl_kit.kernels.nvfp4_gemv_triton import _counters
+
+    slices = -(-(k // K_STEP) // ips)
+    y = torch.empty((m, n), dtype=torch.bfloat16, device=x.device)
+    ws = torch.empty(slices * m * n if slices > 1 else 1, dtype=torch.float32, device=x.device)
+    _compiled(mt, device)(
+        grid=(-(-n // ROWS), slices, 1), block=(THREADS, 1, 1), shared_mem=shared_bytes(mt),
+        args=[x, m, x.stride(0), packed, packed.stride(0), scales.view(torch.uint8), scales.stride(0),
+              global_scale, bias if bias is not None else y, int(bias is not None), y, y.stride(0), ws,
+              _counters(x.device), n, k, ips],
+        stream=torch.cuda.current_stream(x.device))
+    return y
 
 
 nvfp4_wgmma_cuda_op = register_linear_op("nvfp4_wgmma_cuda", nvfp4_wgmma_cuda)
