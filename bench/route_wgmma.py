@@ -12,10 +12,15 @@ Its "rule" column is ``qerl_kit.kernels.nvfp4_wgmma_cuda.preferred``, the dispat
 from this table (session 8, bench/results/route_wgmma_h200.md); once the kernel shipped, the
 "dispatch" column includes it wherever the rule says "wgmma".
 
+``--shipped`` times the kernel that ships now (session 9: warp-specialized) instead of the
+prototype's configurations, against the Triton path it would replace (``backend="triton"``) and
+bf16, with the current rule beside each cell: the table to re-draw ``preferred`` from.
+
 ``--engine MODEL [B ...] [--no-bf16]`` times that model's NVFP4 engine (CUDA graphs, LoRA r 32)
 with the wgmma kernel off and on, and the bf16 engine, in one run.
 
-    PYTHONPATH=. python bench/route_wgmma.py            # the table
+    PYTHONPATH=. python bench/route_wgmma.py            # the session-8 table
+    PYTHONPATH=. python bench/route_wgmma.py --shipped  # the shipped kernel against Triton
     PYTHONPATH=. python bench/route_wgmma.py --engine Qwen2.5-32B 32 64
 """
 
@@ -44,11 +49,7 @@ def table(sms: int) -> None:
     print("| model | proj | N x K | M | " + " | ".join(f"{16 * w * nt}r x{xd} us (ips)" for w, nt, xd in CANDIDATES)
           + " | dispatch us | bf16 us | best x dispatch | best x bf16 | rule |")
     print("|---|---|---|---:|" + "---:|" * (len(CANDIDATES) + 5))
-    labels = {}  # (N, K) -> (model, projection) of its first occurrence
-    for model in MODELS:
-        for proj, n, k in layer_shapes(model):
-            if k % base.K_STEP == 0 and n % 16 == 0:
-                labels.setdefault((n, k), (model.replace("Qwen2.5-", ""), proj))
+    labels = _labels()
     for n, k, m, x, weights, dense in wg.layer_rows(labels, ROWS):
         cells, best = [], float("inf")
         for warps, nt, xd in CANDIDATES:
@@ -61,6 +62,45 @@ def table(sms: int) -> None:
         print(f"| {model} | {proj} | {n} x {k} | {m} | " + " | ".join(cells)
               + f" | {t_disp * 1e6:.1f} | {t_bf * 1e6:.1f} | {t_disp / best:.2f} | {t_bf / best:.2f} | "
               f"{'wgmma' if wgk.preferred(m, n, k) else 'dispatch'} |", flush=True)
+
+
+def _labels() -> dict:
+    """(N, K) -> (model, projection) of its first occurrence, over the layers the kernels fit."""
+    labels = {}
+    for model in MODELS:
+        for proj, n, k in layer_shapes(model):
+            if k % base.K_STEP == 0 and n % 16 == 0:
+                labels.setdefault((n, k), (model.replace("Qwen2.5-", ""), proj))
+    return labels
+
+
+def shipped_table() -> None:
+    """Per layer and M in ROWS: the shipped kernel at ``choose_ips``'s K split and at half and
+    twice as many slices (checked against the Triton path), the Triton path, bf16, and the rule."""
+    from qerl_kit.kernels import nvfp4_linear
+
+    print("| model | proj | N x K | M | shipped us (K steps per slice) | Triton us | bf16 us | "
+          "shipped x Triton | shipped x bf16 | rule |")
+    print("|---|---|---|---:|---:|---:|---:|---:|---:|---|")
+    labels = _labels()
+    for n, k, m, x, weights, dense in wg.layer_rows(labels, ROWS):
+        steps = k // base.K_STEP
+        slices = -(-steps // wgk.choose_ips(m, n, k))
+        ref = nvfp4_linear(x, *weights[0], backend="triton").float()
+        err = ((wgk.nvfp4_wgmma_cuda(x, *weights[0]).float() - ref).norm() / ref.norm()).item()
+        if err > 1e-2:
+            print(f"FAIL {n} x {k} M={m}: rel err {err:.1e} against the Triton path", flush=True)
+        tried = {}
+        for sl in sorted({slices, max(1, slices // 2), min(steps, 2 * slices)}):
+            ips = -(-steps // sl)
+            tried[ips] = time_graph([lambda q=q, i=ips: wgk.nvfp4_wgmma_cuda(x, *q, ips=i) for q in weights])
+        ips = min(tried, key=tried.get)
+        t_tri = time_graph([lambda q=q: nvfp4_linear(x, *q, backend="triton") for q in weights])
+        t_bf = time_graph([lambda d=d: torch.nn.functional.linear(x, d) for d in dense])
+        model, proj = labels[n, k]
+        print(f"| {model} | {proj} | {n} x {k} | {m} | {tried[ips] * 1e6:.1f} ({ips}) | {t_tri * 1e6:.1f} | "
+              f"{t_bf * 1e6:.1f} | {t_tri / tried[ips]:.2f} | {t_bf / tried[ips]:.2f} | "
+              f"{'wgmma' if wgk.preferred(m, n, k) else 'Triton'} |", flush=True)
 
 
 def engine(model_name: str, batches=(32, 64), new: int = 128, bf16: bool = True) -> None:
@@ -102,6 +142,8 @@ def main() -> None:
         args = sys.argv[sys.argv.index("--engine") + 1:]
         batches = tuple(int(b) for b in args[1:] if b.isdigit()) or (32, 64)
         return engine(args[0], batches, bf16="--no-bf16" not in sys.argv)
+    if "--shipped" in sys.argv:
+        return shipped_table()
     table(torch.cuda.get_device_properties(0).multi_processor_count)
 
 
