@@ -15,7 +15,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_nvfp4_gemm import copies_for, random_nvfp4, time_graph  # noqa: E402
+from bench_nvfp4_gemm import copies_for, random_nvfp4, time_alternating  # noqa: E402
 
 from qerl_kit.kernels import nvfp4_gemm_triton as G  # noqa: E402
 from qerl_kit.kernels.nvfp4_dgrad_triton import nvfp4_dgrad  # noqa: E402
@@ -23,14 +23,6 @@ from qerl_kit.kernels.nvfp4_dgrad_triton import nvfp4_dgrad  # noqa: E402
 SHAPES = [("7B k/v", 512, 3584), ("14B k/v", 1024, 5120), ("72B k/v", 1024, 8192), ("7B q/o", 3584, 3584),
           ("7B gate/up", 18944, 3584), ("32B gate_up", 55296, 5120), ("72B gate_up", 59136, 8192)]
 TILES = [(32, 256, 4), (16, 256, 4), (16, 256, 2), (32, 128, 4), (16, 128, 2), (8, 256, 2), (64, 256, 8), (32, 512, 8)]
-
-
-def best(calls_by_name: dict, rounds: int = 2) -> dict:
-    times = {name: [] for name in calls_by_name}
-    for _ in range(rounds):
-        for name, calls in calls_by_name.items():
-            times[name].append(time_graph(calls))
-    return {name: min(t) for name, t in times.items()}
 
 
 def strategies(m: int = 2048) -> None:
@@ -56,8 +48,8 @@ def strategies(m: int = 2048) -> None:
                     return dy @ d
             ref = ours(ws[0], "dense").float()
             err = ((ours(ws[0], "fused").float() - ref).norm() / ref.norm()).item()
-            t = best({s: [lambda q=q, s=s: ours(q, s) for q in ws] for s in ("fused", "dense")}
-                     | {"bf16": [lambda d=d: base(d) for d in ds]})
+            t = time_alternating({s: [lambda q=q, s=s: ours(q, s) for q in ws] for s in ("fused", "dense")}
+                                 | {"bf16": [lambda d=d: base(d) for d in ds]}, rounds=2)
             print(f"| {name} | {kind} | {t['fused'] * 1e6:.1f} | {t['dense'] * 1e6:.1f} | {t['bf16'] * 1e6:.1f} | "
                   f"{t['bf16'] / t['fused']:.2f} | {t['bf16'] / t['dense']:.2f} | {err:.1e} |", flush=True)
         del ws, ds
@@ -87,7 +79,8 @@ def dequant_tiles() -> None:
         for bn, bk, warps in TILES:
             dequant(*ws[0], out, bn, bk, warps)
             assert torch.equal(out, ref), f"tile {bn}x{bk}: not bit-identical to nvfp4_dequantize"
-            t = best({"t": [lambda q=q, o=out, c=(bn, bk, warps): dequant(*q, o, *c) for q in ws]})["t"]
+            t = time_alternating({"t": [lambda q=q, o=out, c=(bn, bk, warps): dequant(*q, o, *c) for q in ws]},
+                                 rounds=2)["t"]
             cells.append(f"{t * 1e6:.1f}")
         print(f"| {n} x {k} | " + " | ".join(cells) + " |", flush=True)
         del ws, out

@@ -18,7 +18,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_nvfp4_gemm import time_graph  # noqa: E402
+from bench_nvfp4_gemm import time_alternating, time_graph  # noqa: E402
 from proto_wgmma_gemm import baselines, layer_rows, nvfp4_gemm_wgmma  # noqa: E402
 
 from qerl_kit.kernels import nvfp4_wgmma_cuda as wgk  # noqa: E402
@@ -47,11 +47,9 @@ def wide() -> None:
         ws = [random_nvfp4(n, k) for _ in range(copies_for(n * k // 2 + n * k // 16))]
         for m in (33, 48, 64):
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-            a, b = [], []
-            for _ in range(2):
-                a.append(time_graph([lambda q=q: wgk.nvfp4_wgmma_cuda(x, *q) for q in ws]))
-                b.append(time_graph([lambda q=q: nvfp4_linear(x, *q, backend="triton") for q in ws]))
-            print(f"| {n} x {k} | {m} | {min(a) * 1e6:.1f} | {min(b) * 1e6:.1f} | {min(b) / min(a):.2f} |", flush=True)
+            t = time_alternating({"a": [lambda q=q: wgk.nvfp4_wgmma_cuda(x, *q) for q in ws],
+                                  "b": [lambda q=q: nvfp4_linear(x, *q, backend="triton") for q in ws]}, rounds=2)
+            print(f"| {n} x {k} | {m} | {t['a'] * 1e6:.1f} | {t['b'] * 1e6:.1f} | {t['b'] / t['a']:.2f} |", flush=True)
         del ws
         torch.cuda.empty_cache()
 
@@ -69,13 +67,11 @@ def main() -> None:
             if err > 3e-3:
                 failures += 1
                 print(f"FAIL {f.__name__} {n} x {k} M={m}: rel err {err:.1e}", flush=True)
-        old, new = [], []
-        for _ in range(2):
-            old.append(time_graph([lambda q=q: session8(x, *q) for q in weights]))
-            new.append(time_graph([lambda q=q: wgk.nvfp4_wgmma_cuda(x, *q) for q in weights]))
+        t = time_alternating({"old": [lambda q=q: session8(x, *q) for q in weights],
+                              "new": [lambda q=q: wgk.nvfp4_wgmma_cuda(x, *q) for q in weights]}, rounds=2)
         t_disp, t_bf = baselines(time_graph, x, weights, dense)
-        print(f"| {n} x {k} | {m} | {min(old) * 1e6:.1f} | {min(new) * 1e6:.1f} | {t_disp * 1e6:.1f} | "
-              f"{t_bf * 1e6:.1f} | {min(new) / min(old):.2f} | {t_bf / min(new):.2f} |", flush=True)
+        print(f"| {n} x {k} | {m} | {t['old'] * 1e6:.1f} | {t['new'] * 1e6:.1f} | {t_disp * 1e6:.1f} | "
+              f"{t_bf * 1e6:.1f} | {t['new'] / t['old']:.2f} | {t_bf / t['new']:.2f} |", flush=True)
     sys.exit(1 if failures else 0)
 
 

@@ -149,16 +149,22 @@ def path_taken(kind: str, m: int, n: int, k: int) -> str:
 ROUNDS = 3  # ours and bf16 alternate this many times per cell; each side keeps its best
 
 
-def time_ab(ours: list, base: list, rounds: int = ROUNDS) -> tuple[float, float]:
-    """(ours, bf16) seconds: ``time_graph`` of each alternated ``rounds`` times, the best of each.
-    Timed one after the other once, the two sides of a cell saw different clock and power states
-    (the same code's 72B gate_up cell at 2048 rows read 0.81x in one run and 0.94x in another,
-    with bf16 itself 7% apart); alternating and keeping each side's best removes that drift."""
-    t_ours, t_base = [], []
+def time_alternating(sides: dict, rounds: int = ROUNDS) -> dict:
+    """{name: seconds}: ``time_graph`` of each side's calls, the sides alternated ``rounds`` times
+    in order, the best of each. Timed one after the other once, two sides saw different clock and
+    power states (the same code's 72B gate_up cell at 2048 rows read 0.81x in one run and 0.94x in
+    another, with bf16 itself 7% apart); alternating and keeping each side's best removes that drift."""
+    times = {name: [] for name in sides}
     for _ in range(rounds):
-        t_ours.append(time_graph(ours))
-        t_base.append(time_graph(base))
-    return min(t_ours), min(t_base)
+        for name, calls in sides.items():
+            times[name].append(time_graph(calls))
+    return {name: min(t) for name, t in times.items()}
+
+
+def time_ab(ours: list, base: list, rounds: int = ROUNDS) -> tuple[float, float]:
+    """(ours, bf16) seconds, alternated (``time_alternating``)."""
+    t = time_alternating({"ours": ours, "base": base}, rounds)
+    return t["ours"], t["base"]
 
 
 def _cell(m: int, n: int, k: int, ours: float, base: float, err: float) -> dict:

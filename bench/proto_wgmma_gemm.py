@@ -308,19 +308,21 @@ def blocks_per_sm(mt: int, warps: int, nt: int, stages: int, xd: int, minb: int)
     return max(1, min(minb, 228 * 1024 // smem))
 
 
-def best_split(time_graph, x, weights, ips: int, **kw) -> tuple[float, int]:
+def best_split(time_graph, x, weights, ips: int, kernel=None, **kw) -> tuple[float, int]:
     """(seconds, K steps per slice): the fastest of ``ips``'s K split and half and twice as many
-    slices, ``nvfp4_gemm_wgmma(**kw)`` over ``weights``; each checked against the dispatcher."""
+    slices, ``kernel(**kw)`` (default ``nvfp4_gemm_wgmma``) over ``weights``; checked against the
+    dispatcher."""
     from qerl_kit.kernels import nvfp4_linear
 
+    kernel = kernel or nvfp4_gemm_wgmma
     steps = x.shape[1] // base.K_STEP
     slices = -(-steps // ips)
     tried = {}
     for sl in sorted({slices, max(1, slices // 2), min(steps, 2 * slices)}):
         i = -(-steps // sl)
-        tried[i] = time_graph([lambda q=q, i=i: nvfp4_gemm_wgmma(x, *q, ips=i, **kw) for q in weights])
+        tried[i] = time_graph([lambda q=q, i=i: kernel(x, *q, ips=i, **kw) for q in weights])
     ref = nvfp4_linear(x, *weights[0]).float()
-    err = ((nvfp4_gemm_wgmma(x, *weights[0], **kw).float() - ref).norm() / ref.norm()).item()
+    err = ((kernel(x, *weights[0], **kw).float() - ref).norm() / ref.norm()).item()
     if err > 1e-2:
         print(f"FAIL {tuple(weights[0][0].shape)} M={x.shape[0]} {kw}: rel err {err:.1e}", flush=True)
     best = min(tried, key=tried.get)

@@ -76,7 +76,8 @@ def _labels() -> dict:
 
 def shipped_table() -> None:
     """Per layer and M in ROWS: the shipped kernel at ``choose_ips``'s K split and at half and
-    twice as many slices (checked against the Triton path), the Triton path, bf16, and the rule."""
+    twice as many slices (checked against the Triton path and the dispatcher), the Triton path, bf16,
+    and the rule."""
     from qerl_kit.kernels import nvfp4_linear
 
     print("| model | proj | N x K | M | shipped us (K steps per slice) | Triton us | bf16 us | "
@@ -84,22 +85,16 @@ def shipped_table() -> None:
     print("|---|---|---|---:|---:|---:|---:|---:|---:|---|")
     labels = _labels()
     for n, k, m, x, weights, dense in wg.layer_rows(labels, ROWS):
-        steps = k // base.K_STEP
-        slices = -(-steps // wgk.choose_ips(m, n, k))
         ref = nvfp4_linear(x, *weights[0], backend="triton").float()
         err = ((wgk.nvfp4_wgmma_cuda(x, *weights[0]).float() - ref).norm() / ref.norm()).item()
         if err > 1e-2:
             print(f"FAIL {n} x {k} M={m}: rel err {err:.1e} against the Triton path", flush=True)
-        tried = {}
-        for sl in sorted({slices, max(1, slices // 2), min(steps, 2 * slices)}):
-            ips = -(-steps // sl)
-            tried[ips] = time_graph([lambda q=q, i=ips: wgk.nvfp4_wgmma_cuda(x, *q, ips=i) for q in weights])
-        ips = min(tried, key=tried.get)
+        t, ips = wg.best_split(time_graph, x, weights, wgk.choose_ips(m, n, k), kernel=wgk.nvfp4_wgmma_cuda)
         t_tri = time_graph([lambda q=q: nvfp4_linear(x, *q, backend="triton") for q in weights])
         t_bf = time_graph([lambda d=d: torch.nn.functional.linear(x, d) for d in dense])
         model, proj = labels[n, k]
-        print(f"| {model} | {proj} | {n} x {k} | {m} | {tried[ips] * 1e6:.1f} ({ips}) | {t_tri * 1e6:.1f} | "
-              f"{t_bf * 1e6:.1f} | {t_tri / tried[ips]:.2f} | {t_bf / tried[ips]:.2f} | "
+        print(f"| {model} | {proj} | {n} x {k} | {m} | {t * 1e6:.1f} ({ips}) | {t_tri * 1e6:.1f} | "
+              f"{t_bf * 1e6:.1f} | {t_tri / t:.2f} | {t_bf / t:.2f} | "
               f"{'wgmma' if wgk.preferred(m, n, k) else 'Triton'} |", flush=True)
 
 

@@ -296,10 +296,13 @@ def with_shared_memory(kernel, mt: int, stages: int = STAGES, warps: int = WARPS
 
 
 def launch(kernel, x, packed, scales, global_scale, bias, ips: int, mt: int, stages: int = STAGES,
-           warps: int = WARPS, nt: int = TILES, x_stages: int = 2, x_arg=None) -> torch.Tensor:
-    """Runs a PIPELINE kernel (the shipped wgmma one, or a prototype's of another shape or layout) on x
-    [M, K]: grid (N / (16 nt warps), K slices of ``ips`` steps); ``x_arg`` is what the kernel
-    reads as x (by default x itself). Returns y [M, N] bf16."""
+           warps: int = WARPS, nt: int = TILES, x_stages: int = 2, x_arg=None, threads: int | None = None,
+           shared_mem: int | None = None) -> torch.Tensor:
+    """Runs a kernel with the ``ARGS`` parameters (a prototype's on this loop, or the shipped
+    warp-specialized wgmma one) on x [M, K]: grid (N / (16 nt warps), K slices of ``ips`` steps),
+    blocks of ``threads`` (default 32 warps) with ``shared_mem`` bytes (default this loop's
+    ``shared_bytes``); ``x_arg`` is what the kernel reads as x (by default x itself). Returns
+    y [M, N] bf16."""
     from qerl_kit.kernels.nvfp4_gemv_triton import _counters
 
     m, n, k = x.shape[0], packed.shape[0], packed.shape[1] * 2
@@ -307,8 +310,8 @@ def launch(kernel, x, packed, scales, global_scale, bias, ips: int, mt: int, sta
     slices = -(-(k // K_STEP) // ips)
     y = torch.empty((m, n), dtype=torch.bfloat16, device=x.device)
     ws = torch.empty(slices * m * n if slices > 1 else 1, dtype=torch.float32, device=x.device)
-    kernel(grid=(-(-n // rows), slices, 1), block=(32 * warps, 1, 1),
-           shared_mem=shared_bytes(mt, stages, warps, nt, x_stages),
+    kernel(grid=(-(-n // rows), slices, 1), block=(threads or 32 * warps, 1, 1),
+           shared_mem=shared_mem if shared_mem is not None else shared_bytes(mt, stages, warps, nt, x_stages),
            args=[x if x_arg is None else x_arg, m, x.stride(0), packed, packed.stride(0),
                  scales.view(torch.uint8), scales.stride(0),
                  global_scale, bias if bias is not None else y, int(bias is not None), y, y.stride(0), ws,

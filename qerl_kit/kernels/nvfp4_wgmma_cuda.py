@@ -43,7 +43,7 @@ import torch
 
 from qerl_kit.kernels import nvrtc
 from qerl_kit.kernels.backend import register_linear_op
-from qerl_kit.kernels.cuda_pipeline import K_STEP, PIPELINE, warp_stage, x_tiles
+from qerl_kit.kernels.cuda_pipeline import K_STEP, PIPELINE, launch, warp_stage, x_tiles
 
 CONSUMER_WARPS, TILES = 8, 2  # two consumer warpgroups, each warp two 16-row tiles
 ROWS = 16 * TILES * CONSUMER_WARPS  # weight rows per block
@@ -361,18 +361,8 @@ def nvfp4_wgmma_cuda(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor
         bias = bias.to(torch.bfloat16).contiguous()
     device = x.device.index if x.device.index is not None else torch.cuda.current_device()
     mt = x_tiles(m)
-    from qerl_kit.kernels.nvfp4_gemv_triton import _counters
-
-    slices = -(-(k // K_STEP) // ips)
-    y = torch.empty((m, n), dtype=torch.bfloat16, device=x.device)
-    ws = torch.empty(slices * m * n if slices > 1 else 1, dtype=torch.float32, device=x.device)
-    _compiled(mt, device)(
-        grid=(-(-n // ROWS), slices, 1), block=(THREADS, 1, 1), shared_mem=shared_bytes(mt),
-        args=[x, m, x.stride(0), packed, packed.stride(0), scales.view(torch.uint8), scales.stride(0),
-              global_scale, bias if bias is not None else y, int(bias is not None), y, y.stride(0), ws,
-              _counters(x.device), n, k, ips],
-        stream=torch.cuda.current_stream(x.device))
-    return y
+    return launch(_compiled(mt, device), x, packed, scales, global_scale, bias, ips, mt,
+                  warps=CONSUMER_WARPS, nt=TILES, threads=THREADS, shared_mem=shared_bytes(mt))
 
 
 nvfp4_wgmma_cuda_op = register_linear_op("nvfp4_wgmma_cuda", nvfp4_wgmma_cuda)
