@@ -15,8 +15,8 @@ and rank 0 writes ``ddp_w<W>[_strong].json`` into ``--out``. ``--report DIR`` tu
 into ``ddp_bench.md`` and ``ddp_bench.csv`` (samples/s, speedup and efficiency against W=1).
 
     bash bench/run_ddp_bench.sh                      # 1 GPU, then torchrun on 2, then the table
-    python bench/bench_ddp.py --device cpu --model qwen2-tiny --out /tmp/b   # CPU smoke test
-    python -m torch.distributed.run --nproc_per_node 2 bench/bench_ddp.py --device cpu --model qwen2-tiny --out /tmp/b
+    python -m bench.bench_ddp --device cpu --model qwen2-tiny --out /tmp/b   # CPU smoke test
+    python -m torch.distributed.run --nproc_per_node 2 -m bench.bench_ddp --device cpu --model qwen2-tiny --out /tmp/b
 
 NVLink multicast stays off in every process (NCCL_NVLS_ENABLE=0, TORCH_SYMM_MEM_DISABLE_MULTICAST=1,
 NVSHMEM_DISABLE_NVLS=1), set here before torch is imported and by the shell script.
@@ -43,7 +43,6 @@ import warnings  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
 
 class IdTokenizer:

@@ -1,28 +1,24 @@
-"""The fused decode step's LoRA: the grouped Triton kernels (``qerl_kit.engine.lora_kernels``, two
+"""The fused decode step's LoRA: the grouped Triton kernels (``qerl_kit.kernels.lora_triton``, two
 launches per projection group) against the torch path they replaced (a concatenation, a matmul and
 one ``addmm`` per projection) and against no LoRA work at all (a lower bound, wrong outputs), in the
 same run, on Qwen2.5-7B with random weights, LoRA r = 32, a 256-token prompt and 256 new tokens.
 
-    PYTHONPATH=. python bench/bench_lora_engine.py --out bench/results
-    PYTHONPATH=. python bench/bench_lora_engine.py --smoke --out /tmp/x   # CPU, tiny model
+    python -m bench.bench_lora_engine --out bench/results
+    python -m bench.bench_lora_engine --smoke --out /tmp/x   # CPU, tiny model
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
-import sys
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench import bench_rollout as br
 
-import bench_rollout as br  # noqa: E402
-
-import qerl_kit.engine.fast as fast  # noqa: E402
-from qerl_kit.engine.lora_kernels import lora_apply_, lora_apply_ref_  # noqa: E402
+import qerl_kit.engine.fast as fast
+from qerl_kit.kernels.lora_triton import lora_apply_, lora_apply_ref_
 
 PATHS = {"torch ops": lora_apply_ref_, "grouped kernels": lora_apply_, "no LoRA work": lambda y, *args: y}
 

@@ -14,8 +14,8 @@ Timing: each measurement captures a CUDA graph of R back-to-back calls that cycl
 copies of the weight (> 3x the L2 size) that no call finds its weight in L2, replays it after a
 warm-up, and reports the median replay time / R (CUDA events). Inputs are random, never zeros.
 
-    PYTHONPATH=. python bench/bench_nvfp4_gemm.py --out bench/results          # full table
-    PYTHONPATH=. python bench/bench_nvfp4_gemm.py --sweep --out /tmp/sweep     # tile configs
+    python -m bench.bench_nvfp4_gemm --out bench/results          # full table
+    python -m bench.bench_nvfp4_gemm --sweep --out /tmp/sweep     # tile configs
 """
 
 from __future__ import annotations
@@ -33,10 +33,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from qerl_kit.kernels import nvfp4_dgrad, nvfp4_linear  # noqa: E402
-from qerl_kit.models import PRESETS  # noqa: E402
+from qerl_kit.kernels import nvfp4_dgrad, nvfp4_linear
+from qerl_kit.models import PRESETS
 
 MODELS = ["Qwen2.5-7B", "Qwen2.5-14B", "Qwen2.5-32B", "Qwen2.5-72B"]
 MS = [1, 8, 64, 256, 2048, 8192]

@@ -2,8 +2,8 @@
 transformers' ``generate`` (bf16 + LoRA, bitsandbytes NF4 + LoRA = the QLoRA baseline) and the
 memory-bandwidth floor, on random-initialised Qwen2.5 shapes. Everything in one process, one run.
 
-    PYTHONPATH=. python bench/bench_rollout.py --out OUT            # the H200 run
-    PYTHONPATH=. python bench/bench_rollout.py --smoke --out /tmp/x # CPU smoke (tiny presets)
+    python -m bench.bench_rollout --out OUT            # the H200 run
+    python -m bench.bench_rollout --smoke --out /tmp/x # CPU smoke (tiny presets)
 
 Parts (``--parts``): ``check`` (engine with graphs == eager == HF on a small model, on the GPU),
 ``rollout`` (tokens/s per model x batch), ``step`` (one GRPO step: time split and peak memory).
@@ -20,7 +20,6 @@ import gc
 import json
 import os
 import platform
-import sys
 import time
 import traceback
 from pathlib import Path
@@ -28,10 +27,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from qerl_kit.engine import StaticEngine  # noqa: E402
-from qerl_kit.rollout import SamplingParams  # noqa: E402
+from qerl_kit.engine import StaticEngine
+from qerl_kit.rollout import SamplingParams
 
 T0 = time.perf_counter()
 LOG: list[str] = []
@@ -313,7 +310,7 @@ def part_rollout(args, device, results, bw):
                     log(f"{preset} bf16/nf4 failed: {err!r}\n{traceback.format_exc()}")
                 free()
         # 2) NVFP4 + LoRA on our engine, with and without AQN
-        if not any(v in variants for v in ("engine-nvfp4", "engine-nvfp4-aqn")):
+        if not any(v in variants for v in ("engine-nvfp4", "engine-nvfp4-ours", "engine-nvfp4-aqn")):
             continue
         if time.perf_counter() - T0 > args.budget:
             log(f"budget spent: skip {preset} nvfp4")
@@ -330,6 +327,13 @@ def part_rollout(args, device, results, bw):
                 prompts = random_prompts(batch, args.prompt, vocab)
                 if todo("engine-nvfp4", batch):
                     _case(rows, preset, "engine-nvfp4", batch, lambda: engine_run(peft, prompts, args.new), wb, peft, args, bw)
+                if todo("engine-nvfp4-ours", batch):  # the routing table without humming-kernels
+                    def run_ours():
+                        from qerl_kit.kernels import set_backend
+
+                        with set_backend("ours"):
+                            return engine_run(peft, prompts, args.new)
+                    _case(rows, preset, "engine-nvfp4-ours", batch, run_ours, wb, peft, args, bw)
                 if todo("engine-nvfp4-aqn", batch) and batch in args.aqn_batches:
                     def run_aqn():
                         with aqn.noise(peft, step=15):
@@ -375,8 +379,7 @@ def _case(rows, preset, variant, batch, fn, wb, model, args, bw):
 
 def part_step(args, device, results):
     """One GRPO step (8 prompts x group 8, prompt 256, 512 new tokens at fixed length)."""
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from bench_ddp import IdTokenizer  # prompts are whitespace-separated token ids
+    from bench.bench_ddp import IdTokenizer  # prompts are whitespace-separated token ids
 
     from qerl_kit.config import preset as cfg_preset
     from qerl_kit.trainer import Trainer
@@ -476,6 +479,12 @@ def main() -> None:
         import triton
 
         results["meta"].update(transformers=transformers.__version__, triton=triton.__version__)
+        from importlib.metadata import PackageNotFoundError, version
+
+        try:
+            results["meta"]["humming"] = version("humming-kernels")
+        except PackageNotFoundError:
+            results["meta"]["humming"] = "not installed"
     except ImportError:
         pass
     bw = copy_bandwidth(device)

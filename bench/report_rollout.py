@@ -1,6 +1,6 @@
 """Markdown tables from bench_rollout.py's results.json (rollout throughput, ratios, GRPO steps).
 
-    python bench/report_rollout.py RESULTS_DIR > bench/results/rollout_h200.md
+    python -m bench.report_rollout RESULTS_DIR > bench/results/rollout_h200.md
 """
 
 from __future__ import annotations
@@ -116,8 +116,7 @@ def main(argv: list[str]) -> None:
         write_to, argv = Path(argv[i + 1]), argv[:i] + argv[i + 2:]
     res = merge([json.loads((Path(p) / "results.json").read_text()) for p in (argv or ["bench/results/rollout"])])
     if write_to is not None:
-        sys.path.insert(0, str(Path(__file__).resolve().parent))
-        from bench_rollout import write
+        from bench.bench_rollout import write
 
         write({k: v for k, v in res.items() if v}, write_to, log=False)
     print(report(res))

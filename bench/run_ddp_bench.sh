@@ -20,18 +20,18 @@ mkdir -p "$OUT"
 status=0
 
 echo "== 1 GPU (plain process) =="
-CUDA_VISIBLE_DEVICES="${CUDA_VISIBLE_DEVICES:-0}" "$PY" bench/bench_ddp.py --out "$OUT" "$@" 2>&1 \
+CUDA_VISIBLE_DEVICES="${CUDA_VISIBLE_DEVICES:-0}" "$PY" -m bench.bench_ddp --out "$OUT" "$@" 2>&1 \
   | tee "$OUT/log_1gpu.txt" || status=1
 
 echo "== $NPROC GPUs (torchrun, DDP over the adapter) =="
-"$PY" -m torch.distributed.run --standalone --nproc_per_node "$NPROC" bench/bench_ddp.py --out "$OUT" "$@" 2>&1 \
+"$PY" -m torch.distributed.run --standalone --nproc_per_node "$NPROC" -m bench.bench_ddp --out "$OUT" "$@" 2>&1 \
   | tee "$OUT/log_${NPROC}gpu.txt" || status=1
 
 if [ "${STRONG:-0}" = "1" ]; then
   echo "== $NPROC GPUs, same global batch as 1 GPU (strong scaling) =="
-  "$PY" -m torch.distributed.run --standalone --nproc_per_node "$NPROC" bench/bench_ddp.py --out "$OUT" --strong "$@" 2>&1 \
+  "$PY" -m torch.distributed.run --standalone --nproc_per_node "$NPROC" -m bench.bench_ddp --out "$OUT" --strong "$@" 2>&1 \
     | tail -n 40 || status=1
 fi
 
-"$PY" bench/bench_ddp.py --report "$OUT" || status=1
+"$PY" -m bench.bench_ddp --report "$OUT" || status=1
 exit $status

@@ -6,8 +6,9 @@ forward dequantizes it to the activation dtype, multiplies, and drops the dense 
 backward pass dequantizes again to compute the input gradient ``dx = dy @ W``. So no bf16 copy of
 a weight outlives a call, and the base never receives a gradient.
 
-This module is the plain-PyTorch reference path that runs everywhere; the fused Triton kernels
-for CUDA come in behind the same layer (``qerl_kit.kernels``).
+MXFP4 and NF4 layers run the plain-PyTorch path; NVFP4 layers go through ``qerl_kit.kernels``,
+whose routing table picks humming-kernels or our kernels on CUDA and the same reference elsewhere.
+A forward that needs no gradient (rollouts, evaluation) skips autograd's bookkeeping.
 """
 
 from __future__ import annotations
@@ -16,43 +17,42 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from qerl_kit import mxfp4, nf4, nvfp4
+from qerl_kit import kernels, mxfp4, nf4, nvfp4
 
 
 class _FrozenQuantMatmul(torch.autograd.Function):
-    """y = x @ W^T + b with W dequantized on the fly in forward and again in backward.
-
-    NVFP4 layers go through ``qerl_kit.kernels`` (fused Triton kernels on CUDA, which never build
-    the dense weight; this same reference elsewhere, see ``qerl_kit.kernels.backend``); MXFP4
-    and NF4 always take the reference path.
-    """
+    """y = x @ W^T + b with W dequantized on the fly in forward and again in backward (MXFP4, NF4:
+    the plain-PyTorch path)."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, layer: "QuantLinear") -> torch.Tensor:
         ctx.layer = layer
         bias = None if layer.bias is None else layer.bias.to(x.dtype)
-        if layer.fmt == "nvfp4":
-            from qerl_kit import kernels
-
-            if kernels.resolve(x) is kernels.Backend.TRITON:
-                return kernels.nvfp4_linear(x, layer.packed, layer.scales, layer.global_scale, bias,
-                                            backend=kernels.Backend.TRITON)
         return F.linear(x, layer.dequantized_weight(x.dtype), bias)
 
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor):
         grad_x = None
         if ctx.needs_input_grad[0]:
-            layer = ctx.layer
-            if layer.fmt == "nvfp4":
-                from qerl_kit import kernels
-
-                if kernels.resolve(grad_out) is kernels.Backend.TRITON:
-                    grad_x = kernels.nvfp4_dgrad(grad_out, layer.packed, layer.scales,
-                                                 layer.global_scale, backend=kernels.Backend.TRITON)
-                    return grad_x, None
-            grad_x = grad_out @ layer.dequantized_weight(grad_out.dtype)
+            grad_x = grad_out @ ctx.layer.dequantized_weight(grad_out.dtype)
         return grad_x, None
+
+
+class _NVFP4Matmul(torch.autograd.Function):
+    """y = x @ W^T + b for an NVFP4 weight, routed by ``qerl_kit.kernels`` (humming-kernels or our
+    kernels on CUDA, the reference elsewhere); the input gradient comes from the packed weight too."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, layer: "NVFP4Linear") -> torch.Tensor:
+        ctx.layer = layer
+        return kernels.nvfp4_linear(x, layer.packed, layer.scales, layer.global_scale, layer.bias)
+
+    @staticmethod
+    def backward(ctx, grad_out: torch.Tensor):
+        if not ctx.needs_input_grad[0]:
+            return None, None
+        layer = ctx.layer
+        return kernels.nvfp4_dgrad(grad_out, layer.packed, layer.scales, layer.global_scale), None
 
 
 class QuantLinear(nn.Module):
@@ -115,6 +115,11 @@ class NVFP4Linear(QuantLinear):
 
     def quant_tensor(self) -> nvfp4.NVFP4Tensor:
         return nvfp4.NVFP4Tensor(self.packed, self.scales, self.global_scale)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.requires_grad and torch.is_grad_enabled():
+            return _NVFP4Matmul.apply(x, self)
+        return kernels.nvfp4_linear(x, self.packed, self.scales, self.global_scale, self.bias)
 
 
 class MXFP4Linear(QuantLinear):

@@ -20,7 +20,7 @@ from torch import nn
 
 from qerl_kit import nvfp4
 from qerl_kit.formats import get_format
-from qerl_kit.linear import LINEAR_CLASSES, QuantLinear
+from qerl_kit.linear import LINEAR_CLASSES, NVFP4Linear, QuantLinear
 from qerl_kit.table import html_table, human_bytes, text_table
 
 FUSED_GROUPS: tuple[tuple[str, ...], ...] = (
@@ -196,3 +196,25 @@ def memory_report(model: nn.Module) -> MemoryReport:
         key = str(t.dtype).replace("torch.", "")
         dense_by_dtype[key] = dense_by_dtype.get(key, 0) + t.numel() * t.element_size()
     return MemoryReport(packed, scales, sum(dense_by_dtype.values()), dense_by_dtype)
+
+
+def nvfp4_shapes(model: nn.Module) -> list[tuple[int, int]]:
+    """The distinct (N, K) weight shapes of a model's NVFP4 layers."""
+    return sorted({(m.out_features, m.in_features) for m in model.modules() if isinstance(m, NVFP4Linear)})
+
+
+def prepare_kernels(model: nn.Module, dtype: torch.dtype | None = None, extra_shapes=(),
+                    progress: bool = True) -> dict[tuple[int, int], float]:
+    """Compile the NVFP4 GPU kernels (humming-kernels) for every NVFP4 layer shape of a model on a
+    GPU, and ``extra_shapes`` (a rollout engine's fused q/k/v and gate/up), now and with a progress
+    bar, instead of 13-15 s at the first call of each shape: {(N, K): seconds}. Shapes already in
+    humming's disk cache take milliseconds; {} when the model is not on a GPU or humming is not
+    usable (``qerl_kit.kernels.kernel_status()`` says why)."""
+    from qerl_kit import kernels
+
+    if dtype is None:
+        dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.bfloat16)
+    device = next((b.device for b in model.buffers() if b.is_cuda), None)
+    if device is None or dtype not in (torch.bfloat16, torch.float16):
+        return {}
+    return kernels.compile_shapes(nvfp4_shapes(model) + list(extra_shapes), dtype, device, progress)

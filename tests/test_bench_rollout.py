@@ -14,7 +14,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def _bench(out, *extra):
-    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "bench_rollout.py"), "--smoke", "--parts", "rollout",
+    proc = subprocess.run([sys.executable, "-m", "bench.bench_rollout", "--smoke", "--parts", "rollout",
                            "--out", str(out), *extra], cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     return proc.stdout
@@ -39,7 +39,7 @@ def test_skip_done_runs_only_missing_cases_and_reports_merge(tmp_path):
     _bench(tmp_path / "b", "--skip-done", str(partial))
     assert _cases(tmp_path / "b" / "rollout.csv") == {("qwen2-tiny", "engine-nvfp4", 4)}
 
-    report = subprocess.run([sys.executable, str(ROOT / "bench" / "report_rollout.py"), str(tmp_path / "a"),
+    report = subprocess.run([sys.executable, "-m", "bench.report_rollout", str(tmp_path / "a"),
                              str(tmp_path / "b"), "--write", str(tmp_path / "merged")],
                             cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert report.returncode == 0, report.stderr[-2000:]
@@ -52,7 +52,7 @@ def test_skip_done_runs_only_missing_cases_and_reports_merge(tmp_path):
 
 
 def test_lora_engine_bench_smoke_writes_its_table(tmp_path):
-    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "bench_lora_engine.py"), "--smoke", "--out", str(tmp_path)],
+    proc = subprocess.run([sys.executable, "-m", "bench.bench_lora_engine", "--smoke", "--out", str(tmp_path)],
                           cwd=ROOT, capture_output=True, text=True, timeout=600,
                           env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]

@@ -5,14 +5,14 @@ E4M3 scale, and the exactness of their product), and a lane-by-lane emulation of
 K permutation and MMA fragments (laid out as the PTX ISA defines m16n8k16) is compared with the
 reference. On a GPU the kernel itself runs against the reference at real layer shapes, every row
 count 1..16, with bias, strided x, the K tail, both tile widths, split and unsplit K, through the
-dispatcher and captured in a CUDA graph.
+dispatcher (where the routing table sends it) and captured in a CUDA graph.
 """
 
 import pytest
 import torch
 
 from qerl_kit import nvfp4
-from qerl_kit.kernels import forward_kernel, forward_path, nvfp4_linear, nvfp4_linear_ref, set_backend
+from qerl_kit.kernels import nvfp4_linear, nvfp4_linear_ref, route, set_backend
 from qerl_kit.kernels import nvfp4_decode_cuda as dec
 
 CUDA = torch.cuda.is_available()
@@ -157,21 +157,6 @@ def test_cpu_tensors_never_take_the_cuda_kernel():
         assert dec.cuda_decode_status() == (False, "no CUDA device")
 
 
-def test_forward_path_on_cpu_is_the_triton_rule():
-    q = nvfp4.quantize(torch.randn(32, 128))
-    for m in (1, 8, 33, 64, 65):
-        x = torch.randn(m, 128, dtype=torch.bfloat16)
-        assert forward_path(x, q.packed, q.scales) == forward_kernel(m, 32)
-    assert forward_path(torch.randn(65, 128, dtype=torch.bfloat16), q.packed, q.scales) == "gemm"
-
-
-def test_preferred_routes_by_rows_and_layer_size():
-    assert dec.preferred(1, 512, 3584) and not dec.preferred(1, 13824, 5120) and dec.preferred(1, 55296, 5120)
-    assert dec.preferred(2, 512, 3584) and not dec.preferred(3, 512, 3584) and dec.preferred(4, 55296, 5120)
-    assert dec.preferred(8, 37888, 3584) and not dec.preferred(8, 3584, 3584)
-    assert not dec.preferred(9, 55296, 5120) and not dec.preferred(16, 37888, 3584)
-
-
 def test_choose_config_covers_the_gpu_and_keeps_slices_nonempty():
     for m, n, k in [(1, 512, 3584), (8, 37888, 3584), (16, 5120, 27648), (1, 8192, 29568)]:
         nt, ips = dec.choose_config(m, n, k, sms=132)
@@ -234,21 +219,21 @@ def assert_strided_deterministic_and_dispatched(kernel, path, x, q):
     y = kernel(x, q.packed, q.scales, q.global_scale)
     assert _rel(y, _exact(x, q)) < 3e-3
     assert torch.equal(y, kernel(x.contiguous(), q.packed, q.scales, q.global_scale))
-    assert forward_path(x, q.packed, q.scales) == path
-    assert forward_path(x, q.packed, q.scales, backend="triton") == "decode"
+    assert route("forward", x, q.packed, q.scales) == path
+    assert route("forward", x, q.packed, q.scales, backend="triton") == "triton_gemv"
     assert torch.equal(y, nvfp4_linear(x, q.packed, q.scales, q.global_scale))   # auto -> this kernel
     with set_backend("triton"):                          # forcing Triton keeps Triton
         assert _rel(nvfp4_linear(x, q.packed, q.scales, q.global_scale), _exact(x, q)) < 1e-2
     return y
 
 
-def assert_graph_replays_match(kernel, x, q):
-    """``nvfp4_linear`` on x captured in a CUDA graph: three replays on new x, each bitwise equal to
-    an eager call of ``kernel``."""
-    nvfp4_linear(x, q.packed, q.scales, q.global_scale)  # warm-up: compiles, allocates the counters
+def assert_graph_replays_match(kernel, x, q, backend="ours"):
+    """``nvfp4_linear`` on x (on ``backend``, where the table sends this call to ``kernel``)
+    captured in a CUDA graph: three replays on new x, each bitwise equal to an eager call of ``kernel``."""
+    nvfp4_linear(x, q.packed, q.scales, q.global_scale, backend=backend)  # warm-up: compiles, allocates the counters
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        y = nvfp4_linear(x, q.packed, q.scales, q.global_scale)
+        y = nvfp4_linear(x, q.packed, q.scales, q.global_scale, backend=backend)
     for _ in range(3):
         x.copy_(torch.randn(x.shape, device="cuda").to(torch.bfloat16))
         graph.replay()
@@ -263,7 +248,7 @@ def test_gpu_strided_rows_determinism_and_dispatch():
     buf = torch.randn(3, 4096, device="cuda").to(torch.bfloat16)
     x = buf[:, :3584]                                    # row stride 4096
     assert dec.supports(x, q.packed, q.scales)
-    assert_strided_deterministic_and_dispatched(dec.nvfp4_decode_cuda, "cuda", x, q)
+    assert_strided_deterministic_and_dispatched(dec.nvfp4_decode_cuda, "cuda_decode", x, q)
     odd = torch.randn(2, 3584 + 64, device="cuda").to(torch.bfloat16)[:, 64:]  # fine: 128-byte offset
     assert dec.supports(odd, q.packed, q.scales)
     assert not dec.supports(torch.randn(2, 3584, device="cuda").half(), q.packed, q.scales)  # fp16 -> Triton

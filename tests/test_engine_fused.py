@@ -15,9 +15,9 @@ IN_PROCESS = triton_interp.enable()  # before Triton's first import
 triton = pytest.importorskip("triton", reason="the fused kernels need triton")
 
 from qerl_kit.engine import StaticEngine  # noqa: E402
-from qerl_kit.engine.fused import (add_rmsnorm, add_rmsnorm_ref, rope_to_cache, rope_to_cache_ref,  # noqa: E402
-                                   silu_mul, silu_mul_ref)
-from qerl_kit.engine.lora_kernels import kernels_take, lora_apply_, lora_apply_ref_  # noqa: E402
+from qerl_kit.kernels.engine_fused import (add_rmsnorm, add_rmsnorm_ref, rope_to_cache,  # noqa: E402
+                                           rope_to_cache_ref, silu_mul, silu_mul_ref)
+from qerl_kit.kernels.lora_triton import kernels_take, lora_apply_, lora_apply_ref_  # noqa: E402
 from qerl_kit.lora import attach_lora  # noqa: E402
 from qerl_kit.models import build_model  # noqa: E402
 from qerl_kit.quantize import quantize_model  # noqa: E402

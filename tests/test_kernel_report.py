@@ -5,7 +5,7 @@ import torch
 
 from qerl_kit import kernels
 from qerl_kit.kernels import Backend
-from qerl_kit.kernels.report import LABELS, KernelReport, kernel_report
+from qerl_kit.kernel_report import LABELS, KernelReport, kernel_report
 
 CUDA = torch.cuda.is_available()
 
@@ -21,12 +21,12 @@ def tiny():
 def test_status_names_every_kernel_family_and_why_one_is_off():
     report = kernel_report()
     assert [name for name, _, _ in report.kernels] == [
-        "Triton kernels", "CUDA decode kernel (1-8 rows)", "wgmma kernel (17-64 rows, sm_90)"]
+        "humming-kernels", "Triton kernels", "CUDA decode kernel (1-16 rows)"]
     assert report.layers == () and report.rows == ()
     assert report.backend == kernels.get_backend().value
     if not CUDA:
-        assert report.kernels[1][1:] == (False, "no CUDA device") and report.kernels[2][1:] == (False, "no CUDA device")
-        assert "wgmma kernel (17-64 rows, sm_90): off (no CUDA device)" in str(report)
+        assert report.kernels[2][1:] == (False, "no CUDA device") and not report.kernels[0][1]
+        assert "CUDA decode kernel (1-16 rows): off (no CUDA device)" in str(report)
 
 
 def test_layers_share_a_row_per_shape_and_cpu_calls_take_the_reference(tiny):
@@ -43,21 +43,28 @@ def test_layers_share_a_row_per_shape_and_cpu_calls_take_the_reference(tiny):
     assert all(p == ("reference",) for *_, p in kernel_report(tiny, rows=(8,), backend="reference").layers)
 
 
-def test_paths_follow_the_dispatcher_when_the_kernels_run(tiny, monkeypatch):
-    monkeypatch.setattr(kernels, "resolve", lambda x, backend=None: Backend.TRITON)   # as on a GPU
-    report = kernel_report(tiny, rows=(1, 8, 64, 256, 2048), dtype=torch.bfloat16)
-    for _, n, _, paths in report.layers:
-        # the Triton rule on tensors that are not CUDA: decode up to 64 rows on these narrow layers,
-        # then the tiled kernel (the dense path and the CUDA kernels need CUDA tensors)
-        assert paths == ("decode", "decode", "decode", "fused", "fused") and n < kernels.WIDE_N
+def test_paths_come_from_the_routing_table_when_the_kernels_run(tiny, monkeypatch):
+    """With every kernel runnable (faked, as on a GPU with humming), the report shows the table's
+    first row for each shape and row count; these tiny layers (< 8M weights) stay on our kernels."""
+    monkeypatch.setattr(kernels, "_runs", lambda kernel, *a: True)
+    monkeypatch.setattr(kernels, "_route", lambda op, x2, p, s, choice: next(
+        r.kernel for r in kernels.routes.candidates(op, x2.shape[0], p.shape[0], p.shape[1] * 2, x2.dtype)))
+    kernels._forget_routes()
+    try:
+        report = kernel_report(tiny, rows=(1, 8, 64, 256, 2048), dtype=torch.bfloat16)
+    finally:
+        kernels._forget_routes()
+    for _, n, k, paths in report.layers:
+        assert n * k < 8 << 20
+        assert paths == ("cuda_decode", "triton_gemv", "triton_gemv", "dense", "dense")
     text = str(report)
-    assert "Triton decode" in text and "Triton tiles" in text and "256 rows" in text
+    assert "CUDA decode" in text and "Triton decode" in text and "dequant + cuBLAS" in text and "256 rows" in text
 
 
 def test_html_escapes_and_labels_every_path():
     report = KernelReport(backend="auto", device="cuda:0", kernels=(("<k>", False, "a & b"),),
-                          rows=(1, 64), layers=(("q<", 5120, 5120, ("cuda", "wgmma")),))
+                          rows=(1, 64), layers=(("q<", 5120, 5120, ("cuda_decode", "humming")),))
     page = report._repr_html_()
     assert "&lt;k&gt;" in page and "a &amp; b" in page and "q&lt;" in page and "<b>off</b>" in page
-    assert "<td>CUDA decode</td><td>wgmma</td>" in page
-    assert set(LABELS) == {"reference", "cuda", "wgmma", "decode", "fused", "dense"}
+    assert "<td>CUDA decode</td><td>humming</td>" in page
+    assert set(LABELS) == kernels.routes.KERNELS

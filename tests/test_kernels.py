@@ -297,13 +297,17 @@ def test_nvfp4_linear_forward_and_backward_through_kernels(rows):
     assert _rel(y, y_ref) < TOL[torch.bfloat16] and _rel(x.grad, x_ref.grad) < TOL[torch.bfloat16]
 
 
-def test_forward_routing_by_rows_and_width():
-    from qerl_kit.kernels import DECODE_MAX_M, WIDE_N, forward_kernel
+def test_forced_triton_routes_by_rows_and_width():
+    from qerl_kit.kernels import route
+    from qerl_kit.kernels.routes import WIDE_N
 
-    assert [forward_kernel(m, 4096) for m in (1, 8, 32, 33, DECODE_MAX_M, DECODE_MAX_M + 1)] == \
-        ["decode"] * 5 + ["gemm"]
-    assert [forward_kernel(m, WIDE_N) for m in (1, 32, 33, DECODE_MAX_M)] == ["decode", "decode", "gemm", "gemm"]
-    assert forward_kernel(DECODE_MAX_M, WIDE_N - 1) == "decode"
+    def kernel(m, n):
+        return route("forward", _randn(m, 64, dtype=torch.bfloat16, seed=m), *_weight(n, 64, seed=n)[:2],
+                     backend="triton")
+
+    assert [kernel(m, 64) for m in (1, 8, 32, 33, 64, 65, 200)] == ["triton_gemv"] * 5 + ["triton_tiles"] * 2
+    # the wide fused gate/up widths take the tiled kernel from 33 rows (dense needs CUDA tensors)
+    assert [kernel(m, WIDE_N) for m in (32, 33)] == ["triton_gemv", "triton_tiles"]
 
 
 def test_ops_are_registered_with_fake_implementations():

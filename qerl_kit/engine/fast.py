@@ -12,10 +12,10 @@ launches whatever the number of adapters in it:
   kernel / cuBLAS call over the concatenated weight.
 * **LoRA unmerged, read live.** peft's matrices are used in place: ``t = x @ [A_q; A_k; A_v]^T``,
   then ``y[:, q] += s * t[:, :r] @ B_q^T`` for every projection into the fused output, as two
-  Triton launches per group (``qerl_kit.engine.lora_kernels``; the torch version was a
+  Triton launches per group (``qerl_kit.kernels.lora_triton``; the torch version was a
   concatenation, a matmul and one ``addmm`` per projection: five kernels for q/k/v). Captured
   CUDA graphs therefore never go stale when the adapter trains.
-* Elementwise chains are ``qerl_kit.engine.fused`` kernels (residual add + RMSNorm, RoPE +
+* Elementwise chains are ``qerl_kit.kernels.engine_fused`` kernels (residual add + RMSNorm, RoPE +
   cache write, SiLU x up); attention is ``scaled_dot_product_attention`` with the grouped query
   heads laid out as [rows, kv_heads, group, head_dim], so K/V are never expanded.
 
@@ -32,8 +32,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from qerl_kit.engine.fused import add_rmsnorm, rope_to_cache, silu_mul
-from qerl_kit.engine.lora_kernels import lora_apply_
+from qerl_kit.kernels.engine_fused import add_rmsnorm, rope_to_cache, silu_mul
+from qerl_kit.kernels.lora_triton import lora_apply_
 
 
 @dataclass
@@ -163,6 +163,14 @@ class FusedPlan:
         self.dec = decoder
         self.layers = [_LayerPlan(layer, i) for i, layer in enumerate(decoder.layers)]
         self.final_eps = _eps(decoder.norm)
+        # The fused NVFP4 weights' GEMM kernels compile now (humming-kernels: 13-15 s per new shape,
+        # with a progress bar), not inside the first rollout; each weight repacks at its first call.
+        groups = [g for lp in self.layers for g in (lp.qkv, lp.o, lp.gate_up, lp.down) if g.kind == "nvfp4"]
+        if groups and groups[0].packed.is_cuda:
+            from qerl_kit import kernels
+
+            kernels.compile_shapes({(g.packed.shape[0], g.packed.shape[1] * 2) for g in groups}, decoder.dtype,
+                                   groups[0].packed.device)
 
     @classmethod
     def build(cls, decoder) -> tuple["FusedPlan | None", str]:

@@ -1,133 +1,203 @@
-"""Fused NVFP4 kernels (Triton) behind a backend switch, with plain-PyTorch references.
+"""NVFP4 matmuls from the packed weight, routed by one table, with plain-PyTorch references.
 
 The two entry points take the packed weight of an ``NVFP4Linear`` (``packed``, ``scales``,
-``global_scale``) and never build a dense copy of it on the Triton path::
+``global_scale``) and never build a dense copy of it except on the ``dense`` path (a transient
+bf16 weight, freed after the call)::
 
     y  = nvfp4_linear(x, packed, scales, global_scale, bias)   # x [..., K] -> [..., N]
     dx = nvfp4_dgrad(dy, packed, scales, global_scale)         # dy [..., N] -> [..., K]
 
-Which implementation runs is decided by ``backend`` (``set_backend``, ``QERL_KERNEL_BACKEND``):
-Triton on CUDA when it imports, the reference (dequantize + torch matmul) elsewhere. On ``auto``,
-bf16 forward calls with at most ``CUDA_DECODE_MAX_M`` rows go to the CUDA C decode kernel
-(``nvfp4_decode_cuda``, compiled with NVRTC at first use) when it compiles, the shape fits and it
-beat Triton at that size on the H200 (``nvfp4_decode_cuda.preferred``);
-forcing ``triton`` keeps them on Triton. Likewise, on ``auto``, bf16 forward calls of 17..64 rows
-go to the Hopper wgmma kernel (``nvfp4_wgmma_cuda``, sm_90a only) on the large layers where it
-beat Triton on the H200 (``nvfp4_wgmma_cuda.preferred``). Otherwise, forward calls with at most ``DECODE_MAX_M``
-rows go to the Triton decode kernel
-(``nvfp4_gemv_triton``: a block-dot CUDA-core kernel for one row, tensor cores for 2..64),
-except wide layers (N >= ``WIDE_N``) with more than 32 rows; the rest go to
-``nvfp4_gemm_triton``, which runs its fused tiled kernel below ``DENSE_MIN_M`` rows and, from
-there on, a fused dequantization pass into a transient bf16 weight (freed after the call; on wide
-layers from 2048 rows, 4096 weight rows at a time through one buffer)
-followed by cuBLAS, which was faster on the H200 (docs/kernels.md).
-The input gradient (``nvfp4_dgrad_triton``) follows the same rule.
-Each kernel is also a ``torch.ops.qerl_kit.*`` custom op, so ``torch.compile`` and CUDA graphs can
-capture it (run one eager call per shape first: that is when the autotuner picks a config).
+Which kernel runs is decided once per call by ``route``: the backend switch (``set_backend``,
+``QERL_KERNEL_BACKEND``) says which kernels may run, and the first row of the routing table
+``qerl_kit.kernels.routes.ROUTES`` that matches the call and whose kernel can run it here wins.
+The decision is cached per call shape, so an eager call costs a dictionary lookup before its
+launch. Backends:
 
-``kernel_report(model)`` says which of these each NVFP4 layer shape of a model takes at a few row
-counts on this machine, and why a kernel family is off.
+* ``auto`` (default): every kernel in the table (humming-kernels where installed, our CUDA C
+  decode kernel and Triton kernels); the reference for CPU tensors and dtypes they do not take.
+* ``ours``: the table without humming (what ran before it; the A/B baseline).
+* ``triton``: our Triton kernels only (on CPU tensors under ``TRITON_INTERPRET=1``, as in CI).
+* ``humming``: humming for every forward it can take (an error if it cannot run here).
+* ``reference``: dequantize, then torch matmul (the oracle).
 
-Importing this package does not import Triton; the kernel modules load on first use.
+``compile_shapes(shapes)`` compiles humming's kernels for weight shapes up front, with a progress
+bar (else the first call of each shape compiles, 13-15 s on the H200);
+``qerl_kit.quantize.prepare_kernels(model)`` does it for every NVFP4 layer shape of a model.
+``kernel_status()`` says which kernel families can run here and why not;
+``qerl_kit.kernel_report(model)`` shows the route every layer shape takes.
+
+Importing this package imports neither Triton nor humming; the kernel modules load on first use.
 """
 
 from __future__ import annotations
 
 import torch
 
-from qerl_kit.kernels.backend import (ENV_VAR, Backend, _parse, get_backend, resolve, set_backend,
-                                      triton_status)
+from qerl_kit.kernels import routes
+from qerl_kit.kernels.backend import (ENV_VAR, KERNEL_DTYPES, Backend, _parse, get_backend, interpreting, resolve,
+                                      set_backend, triton_status)
 from qerl_kit.kernels.reference import nvfp4_dgrad_ref, nvfp4_linear_ref
-from qerl_kit.kernels.report import KernelReport, kernel_report
-
-DECODE_MAX_M = 64
-# From bench/results/sweep_small_m_h200.md: at 33..64 rows the tiled GEMM (64x128x128) beat the
-# decode kernel on the fused gate/up layers (N = 37888 and 55296: 0.91-0.97x bf16 against
-# 0.69-0.79x) and lost on N <= 7168.
-WIDE_N = 32768
-CUDA_DECODE_MAX_M = 8  # rows sent to nvfp4_decode_cuda on the auto backend (where it wins: preferred())
 
 __all__ = [
-    "Backend", "ENV_VAR", "DECODE_MAX_M", "WIDE_N", "CUDA_DECODE_MAX_M", "forward_kernel", "forward_path",
-    "cuda_decode_status", "wgmma_status", "kernel_report", "KernelReport", "get_backend", "set_backend", "resolve", "triton_status", "nvfp4_linear", "nvfp4_dgrad", "nvfp4_linear_ref", "nvfp4_dgrad_ref",
+    "Backend", "ENV_VAR", "route", "kernel_status", "compile_shapes", "get_backend", "set_backend", "resolve",
+    "triton_status", "nvfp4_linear", "nvfp4_dgrad", "nvfp4_linear_ref", "nvfp4_dgrad_ref",
 ]
 
-
-def _ops():
-    # Importing the kernel modules registers torch.ops.qerl_kit.nvfp4_{gemm,gemv,dgrad,decode_cuda,wgmma_cuda}.
-    from qerl_kit.kernels import (nvfp4_decode_cuda, nvfp4_dgrad_triton, nvfp4_gemm_triton,  # noqa: F401
-                                  nvfp4_gemv_triton, nvfp4_wgmma_cuda)
-
-    return torch.ops.qerl_kit
+TRITON_ONLY = frozenset({"triton_gemv", "triton_tiles", "dense", "triton_dgrad"})
+_ALLOWED = {Backend.AUTO: routes.KERNELS, Backend.OURS: routes.OURS, Backend.TRITON: TRITON_ONLY,
+            Backend.HUMMING: TRITON_ONLY | {"humming"}}
 
 
-def cuda_decode_status() -> tuple[bool, str]:
-    """(usable, reason): whether the CUDA C decode kernel compiles and runs here (decided once)."""
-    from qerl_kit.kernels.nvfp4_decode_cuda import cuda_decode_status as status
+# -- what can run here ----------------------------------------------------------------------------
 
-    return status()
+def _dec():
+    from qerl_kit.kernels import nvfp4_decode_cuda
 
-
-def wgmma_status() -> tuple[bool, str]:
-    """(usable, reason): whether the Hopper wgmma kernel compiles and runs here (decided once)."""
-    from qerl_kit.kernels.nvfp4_wgmma_cuda import wgmma_status as status
-
-    return status()
+    return nvfp4_decode_cuda
 
 
-def _cuda_path(x2: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, backend) -> str | None:
-    """"cuda" (``nvfp4_decode_cuda``, up to ``CUDA_DECODE_MAX_M`` rows) or "wgmma"
-    (``nvfp4_wgmma_cuda``) where a CUDA C kernel takes this call on the auto backend: the call fits
-    it, it beat Triton at this size (its ``preferred``) and it compiles here; None otherwise."""
+_hm = None  # qerl_kit.kernels.nvfp4_humming once loaded (a module lookup per call costs a microsecond)
+
+
+def _humming():
+    global _hm
+    if _hm is None:
+        from qerl_kit.kernels import nvfp4_humming
+
+        _hm = nvfp4_humming
+    return _hm
+
+
+def kernel_status() -> tuple[tuple[str, bool, str], ...]:
+    """(kernel family, usable here, why) for humming, the Triton kernels and our CUDA C kernel."""
+    return (("humming-kernels", *_humming().humming_status()), ("Triton kernels", *triton_status()),
+            ("CUDA decode kernel (1-16 rows)", *_dec().cuda_decode_status()))
+
+
+def _runs(kernel: str, x2: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor) -> bool:
+    """Whether ``kernel`` can take this call on this machine (installed, compiled, tensors fit)."""
+    if kernel in TRITON_ONLY:
+        if not triton_status()[0]:
+            return False
+        if not x2.is_cuda:  # Triton's CPU interpreter: the fused kernels only (as before the table)
+            return interpreting() and kernel != "dense"
+        return True
+    if not x2.is_cuda:
+        return kernel == "reference"
+    if kernel == "humming":
+        return _humming().humming_status()[0]
+    if kernel == "cuda_decode":
+        return _dec().supports(x2, packed, scales) and _dec().cuda_decode_status()[0]
+    return kernel == "reference"
+
+
+_decisions: dict[tuple, str] = {}
+
+
+def route(op: str, x2: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor,
+          backend: Backend | str | None = None) -> str:
+    """The kernel ``op`` ("forward" or "dgrad") runs for the 2-D activation ``x2`` (x [M, K] or
+    dy [M, N]) and this weight: a key of ``routes.KERNELS``. Cached per call shape."""
     choice = _parse(backend) if backend is not None else get_backend()
-    if choice is not Backend.AUTO or not x2.is_cuda:
-        return None
-    from qerl_kit.kernels import nvfp4_decode_cuda as dec
-    from qerl_kit.kernels import nvfp4_wgmma_cuda as wg
+    # What the table's conditions and the kernels' alignment checks read, and nothing else.
+    key = (op, choice, x2.device.type, x2.dtype, x2.shape[0], packed.shape[0], packed.shape[1], x2.stride(0),
+           x2.stride(1), x2.data_ptr() % 16, packed.stride(0) % 16, packed.stride(1), packed.data_ptr() % 16,
+           scales.stride(0) % 8, scales.stride(1), scales.data_ptr() % 8)
+    kernel = _decisions.get(key)
+    if kernel is None:
+        kernel = _decisions[key] = _route(op, x2, packed, scales, choice)
+    return kernel
 
+
+def _route(op, x2, packed, scales, choice: Backend) -> str:
+    if choice is Backend.REFERENCE:
+        return "reference"
+    if choice is Backend.AUTO and (not x2.is_cuda or x2.dtype not in KERNEL_DTYPES):
+        return "reference"
+    if choice is Backend.HUMMING and op == "forward":
+        ok, why = _humming().humming_status()
+        if not ok or not x2.is_cuda:
+            raise RuntimeError(f"kernel backend 'humming' was forced but cannot run on {x2.device}: {why}")
+        return "humming"
+    if choice is not Backend.AUTO:
+        resolve(x2, Backend.TRITON)  # a forced backend of our kernels must run here: raises why not
+    allowed = _ALLOWED[choice] | {"reference"}
     m, n, k = x2.shape[0], packed.shape[0], packed.shape[1] * 2
-    for path, kernel, status, max_m in (("cuda", dec, dec.cuda_decode_status, CUDA_DECODE_MAX_M),
-                                        ("wgmma", wg, wg.wgmma_status, wg.MAX_M)):
-        if m <= max_m and kernel.preferred(m, n, k) and kernel.supports(x2, packed, scales) and status()[0]:
-            return path
-    return None
+    for row in routes.candidates(op, m, n, k, x2.dtype):
+        if row.kernel in allowed and _runs(row.kernel, x2, packed, scales):
+            return row.kernel
+    return "reference"  # unreachable: the table ends with a catch-all reference row
 
 
-def forward_kernel(m: int, n: int) -> str:
-    """Which Triton kernel module takes a forward of ``m`` rows into ``n`` features: "decode"
-    (``nvfp4_gemv_triton``) or "gemm" (``nvfp4_gemm_triton``, fused or dense by its own rule)."""
-    return "decode" if m <= 32 or (m <= DECODE_MAX_M and n < WIDE_N) else "gemm"
+def _forget_routes() -> None:
+    """Drop cached decisions (after a kernel family was turned off, or in tests)."""
+    _decisions.clear()
 
 
-def forward_path(x2: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor,
-                 backend: Backend | str | None = None) -> str:
-    """Which kernel ``nvfp4_linear`` runs for ``x2`` [M, K] off the reference backend: "cuda"
-    (``nvfp4_decode_cuda``), "wgmma" (``nvfp4_wgmma_cuda``), "decode" (``nvfp4_gemv_triton``) or
-    "gemm" (``nvfp4_gemm_triton``)."""
-    return _cuda_path(x2, packed, scales, backend) or forward_kernel(x2.shape[0], packed.shape[0])
+# -- the entry points -------------------------------------------------------------------------------
+
+def _forward(kernel: str, x2, packed, scales, global_scale, bias):
+    if kernel == "humming":
+        h = _hm or _humming()
+        gemm = h.cached(packed, x2.dtype) or h.gemm_for(packed, scales, global_scale, x2.dtype)
+        if gemm is None:  # humming failed for this weight: it is off now, route again without it
+            _forget_routes()
+            return None
+        y = gemm(x2)
+        return y.add_(bias) if bias is not None else y
+    compiling = torch.compiler.is_compiling()  # torch.compile traces the custom ops; eager skips their cost
+    if kernel == "cuda_decode":
+        return (torch.ops.qerl_kit.nvfp4_decode_cuda if compiling else _dec().nvfp4_decode_cuda)(
+            x2, packed, scales, global_scale, bias)
+    if kernel == "triton_gemv":
+        from qerl_kit.kernels import nvfp4_gemv_triton as gv
+
+        return (torch.ops.qerl_kit.nvfp4_gemv if compiling else gv.nvfp4_gemv)(x2, packed, scales, global_scale, bias)
+    if kernel in ("triton_tiles", "dense"):
+        from qerl_kit.kernels import nvfp4_gemm_triton as gm
+
+        if compiling:
+            return torch.ops.qerl_kit.nvfp4_gemm(x2, packed, scales, global_scale, bias)
+        return gm.nvfp4_gemm(x2, packed, scales, global_scale, bias,
+                             strategy="fused" if kernel == "triton_tiles" else "dense")
+    return nvfp4_linear_ref(x2, packed, scales, global_scale, bias)
 
 
 def nvfp4_linear(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor,
                  global_scale: torch.Tensor, bias: torch.Tensor | None = None,
                  backend: Backend | str | None = None) -> torch.Tensor:
     """y = x @ W^T + bias with W the NVFP4 weight [N, K]; x [..., K] -> y [..., N]."""
-    if resolve(x, backend) is Backend.REFERENCE:
-        return nvfp4_linear_ref(x, packed, scales, global_scale, bias)
-    k = packed.shape[1] * 2
-    x2 = x.reshape(-1, k)
+    x2 = x if x.dim() == 2 else x.reshape(-1, packed.shape[1] * 2)
     if bias is not None and bias.dtype != x.dtype:
         bias = bias.to(x.dtype)
-    ops = _ops()
-    op = {"cuda": ops.nvfp4_decode_cuda, "wgmma": ops.nvfp4_wgmma_cuda, "decode": ops.nvfp4_gemv,
-          "gemm": ops.nvfp4_gemm}[forward_path(x2, packed, scales, backend)]
-    return op(x2, packed, scales, global_scale, bias).reshape(*x.shape[:-1], packed.shape[0])
+    y = _forward(route("forward", x2, packed, scales, backend), x2, packed, scales, global_scale, bias)
+    if y is None:
+        y = _forward(route("forward", x2, packed, scales, backend), x2, packed, scales, global_scale, bias)
+    return y if x.dim() == 2 else y.reshape(*x.shape[:-1], packed.shape[0])
 
 
 def nvfp4_dgrad(dy: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor,
                 global_scale: torch.Tensor, backend: Backend | str | None = None) -> torch.Tensor:
     """dx = dy @ W with W the NVFP4 weight [N, K]; dy [..., N] -> dx [..., K]."""
-    if resolve(dy, backend) is Backend.REFERENCE:
-        return nvfp4_dgrad_ref(dy, packed, scales, global_scale)
-    dy2 = dy.reshape(-1, packed.shape[0])
-    dx = _ops().nvfp4_dgrad(dy2, packed, scales, global_scale)
-    return dx.reshape(*dy.shape[:-1], packed.shape[1] * 2)
+    n, k = packed.shape[0], packed.shape[1] * 2
+    dy2 = dy.reshape(-1, n)
+    kernel = route("dgrad", dy2, packed, scales, backend)
+    if kernel == "reference":
+        dx = nvfp4_dgrad_ref(dy2, packed, scales, global_scale)
+    elif torch.compiler.is_compiling():
+        dx = torch.ops.qerl_kit.nvfp4_dgrad(dy2, packed, scales, global_scale)
+    else:
+        from qerl_kit.kernels import nvfp4_dgrad_triton as dg
+
+        dx = dg.nvfp4_dgrad(dy2, packed, scales, global_scale, strategy="dense" if kernel == "dense" else "fused")
+    return dx.reshape(*dy.shape[:-1], k)
+
+
+# -- up-front compilation ---------------------------------------------------------------------------
+
+def compile_shapes(shapes, dtype: torch.dtype = torch.bfloat16, device="cuda",
+                   progress: bool = True) -> dict[tuple[int, int], float]:
+    """Compile humming's kernels for these (N, K) weight shapes now, with a progress bar:
+    {(N, K): seconds}; {} when humming is not usable here. ``qerl_kit.quantize.prepare_kernels``
+    does it for every NVFP4 layer shape of a model."""
+    return _humming().compile_shapes(shapes, dtype, device, progress)

@@ -1,16 +1,20 @@
-"""Which implementation runs an NVFP4 matmul: the fused Triton kernels or the PyTorch reference.
+"""Which kernels may run an NVFP4 matmul: the backend switch the routing table is read under.
 
-The choice is made once and can be forced:
+The choice can be forced (``qerl_kit.kernels`` routes each call within it):
 
-* ``Backend.AUTO`` (the default): Triton for CUDA tensors when ``triton`` imports, the reference
-  everywhere else (CPU tensors, no Triton, dtypes the kernels do not take).
-* ``Backend.TRITON``: always the kernels. On CPU tensors this works only under
+* ``Backend.AUTO`` (the default): every kernel of the routing table (humming-kernels, our CUDA C
+  decode kernel and Triton kernels) for CUDA tensors, the reference everywhere else (CPU tensors, dtypes the
+  kernels do not take).
+* ``Backend.OURS``: the table without humming: our CUDA C decode kernel and Triton kernels.
+* ``Backend.TRITON``: our Triton kernels only. On CPU tensors this works only under
   ``TRITON_INTERPRET=1`` (set before Triton is imported), which is how CI tests the kernels.
+* ``Backend.HUMMING``: humming for every forward (an error where it cannot run), Triton for the
+  input gradient.
 * ``Backend.REFERENCE``: dequantize to a dense tensor, then ``torch`` matmul. This is torchao's
   ``EMULATED`` preference: slow, runs anywhere, the numerics oracle.
 
-Force it with the environment variable ``QERL_KERNEL_BACKEND=triton|reference|auto`` (read at
-import) or in code with ``set_backend("triton")``, which also works as a context manager::
+Force it with the environment variable ``QERL_KERNEL_BACKEND=auto|ours|triton|humming|reference``
+(read at import) or in code with ``set_backend("triton")``, which also works as a context manager::
 
     with set_backend("reference"):
         y_ref = layer(x)
@@ -34,9 +38,13 @@ KERNEL_DTYPES = (torch.bfloat16, torch.float16)  # activation dtypes the kernels
 
 class Backend(str, enum.Enum):
     AUTO = "auto"
-    """Triton for CUDA tensors when it imports, the reference otherwise."""
+    """The routing table's kernels for CUDA tensors, the reference otherwise."""
+    OURS = "ours"
+    """The routing table without humming-kernels: our CUDA C decode kernel and Triton kernels."""
     TRITON = "triton"
-    """Always the fused Triton kernels (CPU tensors only under ``TRITON_INTERPRET=1``)."""
+    """Our Triton kernels only (CPU tensors only under ``TRITON_INTERPRET=1``)."""
+    HUMMING = "humming"
+    """humming-kernels for every forward, Triton for the input gradient."""
     REFERENCE = "reference"
     """Dequantize then ``torch`` matmul (torchao's EMULATED): the oracle, runs anywhere."""
 
@@ -115,7 +123,8 @@ class set_backend:  # noqa: N801 - used like a function, also a context manager
 
 
 def resolve(x: torch.Tensor, backend: "Backend | str | None" = None) -> Backend:
-    """TRITON or REFERENCE for an activation ``x`` (``backend`` overrides the forced/auto choice)."""
+    """TRITON (some kernel of ours or humming's) or REFERENCE for an activation ``x`` (``backend``
+    overrides the forced/auto choice); a forced kernel backend that cannot run on ``x`` raises."""
     choice = _parse(backend) if backend is not None else _forced
     if choice is Backend.REFERENCE:
         return Backend.REFERENCE

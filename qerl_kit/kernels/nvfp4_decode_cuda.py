@@ -30,11 +30,8 @@ It is compiled at first use with NVRTC through ``torch.cuda._compile_kernel`` (P
 wheels ship NVRTC), so it needs no compiler and no extra package. When that is unavailable the
 dispatcher keeps the Triton kernels (``cuda_decode_status()`` says why). Constraints: bf16
 activations, ``K % 128 == 0``, ``N % 16 == 0``, 16-byte aligned rows; others go to Triton.
-The dispatcher (``qerl_kit.kernels.nvfp4_linear``, auto backend) sends it the 1-8 row calls where
-it beat Triton on the H200 (``preferred``). It reaches 2-2.5x bf16 on the largest layers at one
-row (68% of the copy bandwidth on 72B gate_up), where its weight loads alone would stream at up to
-97% of it: the compute is not hidden behind the stream (bench/results/cuda_decode_ablation_h200.md
-times it with stages left out, ``QK_ABLATE``; docs/kernels.md says what would go further).
+The routing table (``qerl_kit.kernels.routes``) sends it the 1-8 row calls where it beat both
+humming-kernels and Triton on the H200; ``QK_ABLATE`` leaves stages out for lab/ablate_cuda_decode.py.
 """
 
 from __future__ import annotations
@@ -361,18 +358,6 @@ def choose_config(m: int, n: int, k: int, sms: int | None = None) -> tuple[int, 
     per_sm = 8 if m == 1 else (6 if steps >= 100 and m <= 8 else 4)
     slices = max(1, min(steps, round(per_sm * sms / blocks_n)))
     return nt, -(-steps // slices)
-
-
-def preferred(m: int, n: int, k: int) -> bool:
-    """Whether this kernel beat the Triton decode kernel at this size on the H200
-    (bench/results/cuda_decode_h200.md, both timed in the same run): one row on layers under 20M
-    weights (the launch- and latency-bound ones) and from 72M (Triton's block-dot kernel wins by
-    1-15% in between), two rows everywhere, 3..4 rows from 4M weights, 5..8 rows from 24M weights;
-    from 9 rows Triton's tensor-core path wins on most layers."""
-    w = n * k
-    if m == 1:
-        return w < (20 << 20) or w >= (72 << 20)
-    return m == 2 or (m <= 4 and w >= (4 << 20)) or (m <= 8 and w >= (24 << 20))
 
 
 def nvfp4_decode_cuda(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor,

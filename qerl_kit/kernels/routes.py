@@ -1,0 +1,128 @@
+"""The routing table: which kernel runs an NVFP4 matmul, as data.
+
+``ROUTES`` is an ordered tuple of ``Route`` rows. A call (op, M rows, an [N, K] weight, activation
+dtype) takes the first row that matches it and whose kernel can run it here (installed, compiled,
+the tensors' alignment fits); the last rows match everything, so every call finds one. Both the
+dispatcher (``qerl_kit.kernels.nvfp4_linear`` / ``nvfp4_dgrad``) and ``qerl_kit.kernel_report``
+read this table, so what the report says is what runs.
+
+Each row cites the measurement it comes from (``why``); docs/kernels.md prints the table. A
+kernel that is missing here (humming not installed, not a Hopper GPU for wgmma) is skipped, so
+the rows below it are the fallback: without humming the table is exactly qerl_kit's own kernels.
+
+Kernels (``KERNELS``):
+
+* ``humming``: humming-kernels' JIT W4A16 GEMM (``nvfp4_humming``; bf16/fp16, SM75+).
+* ``cuda_decode``: our CUDA C ``mma.sync`` decode kernel, 1-16 rows, bf16 (``nvfp4_decode_cuda``).
+  (Our Hopper wgmma kernel for 17-64 rows lost to humming on every layer it was routed to and
+  lives in lab/ now.)
+* ``triton_gemv``: the Triton decode kernel, up to 64 rows (``nvfp4_gemv_triton``).
+* ``triton_tiles``: the Triton fused-dequantization tiled GEMM (``nvfp4_gemm_triton``, fused).
+* ``dense``: Triton dequantization into a transient bf16 weight, then cuBLAS (``nvfp4_gemm_triton``,
+  dense; ``nvfp4_dgrad_triton`` for the input gradient).
+* ``triton_dgrad``: the Triton fused input-gradient kernel (``nvfp4_dgrad_triton``, fused).
+* ``reference``: dequantize with PyTorch, then matmul (any device; the oracle).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+BIG = 1 << 62
+M = 1 << 20  # "weights" thresholds are written in mebi-weights (N x K / 2^20)
+WIDE_N = 32768  # fused gate/up widths (7B 37888, 32B 55296, 72B 59136)
+
+
+@dataclass(frozen=True)
+class Route:
+    """One row: ``kernel`` takes calls of ``op`` whose rows, N, K and N*K lie in the half-open
+    ranges [lo, hi) and whose activation dtype is one of ``dtypes``."""
+
+    kernel: str
+    rows: tuple[int, int] = (1, BIG)
+    n: tuple[int, int] = (0, BIG)
+    k: tuple[int, int] = (0, BIG)
+    weights: tuple[int, int] = (0, BIG)
+    op: str = "forward"
+    dtypes: tuple[torch.dtype, ...] = (torch.bfloat16, torch.float16)
+    why: str = ""
+
+    def matches(self, op: str, m: int, n: int, k: int, dtype: torch.dtype) -> bool:
+        return (op == self.op and dtype in self.dtypes and self.rows[0] <= m < self.rows[1]
+                and self.n[0] <= n < self.n[1] and self.k[0] <= k < self.k[1]
+                and self.weights[0] <= n * k < self.weights[1])
+
+
+BF16 = (torch.bfloat16,)
+_RUN = "bench/results/routes_h200.md"   # humming, our kernels and bf16 per layer and M, in one run
+_DECODE = "lab/results/cuda_decode_h200.md, against the Triton decode kernel (the rule without humming)"
+
+ROUTES: tuple[Route, ...] = (
+    # -- humming-kernels where it beat our kernels (skipped where it is not installed) ------------
+    # One row: our CUDA decode kernel under 20M weights and from 72M with K < 5120 (7B gate_up:
+    # 33.6 against 39.6 us), Triton's block-dot kernel between (14B q/o 10.6 against 13.7 us).
+    Route("humming", rows=(1, 2), weights=(72 * M, BIG), k=(5120, BIG), why=_RUN + ": 14B gate_up 35.8 against 36.3 us"),
+    # 2-4 rows: our decode kernel, except layers of 64M weights and more with K >= 5120 (72B down
+    # 50.5 against 55.3 us, 14B gate/up 21.7 against 24.2; 14B down, 67.5M, loses 5% at 2 rows).
+    Route("humming", rows=(2, 5), k=(5120, BIG), weights=(64 * M, BIG), why=_RUN),
+    # 5-8 rows: humming above 8M weights (k/v, up to 8M, stay on Triton: humming's floor is 8-12 us),
+    # but not on large K < 5120 layers (7B gate_up: our decode kernel 35.6 against 40.4 us).
+    Route("humming", rows=(5, 9), weights=(8 * M + 1, 72 * M), why=_RUN),
+    Route("humming", rows=(5, 9), weights=(72 * M, BIG), k=(5120, BIG), why=_RUN),
+    # 9-511 rows: humming above 8M weights (1.0-2.0x our kernels); k/v keep Triton and the dense path.
+    Route("humming", rows=(9, 512), weights=(8 * M + 1, BIG), why=_RUN),
+    # 512-1023 rows: from 20M weights (7B q/o and qkv lost to the dense path at 512 rows); the
+    # crossover to the dense path lies between 512 and 2048 rows, not measured in between.
+    Route("humming", rows=(512, 1024), weights=(20 * M, BIG), why=_RUN),
+    # From 1024 rows the dense path: humming won only the down projections at 2048 rows (K >= 13824,
+    # 5-8%), and humming 0.1.10 (what vLLM 0.26 pins) is inaccurate there (7B down: 3.6e-2 relative
+    # error against 2e-3); at 8192 rows the dense path is as fast or faster everywhere.
+    # -- our CUDA C decode kernel (1-8 rows) ---------------------------------------------------
+    Route("cuda_decode", rows=(1, 2), weights=(0, 20 * M), dtypes=BF16, why=_DECODE),
+    Route("cuda_decode", rows=(1, 2), weights=(72 * M, BIG), dtypes=BF16, why=_DECODE),
+    Route("cuda_decode", rows=(2, 3), dtypes=BF16, why=_DECODE),
+    Route("cuda_decode", rows=(3, 5), weights=(4 * M, BIG), dtypes=BF16, why=_DECODE),
+    Route("cuda_decode", rows=(5, 9), weights=(24 * M, BIG), dtypes=BF16, why=_DECODE),
+    # -- Triton ---------------------------------------------------------------------------------
+    Route("triton_gemv", rows=(1, 33), why="lab/results/sweep_small_m_h200.md"),
+    Route("triton_gemv", rows=(33, 65), n=(0, WIDE_N), why="lab/results/sweep_small_m_h200.md: the tiled "
+          "GEMM won at 33-64 rows only on the fused gate/up widths"),
+    Route("triton_tiles", rows=(1, 128), why="bench/results/nvfp4_gemm_h200.md (DENSE_MIN_M)"),
+    Route("dense", why="bench/results/nvfp4_gemm_h200.md, lab/results/dense_vs_fused_2048_h200.md: "
+          "dequantize + cuBLAS beat the fused tiles from 128 rows"),
+    Route("triton_tiles", why="Triton's CPU interpreter, where the dense path does not run"),
+    Route("reference", why="no kernel can take the call here"),
+    # -- the input gradient ---------------------------------------------------------------------
+    Route("triton_dgrad", op="dgrad", rows=(1, 128), why="bench/results/nvfp4_gemm_h200.md (DENSE_MIN_M)"),
+    Route("dense", op="dgrad", why="bench/results/nvfp4_gemm_h200.md"),
+    Route("triton_dgrad", op="dgrad", why="Triton's CPU interpreter, where the dense path does not run"),
+    Route("reference", op="dgrad", why="no kernel can take the call here"),
+)
+
+OURS = frozenset({"cuda_decode", "triton_gemv", "triton_tiles", "dense", "triton_dgrad"})
+KERNELS = OURS | {"humming", "reference"}
+
+
+def candidates(op: str, m: int, n: int, k: int, dtype: torch.dtype, table=ROUTES) -> list[Route]:
+    """The rows that match this call, in order (the dispatcher takes the first whose kernel runs)."""
+    return [r for r in table if r.matches(op, m, n, k, dtype)]
+
+
+def check_table(table=ROUTES) -> None:
+    """Raise ValueError if a row names an unknown kernel or op, a range is empty, or an op does not
+    end with a catch-all ``reference`` row (so every call finds a row)."""
+    for r in table:
+        if r.kernel not in KERNELS:
+            raise ValueError(f"route {r}: kernel {r.kernel!r} is not one of {sorted(KERNELS)}")
+        if r.op not in ("forward", "dgrad"):
+            raise ValueError(f"route {r}: op {r.op!r} is not 'forward' or 'dgrad'")
+        for name in ("rows", "n", "k", "weights"):
+            lo, hi = getattr(r, name)
+            if not lo < hi:
+                raise ValueError(f"route {r}: empty {name} range [{lo}, {hi})")
+    for op in ("forward", "dgrad"):
+        last = [r for r in table if r.op == op][-1:]
+        if not last or last[0] != Route("reference", op=op, why=last[0].why):
+            raise ValueError(f"the {op} rows do not end with a catch-all reference row")
