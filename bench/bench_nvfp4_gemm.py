@@ -3,7 +3,8 @@
 For the linear layers of Qwen2.5-7B/14B/32B/72B (shapes from ``qerl_kit.models.PRESETS``) and
 M in {1, 8, 64, 256, 2048, 8192} rows, it times
 
-* ours:   ``qerl_kit.kernels.nvfp4_linear`` (decode kernel for M <= 64, tiled GEMM above)
+* ours:   ``qerl_kit.kernels.nvfp4_linear`` on the backend the run is on (``QERL_KERNEL_BACKEND``;
+          ``ours`` for our kernels alone, ``auto`` for the routing table with humming)
 * bf16:   ``torch.nn.functional.linear`` with a dense bf16 weight of the same shape
 * dgrad:  ``nvfp4_dgrad`` vs ``dy @ W`` in bf16, at the training sizes (M >= 256)
 
@@ -132,16 +133,13 @@ def copies_for(bytes_per_copy: int) -> int:
 # -- one shape ------------------------------------------------------------------------------------
 
 def path_taken(kind: str, m: int, n: int, k: int) -> str:
-    from qerl_kit.kernels import forward_path
-    from qerl_kit.kernels.nvfp4_gemm_triton import default_strategy
+    """The kernel the routing table sends this call to on the backend the run uses."""
+    from qerl_kit.kernels import route
 
-    if kind == "forward":  # the dispatcher's own rule, on operands of this shape
-        path = forward_path(torch.empty(m, k, device="cuda", dtype=torch.bfloat16),
-                            torch.empty(n, k // 2, device="cuda", dtype=torch.uint8),
-                            torch.empty(n, k // 16, device="cuda", dtype=torch.float8_e4m3fn))
-        if path != "gemm":
-            return path
-    return default_strategy(torch.empty(0, device="cuda"), m)
+    a = torch.empty(m, k if kind == "forward" else n, device="cuda", dtype=torch.bfloat16)
+    return route("forward" if kind == "forward" else "dgrad", a,
+                 torch.empty(n, k // 2, device="cuda", dtype=torch.uint8),
+                 torch.empty(n, k // 16, device="cuda", dtype=torch.float8_e4m3fn))
 
 
 ROUNDS = 3  # ours and bf16 alternate this many times per cell; each side keeps its best
@@ -283,11 +281,10 @@ def write_results(out: Path, info: dict, copy_bw: float, peak: float, rows: list
         "",
         "Times are medians of CUDA-graph replays with the weight rotated through > 200 MB of copies "
         f"(cold L2); ours and bf16 alternate {ROUNDS} times per cell and each keeps its best. "
-        "`path`: `cuda` = the CUDA C decode kernel (M <= 8 where it beat Triton), "
-        "`wgmma` = the Hopper wgmma kernel (17-64 rows, large layers), "
-        "`decode` = the Triton GEMV kernel (M <= 64), `fused` = the tiled fused-dequant "
-        "GEMM / dgrad kernel, `dense` = Triton dequantization into a transient bf16 W, then cuBLAS "
-        "(the default from M >= 128 on). `x bf16` = bf16 time / our time. "
+        "`path`: the routing table's kernel (qerl_kit/kernels/routes.py; humming where installed, "
+        "`cuda_decode` our CUDA C decode kernel, `triton_gemv` the Triton decode kernel, `triton_tiles` / "
+        "`triton_dgrad` the fused Triton kernels, `dense` Triton dequantization into a transient bf16 W, "
+        "then cuBLAS). `x bf16` = bf16 time / our time. "
         "`BW` = (packed + scales + x + y bytes) / time, as a fraction of the copy bandwidth. "
         "`TC` = our TFLOP/s as a fraction of the bf16 GEMM's. "
         "Targets: M <= 16: x bf16 >= 3 and BW >= 70%; M >= 2048: x bf16 >= 0.85.",

@@ -28,6 +28,7 @@ import datetime
 import importlib.metadata
 import json
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -186,7 +187,11 @@ def main() -> None:
     ap.add_argument("--skip", nargs="*", default=[], metavar="NxK", help="shapes measured elsewhere")
     ap.add_argument("--eager", action="store_true", help="also time the eager per-call cost")
     ap.add_argument("--budget-s", type=float, default=540.0)
+    ap.add_argument("--report", nargs="*", metavar="CSV", help="write routes_h200.md from these runs' CSVs (CPU)")
+    ap.add_argument("--eager-csv", help="with --report: the eager table's CSV")
     args = ap.parse_args()
+    if args.report:
+        return report(args.report, args.eager_csv, Path(args.out))
     if not torch.cuda.is_available():
         sys.exit("this benchmark needs a CUDA GPU")
     torch.manual_seed(0)
@@ -214,6 +219,80 @@ def main() -> None:
     if compiler is not None:
         compiler.kill()
     print(f"took {time.time() - started:.0f} s", flush=True)
+
+
+# -- the committed table ---------------------------------------------------------------------------
+
+def final_kernel(row: dict) -> str:
+    """The kernel the routing table as it is now picks for a measured cell (all kernels available)."""
+    from qerl_kit.kernels import routes
+
+    m, n, k = int(row["M"]), int(row["N"]), int(row["K"])
+    return next(r.kernel for r in routes.candidates("forward", m, n, k, torch.bfloat16)
+                if r.kernel in routes.KERNELS - {"reference"})
+
+
+def report(csvs: list[str], eager_csv: str | None, out: Path) -> None:
+    """bench/results/routes_h200.md from the runs' CSVs: per layer and M the table's kernel and its
+    time (from the same alternation as the others), humming, our kernels, bf16; then the targets."""
+    rows = [dict(r, run=Path(c).stem) for c in csvs for r in csv.DictReader(open(c))]
+    info = json.loads(Path(csvs[0]).with_suffix(".json").read_text())["info"]
+    f = float
+    lines = ["# NVFP4 forward per layer: the routed path, humming-kernels, our kernels, bf16", "",
+             f"GPU: {info['gpu']} ({info['sms']} SMs), {info['date']}, torch {info['torch']}, triton "
+             f"{info['triton']}, humming-kernels {info['humming']}. Written by `python -m bench.bench_routes "
+             "--report` from the runs' CSVs (`routes_h200/run_*.csv`, two runs: 7B + 14B, then the new "
+             "shapes of 32B and 72B; 32B's q/o, k/v, qkv and gate/up are 14B's q/o, k/v, qkv and fused gate_up).", "",
+             "Each cell: CUDA graphs of back-to-back calls, the weight rotated through > 200 MB of copies (cold "
+             "L2), every side alternated twice and each keeping its best. `route`: the kernel today's routing "
+             "table picks (`qerl_kit/kernels/routes.py`); `routed us`: that kernel's time in this cell. `ours`: "
+             "the table without humming (`backend=\"ours\"`: our CUDA decode kernel, Triton, dequantize + "
+             "cuBLAS); `cuda`: our CUDA decode kernel where the table without humming picks Triton (M <= 8). "
+             "`x`: bf16 time / routed time. `err`: relative error of the routed output against the fp32 "
+             "dequantized reference.", "",
+             "| model | layer | N x K | M | route | routed us | humming us | ours us (kernel) | cuda us | bf16 us | x bf16 | err |",
+             "|---|---|---|---:|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        kern = final_kernel(r)
+        t = f(r["humming_us"]) if kern == "humming" else f(r["ours_us"])
+        r["final"], r["t_final"], r["x"] = kern, t, f(r["bf16_us"]) / t
+        err = f(r["err_humming"]) if kern == "humming" else f(r["err_routed"]) if r["route"] == kern else float("nan")
+        cuda = "" if r["cuda_us"] in ("", "nan") or f(r["cuda_us"]) != f(r["cuda_us"]) else f"{f(r['cuda_us']):.1f}"
+        lines.append(f"| {r['model'].replace('Qwen2.5-', '')} | {r['proj']} | {r['N']} x {r['K']} | {r['M']} | {kern} | "
+                     f"{t:.1f} | {f(r['humming_us']):.1f} | {f(r['ours_us']):.1f} ({r['ours_path']}) | {cuda} | "
+                     f"{f(r['bf16_us']):.1f} | {r['x']:.2f} | {err:.4f} |")
+    lines += ["", "## Targets (issue 22)", ""]
+
+    def count(sel, need):
+        ok = [r for r in sel if r["x"] >= need]
+        worst = min(sel, key=lambda r: r["x"])
+        return (f"{len(ok)} of {len(sel)} cells (min {worst['x']:.2f}x: {worst['model'].replace('Qwen2.5-', '')} "
+                f"{worst['proj']} at M = {worst['M']})")
+
+    big = [r for r in rows if r["model"] != "Qwen2.5-7B"]
+    lines.append("- every layer >= 1.0x bf16 at M <= 128 on the 14B-72B shapes: "
+                 + count([r for r in big if int(r["M"]) <= 128], 1.0))
+    lines.append("  - the same without the k/v layers (<= 8M weights): "
+                 + count([r for r in big if int(r["M"]) <= 128 and int(r["N"]) * int(r["K"]) > 8 << 20], 1.0))
+    lines.append("- >= 1.4x at M <= 64 on layers of >= 2^25 weights: "
+                 + count([r for r in rows if int(r["M"]) <= 64 and int(r["N"]) * int(r["K"]) >= 1 << 25], 1.4))
+    lines.append("- M >= 2048 >= 0.95x: " + count([r for r in rows if int(r["M"]) >= 2048], 0.95))
+    wins = sum(1 for r in rows if r["final"] == "humming")
+    lines += [f"- cells the table gives humming: {wins} of {len(rows)}; the routed time against the best of "
+              "humming / ours / cuda in the cell: median "
+              f"{statistics.median(min(f(r['humming_us']), f(r['ours_us']), f(r['cuda_us']) if r['cuda_us'] not in ('', 'nan') else 1e9) / r['t_final'] for r in rows):.3f}, "
+              f"min {min(min(f(r['humming_us']), f(r['ours_us']), f(r['cuda_us']) if r['cuda_us'] not in ('', 'nan') else 1e9) / r['t_final'] for r in rows):.3f}", ""]
+    if eager_csv:
+        lines += ["## Eager cost per call (M = 8, 7B q/k/v fused shape [4608 x 3584], with bias)", "",
+                  "200 back-to-back calls, no graph, best of 5 (host-bound: the GPU work is ~11 us). "
+                  "Measured in its own run with no compile in the background.", "",
+                  "| what | no grad us | input needs grad us |", "|---|---:|---:|"]
+        for e in csv.DictReader(open(eager_csv)):
+            g = "" if e["grad_us"] == "nan" else f"{f(e['grad_us']):.1f}"
+            lines.append(f"| {e['what']} | {f(e['no_grad_us']):.1f} | {g} |")
+        lines.append("")
+    (out / "routes_h200.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines[-16:]))
 
 
 if __name__ == "__main__":

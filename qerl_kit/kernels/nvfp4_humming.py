@@ -181,7 +181,8 @@ def compile_shapes(shapes, dtype: torch.dtype = torch.bfloat16, device: torch.de
         return {}
     shapes = sorted({(int(n), int(k)) for n, k in shapes})
     seconds = {}
-    bar = tqdm(shapes, desc="compiling humming kernels", unit="shape", disable=not progress)
+    # the bar shows only once a shape takes a while: shapes in humming's disk cache load in milliseconds
+    bar = tqdm(shapes, desc="compiling humming kernels", unit="shape", disable=not progress, delay=1.0)
     for n, k in bar:
         bar.set_postfix_str(f"{n} x {k}")
         packed = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, device=device)

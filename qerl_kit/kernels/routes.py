@@ -126,3 +126,29 @@ def check_table(table=ROUTES) -> None:
         last = [r for r in table if r.op == op][-1:]
         if not last or last[0] != Route("reference", op=op, why=last[0].why):
             raise ValueError(f"the {op} rows do not end with a catch-all reference row")
+
+
+def _span(lo: int, hi: int, unit: int = 1, suffix: str = "") -> str:
+    """A half-open range [lo, hi) as the docs write it ("" when unbounded)."""
+    text = lambda v: f"{v // unit}{suffix}"  # noqa: E731
+    if lo <= 1 and hi == BIG:
+        return ""
+    if hi == BIG:
+        return f">= {text(lo)}" if lo % unit == 0 else f"> {text(lo - 1)}"
+    if lo == 0:
+        return f"< {text(hi)}"
+    if unit == 1:
+        return f"{lo}" if hi == lo + 1 else f"{lo}..{hi - 1}"
+    low = f">= {text(lo)}" if lo % unit == 0 else f"> {text(lo - 1)}"
+    return f"{low}, < {text(hi)}"
+
+
+def as_markdown(table=ROUTES) -> str:
+    """The table as docs/kernels.md prints it (a test keeps the two equal)."""
+    lines = ["| # | op | rows | N | K | weights (N x K) | dtypes | kernel |", "|---:|---|---|---|---|---|---|---|"]
+    for i, r in enumerate(table, 1):
+        weights = _span(r.weights[0], r.weights[1], M, "M")
+        dtypes = "bf16" if r.dtypes == BF16 else "bf16, fp16"
+        lines.append(f"| {i} | {r.op} | {_span(*r.rows) or 'any'} | {_span(*r.n)} | {_span(*r.k)} | {weights} | "
+                     f"{dtypes} | `{r.kernel}` |")
+    return "\n".join(lines)
