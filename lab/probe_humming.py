@@ -25,6 +25,7 @@ import time
 import torch
 import torch.nn.functional as F
 
+from bench.bench_routes import per_call_us
 from qerl_kit import nvfp4
 from qerl_kit.kernels.reference import nvfp4_linear_ref
 
@@ -73,17 +74,6 @@ def raw_launcher(layer, version):
             return op(configs, x, layer.weight, None, None, layer.weight_scale, None, None, gsc,
                       None, None, None, None, layer.locks, 1, 0)
     return configs, fn
-
-
-def per_call_us(fn, calls=200):
-    for _ in range(5):
-        fn()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - t0) / calls * 1e6
 
 
 def main():

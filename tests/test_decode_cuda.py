@@ -227,13 +227,17 @@ def assert_strided_deterministic_and_dispatched(kernel, path, x, q):
     return y
 
 
-def assert_graph_replays_match(kernel, x, q, backend="ours"):
-    """``nvfp4_linear`` on x (on ``backend``, where the table sends this call to ``kernel``)
-    captured in a CUDA graph: three replays on new x, each bitwise equal to an eager call of ``kernel``."""
-    nvfp4_linear(x, q.packed, q.scales, q.global_scale, backend=backend)  # warm-up: compiles, allocates the counters
+def assert_graph_replays_match(kernel, x, q, run=None):
+    """``run(x)`` (default: ``nvfp4_linear`` on the ``ours`` backend, where the table sends this
+    call to ``kernel``) captured in a CUDA graph: three replays on new x, each bitwise equal to an
+    eager call of ``kernel``."""
+    if run is None:
+        def run(x):
+            return nvfp4_linear(x, q.packed, q.scales, q.global_scale, backend="ours")
+    run(x)  # warm-up: compiles, allocates the counters
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        y = nvfp4_linear(x, q.packed, q.scales, q.global_scale, backend=backend)
+        y = run(x)
     for _ in range(3):
         x.copy_(torch.randn(x.shape, device="cuda").to(torch.bfloat16))
         graph.replay()

@@ -200,3 +200,44 @@ def test_gpu_fallback_to_our_kernels_when_a_build_fails(monkeypatch):
         y = kernels.nvfp4_linear(x, p, s, g)
     assert kernels.route("forward", x, p, s) != "humming"
     torch.testing.assert_close(y, kernels.nvfp4_linear(x, p, s, g, backend="ours"))
+
+
+@gpu
+@pytest.mark.gpu
+def test_engine_decodes_through_humming_with_the_models_logprobs():
+    """A 2-layer model with 7B-sized widths, NVFP4 + LoRA, on the GPU engine (CUDA graphs): its fused
+    q/k/v and gate/up take humming, and each sampled token's log-prob is the HF forward's."""
+    from qerl_kit.engine import StaticEngine
+    from qerl_kit.lora import attach_lora
+    from qerl_kit.models import build_model
+    from qerl_kit.quantize import quantize_model
+    from qerl_kit.rollout import SamplingParams
+
+    model = build_model("qwen2-tiny", dtype=torch.bfloat16, device="cuda", hidden_size=3584,
+                        intermediate_size=18944, num_attention_heads=28, num_key_value_heads=4)
+    quantize_model(model, "nvfp4")
+    model = attach_lora(model, r=8, seed=0)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.02)
+    gen = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, 512, (L,), generator=gen).tolist() for L in (7, 12, 9, 12)]
+    engine = StaticEngine(model)
+    out = engine.generate_ids(prompts, n=2, sampling=SamplingParams(max_new_tokens=12, temperature=1.0, seed=1),
+                              ignore_eos=True)
+    plan = engine.decoder.plan
+    assert plan is not None and engine.decoder.path == "fused"
+    qkv, gate_up = plan.layers[0].qkv, plan.layers[0].gate_up
+    x = torch.empty(8, 3584, device="cuda", dtype=torch.bfloat16)
+    assert kernels.route("forward", x, qkv.packed, qkv.scales) == "humming"
+    assert kernels.route("forward", x, gate_up.packed, gate_up.scales) == "humming"
+    assert hm.cached(qkv.packed, torch.bfloat16) is not None     # built during the warm-up, not in a capture
+    for row in range(8):
+        prompt, completion = prompts[row // 2], out["completion_ids"][row].tolist()
+        ids = torch.tensor([prompt + completion], device="cuda")
+        with torch.no_grad():
+            logits = model(input_ids=ids).logits[0, len(prompt) - 1:-1].float()
+        want = torch.log_softmax(logits, -1).gather(1, torch.tensor(completion, device="cuda")[:, None]).squeeze(1)
+        # bf16 activations, and different kernels (humming in the graphs, the dense path in the forward)
+        torch.testing.assert_close(out["logprobs"][row].to(want.device), want, atol=0.15, rtol=0.05)

@@ -14,7 +14,7 @@ from qerl_kit import nvfp4
 from lab import nvfp4_wgmma_cuda as wg
 from lab.nvfp4_wgmma_cuda import wgmma_status
 from qerl_kit.kernels.routes import WIDE_N
-from tests.test_decode_cuda import _exact, _exact_weight, _rel, _weight
+from tests.test_decode_cuda import _exact, _exact_weight, _rel, _weight, assert_graph_replays_match
 
 CUDA = torch.cuda.is_available()
 
@@ -136,12 +136,5 @@ def test_gpu_strided_rows_determinism_and_graph_replay():
     assert not wg.supports(torch.randn(32, 8192, device="cuda").half(), q.packed, q.scales)   # fp16
     assert not wg.supports(torch.randn(16, 8192, device="cuda").bfloat16(), q.packed, q.scales)
     x = torch.randn(48, 8192, device="cuda").to(torch.bfloat16)
-    wg.nvfp4_wgmma_cuda(x, q.packed, q.scales, q.global_scale)   # warm-up: compiles, allocates the counters
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        y = wg.nvfp4_wgmma_cuda(x, q.packed, q.scales, q.global_scale)
-    for _ in range(3):
-        x.copy_(torch.randn(x.shape, device="cuda").to(torch.bfloat16))
-        graph.replay()
-        torch.cuda.synchronize()
-        assert torch.equal(y, wg.nvfp4_wgmma_cuda(x, q.packed, q.scales, q.global_scale))
+    assert_graph_replays_match(wg.nvfp4_wgmma_cuda, x, q,
+                               run=lambda x: wg.nvfp4_wgmma_cuda(x, q.packed, q.scales, q.global_scale))

@@ -105,6 +105,8 @@ def route(op: str, x2: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor,
            scales.stride(0) % 8, scales.stride(1), scales.data_ptr() % 8)
     kernel = _decisions.get(key)
     if kernel is None:
+        if len(_decisions) >= 8192:  # many distinct row counts (variable-length batches): start over
+            _decisions.clear()
         kernel = _decisions[key] = _route(op, x2, packed, scales, choice)
     return kernel
 

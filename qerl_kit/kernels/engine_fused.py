@@ -15,6 +15,7 @@ replace the elementwise chains; the matmuls stay NVFP4 kernels / cuBLAS:
 
 ``fused_available(x)`` says whether the Triton versions run for ``x`` (CUDA, or the CPU under
 ``TRITON_INTERPRET=1``); otherwise the references run, which is what the engine does on the CPU.
+Tests: tests/test_engine_fused.py (each kernel against its reference, and whole fused steps).
 """
 
 from __future__ import annotations
@@ -59,8 +60,8 @@ if HAS_TRITON:
     @triton.jit
     def _rotate(a, b, c1, c2, s1, s2, DT: tl.constexpr):
         """(a, b) halves -> x * cos + rotate_half(x) * sin, each product rounded like eager DT (the
-        launch disables FMA contraction: with it, LLVM fused a product and the sum into one bf16
-        FMA on the GPU and the product's rounding was lost, up to 2 ulps off eager)."""
+        launch disables FMA contraction: with it, LLVM fuses a product and the sum into one FMA
+        on the GPU, which skips the product's rounding and lands up to 2 ulps off eager)."""
         o1 = (a.to(tl.float32) * c1).to(DT).to(tl.float32) - (b.to(tl.float32) * s1).to(DT).to(tl.float32)
         o2 = (b.to(tl.float32) * c2).to(DT).to(tl.float32) + (a.to(tl.float32) * s2).to(DT).to(tl.float32)
         return o1.to(DT), o2.to(DT)

@@ -15,7 +15,8 @@ Both read the adapters where peft keeps them, so an optimizer's in-place update 
 graphs captured earlier, and both round as the torch path does: ``t`` to the adapters' dtype and
 then to y's, ``y`` once after the add (float32 accumulation throughout). ``lora_apply_ref_`` is
 that torch path; ``lora_apply_`` falls back to it for what the kernels do not take (more than
-three adapters in a group, a rank over 128, mixed adapter dtypes, or no Triton).
+three adapters in a group, a rank over 128, mixed adapter dtypes, or no Triton). Tests:
+tests/test_engine_fused.py (the grouped-LoRA tests, against ``lora_apply_ref_``).
 """
 
 from __future__ import annotations

@@ -1,37 +1,32 @@
-"""NVFP4 decode in CUDA C (M <= 16 rows): ``mma.sync`` fed straight from registers.
+"""NVFP4 decode in CUDA C (M <= 16 rows): y = x @ W^T (+ bias) on ``mma.sync`` fed from registers.
 
-The Triton decode kernels stop at 1.1-2.1x bf16 for a few rows (docs/kernels.md): every
-dequantized tile goes through shared memory to reach the tensor cores. This kernel follows vLLM's
-Marlin recipe without Marlin's offline repacking, so it reads the same compressed-tensors layout
-as everything else (``packed`` uint8 [N, K/2], ``scales`` e4m3 [N, K/16], ``global_scale``):
+vLLM's Marlin recipe on the compressed-tensors layout itself (``packed`` uint8 [N, K/2], ``scales``
+e4m3 [N, K/16], ``global_scale``), with no repacked copy of the weight. The dequantized weights go
+from registers straight into the MMA; Triton stages every tile through shared memory, which keeps
+its decode kernels at 1.1-2.1x bf16 for a few rows (docs/kernels.md).
 
-* **K permutation instead of repacking.** A dot product may visit K in any order as long as x
-  and W follow the same one. Each lane loads 16-byte runs of two weight rows (g and g+8 of a
-  16-row tile) and uses each 32-bit word (8 codes) for two m16n8k16 steps: codes (0, 4) and
-  (1, 5) of the word form one step's A-fragment columns, (2, 6) and (3, 7) the next one's. The
-  lane takes its B fragment (x) from the same 8 K positions with four ``prmt``, so A and B agree.
-* **The product is transposed**, ``y^T = W x^T``: 16 weight rows fill the MMA's M side, tiles of
-  8 rows of x its N side (one tile up to 8 rows, two up to 16).
-* **Exact dequantization by bit placement.** A code's sign goes to bit 15 and its three magnitude
-  bits to bits 8..6 of a bf16, which reads as ``e2m1 * 2^-126`` (codes 0 and 0.5 as subnormals;
-  10 integer instructions per word of 8 codes, see ``pair``). The block scale's byte is placed
-  into a float32 (``s * 2^-120``, exact for every E4M3 value), multiplied by ``2^216`` and rounded
-  to bf16 (exact: 4 significant bits). One ``fma.rn.bf16x2`` gives ``e2m1 * s * 2^-30``, exact
-  (at most 6 significant bits, always a normal bf16), and the float32 accumulator is multiplied
-  by ``2^30 / global_scale`` once at the end. So every product the tensor cores see is the NVFP4
-  weight exactly, up to the one global factor.
-* **Split-K without atomics on y.** Slices of K write float32 partials; the last block to
-  arrive at a tile (an int32 counter per tile, reset by that block) sums them in slice order
-  (deterministic), applies the global scale and the bias, and writes bf16 y. One launch, no
-  memset, safe to capture in a CUDA graph (allocate the counters with one eager call first).
-* The weight stream is prefetched one K step ahead in registers; x is read through L1.
+* **K permutation instead of repacking.** A dot product may visit K in any order if x and W
+  follow the same one. Each lane loads 16-byte runs of rows g and g+8 of a 16-row tile and uses
+  each 32-bit word (8 codes) for two m16n8k16 steps: codes (0, 4) and (1, 5) form one step's
+  A-fragment columns, (2, 6) and (3, 7) the next one's; four ``prmt`` build the matching B (x).
+* **Transposed product**, ``y^T = W x^T``: 16 weight rows on the MMA's M side, tiles of 8 rows of
+  x on its N side (one tile up to 8 rows, two up to 16).
+* **Exact dequantization by bit placement.** Sign to bit 15 and magnitude to bits 8..6 of a bf16
+  read as ``e2m1 * 2^-126`` (10 integer instructions per word of 8 codes, see ``pair``); the scale
+  byte placed into a float32 reads as ``s * 2^-120`` and, times ``2^216``, rounds to bf16 exactly;
+  one ``fma.rn.bf16x2`` gives ``e2m1 * s * 2^-30`` exactly, and the float32 accumulator is
+  multiplied by ``2^30 / global_scale`` at the end. The tensor cores see the NVFP4 weight exactly.
+* **Split-K without atomics on y.** K slices write float32 partials; the last block to arrive at
+  a tile (an int32 counter, reset by that block) sums them in slice order (deterministic) and
+  writes bf16 y with the global scale and bias: one launch, no memset, CUDA-graph safe once one
+  eager call has allocated the counters.
+* Weights are prefetched one K step ahead in registers; x is read through L1.
 
-It is compiled at first use with NVRTC through ``torch.cuda._compile_kernel`` (PyTorch's CUDA
-wheels ship NVRTC), so it needs no compiler and no extra package. When that is unavailable the
-dispatcher keeps the Triton kernels (``cuda_decode_status()`` says why). Constraints: bf16
-activations, ``K % 128 == 0``, ``N % 16 == 0``, 16-byte aligned rows; others go to Triton.
-The routing table (``qerl_kit.kernels.routes``) sends it the 1-8 row calls where it beat both
-humming-kernels and Triton on the H200; ``QK_ABLATE`` leaves stages out for lab/ablate_cuda_decode.py.
+Constraints (``supports``): bf16 x, ``K % 128 == 0``, ``N % 16 == 0``, 16-byte aligned rows.
+Compiled at first use with NVRTC (``qerl_kit.kernels.nvrtc``), so no compiler or extra package;
+``cuda_decode_status()`` says whether it runs here and why not. qerl_kit/kernels/routes.py decides
+which calls reach it. ``QK_ABLATE`` leaves stages out for lab/ablate_cuda_decode.py. Tests:
+tests/test_decode_cuda.py (CPU: exhaustive bit checks and a lane-level emulation; GPU: the kernel).
 """
 
 from __future__ import annotations
@@ -52,7 +47,7 @@ SOURCE = r"""
 typedef unsigned int u32;
 typedef unsigned short u16;
 
-#ifndef QK_ABLATE  // benchmarks only (bench/ablate_cuda_decode.py): leave a stage out to time it
+#ifndef QK_ABLATE  // benchmarks only (lab/ablate_cuda_decode.py): leave a stage out to time it
 #define QK_ABLATE 0  // 1: no dequantization, 2: no MMA, 4: no x loads, 8: no scale conversion,
 #endif              // 16: registers capped so that 8 blocks fit per SM (a variant, not a cut)
 #if QK_ABLATE & 16
@@ -334,7 +329,7 @@ def cuda_decode_status() -> tuple[bool, str]:
 
 
 def supports(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor) -> bool:
-    """Whether a forward call fits this kernel (the dispatcher sends the rest to Triton)."""
+    """Whether a forward call fits this kernel (dtype, rows, shape, strides and alignment)."""
     n, k = packed.shape[0], packed.shape[1] * 2
     return (x.is_cuda and x.dtype == torch.bfloat16 and x.dim() == 2 and 1 <= x.shape[0] <= MAX_M
             and k % 128 == 0 and n % 16 == 0 and x.stride(1) == 1 and x.stride(0) % 8 == 0
@@ -344,11 +339,11 @@ def supports(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor) -> boo
 
 
 def choose_config(m: int, n: int, k: int, sms: int | None = None) -> tuple[int, int]:
-    """(16-row tiles per warp, K steps per slice) for an [n, k] weight and m rows. From the H200
-    sweep (bench/results/cuda_decode_sweep_h200.md): one row wants two tiles per warp on layers of
+    """(16-row tiles per warp, K steps per slice) for an [n, k] weight and m rows, from the H200
+    sweep (lab/results/cuda_decode_sweep_h200.md): one row wants two tiles per warp on layers of
     16M weights and more and about 8 blocks per SM; 2..8 rows one tile and about 4 blocks per SM,
-    6 when K has 100 steps of 256 or more (the 72B down projection: 6-10% faster at 2-8 rows, 32B
-    down 1%; 7B down, 74 steps, was 0-3% slower with 6: bench/results/cuda_decode_slices_h200.md)."""
+    6 when K has 100 steps of 256 or more (72B down: 6-10% faster at 2-8 rows, 32B down 1%; 7B
+    down, 74 steps, is 0-3% slower with 6: lab/results/cuda_decode_slices_h200.md)."""
     from qerl_kit.kernels.nvfp4_gemv_triton import _sm_count  # cached once per process
 
     sms = sms or _sm_count()
@@ -364,7 +359,7 @@ def nvfp4_decode_cuda(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tenso
                       global_scale: torch.Tensor, bias: torch.Tensor | None = None,
                       nt: int | None = None, ips: int | None = None, ablate: int = 0) -> torch.Tensor:
     """y = x @ W^T (+ bias) for x [M <= 16, K] bf16; ``nt``/``ips`` pin the config and ``ablate``
-    leaves stages out (``QK_ABLATE`` in SOURCE; wrong results, for bench/ablate_cuda_decode.py)."""
+    leaves stages out (``QK_ABLATE`` in SOURCE; wrong results, for lab/ablate_cuda_decode.py)."""
     if not supports(x, packed, scales):
         raise ValueError(f"nvfp4_decode_cuda: unsupported call (x {tuple(x.shape)} {x.dtype}, "
                          f"weight {tuple(packed.shape)}): needs bf16 CUDA x with 1..{MAX_M} rows, "

@@ -1,9 +1,9 @@
 """NVFP4 input gradient: dx = dy @ W from the packed weight (no bf16 copy of W, ever).
 
 LoRA training keeps the base frozen, so the base layer's backward needs only the input gradient
-dx [M, K] = dy [M, N] @ W [N, K]. The reduction now runs over N (W's rows), and the output
-columns are W's columns, so the packed layout is read "the other way" from the forward. The
-layout and dequantization helpers are ``nvfp4_gemm_triton``'s; the reference is
+dx [M, K] = dy [M, N] @ W [N, K]. The reduction runs over N (W's rows) and the output columns
+are W's columns, so the packed layout is read "the other way" from the forward. The layout and
+dequantization helpers are ``nvfp4_gemm_triton``'s; the reference is
 ``reference.nvfp4_dgrad_ref``.
 
 Tiling. A program owns dx[BLOCK_M rows, BLOCK_K columns] (grouped along M for L2 reuse of the
@@ -15,7 +15,9 @@ dequantizes into the even and odd columns of W, which give the even and odd colu
 
 The two accumulators are interleaved once, in registers, before the store. With ``SWAP_AB`` the
 products are taken transposed (dx^T = W^T @ dy^T), which puts the weight in wgmma's A slot.
-Registered as ``torch.ops.qerl_kit.nvfp4_dgrad``; no host sync in the launcher.
+Configs are autotuned per (M bucket, N, K); the launcher does no host sync. Registered as
+``torch.ops.qerl_kit.nvfp4_dgrad``; qerl_kit/kernels/routes.py decides which calls reach the
+fused and dense paths. Tests: tests/test_kernels.py.
 """
 
 from __future__ import annotations
@@ -110,7 +112,8 @@ if HAS_TRITON:
         return triton.Config(dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SWAP_AB=swap, GROUP_M=group_m),
                              num_warps=warps, num_stages=stages)
 
-    # From the H200 sweep: 128x64x128 (4 stages) and 256x64x128 led; SWAP_AB and BLOCK_N=128 lost.
+    # From the H200 sweep (docs/kernels.md): 128x64x128 (4 stages) and 256x64x128 are fastest;
+    # SWAP_AB and BLOCK_N=128 are slower.
     DGRAD_CONFIGS = [
         _cfg(128, 64, 128, 8, 4),
         _cfg(256, 64, 128, 8, 3),

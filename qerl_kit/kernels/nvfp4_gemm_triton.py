@@ -1,10 +1,8 @@
 """NVFP4 x bf16 GEMM for prefill and training: y = x @ W^T + bias, W dequantized in registers.
 
-Hopper has no FP4 tensor-core math, so this is a W4A16 kernel in the spirit of vLLM's Marlin FP4:
-read 4.5 bits per weight, turn them into bf16 (or fp16) in registers, multiply on bf16 tensor
-cores (``tl.dot``) with float32 accumulation. The reference is ``reference.nvfp4_linear_ref``.
-
-Data layout (compressed-tensors ``nvfp4-pack-quantized``, see ``qerl_kit.nvfp4``)::
+Hopper has no FP4 tensor-core math, so this is W4A16 in the spirit of vLLM's Marlin FP4: read 4.5
+bits per weight, turn them into bf16/fp16 in registers, multiply on tensor cores (``tl.dot``) with
+float32 accumulation. Layout (compressed-tensors ``nvfp4-pack-quantized``, ``qerl_kit.nvfp4``)::
 
     x       [M, K]      bf16/fp16 activations (any strides)
     packed  [N, K/2]    uint8, byte j of row n = code(W[n, 2j]) | code(W[n, 2j+1]) << 4
@@ -12,36 +10,27 @@ Data layout (compressed-tensors ``nvfp4-pack-quantized``, see ``qerl_kit.nvfp4``
     gscale  [1]         float32;  W[n, k] = e2m1(code) * scales[n, k // 16] / gscale
     y       [M, N]      x's dtype
 
-Tiling. A program owns a BLOCK_M x BLOCK_N tile of y (grouped along M for L2 reuse) and walks K
-in steps of BLOCK_K. Each step loads x [BLOCK_M, BLOCK_K], packed [BLOCK_N, BLOCK_K/2] (16-byte
-vector loads along a row) and scales [BLOCK_N, BLOCK_K/16]. The nibbles are never interleaved:
-the low nibbles are the even columns of W and the high nibbles the odd ones, so the kernel
-splits x instead (a register-local reshape) and does two dots of depth BLOCK_K/2::
+Tiling: a program owns a BLOCK_M x BLOCK_N tile of y (grouped along M for L2 reuse) and walks K,
+loading packed rows as 16-byte vectors. Low nibbles are W's even columns and high nibbles its odd
+ones, so x is split instead (a register-local reshape): ``acc += x[:, 0::2] @ W[:, 0::2]^T +
+x[:, 1::2] @ W[:, 1::2]^T``. ``SWAP_AB`` takes the product transposed, putting the dequantized
+weight in wgmma's A slot (the one that may come from registers).
 
-    acc += x[:, 0::2] @ W[:, 0::2]^T + x[:, 1::2] @ W[:, 1::2]^T
+Dequantization (``dequant_nvfp4``, shared with the decode and dgrad kernels), two paths:
 
-With ``SWAP_AB`` the product is computed transposed (acc^T = W @ x^T), which puts the
-dequantized weight in the A slot of Hopper's wgmma, the one that may come from registers.
+* FAST (GPU): inline PTX places sign and magnitude of each code into a bf16 (fp16) lane, which
+  reads as e2m1 * 2^-126 (2^-14), exact for the subnormal codes too; ``fma.rn.bf16x2`` applies the
+  scale (rounded to bf16 first: a weight may differ from the reference by one bf16 ulp).
+* Portable (the interpreter, or ``FAST=False``): integer ops build the float32 e2m1 value, times
+  the float32 scale, rounded once: bit-identical to ``nvfp4.dequantize``.
 
-Dequantization (``dequant_nvfp4``), two interchangeable paths with identical inputs:
-
-* FAST (GPU): inline PTX on 4 packed bytes at a time. ``prmt`` moves each byte into the high
-  byte of a 16-bit lane; shifts and masks place the sign at bit 15 and the 3 magnitude bits at
-  bf16 bits 6..8 (fp16: 9..11), which reads as e2m1's value times 2^-126 (fp16: 2^-14), exact
-  also for the subnormal codes 0 and 0.5; one ``fma.rn.bf16x2`` by 2^126 restores the value
-  and a second multiplies by the group's scale (rounded to bf16 first, so a weight can differ
-  from the reference's float32 product by one bf16 ulp).
-* Portable (the interpreter, and GPUs when FAST is off): integer ops build the float32 bits
-  of the e2m1 value (no subnormals), times the float32 scale, rounded once: bit-identical to
-  ``nvfp4.dequantize``.
-
-Scales are loaded as raw bytes and decoded arithmetically (E4M3 bits shifted into an fp16, times
-2^8; exact for every finite code, subnormals included), so no float8 support is needed from the
-interpreter (on the H200 the hardware fp8 conversion measured no faster).
-
-The launcher checks, allocates the output with ``torch.empty`` on x's device and launches: no
-host synchronisation, so it can be captured in a CUDA graph (after a warm-up call has run the
-autotuner for that shape). The op is registered as ``torch.ops.qerl_kit.nvfp4_gemm``.
+Scales are loaded as bytes and decoded arithmetically (exact, subnormals included), so the
+interpreter needs no float8 support; the hardware fp8 conversion is no faster on the H200.
+``nvfp4_dequantize`` writes the dense W for the "dense" strategy (then cuBLAS). Configs are
+autotuned per (M bucket, N, K); the launcher does no host sync (CUDA-graph safe after a warm-up
+call). Registered as ``torch.ops.qerl_kit.nvfp4_gemm``; qerl_kit/kernels/routes.py decides which
+calls reach the fused and dense paths. Reference: ``reference.nvfp4_linear_ref``; tests:
+tests/test_kernels.py.
 """
 
 from __future__ import annotations
@@ -302,8 +291,9 @@ if HAS_TRITON:
         return triton.Config(dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SWAP_AB=swap, GROUP_M=group_m),
                              num_warps=warps, num_stages=stages)
 
-    # From the H200 sweep (bench --sweep): BLOCK_M=256 (the dequantized tile feeds 256 rows) won
-    # for M >= 2048, 128x128x128 / 64x128x128 for M ~ 256; the transposed (SWAP_AB) variants lost.
+    # From the H200 sweep (python -m bench.bench_nvfp4_gemm --sweep; docs/kernels.md): BLOCK_M=256 (the
+    # dequantized tile feeds 256 rows) is fastest for M >= 2048, 128x128x128 / 64x128x128 for M ~ 256;
+    # the transposed (SWAP_AB) tiles are 12-18% slower, so none is listed.
     GEMM_CONFIGS = [
         _cfg(256, 128, 64, 8, 3),
         _cfg(128, 256, 64, 8, 3),
@@ -315,7 +305,7 @@ if HAS_TRITON:
     def _quick_bench(fn, quantiles=None):
         return triton.testing.do_bench(fn, warmup=5, rep=25, quantiles=quantiles)
 
-    _LARGE_M = {(256, 128, 64), (128, 256, 64), (128, 128, 128)}  # tiles tried for M > 512
+    _LARGE_M = {(256, 128, 64), (128, 256, 64), (128, 128, 128)}  # tiles autotuned for M > 512
     _SMALL_M = {(128, 128, 128), (64, 128, 128)}
 
     def _prune(configs, named_args, **kwargs):
@@ -397,7 +387,7 @@ DENSE_MIN_M = 128
 
 # The dense pass on wide layers (N >= DENSE_CHUNK_MIN_N) from DENSE_CHUNK_MIN_M rows on goes
 # DENSE_CHUNK_N weight rows at a time through one reused buffer: at 2048 rows 1-12% faster in
-# same-run A/Bs on the H200 for 7B/32B/72B gate_up (bench/results/dense_chunks_h200.md), as fast
+# same-run A/Bs on the H200 for 7B/32B/72B gate_up (lab/results/dense_chunks_h200.md), as fast
 # at 8192, slower at 256; and the transient weight is 4096 x K instead of N x K (67 MB instead of
 # 969 MB on 72B gate_up).
 DENSE_CHUNK_N = 4096

@@ -1,27 +1,28 @@
-"""NVFP4 x bf16 decode kernel (M = 1..64 rows): y = x @ W^T + bias, memory-bound.
+"""NVFP4 x bf16 decode kernels in Triton (M = 1..64 rows): y = x @ W^T + bias, memory-bound.
 
-In decode every weight byte is used by only M rows, so the kernel's job is to stream ``packed``
-and ``scales`` at full memory bandwidth while spending as few instructions as possible per
-weight. It is the GEMV-shaped sibling of ``nvfp4_gemm_triton`` (same layout and dequantization
-helpers, see that module's docstring):
+In decode every weight byte serves only M rows, so the job is to stream ``packed`` and ``scales``
+at full memory bandwidth with few instructions per weight. Layout and dequantization helpers are
+``nvfp4_gemm_triton``'s (see its docstring).
 
-* Grid over N only: a program owns BLOCK_N output features for *all* M rows and walks the whole
-  K. Small BLOCK_N (16..64) gives enough programs to cover every SM even for N ~ 3.5k without
-  split-K, so there is no workspace, no second reduction launch, and the result is deterministic.
-* Each step loads packed [BLOCK_N, BLOCK_K/2] bytes as 16-byte vectors along a row, a deep
-  software pipeline (``num_stages``) keeps several tiles in flight per SM.
-* M = 1 (``USE_DOT=False``): no tensor cores; the dequantized even/odd weights are multiplied
-  with x's even/odd columns in float32 and reduced along K at the end (a pure GEMV).
-* M = 2..64 (``USE_DOT=True``): the product is taken transposed, acc[BLOCK_N, BLOCK_M] =
-  W @ x^T, so the weight fills the MMA's M side and the few rows of x sit in its narrow N side
-  (BLOCK_M = 16, 32 or 64; rows past M are clamped on load and dropped on store).
+* Grid over N times a split of K: a program owns BLOCK_N output features for all M rows and one
+  slice of K. Slices write float32 partial tiles; the last to arrive (an int32 counter per N tile,
+  reset by it) sums them in slice order (deterministic) and writes y: one launch, no memset.
+* ``packed`` tiles [BLOCK_N, BLOCK_K/2] are loaded as 16-byte vectors along a row; a software
+  pipeline (``num_stages``, or ``PREFETCH``) keeps the next tile's loads in flight.
+* M = 1, ``USE_DOT=False``: no tensor cores; the dequantized even/odd weights times x's even/odd
+  columns in float32 FMAs, reduced along K at the end.
+* M = 2..64, ``USE_DOT=True``: the product is taken transposed, acc[BLOCK_N, BLOCK_M] = W @ x^T,
+  so the weight fills the MMA's M side and the few rows of x its narrow N side (BLOCK_M = 16, 32
+  or 64; rows past M are clamped on load and dropped on store).
+* Block-dot kernel (``_nvfp4_gemv_blockdot_kernel``; M <= ``BLOCKDOT_MAX_M`` by default, up to 4
+  with ``config=dict(BLOCKDOT=True, ...)``): reads ``packed`` as int32 words and multiplies the
+  raw E2M1 codes (an fp16 bit placement) with x, one scale multiply per 16 weights; faster than
+  both paths above for one row (docs/kernels.md).
 
-* M = 1 by default (``BLOCKDOT_MAX_M``; up to 4 with ``config=dict(BLOCKDOT=True, ...)``): the
-  block-dot kernel, which reads ``packed`` as int32 words and multiplies the raw E2M1 codes (fp16
-  bit trick) with x, one scale multiply per 16 weights (see ``_nvfp4_gemv_blockdot_kernel`` and
-  docs/kernels.md); it is faster than both paths above for one row.
-
-The op is registered as ``torch.ops.qerl_kit.nvfp4_gemv``; the launcher does no host sync.
+Configs are autotuned per (M bucket, N, K); the launcher does no host sync, so a warmed-up call
+can be captured in a CUDA graph. Registered as ``torch.ops.qerl_kit.nvfp4_gemv``;
+qerl_kit/kernels/routes.py decides which calls reach it. Tests: tests/test_kernels.py (Triton's
+interpreter on the CPU; real shapes and CUDA graphs on a GPU).
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from qerl_kit.kernels.backend import register_linear_op
 from qerl_kit.kernels.nvfp4_gemm_triton import (HAS_TRITON, check_nvfp4_operands, launch_options,
                                                 m_bucket)
 
-DECODE_MAX_M = 64  # rows handled by this module; more go to the GEMM
+DECODE_MAX_M = 64  # the most rows nvfp4_gemv takes (nvfp4_gemm takes any number)
 
 if HAS_TRITON:
     import triton
@@ -185,8 +186,8 @@ if HAS_TRITON:
     # The placement: a sign moves 3 bits further than its magnitude, so the word is merged once
     # with itself rotated right by 3 (w0 keeps the sign bits of codes 0, 2, 4, 6 and takes every
     # other bit from the rotated copy, w1 those of 1, 3, 5, 7; the bits a pair needs never collide),
-    # then each pair is one rotate and one mask: 10 instructions per word, was 15 (shift, mask, shift,
-    # mask, or per pair). The CUDA decode kernel does the same for bf16 (nvfp4_decode_cuda.py).
+    # then each pair is one rotate and one mask: 10 instructions per word, against 15 for a shift,
+    # mask, shift, mask and or per pair. The CUDA decode kernel does the same for bf16 (nvfp4_decode_cuda.py).
     _PAIRS_F16 = """
     shf.r.wrap.b32 r, $1, $1, 3;
     lop3.b32 w0, $1, r, 0x08080808, 0xE4; lop3.b32 w1, $1, r, 0x80808080, 0xE4;
@@ -429,8 +430,9 @@ if HAS_TRITON:
         return triton.Config(dict(BLOCK_N=bn, BLOCK_K=bk, USE_DOT=dot, PREFETCH=prefetch, CTAS_PER_SM=ctas),
                              num_warps=warps, num_stages=stages)
 
-    # From the H200 sweep (bench --sweep): for M == 1 the FMA path beat the tensor-core one, for
-    # M = 8..64 BLOCK_K=128 with 4 stages beat wider tiles; more programs per SM helped long K.
+    # From the H200 sweep (python -m bench.bench_nvfp4_gemm --sweep; docs/kernels.md): for M == 1 the
+    # FMA path is 1.4-1.6x faster than the tensor-core one, for M = 8..64 BLOCK_K=128 with 4 stages
+    # beats wider tiles, and more programs per SM help long K.
     GEMV_CONFIGS = [  # USE_DOT=False / PREFETCH configs take M == 1 only
         _cfg(64, 256, 4, 1, dot=False),
         _cfg(64, 256, 4, 1, dot=False, prefetch=True),
@@ -438,8 +440,8 @@ if HAS_TRITON:
         _cfg(64, 128, 4, 4),
         _cfg(64, 128, 4, 6, ctas=4),
         _cfg(64, 256, 4, 4),
-        # tried only for M > 16 (bench/results/sweep_small_m_h200.md: the best per-shape configs at
-        # M = 32 and 64, 5-20% faster there than the three above; none won at M <= 16)
+        # autotuned only for M > 16 (lab/results/sweep_small_m_h200.md: the best per-shape configs at
+        # M = 32 and 64, 5-20% faster there than the three above; none is faster at M <= 16)
         _cfg(64, 128, 4, 2, ctas=4),
         _cfg(64, 64, 4, 4),
         _cfg(128, 64, 4, 4, ctas=4),
@@ -517,8 +519,8 @@ def _workspace_elems(m: int, n: int, k: int, configs: list[dict]) -> int:
     return most
 
 
-BLOCKDOT_MAX_M = 1  # rows sent to the block-dot kernel by default (H200, 2026-11-30: M = 2 was mixed, M = 4
-#                     lost to the tensor-core path by 1.3-2.5x; bench/results/nvfp4_decode_compare_h200.csv)
+BLOCKDOT_MAX_M = 1  # rows nvfp4_gemv gives the block-dot kernel by default: on the H200 M = 2 is mixed and at
+#                     M = 4 it is 1.3-2.5x slower than the tensor-core path (lab/results/nvfp4_decode_compare_h200.csv)
 
 
 def _rows(m: int) -> int:

@@ -2,7 +2,8 @@
 
 PyTorch's CUDA wheels ship NVRTC, so the kernels need no compiler and no extra package. The API is
 private: ``status`` reports why a kernel cannot be used (no GPU, ROCm, an old GPU, a torch without
-the API, a failed compile) and the callers then keep their Triton kernels.
+the API, a failed compile), and the routing table (qerl_kit/kernels/routes.py) then skips that
+kernel. Used by ``nvfp4_decode_cuda`` and by ``lab/nvfp4_wgmma_cuda.py`` (``arch="90a"``).
 """
 
 from __future__ import annotations
@@ -40,6 +41,6 @@ def status(source: str, names: tuple[str, ...], min_capability: tuple[int, int],
     try:
         for name in names:
             compile_kernel(source, name, torch.cuda.current_device(), arch=arch)
-    except Exception as exc:  # NVRTC missing or failing: the caller keeps its Triton kernels
+    except Exception as exc:  # NVRTC missing or failing: the kernel is reported unusable, not raised
         return False, f"NVRTC compile failed: {type(exc).__name__}: {exc}"
     return True, f"NVRTC, {torch.cuda.get_device_name()}"
