@@ -354,6 +354,9 @@ class HFEngine:
         params = inspect.signature(base.forward).parameters
         self._cache_kw = "cache" if "cache" in params else "past_key_values"  # transformers >= 5.2x renamed it
         self._logits_to_keep = "logits_to_keep" in params
+        from qerl_kit.quantize import prepare_kernels
+
+        prepare_kernels(model)  # on a GPU: humming's NVFP4 kernels compile now, not in the first generate
 
     @property
     def device(self) -> torch.device:

@@ -84,22 +84,50 @@ def test_cache_keeps_one_gemm_per_weight_and_rebuilds_after_a_write_or_a_new_ten
     assert len(hm._cache) == entries - 1
 
 
-def test_a_failing_build_turns_humming_off_with_one_warning(monkeypatch):
+def test_a_failing_shape_falls_back_alone_with_one_warning(monkeypatch):
     monkeypatch.setattr(hm, "_static_status", lambda: (True, "faked"))
 
-    def broken(*args, **kwargs):
-        raise RuntimeError("nvcc exploded")
+    def broken(packed, *args, **kwargs):
+        if packed.shape[0] == 64:
+            raise AssertionError("shape_k must be a multiple of 128")
+        return FakeGemm(packed, *args)
 
     monkeypatch.setattr(hm, "HummingGemm", broken)
     p, s, g = weight(64, 128)
-    with pytest.warns(RuntimeWarning, match=r"humming-kernels is off for this process \(building a \[64 x 128\] "
-                                            r"bfloat16 layer failed: RuntimeError: nvcc exploded\)"):
+    with pytest.warns(RuntimeWarning, match=r"humming-kernels cannot take this layer shape \(building a \[64 x 128\] "
+                                            r"bfloat16 layer failed: AssertionError: shape_k must be a multiple of 128\)"):
         assert hm.gemm_for(p, s, g, torch.bfloat16) is None
     with warnings.catch_warnings():
-        warnings.simplefilter("error")                 # no second warning
+        warnings.simplefilter("error")                 # no second warning for the shape
+        assert hm.gemm_for(*weight(64, 128, seed=2), torch.bfloat16) is None
+        assert isinstance(hm.gemm_for(*weight(32, 128), torch.bfloat16), FakeGemm)   # other shapes build
+    assert not hm.shape_ok(64, 128, torch.bfloat16) and hm.shape_ok(64, 128, torch.float16)
+    assert hm.humming_status() == (True, "faked")
+
+
+def test_a_missing_library_turns_humming_off_for_the_process(monkeypatch):
+    monkeypatch.setattr(hm, "_static_status", lambda: (True, "faked"))
+
+    def broken(*args, **kwargs):
+        raise ImportError("No module named 'humming'")
+
+    monkeypatch.setattr(hm, "HummingGemm", broken)
+    with pytest.warns(RuntimeWarning, match=r"humming-kernels is off for this process \(building a \[64 x 128\] "
+                                            r"bfloat16 layer failed: ImportError: No module named 'humming'\)"):
+        assert hm.gemm_for(*weight(64, 128), torch.bfloat16) is None
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
         assert hm.gemm_for(*weight(32, 128), torch.bfloat16) is None
-    assert hm.humming_status() == (False, "building a [64 x 128] bfloat16 layer failed: RuntimeError: nvcc exploded")
+    assert hm.humming_status()[0] is False and "ImportError" in hm.humming_status()[1]
     assert hm.compile_shapes([(64, 128)]) == {}
+
+
+def test_only_shapes_the_table_can_send_to_humming_are_compiled(monkeypatch):
+    seen = []
+    monkeypatch.setattr(hm, "compile_shapes", lambda shapes, *a, **k: seen.append(list(shapes)) or {})
+    kernels.compile_shapes([(64, 64), (512, 3584), (1024, 8192), (4608, 3584), (55296, 5120)])
+    assert seen == [[(4608, 3584), (55296, 5120)]]     # tiny and k/v layers (<= 8M weights) stay on ours
+    assert kernels.compile_shapes([(64, 64)]) == {} and len(seen) == 1
 
 
 def test_dispatcher_humming_branch_adds_bias_keeps_shape_and_falls_back(monkeypatch):
@@ -107,7 +135,8 @@ def test_dispatcher_humming_branch_adds_bias_keeps_shape_and_falls_back(monkeypa
     build falls back to the next row of the table within the same call."""
     monkeypatch.setattr(hm, "humming_status", lambda: (True, "faked"))
     monkeypatch.setattr(hm, "HummingGemm", FakeGemm)
-    monkeypatch.setattr(kernels, "_route", lambda op, x2, p, s, choice: "humming" if hm._disabled is None else "reference")
+    monkeypatch.setattr(kernels, "_route", lambda op, x2, p, s, choice: "humming" if hm.shape_ok(
+        p.shape[0], p.shape[1] * 2, x2.dtype) else "reference")
     p, s, g = weight(64, 128)
     bias = torch.randn(64)
     x = torch.randn(2, 3, 128)
@@ -231,7 +260,8 @@ def test_engine_decodes_through_humming_with_the_models_logprobs():
     qkv, gate_up = plan.layers[0].qkv, plan.layers[0].gate_up
     x = torch.empty(8, 3584, device="cuda", dtype=torch.bfloat16)
     assert kernels.route("forward", x, qkv.packed, qkv.scales) == "humming"
-    assert kernels.route("forward", x, gate_up.packed, gate_up.scales) == "humming"
+    assert kernels.route("forward", x, gate_up.packed, gate_up.scales) == "cuda_decode"  # K < 5120, >= 72M weights
+    assert kernels.route("forward", torch.cat([x, x]), gate_up.packed, gate_up.scales) == "humming"
     assert hm.cached(qkv.packed, torch.bfloat16) is not None     # built during the warm-up, not in a capture
     for row in range(8):
         prompt, completion = prompts[row // 2], out["completion_ids"][row].tolist()

@@ -302,8 +302,8 @@ def test_forced_triton_routes_by_rows_and_width():
     from qerl_kit.kernels.routes import WIDE_N
 
     def kernel(m, n):
-        return route("forward", _randn(m, 64, dtype=torch.bfloat16, seed=m), *_weight(n, 64, seed=n)[:2],
-                     backend="triton")
+        q = _weight(n, 64, seed=n)
+        return route("forward", _randn(m, 64, dtype=torch.bfloat16, seed=m), q.packed, q.scales, backend="triton")
 
     assert [kernel(m, 64) for m in (1, 8, 32, 33, 64, 65, 200)] == ["triton_gemv"] * 5 + ["triton_tiles"] * 2
     # the wide fused gate/up widths take the tiled kernel from 33 rows (dense needs CUDA tensors)
@@ -393,15 +393,16 @@ def test_gpu_blockdot_variants_real_shapes(n, k):
 def test_gpu_decode_rows_capture_in_a_cuda_graph(m):
     q = _weight(3584, 3584, seed=61, device="cuda")
     x = _randn(m, 3584, dtype=torch.bfloat16, seed=62, device="cuda")
-    nvfp4_linear(x, q.packed, q.scales, q.global_scale)  # warm-up: autotunes
+    # our kernels (bitwise deterministic); humming's graphs are tested in test_humming.py, within bf16
+    nvfp4_linear(x, q.packed, q.scales, q.global_scale, backend="ours")  # warm-up: autotunes
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        y_graph = nvfp4_linear(x, q.packed, q.scales, q.global_scale)
+        y_graph = nvfp4_linear(x, q.packed, q.scales, q.global_scale, backend="ours")
     for seed in (63, 64):
         x.copy_(_randn(m, 3584, dtype=torch.bfloat16, seed=seed, device="cuda"))
         graph.replay()
         torch.cuda.synchronize()
-        assert torch.equal(y_graph, nvfp4_linear(x, q.packed, q.scales, q.global_scale))
+        assert torch.equal(y_graph, nvfp4_linear(x, q.packed, q.scales, q.global_scale, backend="ours"))
 
 
 @pytest.mark.gpu
@@ -409,12 +410,12 @@ def test_gpu_decode_rows_capture_in_a_cuda_graph(m):
 def test_gpu_decode_captures_in_a_cuda_graph():
     q = _weight(4608, 3584, seed=31, device="cuda")
     x = _randn(8, 3584, dtype=torch.bfloat16, seed=32, device="cuda")
-    y_eager = nvfp4_linear(x, q.packed, q.scales, q.global_scale)  # warm-up: autotunes
+    y_eager = nvfp4_linear(x, q.packed, q.scales, q.global_scale, backend="ours")  # warm-up: autotunes
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        y_graph = nvfp4_linear(x, q.packed, q.scales, q.global_scale)
+        y_graph = nvfp4_linear(x, q.packed, q.scales, q.global_scale, backend="ours")
     x.copy_(_randn(8, 3584, dtype=torch.bfloat16, seed=33, device="cuda"))
     graph.replay()
     torch.cuda.synchronize()
-    assert torch.equal(y_graph, nvfp4_linear(x, q.packed, q.scales, q.global_scale))
+    assert torch.equal(y_graph, nvfp4_linear(x, q.packed, q.scales, q.global_scale, backend="ours"))
     assert not torch.equal(y_graph, y_eager)

@@ -85,7 +85,8 @@ def _runs(kernel: str, x2: torch.Tensor, packed: torch.Tensor, scales: torch.Ten
     if not x2.is_cuda:
         return kernel == "reference"
     if kernel == "humming":
-        return _humming().humming_status()[0]
+        h = _hm or _humming()
+        return h.humming_status()[0] and h.shape_ok(packed.shape[0], packed.shape[1] * 2, x2.dtype)
     if kernel == "cuda_decode":
         return _dec().supports(x2, packed, scales) and _dec().cuda_decode_status()[0]
     return kernel == "reference"
@@ -173,8 +174,11 @@ def nvfp4_linear(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor,
     if bias is not None and bias.dtype != x.dtype:
         bias = bias.to(x.dtype)
     y = _forward(route("forward", x2, packed, scales, backend), x2, packed, scales, global_scale, bias)
-    if y is None:
-        y = _forward(route("forward", x2, packed, scales, backend), x2, packed, scales, global_scale, bias)
+    if y is None:  # humming could not build this weight (now off for its shape): the next row of the table
+        kernel = route("forward", x2, packed, scales, backend)
+        if kernel == "humming":
+            raise RuntimeError("humming was routed again after it failed to build this weight")
+        y = _forward(kernel, x2, packed, scales, global_scale, bias)
     return y if x.dim() == 2 else y.reshape(*x.shape[:-1], packed.shape[0])
 
 
@@ -199,7 +203,8 @@ def nvfp4_dgrad(dy: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor,
 
 def compile_shapes(shapes, dtype: torch.dtype = torch.bfloat16, device="cuda",
                    progress: bool = True) -> dict[tuple[int, int], float]:
-    """Compile humming's kernels for these (N, K) weight shapes now, with a progress bar:
-    {(N, K): seconds}; {} when humming is not usable here. ``qerl_kit.quantize.prepare_kernels``
-    does it for every NVFP4 layer shape of a model."""
-    return _humming().compile_shapes(shapes, dtype, device, progress)
+    """Compile humming's kernels for those of these (N, K) weight shapes the routing table can send
+    to humming, now, with a progress bar: {(N, K): seconds}; {} when humming is not usable here.
+    ``qerl_kit.quantize.prepare_kernels`` does it for every NVFP4 layer shape of a model."""
+    wanted = [(n, k) for n, k in shapes if routes.may_take("humming", n, k)]
+    return _humming().compile_shapes(wanted, dtype, device, progress) if wanted else {}

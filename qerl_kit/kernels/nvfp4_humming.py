@@ -18,7 +18,8 @@ the H200). Compiled kernels are cached on disk by humming (``HUMMING_CACHE_DIR``
 * ``compile_shapes(shapes, dtype)``: compile the kernels of every (N, K) up front, with a
   progress bar; weights are repacked later, at their first call, and only where they are used.
 * ``humming_status()``: (usable, reason). If humming is missing, outside the supported versions
-  or fails to compile, NVFP4 matmuls fall back to qerl_kit's own kernels with one warning.
+  or its compiler is, NVFP4 matmuls fall back to qerl_kit's own kernels with one warning; a layer
+  shape humming fails to build (``shape_ok``) falls back alone, with one warning of its own.
 
 The repacked weight is a second copy of the 4-bit weight (our packed tensors stay: the input
 gradient, the reference and checkpoints read them); docs/kernels.md counts what it costs.
@@ -40,6 +41,7 @@ SCHEMA = dict(quant_method="compressed-tensors", format="nvfp4-pack-quantized", 
 DTYPES = (torch.bfloat16, torch.float16)
 
 _disabled: str | None = None  # why humming was turned off in this process after a failure
+_failed: dict[tuple[int, int, torch.dtype], str] = {}  # (N, K, dtype) humming failed to build, and why
 
 
 def _version_tuple(text: str) -> tuple[int, ...]:
@@ -84,10 +86,29 @@ def disable(reason: str) -> None:
                       "qerl_kit's own kernels", RuntimeWarning, stacklevel=3)
 
 
+def shape_ok(n: int, k: int, dtype: torch.dtype) -> bool:
+    """False once building an [n, k] layer for ``dtype`` failed in this process."""
+    return (n, k, dtype) not in _failed
+
+
+def _fail(n: int, k: int, dtype: torch.dtype, err: Exception) -> None:
+    """Record a failed build: a missing library or compiler (ImportError, OSError) turns humming
+    off for the process; anything else turns off this layer shape only. One warning each."""
+    reason = (f"building a [{n} x {k}] {str(dtype).removeprefix('torch.')} layer failed: "
+              f"{type(err).__name__}: {str(err)[:300]}")
+    if isinstance(err, (ImportError, OSError)):
+        disable(reason)
+    elif (n, k, dtype) not in _failed:
+        _failed[n, k, dtype] = reason
+        warnings.warn(f"humming-kernels cannot take this layer shape ({reason}); its matmuls run on qerl_kit's "
+                      "own kernels", RuntimeWarning, stacklevel=4)
+
+
 def _reset_for_tests() -> None:
     global _disabled
     _disabled = None
     _cache.clear()
+    _failed.clear()
 
 
 class HummingGemm:
@@ -154,7 +175,8 @@ def gemm_for(packed: torch.Tensor, scales: torch.Tensor, global_scale: torch.Ten
     gemm = cached(packed, dtype)
     if gemm is not None:
         return gemm
-    if not humming_status()[0]:
+    n, k = packed.shape[0], packed.shape[1] * 2
+    if not humming_status()[0] or not shape_ok(n, k, dtype):
         return None
     if packed.is_cuda and torch.cuda.is_current_stream_capturing():
         raise RuntimeError("an NVFP4 weight met humming for the first time inside a CUDA graph capture: "
@@ -162,8 +184,7 @@ def gemm_for(packed: torch.Tensor, scales: torch.Tensor, global_scale: torch.Ten
     try:
         gemm = HummingGemm(packed, scales, global_scale, dtype)
     except Exception as e:  # noqa: BLE001 - any failure (import, JIT compile, schema) means: use ours
-        disable(f"building a [{packed.shape[0]} x {packed.shape[1] * 2}] {str(dtype).removeprefix('torch.')} "
-                f"layer failed: {type(e).__name__}: {str(e)[:300]}")
+        _fail(n, k, dtype, e)
         return None
     key = (id(packed), dtype)
     _cache[key] = (weakref.ref(packed, lambda _ref, key=key: _cache.pop(key, None)), packed._version, gemm)
@@ -192,8 +213,10 @@ def compile_shapes(shapes, dtype: torch.dtype = torch.bfloat16, device: torch.de
         try:
             HummingGemm(packed, scales, torch.ones(1, device=device), dtype)
         except Exception as e:  # noqa: BLE001
-            disable(f"compiling a [{n} x {k}] layer failed: {type(e).__name__}: {str(e)[:300]}")
-            return seconds
+            _fail(n, k, dtype, e)
+            if not humming_status()[0]:
+                return seconds
+            continue
         seconds[n, k] = time.perf_counter() - t0
         del packed, scales
     return seconds

@@ -110,6 +110,12 @@ def candidates(op: str, m: int, n: int, k: int, dtype: torch.dtype, table=ROUTES
     return [r for r in table if r.matches(op, m, n, k, dtype)]
 
 
+def may_take(kernel: str, n: int, k: int, op: str = "forward", table=ROUTES) -> bool:
+    """Whether some row sends calls on an [n, k] weight to ``kernel`` (at some row count)."""
+    return any(r.kernel == kernel and r.op == op and r.n[0] <= n < r.n[1] and r.k[0] <= k < r.k[1]
+               and r.weights[0] <= n * k < r.weights[1] for r in table)
+
+
 def check_table(table=ROUTES) -> None:
     """Raise ValueError if a row names an unknown kernel or op, a range is empty, or an op does not
     end with a catch-all ``reference`` row (so every call finds a row)."""
