@@ -44,7 +44,8 @@ def _cmd_quantize(args: argparse.Namespace) -> int:
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
-    from qerl_kit import distributed
+    from qerl_kit import checkpoint as ckpt
+    from qerl_kit import distributed, runs
     from qerl_kit.build import build_datasets, build_policy
     from qerl_kit.config import load_config, preset, save_config
     from qerl_kit.trainer import Trainer
@@ -54,6 +55,15 @@ def _cmd_train(args: argparse.Namespace) -> int:
     cfg = load_config(args.config) if args.config else preset(args.preset)
     if args.output_dir:
         cfg = cfg.replace(output_dir=args.output_dir)
+    latest = None if args.fresh else ckpt.latest_checkpoint(cfg.output_dir)
+    if main:  # the first line says which run this is
+        if latest is not None:
+            print(f"qerl train: resuming the run in {cfg.output_dir} from step {latest.name.split('-')[1]} ({latest})")
+        elif runs.run_files(cfg.output_dir):
+            print(f"qerl train: starting a new run in {cfg.output_dir}; the run found there moves to "
+                  f"{cfg.output_dir}/{runs.PREVIOUS}/")
+        else:
+            print(f"qerl train: starting a new run in {cfg.output_dir}")
     policy, tokenizer, report = build_policy(cfg.model, seed=cfg.seed)
     if torch_cuda_available():
         policy.to(distributed.device())  # cuda:LOCAL_RANK (cuda:0 on one process)
@@ -62,12 +72,13 @@ def _cmd_train(args: argparse.Namespace) -> int:
     train, evals, reward_fns = build_datasets(cfg.data)
     trainer = Trainer(policy, tokenizer, train, reward_fns, cfg, eval_dataset=evals,
                       progress="text" if args.no_widgets else "auto")
-    if not args.fresh:
-        step = trainer.resume()
-        if step and main:
+    if latest is not None:
+        step = trainer.resume(latest, allow_config_change=args.allow_config_change)
+        if main:
             print(f"resumed from step {step} in {cfg.output_dir}")
+    else:
+        trainer.claim_output_dir("train")
     if main:
-        trainer.output_dir.mkdir(parents=True, exist_ok=True)
         save_config(cfg, trainer.output_dir / "config.yaml")
     trainer.train(args.steps)
     trainer.save()
@@ -120,7 +131,9 @@ def build_parser() -> argparse.ArgumentParser:
                       help="the weight format of the frozen base (none: bf16 LoRA)")
     demo.add_argument("--seed", type=int, default=0, help="random seed")
     demo.add_argument("--eval-size", type=int, default=None, help="held-out problems to evaluate")
-    demo.add_argument("--output-dir", default="runs/latest", help="where summary.json, curves.png go")
+    demo.add_argument("--output-dir", default="runs/demo",
+                      help="where summary.json, curves.png, metrics.jsonl and checkpoints go; a run already there "
+                           "moves to OUTPUT_DIR/previous-runs/ (default runs/demo)")
     demo.add_argument("--no-widgets", action="store_true", help="plain text progress bar")
     demo.set_defaults(func=_cmd_demo)
 
@@ -145,8 +158,14 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--preset", default="tiny-cpu", help="a named preset when no --config is given "
                                                             "(tiny-cpu, paper-gsm8k, paper-bigmath)")
     train.add_argument("--steps", type=int, default=None, help="steps to run now (default: to total_steps)")
-    train.add_argument("--output-dir", help="where checkpoints and metrics.jsonl go (overrides the config)")
-    train.add_argument("--fresh", action="store_true", help="ignore existing checkpoints instead of resuming")
+    train.add_argument("--output-dir", help="where checkpoints and metrics.jsonl go (overrides the config; "
+                                            "default: the config's output_dir, runs/train)")
+    train.add_argument("--fresh", action="store_true",
+                       help="start a new run instead of resuming; a run already in the output directory moves to "
+                            "OUTPUT_DIR/previous-runs/ (nothing is deleted)")
+    train.add_argument("--allow-config-change", action="store_true",
+                       help="resume even though the config differs from the checkpoint's (applied to the "
+                            "optimizer, lr schedule and AQN, logged to config_changes.jsonl)")
     train.add_argument("--eval", action="store_true", help="evaluate on the held-out split at the end")
     train.add_argument("--no-widgets", action="store_true", help="plain text progress bar")
     train.set_defaults(func=_cmd_train)
@@ -155,7 +174,7 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--model", default="tiny", help="'tiny' or a local HF model directory")
     ev.add_argument("--format", default="nvfp4", choices=["nvfp4", "mxfp4", "nf4", "none"],
                     help="quantize the base to this format first (none: keep it dense)")
-    ev.add_argument("--adapter", help="a peft adapter directory (e.g. runs/latest/checkpoint-60)")
+    ev.add_argument("--adapter", help="a peft adapter directory (e.g. runs/train/checkpoint-60)")
     ev.add_argument("--dataset", default="arith", help="arith, gsm8k, math500 or a GSM8K-style .jsonl")
     ev.add_argument("--limit", type=int, default=200, help="number of held-out problems")
     ev.add_argument("--samples", type=int, default=1, help="samples per problem (pass@1 is averaged)")
@@ -168,8 +187,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from qerl_kit.checkpoint import CheckpointError
+
     args = build_parser().parse_args(argv)
-    return args.func(args)
+    try:
+        return args.func(args)
+    except (FileExistsError, CheckpointError) as err:  # a refusal that protects the user's files or run
+        print(f"qerl {args.command}: {err}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

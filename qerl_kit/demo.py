@@ -3,7 +3,7 @@
 ``qerl demo`` (``./run demo``) loads the tiny base through ``from_pretrained``, quantizes it to
 NVFP4, attaches LoRA, turns AQN on and runs GRPO/DAPO (the ``tiny-cpu`` preset) on the synthetic
 arithmetic task. It measures the quantized base's held-out greedy accuracy first and the
-trained policy's after, with the same decoding, and writes to ``runs/latest/``: ``summary.json``,
+trained policy's after, with the same decoding, and writes to ``runs/demo/``: ``summary.json``,
 ``metrics.jsonl``, ``curves.png`` (reward, accuracy and entropy against step) and checkpoints.
 ``--model DIR --dataset gsm8k`` runs the same job on a real model where a GPU is available.
 """
@@ -30,7 +30,7 @@ def _prompt_fn(dataset: str):
 
 
 def run_demo(model: str = "tiny", dataset: str = "arith", steps: int | None = None, seed: int = 0,
-             output_dir: str = "runs/latest", eval_size: int | None = None, fmt: str = "nvfp4",
+             output_dir: str = "runs/demo", eval_size: int | None = None, fmt: str = "nvfp4",
              progress: str = "auto") -> dict:
     """Run the demo and return its summary (also written to ``output_dir/summary.json``)."""
     from qerl_kit.build import build_datasets, build_policy
@@ -57,16 +57,10 @@ def run_demo(model: str = "tiny", dataset: str = "arith", steps: int | None = No
         overrides["data"]["eval_size"] = eval_size
     cfg = preset("tiny-cpu", **overrides)
     out = Path(output_dir)
-    if out.exists() and any(out.iterdir()):  # a fresh run each time, but only over an old run
-        if not (out / "config.yaml").is_file() or any(p.suffix == ".py" or p.name == ".git" for p in out.iterdir()):
-            raise FileExistsError(f"{out} exists and does not look like a qerl run directory; "
-                                  "pick another --output-dir")
-        import shutil
+    from qerl_kit import runs
 
-        shutil.rmtree(out)
-    out.mkdir(parents=True, exist_ok=True)
-    save_config(cfg, out / "config.yaml")
-
+    print(f"qerl demo: a new run in {out}" + (f"; the run found there moves to {out / runs.PREVIOUS}/"
+                                              if runs.run_files(out) else ""))
     torch.manual_seed(seed)
     policy, tokenizer, report = build_policy(cfg.model, seed=seed)
     if report is not None:
@@ -74,6 +68,8 @@ def run_demo(model: str = "tiny", dataset: str = "arith", steps: int | None = No
     train, heldout, reward_fns = build_datasets(cfg.data)  # the same problems for every seed
     trainer = Trainer(policy, tokenizer, train, reward_fns, cfg, eval_dataset=heldout,
                       prompt_fn=_prompt_fn(dataset), progress=progress)
+    trainer.claim_output_dir("demo")  # a fresh run each time: an earlier one moves aside, nothing is deleted
+    save_config(cfg, out / "config.yaml")
     print(f"held-out split: {len(heldout)} problems; measuring the quantized base (greedy) ...")
     base = trainer.evaluate(batch_size=64)
     print(f"base accuracy {base.accuracy:.3f}; training {cfg.total_steps} GRPO steps "

@@ -37,7 +37,7 @@ import torch
 
 from qerl_kit import checkpoint as ckpt
 from qerl_kit import distributed
-from qerl_kit import grpo
+from qerl_kit import grpo, runs
 from qerl_kit.aqn import AQN
 from qerl_kit.config import TrainConfig
 from qerl_kit.logprobs import batched_logprobs, completion_logprobs
@@ -110,6 +110,8 @@ class Trainer:
         self.step = 0
         self.history: list[dict] = []
         self.output_dir = Path(config.output_dir)
+        self.run_id = runs.new_run_id()  # a resumed run takes its checkpoint's
+        self._claimed = False            # output_dir made this run's (qerl_kit.runs.claim) before any write
         self.stop_requested = False  # a widget's stop button sets this; the current step finishes
         self._tb = None
         if config.log_tensorboard and self.dist.main:
@@ -154,13 +156,38 @@ class Trainer:
         return SamplingParams(max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
                               seed=self.config.seed * 7919 + step * 31 + round_ + first_group * distributed.SEED_STRIDE)
 
+    @staticmethod
+    def _checked_scores(fn, scores, n: int) -> list:
+        """A reward function's scores, one per completion, or an error that names the function."""
+        name = getattr(fn, "__name__", type(fn).__name__)
+        if scores is None:
+            raise TypeError(f"reward function {name!r} returned None; it must return one score (a float, or None "
+                            f"for 'not applicable') per completion: a list of {n}")
+        if isinstance(scores, torch.Tensor):
+            scores = scores.tolist()
+        try:
+            scores = list(scores)
+        except TypeError:
+            raise TypeError(f"reward function {name!r} returned {type(scores).__name__}, not a list of "
+                            f"{n} scores") from None
+        if len(scores) != n:
+            raise ValueError(f"reward function {name!r} returned {len(scores)} scores for {n} completions; "
+                             "it must return exactly one per completion")
+        for s in scores:
+            if s is not None and not isinstance(s, (int, float)):
+                raise TypeError(f"reward function {name!r} returned a score of type {type(s).__name__} ({s!r}); "
+                                "scores are floats, or None for 'not applicable'")
+        return scores
+
     def _score(self, rows: list[dict], rollouts: Rollouts) -> tuple[torch.Tensor, dict, torch.Tensor]:
         G = self.config.rollout.group_size
         columns = {k: [row[k] for row in rows for _ in range(G)] for k in rows[0] if k != "prompt"}
         ids = [c[m.bool()].tolist() for c, m in zip(rollouts.completion_ids, rollouts.completion_mask)]
         per_fn, metrics = [], {}
         for fn in self.reward_fns:
-            scores = fn(prompts=rollouts.prompts, completions=rollouts.texts, completion_ids=ids, **columns)
+            scores = self._checked_scores(
+                fn, fn(prompts=rollouts.prompts, completions=rollouts.texts, completion_ids=ids, **columns),
+                len(rollouts.texts))
             per_fn.append(scores)
             vals = torch.tensor([float("nan") if s is None else float(s) for s in scores])
             name = getattr(fn, "__name__", type(fn).__name__)
@@ -168,7 +195,8 @@ class Trainer:
             metrics[f"rewards/{name}/std"] = vals[~vals.isnan()].std().item() if (~vals.isnan()).sum() > 1 else 0.0
         rewards = grpo.combine_rewards(per_fn)
         acc_scores = per_fn[self.reward_fns.index(self.accuracy_fn)] if self.accuracy_fn in self.reward_fns else \
-            self.accuracy_fn(prompts=rollouts.prompts, completions=rollouts.texts, completion_ids=ids, **columns)
+            self._checked_scores(self.accuracy_fn, self.accuracy_fn(prompts=rollouts.prompts, completions=rollouts.texts,
+                                                                    completion_ids=ids, **columns), len(rollouts.texts))
         correct = torch.tensor([1.0 if (s is not None and s >= 1.0) else 0.0 for s in acc_scores])
         lc = self.config.loss
         if lc.overlong_buffer > 0:
@@ -308,6 +336,8 @@ class Trainer:
     def train(self, steps: int | None = None, callback: Callable[[dict], None] | None = None) -> "Trainer":
         """Run ``steps`` more steps (default: up to ``config.total_steps``); callable repeatedly."""
         steps = self.config.total_steps - self.step if steps is None else steps
+        if not self._claimed:
+            self.claim_output_dir()
         bar = self._bar(steps)
         for _ in range(steps):
             if self.dist.any(self.stop_requested):  # a stop pressed on any rank stops them all
@@ -363,29 +393,61 @@ class Trainer:
         return evaluate(self.model, self.tokenizer, data, self.accuracy_fn, engine=self.engine,
                         prompt_fn=self.prompt_fn, **kwargs)
 
-    # ---- checkpoints -------------------------------------------------------------------------
+    # ---- the run directory and checkpoints ----------------------------------------------------
+    def claim_output_dir(self, command: str = "train") -> Path | None:
+        """Make ``output_dir`` this run's before anything is written to it (``qerl_kit.runs.claim``):
+        another run found there moves to ``output_dir/previous-runs/`` (said on stdout; nothing is
+        deleted), and the path it moved to is returned. Called by ``train``, ``save`` and
+        ``resume``; a notebook or script may call it first to choose the command name."""
+        moved = None
+        if self.dist.main:
+            moved = runs.claim(self.output_dir, self.run_id, command)
+            if moved is not None:
+                print(f"{self.output_dir} held another run; it was moved to {moved} (nothing deleted)")
+        self.dist.barrier()
+        self._claimed = True
+        return moved
+
     def save(self) -> Path:
         """Write ``checkpoint-<step>`` (rank 0 writes, every rank waits for it); returns its path.
 
         Nothing in it depends on the world size (the adapter and optimizer state are replicated), so
         a run saved on W ranks resumes on any number of ranks."""
+        if not self._claimed:
+            self.claim_output_dir()
         path = self.output_dir / f"checkpoint-{self.step}"
         if self.dist.main:
             state = {"step": self.step, "optimizer": self.optimizer.state_dict(),
                      "scheduler": self.scheduler.state_dict(), "rng": ckpt.rng_state(),
                      "aqn": self.aqn.state_dict() if self.aqn else None, "world_size": self.dist.world,
-                     "history": json.dumps(self.history), "config": json.dumps(self.config.to_dict())}
-            path = ckpt.save_checkpoint(self.output_dir, self.step, self.model, state, self.config.keep_checkpoints)
+                     "history": json.dumps(self.history), "config": json.dumps(self.config.to_dict()),
+                     "run_id": self.run_id}
+            path = ckpt.save_checkpoint(self.output_dir, self.step, self.model, state, self.config.keep_checkpoints,
+                                        run_id=self.run_id)
         self.dist.barrier()
         return path
 
-    def resume(self, checkpoint: str | Path | None = None) -> int:
-        """Continue from ``checkpoint`` (default: the newest under output_dir); returns its step."""
+    def resume(self, checkpoint: str | Path | None = None, allow_config_change: bool = False) -> int:
+        """Continue from ``checkpoint`` (default: the newest under output_dir); returns its step.
+
+        The checkpoint must hold exactly this model's adapter tensors (``CheckpointError`` names the
+        checkpoint and the tensor otherwise), and the config it was saved with must equal this one
+        up to the keys that do not change training (``checkpoint.RESUME_NEUTRAL``): a change is refused unless
+        ``allow_config_change``, and then applied to the optimizer, the lr schedule and AQN alike and
+        logged to ``output_dir/config_changes.jsonl``."""
         path = Path(checkpoint) if checkpoint else ckpt.latest_checkpoint(self.output_dir)
         path = self.dist.broadcast(path)  # rank 0's choice, so all ranks load the same one
         if path is None:
             return self.step
         state = ckpt.load_state(path)
+        current = json.loads(json.dumps(self.config.to_dict()))  # as saved: tuples become lists
+        changes = ckpt.config_changes(json.loads(state["config"]), current) if "config" in state else {}
+        if changes and not allow_config_change:
+            shown = "; ".join(f"{k}: {old!r} -> {new!r}" for k, (old, new) in list(changes.items())[:6])
+            raise ckpt.CheckpointError(
+                f"{path} was saved with another config ({shown}); resuming would not continue that run exactly. "
+                "Resume with the saved config (its config.yaml), start a new run (qerl train --fresh), or accept "
+                "the change: Trainer.resume(allow_config_change=True) / qerl train --allow-config-change")
         ckpt.load_adapter_weights(self.model, path)
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
@@ -394,9 +456,40 @@ class Trainer:
             self.aqn.load_state_dict(state["aqn"])
         self.step = int(state["step"])
         self.history = json.loads(state["history"])
-        # the metrics file keeps exactly the checkpointed steps; later ones are redone
+        self.run_id = state.get("run_id") or (runs.read_run(path) or {}).get("run_id") or self.run_id
+        if changes:
+            self._apply_config(changes, path)
         if self.dist.main:
-            self.output_dir.mkdir(parents=True, exist_ok=True)
+            if runs.read_run(self.output_dir) is None and path.parent.resolve() == self.output_dir.resolve():
+                runs.write_run(self.output_dir, self.run_id, "train")  # a run from before run.json: adopt it
+            moved = runs.claim(self.output_dir, self.run_id, "train")
+            if moved is not None:
+                print(f"{self.output_dir} held another run; it was moved to {moved} (nothing deleted)")
+            # the metrics file keeps exactly the checkpointed steps; later ones are redone
             (self.output_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in self.history))
         self.dist.barrier()
+        self._claimed = True
         return self.step
+
+    def _apply_config(self, changes: dict, path: Path) -> None:
+        """After a resume with ``allow_config_change``: this config's optimizer settings, lr schedule
+        and AQN schedule, on the restored state (the RNG streams carry on), and a log line."""
+        o = self.config.optim
+        for group in self.optimizer.param_groups:
+            for key in ("weight_decay", "eps"):
+                if key in group and hasattr(o, key):
+                    group[key] = getattr(o, key)
+            if "betas" in group and hasattr(o, "betas"):
+                group["betas"] = tuple(o.betas)
+        self.set_lr(o.lr)  # base lr and the schedule (built from this config's total_steps)
+        if self.aqn is not None:
+            a = self.config.aqn
+            self.aqn.sigma_start, self.aqn.sigma_end, self.aqn.stages = a.sigma_start, a.sigma_end, a.stages
+            self.aqn.total_steps, self.aqn.resample = self.config.total_steps, a.resample
+        line = {"step": self.step, "checkpoint": str(path), "changes": {k: list(v) for k, v in changes.items()}}
+        warnings.warn(f"resumed {path} with a changed config: {line['changes']}", stacklevel=3)
+        if self.dist.main:
+            self.output_dir.mkdir(parents=True, exist_ok=True)
+            with open(self.output_dir / "config_changes.jsonl", "a") as f:
+                f.write(json.dumps(line) + "\n")
+

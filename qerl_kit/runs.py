@@ -1,0 +1,107 @@
+"""Run directories: what a training run writes into its ``output_dir``, and how a new run claims one.
+
+A run writes only these names into its directory: ``run.json`` (its id, the command, when it
+started), ``config.yaml``, ``metrics.jsonl``, ``checkpoint-<step>/`` (each with its own
+``run.json``), ``.tmp-checkpoint-<step>/`` while one is written, ``config_changes.jsonl``,
+``tensorboard/``, and for ``qerl demo`` ``summary.json`` and ``curves.png``. Other files in the
+directory are never touched.
+
+``claim(dir, run_id, command)`` is called before a run writes anything:
+
+* no run there: it writes ``run.json`` and returns None;
+* this run's ``run.json``: a resumed run, nothing to do;
+* another run (its ``run.json``, or from before run.json existed: checkpoints with trainer
+  state, a ``metrics.jsonl``, or a ``config.yaml`` of ours): that run's files move into
+  ``dir/previous-runs/<time>-<id>/`` (nothing is deleted) and the new path is returned, for
+  the caller to say so;
+* our file names held by files that are not a run's (a ``config.yaml`` of your own): refused,
+  ``FileExistsError`` naming them.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+import uuid
+from pathlib import Path
+
+RUN_FILE = "run.json"
+PREVIOUS = "previous-runs"
+_FILES = ("run.json", "config.yaml", "metrics.jsonl", "config_changes.jsonl", "summary.json", "curves.png")
+_DIRS = re.compile(r"^(checkpoint-\d+|\.tmp-checkpoint-\d+|tensorboard)$")
+_CONFIG_KEYS = {"model", "rollout", "loss", "optim", "aqn"}  # a config.yaml of ours has these sections
+
+
+def new_run_id() -> str:
+    return uuid.uuid4().hex[:12]
+
+
+def read_run(path: str | Path) -> dict | None:
+    """The ``run.json`` in ``path`` (a run or checkpoint directory), or None."""
+    f = Path(path) / RUN_FILE
+    try:
+        return json.loads(f.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def write_run(path: str | Path, run_id: str, command: str) -> None:
+    info = {"run_id": run_id, "command": command, "started": time.strftime("%Y-%m-%dT%H:%M:%S")}
+    (Path(path) / RUN_FILE).write_text(json.dumps(info, indent=1) + "\n")
+
+
+def run_files(path: str | Path) -> list[Path]:
+    """The entries of ``path`` that carry a run's names (what ``claim`` may move)."""
+    root = Path(path)
+    if not root.is_dir():
+        return []
+    return sorted(p for p in root.iterdir() if (p.is_file() and p.name in _FILES) or (p.is_dir() and _DIRS.match(p.name)))
+
+
+def _ours(root: Path, files: list[Path]) -> bool:
+    """Whether those files are a run's (not, say, a config.yaml of the user's own)."""
+    if (root / RUN_FILE).is_file():
+        return True
+    if any(p.name.startswith("checkpoint-") and (p / "trainer_state.pt").is_file() for p in files):
+        return True
+    if (root / "metrics.jsonl").is_file() or (root / "summary.json").is_file():
+        return True
+    config = root / "config.yaml"
+    if config.is_file():
+        import yaml
+
+        try:
+            data = yaml.safe_load(config.read_text())
+        except yaml.YAMLError:
+            return False
+        return isinstance(data, dict) and _CONFIG_KEYS <= set(data)
+    return False
+
+
+def claim(path: str | Path, run_id: str, command: str) -> Path | None:
+    """Make ``path`` this run's directory (see the module docstring); the path another run's files
+    were moved to, or None."""
+    root = Path(path)
+    root.mkdir(parents=True, exist_ok=True)
+    info = read_run(root)
+    if info is not None and info.get("run_id") == run_id:
+        return None
+    files = run_files(root)
+    moved = None
+    if files:
+        if not _ours(root, files):
+            names = ", ".join(p.name for p in files[:5])
+            raise FileExistsError(f"{root} holds {names}, which are not a qerl run's files; a run would write "
+                                  "files of those names there: pick another output directory")
+        old = (info or {}).get("run_id", "unknown")
+        moved = root / PREVIOUS / f"{time.strftime('%Y%m%d-%H%M%S')}-{old}"
+        n = 1
+        while moved.exists():  # two claims in one second
+            moved = moved.with_name(f"{moved.name}-{n}")
+            n += 1
+        moved.mkdir(parents=True)
+        for p in files:
+            p.rename(moved / p.name)
+    write_run(root, run_id, command)
+    return moved
