@@ -25,6 +25,10 @@ def _cmd_quantize(args: argparse.Namespace) -> int:
         print(f"qerl quantize: --out writes a compressed-tensors NVFP4 checkpoint; --format "
               f"{args.format} cannot be exported (use --format nvfp4)", file=sys.stderr)
         return 2
+    if args.out:  # refuse an unsafe --out before minutes of loading and quantizing
+        from qerl_kit.export import check_export_dirs
+
+        check_export_dirs(args.out, source_dir=None if args.model in PRESETS else args.model)
     if args.model in PRESETS:
         model = build_model(args.model, dtype=torch.bfloat16)
     else:

@@ -140,13 +140,15 @@ def write_json(path: Path, data) -> None:
 def write_safetensors(path: Path, tensors: Mapping[str, Callable[[], torch.Tensor]], sizes: Mapping[str, int],
                       max_shard_size: int | str) -> list[str]:
     """Write ``tensors`` (name -> a function producing the CPU tensor, so one shard at a time is in
-    memory) as one file or shards plus an index; old weight files in ``path`` are removed first."""
+    memory) as one file or shards plus an index. ``path`` must hold no weight files yet (the
+    exporter writes into a fresh directory): an existing one is an error, never overwritten."""
     from safetensors.torch import save_file
 
     path = Path(path)
-    for old in list(path.glob("model*.safetensors")) + [path / INDEX_FILE]:
-        if old.exists():
-            old.unlink()
+    existing = sorted(p.name for p in path.glob("model*.safetensors")) + ([INDEX_FILE] if (path / INDEX_FILE).exists() else [])
+    if existing:
+        raise FileExistsError(f"{path} already holds {', '.join(existing[:3])}; weights are written only into a "
+                              "directory without them (qerl_kit.export.save_nvfp4 replaces an earlier export safely)")
     shards = plan_shards(((name, sizes[name]) for name in tensors), parse_size(max_shard_size))
     files = shard_names(len(shards))
     weight_map = {}

@@ -10,8 +10,15 @@ DataFrames, per-step metrics (long format) and a per-run summary, and writes the
 finished run is also kept as two small CSVs under ``output_dir/runs/``, so a crashed grid resumes
 where it stopped. ``plot_curves``, ``plot_summary`` and ``summary_table`` draw and tabulate them.
 
-    python -m qerl_kit.experiments --grid reduced --seeds 0 1 2 --out docs/results/experiments
+    python -m qerl_kit.experiments --grid reduced --seeds 0 1 2 --out runs/experiments
     python -m qerl_kit.experiments --grid full --device cuda --out runs/experiments-gpu
+
+The output directory is the grid's own: new, empty, or an earlier grid (``.qerl_grid.json``, the
+list of files the grid wrote, or the layout of a grid made before that marker existed). A file the
+grid did not write is never overwritten or deleted: a foreign non-empty directory, or a foreign
+file where the grid would write, raises ``RefusedToOverwrite`` before any training. A directory
+under the project's ``docs/`` (the committed results) is refused unless ``allow_docs=True``
+(``--allow-docs``).
 
 Two entropies are recorded per step: ``entropy`` (the trainer's, TRL's: exact mean entropy of the
 clean training policy over the completion tokens) and ``rollout_nll`` (mean negative log-prob of
@@ -24,6 +31,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import shutil
 import time
 from dataclasses import dataclass
@@ -43,6 +51,119 @@ FORMATS = ("none", "nf4", "mxfp4", "nvfp4")
 METRIC_COLUMNS = ("reward", "accuracy", "entropy", "rollout_nll", "reward_std", "frac_reward_zero_std",
                   "completions/mean_length", "clip_ratio/region_mean", "aqn/sigma", "lr", "grad_norm",
                   "update/skipped", "time/step")
+
+
+GRID_MARKER = ".qerl_grid.json"  # in every output directory: the files the grid wrote there
+_GRID_FORMAT, _GRID_VERSION = "qerl_kit.experiments grid", 1
+GRID_OUTPUTS = ("metrics.csv", "summary.csv")  # run_grid's, beside runs/
+CLI_OUTPUTS = ("curves.png", "curves_smoothed.png", "summary.png", "table.md", "command.json")  # main's
+_RUN_FILE = re.compile(r"[A-Za-z0-9._-]+_seed\d+_(metrics|summary)\.csv(\.tmp)?")
+_DOCS = Path(__file__).resolve().parents[1] / "docs"  # the project's docs/ (committed results) in a checkout
+
+
+def _refused(message: str):
+    from qerl_kit.export import RefusedToOverwrite
+
+    return RefusedToOverwrite(message)
+
+
+def _few(names: Sequence[str], n: int = 8) -> str:
+    return ", ".join(names[:n]) + (f" and {len(names) - n} more" if len(names) > n else "")
+
+
+class _GridDir:
+    """A grid's output directory and the files in it that the grid wrote (``GRID_MARKER`` lists them).
+
+    ``inspect`` only reads; ``create`` makes the directory and writes the marker; ``claim(rel)``
+    records a file in the marker before it is written, and refuses if something the grid did not
+    write is already there. Files of others in a grid directory are left alone.
+    """
+
+    def __init__(self, root: Path, files: set[str]):
+        self.root, self.files = root, files
+
+    @classmethod
+    def inspect(cls, output_dir: str | os.PathLike, allow_docs: bool = False) -> "_GridDir":
+        root = Path(output_dir)
+        real, docs = Path(os.path.realpath(root)), Path(os.path.realpath(_DOCS))
+        if not allow_docs and (docs / "experiments.md").is_file() and (real == docs or real.is_relative_to(docs)):
+            raise _refused(f"output_dir {root} is inside the project's docs/ ({docs}), where the committed results "
+                           "live; nothing was written. Write the grid under runs/ (the default, runs/experiments) "
+                           "and copy what should be committed, or pass allow_docs=True (--allow-docs) to write a "
+                           "new grid there on purpose.")
+        if os.path.lexists(root) and not root.is_dir():
+            raise _refused(f"output_dir {root} exists and is not a directory; nothing was written")
+        if not root.is_dir() or not any(root.iterdir()):
+            return cls(root, set())
+        files = cls._marker_files(root)
+        return cls(root, files if files is not None else cls._adopt(root))
+
+    @staticmethod
+    def _marker_files(root: Path) -> set[str] | None:
+        marker = root / GRID_MARKER
+        if marker.is_symlink() or not marker.is_file():
+            return None
+        try:
+            data = json.loads(marker.read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError, ValueError):
+            data = None
+        if not isinstance(data, dict) or data.get("format") != _GRID_FORMAT or data.get("version") != _GRID_VERSION \
+                or not isinstance(data.get("files"), list) or not all(isinstance(f, str) for f in data["files"]):
+            raise _refused(f"{marker} is not a marker this version of qerl_kit reads (format {_GRID_FORMAT!r}, "
+                           f"version {_GRID_VERSION}); nothing was written. Use another output_dir.")
+        return set(data["files"])
+
+    @staticmethod
+    def _adopt(root: Path) -> set[str]:
+        """A grid made before the marker existed, or scripts/grid_parallel.sh's OUT_DIR (runs/ with the
+        parts' run CSVs copied in, parts/, logs): recognised by holding nothing else; its grid files
+        are taken as the grid's. Anything else is refused."""
+        entries = sorted(root.iterdir())
+        runs = root / "runs"
+        odd = [e.name + ("/" if e.is_dir() else "") for e in entries
+               if not ((e.name in GRID_OUTPUTS + CLI_OUTPUTS or e.name.endswith(".log")) and e.is_file()
+                       and not e.is_symlink() or e.name in ("runs", "parts") and e.is_dir() and not e.is_symlink())]
+        if runs.is_dir() and not runs.is_symlink():
+            odd += [f"runs/{e.name}" for e in sorted(runs.iterdir())
+                    if not (e.name == ".work" and e.is_dir() and not e.is_symlink()
+                            or _RUN_FILE.fullmatch(e.name) and e.is_file() and not e.is_symlink())]
+        if odd or not runs.is_dir():
+            names = odd or [e.name + ("/" if e.is_dir() else "") for e in entries]
+            raise _refused(
+                f"output_dir {root} is not empty and is not a grid written by run_grid (no {GRID_MARKER}"
+                f"{'' if odd else ', and no runs/ directory of finished runs'}): it holds {_few(names)}. run_grid "
+                "never overwrites or deletes files it did not write, so nothing was written: choose a new or "
+                "empty output_dir, or move those files away.")
+        return {n for n in GRID_OUTPUTS + CLI_OUTPUTS if (root / n).is_file()} | \
+            {f"runs/{e.name}" for e in runs.iterdir() if _RUN_FILE.fullmatch(e.name)}
+
+    def check(self, *rels: str) -> None:
+        """Refuse (before any work) if a file the grid would write is there and not the grid's."""
+        for rel in rels:
+            path = self.root / rel
+            if os.path.lexists(path) and (rel not in self.files or path.is_symlink() or not path.is_file()):
+                raise _refused(f"{path} is in the way: the grid would write {rel} in {self.root}, but that "
+                               f"{'file' if path.is_file() else 'entry'} was not written by it ({GRID_MARKER} "
+                               "does not list it); nothing was overwritten. Move it away or use another output_dir.")
+
+    def create(self) -> "_GridDir":
+        self.root.mkdir(parents=True, exist_ok=True)
+        self._save()
+        return self
+
+    def claim(self, rel: str) -> Path:
+        """The path to write ``rel`` at, recorded in the marker first (so a crash keeps it the grid's)."""
+        self.check(rel)
+        if rel not in self.files:
+            self.files.add(rel)
+            self._save()
+        return self.root / rel
+
+    def _save(self) -> None:
+        tmp = self.root / (GRID_MARKER + ".tmp")
+        tmp.write_text(json.dumps({"format": _GRID_FORMAT, "version": _GRID_VERSION, "files": sorted(self.files)},
+                                  indent=2) + "\n", encoding="utf-8")
+        tmp.replace(self.root / GRID_MARKER)
 
 
 @dataclass(frozen=True)
@@ -267,13 +388,19 @@ def _mean(values) -> float:
 def run_grid(configs: Sequence[GridConfig | str], seeds: Sequence[int], *, steps: int = 30, batch_size: int = 32,
              group_size: int = 8, eval_size: int = 200, max_new_tokens: int = 64,
              output_dir: str | os.PathLike = "runs/experiments", device: str = "auto", model: str = "tiny",
-             dataset: str = "arith", progress: str = "none", log: Callable[[str], None] = print):
+             dataset: str = "arith", progress: str = "none", log: Callable[[str], None] = print,
+             allow_docs: bool = False):
     """Train every (config, seed); returns ``(metrics, summary)`` DataFrames, also written as
     ``output_dir/metrics.csv`` and ``output_dir/summary.csv``.
 
     A run whose ``runs/<config>_seed<k>_summary.csv`` exists is not trained again (its CSVs are
     read back), so calling this again after a crash continues the grid; a finished run recorded
     with other settings (steps, batch, lr ...) is an error rather than a silent mix.
+
+    ``output_dir`` must be new, empty or an earlier grid's (``.qerl_grid.json`` lists the files the
+    grid wrote); a file the grid did not write is never overwritten or deleted
+    (``qerl_kit.export.RefusedToOverwrite``, raised before any training). Under the project's
+    ``docs/`` it is refused unless ``allow_docs=True``.
     """
     import pandas as pd
 
@@ -287,6 +414,11 @@ def run_grid(configs: Sequence[GridConfig | str], seeds: Sequence[int], *, steps
     plan = [(gc, s, train_config(gc, s, budget, model=model, dataset=dataset,  # validates all before training
                                  output_dir=str(runs / ".work" / f"{gc.name}_seed{s}")))
             for s in seeds for gc in configs]  # seed-major: a grid stopped early still has every config
+    grid = _GridDir.inspect(out, allow_docs=allow_docs)
+    todo = [f"{gc.name}_seed{s}" for gc, s, _ in plan if not (runs / f"{gc.name}_seed{s}_summary.csv").exists()]
+    grid.check(*GRID_OUTPUTS, *(f"runs/{n}{end}" for n in todo for end in
+                                ("_metrics.csv", "_summary.csv.tmp", "_summary.csv")))
+    grid.create()
     runs.mkdir(parents=True, exist_ok=True)
     data, base_cache, metrics, summaries = None, {}, [], []
     for i, (gc, seed, cfg) in enumerate(plan, 1):
@@ -307,16 +439,16 @@ def run_grid(configs: Sequence[GridConfig | str], seeds: Sequence[int], *, steps
             continue
         if data is None:
             data = build_datasets(cfg.data)  # seed 0: the same problems for every run
-        work = Path(cfg.output_dir)
+        work = Path(cfg.output_dir)  # runs/.work/<run>: the trainer's scratch directory, the grid's own
         shutil.rmtree(work, ignore_errors=True)  # a crashed run's partial metrics.jsonl
         log(f"[{i}/{len(plan)}] {gc.name} seed {seed}: training {steps} steps ({gc.label}, lr {gc.lr:g}) ...")
         rows, summary = run_one(gc, seed, cfg, data, dev, base_cache, progress=progress)
         shutil.rmtree(work, ignore_errors=True)
         frame = pd.DataFrame(rows)
-        frame.to_csv(f"{stem}_metrics.csv", index=False)
-        tmp = Path(f"{stem}_summary.csv.tmp")
+        frame.to_csv(grid.claim(f"runs/{stem.name}_metrics.csv"), index=False)
+        tmp = grid.claim(f"runs/{stem.name}_summary.csv.tmp")
         pd.DataFrame([summary]).to_csv(tmp, index=False)
-        tmp.replace(done)  # written last, atomically: its presence means the run finished
+        tmp.replace(grid.claim(f"runs/{done.name}"))  # written last, atomically: its presence means the run finished
         log(f"    base {summary['base_accuracy']:.3f} -> final {summary['final_accuracy']:.3f}, initial entropy "
             f"{summary['initial_entropy']:.4f}, mean reward {summary['mean_reward']:.3f}, "
             f"{summary['wall_seconds']:.0f} s")
@@ -327,8 +459,8 @@ def run_grid(configs: Sequence[GridConfig | str], seeds: Sequence[int], *, steps
     key = lambda col: col.map(rank) if col.name == "config" else col  # noqa: E731
     metrics_df = pd.concat(metrics).sort_values(["config", "seed", "step"], key=key, ignore_index=True)
     summary_df = pd.DataFrame(summaries).sort_values(["config", "seed"], key=key, ignore_index=True)
-    metrics_df.to_csv(out / "metrics.csv", index=False)
-    summary_df.to_csv(out / "summary.csv", index=False)
+    metrics_df.to_csv(grid.claim("metrics.csv"), index=False)
+    summary_df.to_csv(grid.claim("summary.csv"), index=False)
     return metrics_df, summary_df
 
 
@@ -447,7 +579,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--device", default="auto", help="auto, cpu or cuda")
     p.add_argument("--model", default="tiny", help="tiny or a local Hugging Face directory")
     p.add_argument("--dataset", default="arith")
-    p.add_argument("--out", default="runs/experiments", help="output directory (finished runs in it are reused)")
+    p.add_argument("--out", default="runs/experiments",
+                   help="output directory: new, empty or an earlier grid's (finished runs in it are reused); "
+                        "files the grid did not write are never overwritten")
+    p.add_argument("--allow-docs", action="store_true",
+                   help="allow an output directory under the project's docs/ (the committed results)")
     args = p.parse_args(argv)
     names, budget = GRIDS[args.grid]
     dev = _device(args.device)
@@ -456,18 +592,25 @@ def main(argv: Sequence[str] | None = None) -> int:
     kw = {k: getattr(budget, k) if getattr(args, k) is None else getattr(args, k)
           for k in ("steps", "batch_size", "group_size", "eval_size")}
     kw["max_new_tokens"] = budget.max_new_tokens if args.dataset == "arith" else 512  # real tasks reason longer
+    from qerl_kit.export import RefusedToOverwrite
+
     try:
+        _GridDir.inspect(args.out, allow_docs=args.allow_docs).check(*CLI_OUTPUTS)  # before any training
         metrics, summary = run_grid(args.configs or names, args.seeds or budget.seeds, output_dir=args.out,
-                                    device=args.device, model=args.model, dataset=args.dataset, **kw)
-    except (ValueError, TypeError) as err:
+                                    device=args.device, model=args.model, dataset=args.dataset,
+                                    allow_docs=args.allow_docs, **kw)
+        grid = _GridDir.inspect(args.out, allow_docs=args.allow_docs)
+        grid.check(*CLI_OUTPUTS)
+    except (ValueError, TypeError, RefusedToOverwrite) as err:
         p.error(str(err))
     out = Path(args.out)
-    plot_curves(metrics).savefig(out / "curves.png", dpi=110)
-    plot_curves(metrics, ("reward", "entropy", "rollout_nll"), smooth=5).savefig(out / "curves_smoothed.png", dpi=110)
-    plot_summary(summary).savefig(out / "summary.png", dpi=110)
+    plot_curves(metrics).savefig(grid.claim("curves.png"), dpi=110)
+    plot_curves(metrics, ("reward", "entropy", "rollout_nll"), smooth=5).savefig(grid.claim("curves_smoothed.png"),
+                                                                                 dpi=110)
+    plot_summary(summary).savefig(grid.claim("summary.png"), dpi=110)
     table = markdown_table(summary_table(summary))
-    (out / "table.md").write_text(table + "\n")
-    (out / "command.json").write_text(json.dumps({
+    grid.claim("table.md").write_text(table + "\n")
+    grid.claim("command.json").write_text(json.dumps({
         "command": "python -m qerl_kit.experiments " + shlex.join(sys.argv[1:] if argv is None else argv),
         "resolved": {"configs": list(summary["config"].unique()), "seeds": sorted(summary["seed"].unique().tolist()),
                      **kw, "device": str(dev), "model": args.model, "dataset": args.dataset},

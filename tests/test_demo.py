@@ -20,11 +20,20 @@ def test_demo_smoke_writes_summary_plot_and_metrics(tmp_path):
     assert (out / "checkpoint-3" / "adapter_model.safetensors").is_file()
 
 
-def test_demo_refuses_to_overwrite_a_directory_that_is_not_a_run(tmp_path):
+def test_demo_keeps_other_files_and_moves_an_earlier_run_aside(tmp_path):
     (tmp_path / "notes.txt").write_text("keep me")
-    with pytest.raises(FileExistsError, match="does not look like a qerl run"):
-        run_demo(steps=1, eval_size=4, output_dir=str(tmp_path), progress="none")
+    run_demo(steps=1, eval_size=4, output_dir=str(tmp_path), progress="none")
+    first = json.loads((tmp_path / "summary.json").read_text())
+    run_demo(steps=1, eval_size=4, output_dir=str(tmp_path), progress="none")   # before: the first run was deleted
     assert (tmp_path / "notes.txt").read_text() == "keep me"
+    [earlier] = (tmp_path / "previous-runs").iterdir()
+    assert json.loads((earlier / "summary.json").read_text()) == first
+    assert (earlier / "checkpoint-1" / "adapter_model.safetensors").is_file()
+    (tmp_path / "own").mkdir()
+    (tmp_path / "own" / "config.yaml").write_text("mine: 1\n")          # our file name, not a run's
+    with pytest.raises(FileExistsError, match="not a qerl run's files"):
+        run_demo(steps=1, eval_size=4, output_dir=str(tmp_path / "own"), progress="none")
+    assert (tmp_path / "own" / "config.yaml").read_text() == "mine: 1\n"
 
 
 @pytest.mark.slow

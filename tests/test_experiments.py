@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import subprocess
@@ -209,3 +210,148 @@ def test_parallel_script_trains_one_process_per_config_then_merges(tmp_path):
     assert sorted(summary.config) == ["bf16-lora", "nvfp4-lora"]
     assert (out / "table.md").is_file() and (out / "command.json").is_file()
     assert "training" not in (out / "merge.log").read_text()  # the merge only read the runs back
+
+
+# ---- never destroy a user's files ---------------------------------------------------------------
+def _fake_run_one(trained):
+    """A stand-in for ``run_one`` that trains nothing: (rows, summary) shaped like the real ones."""
+    def fake(gc, seed, cfg, data, device, base_cache, progress="none"):
+        trained.append((gc.name, seed))
+        rows = [{"config": gc.name, "label": gc.label, "seed": seed, "step": s,
+                 **{m: 0.5 if m != "aqn/sigma" else 0.0 for m in ex.METRIC_COLUMNS}} for s in (1, 2)]
+        summary = {"config": gc.name, "label": gc.label, "seed": seed, "format": gc.format, "aqn": gc.aqn,
+                   "lr": gc.lr, "steps": cfg.total_steps, "batch_size": cfg.rollout.batch_size,
+                   "group_size": cfg.rollout.group_size, "eval_size": cfg.data.eval_size,
+                   "max_new_tokens": cfg.rollout.max_new_tokens, "model": cfg.model.name,
+                   "dataset": cfg.data.dataset, "base_accuracy": 0.25, "final_accuracy": 0.5,
+                   "initial_entropy": 0.5, "mean_entropy": 0.5, "initial_rollout_nll": 0.5,
+                   "mean_rollout_nll": 0.5, "initial_reward": 0.5, "mean_reward": 0.5, "final_reward": 0.5,
+                   "wall_seconds": 1.0, "seconds_per_step": 0.5, "device": "cpu", "threads": 1, "torch": "x"}
+        return rows, summary
+    return fake
+
+
+def _files(path):
+    return {p.relative_to(path).as_posix(): p.read_bytes() for p in sorted(path.rglob("*")) if p.is_file()}
+
+
+def _refused():
+    from qerl_kit.export import RefusedToOverwrite
+
+    return RefusedToOverwrite
+
+
+def test_grid_into_a_foreign_non_empty_dir_is_refused_and_its_files_are_intact(tmp_path, monkeypatch):
+    trained = []
+    monkeypatch.setattr(ex, "run_one", _fake_run_one(trained))
+    out = tmp_path / "mine"
+    out.mkdir()
+    (out / "notes.txt").write_text("my notes")
+    (out / "summary.csv").write_text("mine,not yours\n")
+    before = _files(out)
+    with pytest.raises(_refused()) as err:
+        ex.run_grid(["nvfp4-lora"], [0], output_dir=out, log=lambda s: None, **TINY)
+    assert str(out) in str(err.value) and "notes.txt" in str(err.value)
+    assert trained == [] and _files(out) == before
+    assert sorted(p.name for p in out.iterdir()) == ["notes.txt", "summary.csv"]  # no runs/, no marker
+    with pytest.raises(SystemExit) as exit_:  # the command line: a usage error (2), not a traceback
+        ex.main(["--grid", "smoke", "--device", "cpu", "--out", str(out)])
+    assert exit_.value.code == 2 and _files(out) == before and trained == []
+
+
+def test_grid_refuses_the_committed_results_dir(tmp_path, monkeypatch):
+    """The committed results (docs/results/experiments, no runs/ in git) are not a grid to resume:
+    a copy of them is refused, and the real one is under docs/, which needs allow_docs=True."""
+    import shutil
+
+    trained = []
+    monkeypatch.setattr(ex, "run_one", _fake_run_one(trained))
+    committed = Path(__file__).resolve().parents[1] / "docs" / "results" / "experiments"
+    copy = tmp_path / "experiments"
+    shutil.copytree(committed, copy)
+    before = _files(copy)
+    with pytest.raises(_refused(), match=r"no \.qerl_grid\.json, and no runs/"):
+        ex.run_grid(["nvfp4-lora"], [0], output_dir=copy, log=lambda s: None, **TINY)
+    assert _files(copy) == before
+    committed_before = _files(committed)
+    try:
+        for target in (committed, committed / "new-grid"):
+            with pytest.raises(_refused(), match="docs"):
+                ex.run_grid(["nvfp4-lora"], [0], output_dir=target, log=lambda s: None, **TINY)
+        with pytest.raises(SystemExit):
+            ex.main(["--grid", "smoke", "--device", "cpu", "--out", str(committed)])
+        assert not (committed / "new-grid").exists() and not (committed / "runs").exists()
+    finally:  # should the guard ever fail, leave no grid in the checkout
+        shutil.rmtree(committed / "new-grid", ignore_errors=True)
+    assert _files(committed) == committed_before and trained == []
+
+
+def test_grid_writes_a_marker_and_resumes_after_a_crash(tmp_path, monkeypatch):
+    trained = []
+    fake = _fake_run_one(trained)
+
+    def crash_on_second(gc, seed, *args, **kwargs):
+        if len(trained) == 1:
+            raise RuntimeError("killed")
+        return fake(gc, seed, *args, **kwargs)
+
+    out = tmp_path / "grid"
+    monkeypatch.setattr(ex, "run_one", crash_on_second)
+    with pytest.raises(RuntimeError, match="killed"):
+        ex.run_grid(["nvfp4-lora", "bf16-lora"], [0], output_dir=out, log=lambda s: None, **TINY)
+    marker = json.loads((out / ".qerl_grid.json").read_text())
+    assert marker["version"] == 1
+    assert {"runs/nvfp4-lora_seed0_metrics.csv", "runs/nvfp4-lora_seed0_summary.csv"} <= set(marker["files"])
+    (out / "notes.txt").write_text("mine")  # a file of the user's in a grid of ours is left alone
+    monkeypatch.setattr(ex, "run_one", fake)
+    metrics, summary = ex.run_grid(["nvfp4-lora", "bf16-lora"], [0], output_dir=out, log=lambda s: None, **TINY)
+    assert trained == [("nvfp4-lora", 0), ("bf16-lora", 0)] and len(summary) == 2
+    assert (out / "notes.txt").read_text() == "mine"
+    assert {"metrics.csv", "summary.csv", "runs/bf16-lora_seed0_summary.csv"} <= set(
+        json.loads((out / ".qerl_grid.json").read_text())["files"])
+    # a file of the user's where the grid would write: refused, not overwritten
+    (out / "runs" / "bf16-lora_seed1_metrics.csv").write_text("mine")
+    with pytest.raises(_refused(), match="bf16-lora_seed1_metrics.csv"):
+        ex.run_grid(["bf16-lora"], [1], output_dir=out, log=lambda s: None, **TINY)
+    assert (out / "runs" / "bf16-lora_seed1_metrics.csv").read_text() == "mine"
+
+
+def test_cli_writes_its_files_into_the_grid_and_runs_again(tmp_path, monkeypatch):
+    trained = []
+    monkeypatch.setattr(ex, "run_one", _fake_run_one(trained))
+    out = tmp_path / "grid"
+    args = ["--grid", "smoke", "--device", "cpu", "--eval-size", "4", "--out", str(out)]
+    assert ex.main(args) == 0
+    files = set(json.loads((out / ".qerl_grid.json").read_text())["files"])
+    assert {"curves.png", "curves_smoothed.png", "summary.png", "table.md", "command.json", "metrics.csv",
+            "summary.csv"} <= files
+    assert ex.main(args) == 0 and len(trained) == 2  # the second call reads the runs back
+    (out / "table.md").unlink()
+    (out / "table.md").mkdir()  # something that is not ours where the table goes
+    with pytest.raises(SystemExit):
+        ex.main(args)
+
+
+def test_grid_made_before_the_marker_and_the_parallel_merge_dir_still_resume(tmp_path, monkeypatch):
+    """A grid directory without .qerl_grid.json (made before it existed, or scripts/grid_parallel.sh's
+    OUT_DIR: runs/ with copied run CSVs, parts/, logs) is recognised by its layout and resumed."""
+    import shutil
+
+    trained = []
+    monkeypatch.setattr(ex, "run_one", _fake_run_one(trained))
+    part = tmp_path / "out" / "parts" / "nvfp4-lora"
+    ex.run_grid(["nvfp4-lora"], [0], output_dir=part, log=lambda s: None, **TINY)
+    out = tmp_path / "out"
+    (out / "runs").mkdir()
+    for csv in (part / "runs").glob("*.csv"):
+        shutil.copy(csv, out / "runs")
+    (out / "parts" / "nvfp4-lora.log").write_text("log")
+    (out / "merge.log").write_text("")
+    metrics, summary = ex.run_grid(["nvfp4-lora"], [0], output_dir=out, log=lambda s: None, **TINY)
+    assert trained == [("nvfp4-lora", 0)] and len(summary) == 1  # read back, not trained again
+    assert (out / ".qerl_grid.json").is_file() and (out / "summary.csv").is_file()
+    legacy = tmp_path / "legacy"
+    shutil.copytree(part, legacy)
+    (legacy / ".qerl_grid.json").unlink()  # as made by an older qerl_kit
+    ex.run_grid(["nvfp4-lora", "bf16-lora"], [0], output_dir=legacy, log=lambda s: None, **TINY)
+    assert trained == [("nvfp4-lora", 0), ("bf16-lora", 0)]

@@ -321,3 +321,157 @@ def test_cli_quantize_out_writes_a_checkpoint(tmp_path, capsys):
     assert len(_quant_layers(load_nvfp4(tmp_path / "ck"))) == 14
     assert main(["quantize", "llama-tiny", "--format", "nf4", "--out", str(tmp_path / "nf4")]) == 2
     assert "cannot be exported" in capsys.readouterr().err
+
+
+# ---- never destroy a user's files ---------------------------------------------------------------
+def _snapshot(path):
+    """Every file under ``path`` (relative name -> bytes), to prove nothing was touched."""
+    return {p.relative_to(path).as_posix(): p.read_bytes() for p in sorted(path.rglob("*")) if p.is_file()}
+
+
+def _tiny_source(tmp_path):
+    """A private copy of the shipped tiny model (qerl_kit/assets/tiny-arith) and the model loaded
+    from it, quantized to NVFP4."""
+    import shutil
+
+    from qerl_kit.tiny import TINY_DIR, load_tiny
+
+    src = tmp_path / "tiny-arith"
+    shutil.copytree(TINY_DIR, src)
+    model, _ = load_tiny(src, quantize="nvfp4", dtype=torch.bfloat16)
+    return src, model
+
+
+def _refused():
+    from qerl_kit.export import RefusedToOverwrite
+
+    return RefusedToOverwrite
+
+
+def test_export_into_the_source_dir_is_refused_and_the_source_is_intact(tmp_path):
+    src, model = _tiny_source(tmp_path)
+    before = _snapshot(src)
+    with pytest.raises(_refused(), match="source") as err:
+        save_nvfp4(model, src, source_dir=src)
+    assert str(src) in str(err.value)
+    link = tmp_path / "link-to-source"
+    link.symlink_to(src, target_is_directory=True)
+    with pytest.raises(_refused(), match="source"):  # the same directory through a symlink
+        save_nvfp4(model, link, source_dir=src)
+    with pytest.raises(_refused(), match="source"):  # inside the source directory
+        save_nvfp4(model, src / "nvfp4", source_dir=src)
+    with pytest.raises(_refused(), match="source"):  # the source inside the output
+        save_nvfp4(model, tmp_path, source_dir=src)
+    assert _snapshot(src) == before and sorted(p.name for p in src.iterdir()) == sorted(before)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["link-to-source", "tiny-arith"]  # no temp dirs left
+    save_nvfp4(model, tmp_path / "ok", source_dir=src)  # a separate directory is fine
+    assert (tmp_path / "ok" / "tokenizer.json").read_bytes() == before["tokenizer.json"]
+    assert _snapshot(src) == before
+
+
+def test_cli_quantize_out_equal_to_the_model_dir_fails_and_keeps_the_model(tmp_path):
+    from qerl_kit.cli import main
+
+    src, _ = _tiny_source(tmp_path)
+    before = _snapshot(src)
+    try:
+        rc = main(["quantize", str(src), "--out", str(src)])
+    except _refused():
+        rc = "raised"  # until qerl_kit.cli catches RefusedToOverwrite (then: exit code 2)
+    assert rc != 0
+    assert _snapshot(src) == before
+
+
+def test_a_non_empty_foreign_dir_is_refused_and_its_files_are_intact(tmp_path):
+    model = _quantized("qwen2-tiny")
+    out = tmp_path / "mine"
+    out.mkdir()
+    (out / "notes.txt").write_text("my notes")
+    (out / "model.safetensors").write_bytes(b"not yours")
+    (out / "config.json").write_text("{}")
+    before = _snapshot(out)
+    with pytest.raises(_refused()) as err:
+        save_nvfp4(model, out)
+    msg = str(err.value)
+    assert str(out) in msg and "config.json" in msg and "notes.txt" in msg
+    assert _snapshot(out) == before
+    # a file where the directory should be
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(_refused()):
+        save_nvfp4(model, tmp_path / "file")
+    assert (tmp_path / "file").read_text() == "x"
+    # an earlier export of ours, plus a file it did not write: replacing it would delete that file
+    save_nvfp4(model, tmp_path / "ours")
+    (tmp_path / "ours" / "README.md").write_text("my card")
+    before = _snapshot(tmp_path / "ours")
+    with pytest.raises(_refused(), match="README.md"):
+        save_nvfp4(model, tmp_path / "ours")
+    assert _snapshot(tmp_path / "ours") == before
+    # an empty directory is written into
+    (tmp_path / "empty").mkdir()
+    save_nvfp4(model, tmp_path / "empty")
+    assert (tmp_path / "empty" / "model.safetensors").is_file()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["empty", "file", "mine", "ours"]  # no temp dirs left
+
+
+def test_a_foreign_adapter_dir_is_refused(tmp_path):
+    from qerl_kit.lora import attach_lora
+
+    model = attach_lora(_quantized("qwen2-tiny"), r=4, seed=0)
+    adapter = tmp_path / "adapter"
+    adapter.mkdir()
+    (adapter / "adapter_config.json").write_text("{\"mine\": true}")
+    with pytest.raises(_refused(), match="adapter_config.json"):
+        save_nvfp4(model, tmp_path / "base", adapter_dir=adapter)
+    assert (adapter / "adapter_config.json").read_text() == "{\"mine\": true}"
+    assert not (tmp_path / "base").exists()  # nothing written when any target is refused
+    with pytest.raises(_refused()):
+        save_nvfp4(model, tmp_path / "base", adapter_dir=tmp_path / "base")
+    save_nvfp4(model, tmp_path / "base", adapter_dir=tmp_path / "lora")
+    save_nvfp4(model, tmp_path / "base", adapter_dir=tmp_path / "lora")  # both replaced: ours
+    marker = json.loads((tmp_path / "lora" / ".qerl_export.json").read_text())
+    assert "adapter_model.safetensors" in marker["files"]
+
+
+def test_re_export_replaces_an_earlier_export_and_removes_only_its_stale_shards(tmp_path):
+    model = _quantized("qwen3-tiny")
+    out = tmp_path / "ck"
+    save_nvfp4(model, out, tokenizer=_tokenizer(), max_shard_size="20KB")
+    marker = json.loads((out / ".qerl_export.json").read_text())
+    assert marker["version"] == 1
+    on_disk = sorted(p.name for p in out.iterdir() if p.name != ".qerl_export.json")
+    assert marker["files"] == on_disk and ct_format.INDEX_FILE in on_disk and "tokenizer.json" in on_disk
+    shards = [n for n in on_disk if n.startswith("model-")]
+    assert len(shards) > 3
+    save_nvfp4(model, out)  # unsharded, no tokenizer: every file of the first export goes
+    assert sorted(p.name for p in out.glob("model*")) == ["model.safetensors"]
+    assert not (out / "tokenizer.json").exists()
+    assert json.loads((out / ".qerl_export.json").read_text())["files"] == \
+        sorted(p.name for p in out.iterdir() if p.name != ".qerl_export.json")
+    assert torch.equal(_logits(load_nvfp4(out)), _logits(model))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ck"]  # no temp or backup dirs left
+
+
+def test_a_crash_mid_write_leaves_the_earlier_export_intact_and_loadable(tmp_path, monkeypatch):
+    import safetensors.torch
+
+    first = _quantized("qwen2-tiny", seed=0)
+    out = tmp_path / "ck"
+    save_nvfp4(first, out, max_shard_size="20KB")
+    before = _snapshot(out)
+    real, calls = safetensors.torch.save_file, []
+
+    def failing(*args, **kwargs):  # the shard writer: the first shards are written, then it fails
+        calls.append(1)
+        if len(calls) == 3:
+            raise OSError("disk full")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(safetensors.torch, "save_file", failing)
+    with pytest.raises(OSError, match="disk full"):
+        save_nvfp4(_quantized("qwen2-tiny", seed=1), out, max_shard_size="20KB")
+    assert len(calls) == 3
+    monkeypatch.undo()
+    assert _snapshot(out) == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ck"]  # the partial new export is cleaned up
+    assert torch.equal(_logits(load_nvfp4(out)), _logits(first))
