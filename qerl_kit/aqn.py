@@ -108,17 +108,26 @@ class AQN:
     total_steps: int = 600
     seed: int = 0
     resample: str = "step"  # "step": once per apply(); "forward": fresh noise at every forward
+    allow_increasing: bool = False  # sigma_end > sigma_start (noise that grows) only when asked for
     _generator: torch.Generator = field(init=False, repr=False)
     _clean: dict[int, tuple[nn.Module, torch.Tensor]] = field(init=False, repr=False, default_factory=dict)
     _norms: dict[int, list[nn.Module]] = field(init=False, repr=False, default_factory=dict)
     _handles: list = field(init=False, repr=False, default_factory=list)
 
     def __post_init__(self):
+        # The same rules as the config's aqn section (qerl_kit.config): typed values, finite
+        # sigmas > 0, and sigma_end <= sigma_start unless allow_increasing=True.
+        from qerl_kit.config import check_aqn_sigmas, check_value
+
+        self.stages = check_value("stages", self.stages, int)
+        self.total_steps = check_value("total_steps", self.total_steps, int)
+        self.seed = check_value("seed", self.seed, int)
         if self.stages < 3:
             raise ValueError(f"AQN needs at least 3 stages (a noise-free stage 0 and a decay from "
                              f"sigma_start to sigma_end over stages 1..K-1); got stages={self.stages}")
-        if not (self.sigma_start > 0 and self.sigma_end > 0):
-            raise ValueError(f"sigma_start and sigma_end must be positive; got {self.sigma_start}, {self.sigma_end}")
+        self.sigma_start, self.sigma_end, self.allow_increasing = check_aqn_sigmas(
+            self.sigma_start, self.sigma_end, self.allow_increasing, prefix="",
+            flag="AQN(..., allow_increasing=True)")
         if self.total_steps < self.stages:
             raise ValueError(f"total_steps ({self.total_steps}) must be at least the number of stages ({self.stages})")
         if self.resample not in ("step", "forward"):

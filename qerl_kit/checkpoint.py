@@ -134,14 +134,16 @@ RESUME_NEUTRAL = frozenset({"output_dir", "save_every", "keep_checkpoints", "eva
                             "data.eval_size"})
 
 
-def config_changes(saved: dict, current: dict, prefix: str = "") -> dict[str, tuple]:
-    """{dotted key: (saved value, current value)} for every key that differs, but RESUME_NEUTRAL ones."""
-    out = {}
+def config_changes(saved: dict, current: dict, defaults: dict | None = None, prefix: str = "") -> dict[str, tuple]:
+    """{dotted key: (saved value, current value)} for every key that differs, but RESUME_NEUTRAL ones.
+    A key the saved config lacks (added to the config since) counts as its value in ``defaults``."""
+    out, defaults = {}, defaults or {}
     for key in sorted(set(saved) | set(current)):
         name = f"{prefix}{key}"
-        a, b = saved.get(key), current.get(key)
+        a, b = saved.get(key, defaults.get(key)), current.get(key)
         if isinstance(a, dict) and isinstance(b, dict):
-            out.update(config_changes(a, b, f"{name}."))
+            out.update(config_changes(a, b, defaults.get(key) if isinstance(defaults.get(key), dict) else {},
+                                      f"{name}."))
         elif a != b and name not in RESUME_NEUTRAL:
             out[name] = (a, b)
     return out

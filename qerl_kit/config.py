@@ -4,69 +4,366 @@
 ``LossConfig`` (GRPO/DAPO objective), ``OptimConfig`` and ``AQNConfig``, plus the run's length,
 seed and checkpointing. ``PRESETS`` holds the paper's recipes and a tiny CPU one;
 ``load_config("x.yaml")`` reads a YAML file (optionally ``preset: name`` plus overrides).
-An unknown key or an impossible value is a ``ValueError`` that names it.
+
+Every field is coerced to its declared type and checked against its range in ``__post_init__``,
+so a config built from YAML, a dict, a preset with overrides, ``TrainConfig.replace``,
+``dataclasses.replace`` or a plain constructor call obeys the same rules (docs/training.md,
+"Config types and validation"):
+
+* ``float``: ints, floats and numeric strings (``"1e-5"``: PyYAML reads ``1e-5`` without a dot
+  as a string); never bools; always finite (nan/inf are refused everywhere).
+* ``int``: ints, integral floats (``8.0``) and integral strings (``"8"``, ``"1e3"``); not bools,
+  not ``1.5``.
+* ``bool``: ``True``/``False`` and the strings true/false, yes/no, on/off, 1/0 (any case).
+  ``"false"`` is False (a plain ``bool("false")`` would be True).
+* ``X | None``: ``None`` and the strings ``"null"``/``"none"`` (any case) are None; else as X.
+* ``str``: a non-empty string (or an ``os.PathLike``, stored as a string); a field with choices
+  must be one of them, taken from the registries that define them where there is one
+  (``grpo.LOSSES``, ``grpo.SCALES``, ``grpo.IS_MODES``, ``formats.FORMATS``).
+
+An unknown key, a value of the wrong type or a value out of range is a ``ConfigError`` (a
+``ValueError``) whose message names the dotted key, what is allowed and the value given:
+``optim.max_grad_norm must be a finite float > 0 (...); got 0``.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import difflib
+import math
+import numbers
+import os
+import typing
+from collections.abc import Mapping
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 
-def _check(cond: bool, msg: str) -> None:
+class ConfigError(ValueError):
+    """A config key or value that is not allowed. ``key`` is the dotted path (``optim.lr``),
+    ``value`` the value given, ``allowed`` what the key accepts (None for unknown-key errors)."""
+
+    def __init__(self, message: str, key: str | None = None, value: Any = None, allowed: str | None = None):
+        super().__init__(message)
+        self.key, self.value, self.allowed = key, value, allowed
+
+
+def _bad(key: str, value: Any, allowed: str, why: str = "") -> ConfigError:
+    """The one error format: ``<key> must be <allowed> (<why>); got <repr(value)>``."""
+    return ConfigError(f"{key} must be {allowed}{f' ({why})' if why else ''}; got {value!r}", key, value, allowed)
+
+
+def _check(cond: bool, key: str, value: Any, allowed: str, why: str = "") -> None:
     if not cond:
-        raise ValueError(msg)
+        raise _bad(key, value, allowed, why)
+
+
+# ---- coercion of one value to a declared type ----------------------------------------------------
+_TRUE, _FALSE, _NONE = {"true", "yes", "on", "1"}, {"false", "no", "off", "0"}, {"null", "none"}
+BOOL_ALLOWED = "a boolean (true/false, or the strings yes/no, on/off, 1/0 in any case)"
+
+
+def _is_bool(v: Any) -> bool:
+    t = type(v)  # numpy's bool scalar too (numpy.bool_; numpy.bool in numpy 2)
+    return isinstance(v, bool) or (t.__module__ == "numpy" and t.__name__ in ("bool_", "bool"))
+
+
+def _as_bool(v: Any) -> bool | None:
+    if _is_bool(v):
+        return bool(v)
+    if isinstance(v, str):
+        s = v.strip().lower()
+        if s in _TRUE:
+            return True
+        if s in _FALSE:
+            return False
+    return None
+
+
+def _as_float(v: Any) -> float | None:
+    if _is_bool(v):
+        return None
+    try:
+        if isinstance(v, numbers.Real):
+            return float(v)
+        if isinstance(v, str):
+            return float(v.strip())
+    except (ValueError, OverflowError):  # not a number; an int too large for a float
+        pass
+    return None
+
+
+def _as_int(v: Any) -> int | None:
+    if _is_bool(v):
+        return None
+    if isinstance(v, numbers.Integral):
+        return int(v)
+    if isinstance(v, str):
+        try:
+            return int(v.strip())
+        except ValueError:
+            v = _as_float(v)
+    if isinstance(v, numbers.Real) and math.isfinite(v) and float(v).is_integer():
+        return int(v)
+    return None
 
 
 @dataclass(frozen=True)
+class _Rule:
+    """The range of one field: bounds (``gt``/``ge``/``lt``/``le``), choices (a tuple or a function
+    returning the registry's names), ``why`` (shown in errors), ``only_if`` (a bool field of the same
+    section: the range applies only while it is true; the type always applies)."""
+
+    gt: float | None = None
+    ge: float | None = None
+    lt: float | None = None
+    le: float | None = None
+    choices: tuple | Callable[[], tuple] | None = None
+    why: str = ""
+    only_if: str | None = None
+
+    def options(self) -> tuple:
+        return self.choices() if callable(self.choices) else tuple(self.choices)
+
+    def bounds(self) -> str:
+        """``> 0``, ``>= 1``, ``in (0, 1]``..., or "" when unbounded."""
+        lo = ("(", ">", self.gt) if self.gt is not None else ("[", ">=", self.ge) if self.ge is not None else None
+        hi = (")", "<", self.lt) if self.lt is not None else ("]", "<=", self.le) if self.le is not None else None
+        if lo and hi:
+            return f"in {lo[0]}{_num(lo[2])}, {_num(hi[2])}{hi[0]}"
+        if lo or hi:
+            return f"{(lo or hi)[1]} {_num((lo or hi)[2])}"
+        return ""
+
+    def within(self, x) -> bool:
+        return ((self.gt is None or x > self.gt) and (self.ge is None or x >= self.ge)
+                and (self.lt is None or x < self.lt) and (self.le is None or x <= self.le))
+
+
+def _num(x: float) -> str:
+    return str(int(x)) if float(x).is_integer() and abs(x) < 1e16 else f"{x:g}"
+
+
+def _allowed(tp: Any, rule: _Rule | None) -> str:
+    """What a field accepts, in words (the ``must be ...`` part of an error)."""
+    rule = rule or _Rule()
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if type(None) in args:  # X | None
+        return "null or " + _allowed(next(a for a in args if a is not type(None)), rule)
+    if origin is tuple:  # tuple[float, float]: the same rule for every element
+        bounds = rule.bounds()
+        return f"a list of {len(args)} finite floats" + (f" {bounds}" if bounds else "")
+    if tp is bool:
+        return BOOL_ALLOWED
+    if tp is str:
+        if rule.choices is not None:
+            return "one of " + ", ".join(repr(c) for c in rule.options())
+        return "a non-empty string"
+    name = {int: "an int", float: "a finite float"}[tp]
+    bounds = rule.bounds()
+    return f"{name} {bounds}" if bounds else name
+
+
+def _coerce(key: str, value: Any, tp: Any, rule: _Rule | None, active: bool = True) -> Any:
+    """``value`` as type ``tp``, range-checked by ``rule`` (unless ``active`` is False)."""
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if type(None) in args:  # X | None
+        if value is None or (isinstance(value, str) and value.strip().lower() in _NONE):
+            return None
+        inner = next(a for a in args if a is not type(None))
+        try:
+            return _coerce(key, value, inner, rule, active)
+        except ConfigError:
+            raise _bad(key, value, _allowed(tp, rule), rule.why if rule else "") from None
+    if isinstance(tp, type) and dataclasses.is_dataclass(tp):  # a section of TrainConfig
+        return _section(key, tp, value)
+    rule = rule or _Rule()
+    allowed = _allowed(tp, rule)
+    if origin is tuple:
+        _check(isinstance(value, (list, tuple)) and len(value) == len(args), key, value, allowed, rule.why)
+        try:
+            return tuple(_coerce(f"{key}[{i}]", item, item_tp, rule, active)
+                         for i, (item, item_tp) in enumerate(zip(value, args)))
+        except ConfigError:
+            raise _bad(key, value, allowed, rule.why) from None
+    if tp is bool:
+        out = _as_bool(value)
+        _check(out is not None, key, value, allowed, rule.why)
+        return out
+    if tp is str:
+        out = os.fspath(value) if isinstance(value, os.PathLike) else value
+        _check(isinstance(out, str) and out != "", key, value, allowed, rule.why)
+        if rule.choices is not None:
+            _check(out in rule.options(), key, value, allowed, rule.why)
+        return out
+    out = _as_int(value) if tp is int else _as_float(value)
+    _check(out is not None and (tp is int or math.isfinite(out)), key, value, allowed, rule.why)
+    if active:
+        _check(rule.within(out), key, value, allowed, rule.why)
+    return out
+
+
+def check_value(key: str, value: Any, tp: Any, **rule) -> Any:
+    """Coerce and check one value as a config field would be (``tp`` a type such as ``float``,
+    ``int | None``; ``rule`` the keywords of a range: gt, ge, lt, le, choices, why). For objects
+    that are not configs but take the same values (``qerl_kit.aqn.AQN``)."""
+    return _coerce(key, value, tp, _Rule(**rule))
+
+
+def _rule(default: Any, **rule) -> Any:
+    """A dataclass field with a default and a range (``_Rule``'s keywords)."""
+    return field(default=default, metadata={"rule": _Rule(**rule)})
+
+
+# ---- choices: from the registries that define them, read when a config is checked -----------------
+def _formats() -> tuple:
+    from qerl_kit.formats import FORMATS
+
+    return (*FORMATS, "none")  # none: a bf16 base with LoRA (no quantization)
+
+
+def _losses() -> tuple:
+    from qerl_kit.grpo import LOSSES
+
+    return tuple(LOSSES)
+
+
+def _scales() -> tuple:
+    from qerl_kit.grpo import SCALES
+
+    return tuple(SCALES)
+
+
+def _is_modes() -> tuple:
+    from qerl_kit.grpo import IS_MODES
+
+    return tuple(IS_MODES)
+
+
+ENGINES = ("auto", "static", "hf")  # qerl_kit.engine.make_engine
+SCHEDULES = ("constant", "linear", "cosine")  # qerl_kit.trainer._lr_lambda
+OPTIMIZERS = ("adamw", "adamw8bit")  # qerl_kit.trainer._make_optimizer
+RESAMPLE = ("step", "forward")  # qerl_kit.aqn.AQN (checked there too)
+SEED_MAX = 2**32 - 1
+
+
+# AQN's noise std: finite and > 0 (nan/inf noise destroys the norms; 0 breaks the exponential decay)
+_SIGMA = _Rule(gt=0, why="a positive noise std: the schedule decays exponentially from sigma_start to "
+                         "sigma_end, so neither can be 0; to train without noise turn AQN off")
+
+
+def check_aqn_sigmas(sigma_start: Any, sigma_end: Any, allow_increasing: Any = False, *, prefix: str = "aqn.",
+                     flag: str = "aqn.allow_increasing: true") -> tuple[float, float, bool]:
+    """The AQN noise schedule's checks, shared by ``AQNConfig`` and ``qerl_kit.aqn.AQN``: both sigmas
+    finite and > 0, and ``sigma_end <= sigma_start`` unless growing noise is asked for explicitly.
+    Returns them coerced (floats, bool)."""
+    start = _coerce(f"{prefix}sigma_start", sigma_start, float, _SIGMA)
+    end = _coerce(f"{prefix}sigma_end", sigma_end, float, _SIGMA)
+    allow = _coerce(f"{prefix}allow_increasing", allow_increasing, bool, None)
+    if end > start and not allow:
+        raise _bad(f"{prefix}sigma_end", sigma_end, f"<= {prefix}sigma_start = {start:g}",
+                   f"AQN noise decays over training; noise that grows is allowed only explicitly, with {flag}")
+    return start, end, allow
+
+
+# ---- validation of a whole section -------------------------------------------------------------------
+_HINTS: dict[type, dict[str, Any]] = {}
+
+
+def _validate(obj: Any) -> None:
+    """Coerce every field of a (frozen) config dataclass to its declared type, in place, and check
+    its range; errors name the field as ``<section>.<field>``."""
+    cls = type(obj)
+    if cls not in _HINTS:
+        _HINTS[cls] = typing.get_type_hints(cls)
+    prefix = getattr(cls, "_prefix", "")
+    # fields whose range depends on another field (only_if) last, once that one is coerced
+    for f in sorted(fields(obj), key=lambda f: f.metadata.get("rule", _Rule()).only_if is not None):
+        rule = f.metadata.get("rule")
+        active = rule is None or rule.only_if is None or getattr(obj, rule.only_if) is True
+        key = f"{prefix}.{f.name}" if prefix else f.name
+        value = _coerce(key, getattr(obj, f.name), _HINTS[cls][f.name], rule, active)
+        object.__setattr__(obj, f.name, value)
+
+
+def _check_keys(prefix: str, given: Mapping, known: list[str]) -> None:
+    """Unknown keys are an error naming them (dotted), the allowed keys and the closest match."""
+    bad = [k for k in given if k not in known]
+    if not bad:
+        return
+    dotted = [f"{prefix}.{k}" if prefix else str(k) for k in bad]
+    close = {k: m[0] for k in bad if isinstance(k, str) for m in [difflib.get_close_matches(k, known, n=1)] if m}
+    msg = (f"unknown config key{'s' if len(bad) > 1 else ''} {', '.join(repr(d) for d in dotted)}; "
+           f"allowed{f' in {prefix!r}' if prefix else ''}: {', '.join(repr(k) for k in known)}")
+    if close:
+        msg += " (did you mean " + ", ".join(f"{v!r} for {k!r}" if len(bad) > 1 else repr(v)
+                                             for k, v in close.items()) + "?)"
+    raise ConfigError(msg, dotted[0], bad[0], None)
+
+
+def _section(name: str, cls: type, value: Any):
+    """A section from an instance, a mapping of its keys, or None (its defaults)."""
+    if isinstance(value, cls):
+        return value
+    if value is None:
+        return cls()
+    if not isinstance(value, Mapping):
+        raise _bad(name, value, f"a mapping of {name} keys ({', '.join(f.name for f in fields(cls))})")
+    _check_keys(name, value, [f.name for f in fields(cls)])
+    return cls(**value)
+
+
+# ---- the sections ------------------------------------------------------------------------------------
+@dataclass(frozen=True)
 class ModelConfig:
+    _prefix = "model"
     name: str = "tiny"  # "tiny" (the shipped model), a preset of qerl_kit.models, or a local HF directory
-    format: str = "nvfp4"  # nvfp4 | mxfp4 | nf4 | none (bf16 LoRA)
-    lora_r: int = 16
-    lora_alpha: float | None = None  # None: alpha = r
+    format: str = _rule("nvfp4", choices=_formats)  # nvfp4 | mxfp4 | nf4 | none (bf16 LoRA)
+    lora_r: int = _rule(16, ge=1)  # LoRA rank: 0 would be no adapter at all
+    # None: alpha = r. The adapter's scale is alpha / r: 0 makes it a no-op, < 0 flips its sign.
+    lora_alpha: float | None = _rule(None, gt=0, why="the LoRA scale is alpha / r")
     train_norms: bool = False  # also train the RMSNorm scales before the projections
     gradient_checkpointing: bool = False
     trust_remote_code: bool = False
 
     def __post_init__(self):
-        _check(self.format in ("nvfp4", "mxfp4", "nf4", "none"),
-               f"model.format must be nvfp4, mxfp4, nf4 or none; got {self.format!r}")
-        _check(self.lora_r >= 1, f"model.lora_r must be >= 1; got {self.lora_r}")
+        _validate(self)
 
 
 @dataclass(frozen=True)
 class DataConfig:
+    _prefix = "data"
     dataset: str = "arith"  # arith (the tiny task) | gsm8k | math500 | a JSONL path
     eval_dataset: str | None = None  # default: the dataset's held-out split
-    eval_size: int = 200
-    train_size: int = 20000  # for generated tasks
+    eval_size: int = _rule(200, ge=1)  # held-out problems; 0 would make accuracy 0/0
+    train_size: int = _rule(20000, ge=1)  # for generated tasks: an empty training set cannot be sampled
 
     def __post_init__(self):
-        _check(self.eval_size >= 1, f"data.eval_size must be >= 1; got {self.eval_size}")
+        _validate(self)
 
 
 @dataclass(frozen=True)
 class RolloutConfig:
-    batch_size: int = 64  # completions per step (the paper's "train batch"), = prompts x group_size
-    group_size: int = 8  # G samples per prompt
-    max_new_tokens: int = 64
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    engine: str = "auto"  # auto (StaticEngine on a GPU, transformers' generate elsewhere) | static | hf
+    _prefix = "rollout"
+    batch_size: int = _rule(64, ge=1)  # completions per step (the paper's "train batch"), = prompts x group_size
+    # G samples per prompt; group-normalized advantages need at least two samples per prompt
+    group_size: int = _rule(8, ge=2, why="group-normalized advantages need at least two samples per prompt")
+    max_new_tokens: int = _rule(64, ge=1)
+    # Rollouts sample at T and the trainer divides the logits by T: 0 (greedy, allowed in
+    # SamplingParams for evaluation) gives G identical samples, zero advantages and a division by 0.
+    temperature: float = _rule(1.0, gt=0, why="rollouts sample at T and the trainer divides the logits by T; "
+                                              "0 (greedy) would give identical samples and divide by 0")
+    top_p: float = _rule(1.0, gt=0, le=1, why="a nucleus probability; 1 = off")
+    top_k: int = _rule(0, ge=0, why="0 = off")
+    # auto (StaticEngine on a GPU, transformers' generate elsewhere) | static | hf
+    engine: str = _rule("auto", choices=ENGINES)
 
     def __post_init__(self):
-        _check(self.engine in ("auto", "static", "hf"), f"rollout.engine must be auto, static or hf; got {self.engine!r}")
-        _check(self.group_size >= 2, f"rollout.group_size must be >= 2 (group-normalized advantages "
-                                     f"need at least two samples per prompt); got {self.group_size}")
+        _validate(self)
         _check(self.batch_size >= self.group_size and self.batch_size % self.group_size == 0,
-               f"rollout.batch_size ({self.batch_size}) must be a positive multiple of "
-               f"rollout.group_size ({self.group_size}): groups are never split")
-        _check(self.max_new_tokens >= 1, f"rollout.max_new_tokens must be >= 1; got {self.max_new_tokens}")
-        _check(self.temperature > 0, f"rollout.temperature must be > 0 for RL sampling; got {self.temperature}")
-        _check(0 < self.top_p <= 1, f"rollout.top_p must be in (0, 1]; got {self.top_p}")
+               "rollout.batch_size", self.batch_size,
+               f"a positive multiple of rollout.group_size = {self.group_size}", "groups are never split")
 
     @property
     def prompts_per_step(self) -> int:
@@ -75,60 +372,69 @@ class RolloutConfig:
 
 @dataclass(frozen=True)
 class LossConfig:
-    loss: str = "dapo"  # grpo | dapo | dr_grpo
-    eps_low: float = 0.2
-    eps_high: float | None = None  # None: eps_low (symmetric clip); DAPO's clip-higher is 0.28
-    beta: float = 0.0  # k3 KL to the reference (adapter disabled)
-    scale_rewards: str = "group"  # group | batch | none
-    mu: int = 1  # policy updates per rollout batch (the paper: 4 on GSM8K)
-    micro_batch: int = 16  # sequences per forward/backward (gradient accumulation inside a step)
-    is_correction: str | None = "token_truncate"  # TIS mode, or None to disable
-    is_cap: float = 3.0
+    _prefix = "loss"
+    loss: str = _rule("dapo", choices=_losses)  # grpo | dapo | dr_grpo (grpo.LOSSES)
+    # The PPO clip window is [1 - eps_low, 1 + eps_high]: eps_low >= 1 removes the lower bound
+    # (grpo refuses it), 0 forbids any decrease of a bad token's probability.
+    eps_low: float = _rule(0.2, gt=0, lt=1, why="the lower clip bound 1 - eps_low must be in (0, 1)")
+    # None: eps_low (symmetric clip); DAPO's clip-higher is 0.28. 0 forbids any increase of a good token's probability.
+    eps_high: float | None = _rule(None, gt=0, why="the upper clip bound is 1 + eps_high")
+    beta: float = _rule(0.0, ge=0, why="a negative KL weight rewards drifting from the reference")  # k3 KL
+    scale_rewards: str = _rule("group", choices=_scales)  # group | batch | none (grpo.SCALES)
+    mu: int = _rule(1, ge=1)  # policy updates per rollout batch (the paper: 4 on GSM8K)
+    micro_batch: int = _rule(16, ge=1)  # sequences per forward/backward (gradient accumulation inside a step)
+    is_correction: str | None = _rule("token_truncate", choices=_is_modes)  # TIS mode (grpo.IS_MODES), or None
+    # The importance-sampling cap C_max: on-policy tokens have rho = 1, so a cap below 1 truncates or
+    # masks even those, and a cap <= 0 flips the sign of the policy loss. Finite: to turn TIS off set
+    # is_correction: null.
+    is_cap: float = _rule(3.0, ge=1, why="on-policy tokens have rho = 1, a lower cap truncates or masks them and "
+                                         "a cap <= 0 flips the loss; to turn TIS off set loss.is_correction: null")
     dynamic_sampling: bool = False  # DAPO: drop groups whose rewards are all equal, refill
-    max_sampling_rounds: int = 4
-    overlong_buffer: int = 0  # DAPO overlong shaping: tokens before max_new_tokens where it starts
-    overlong_penalty: float = 1.0
+    max_sampling_rounds: int = _rule(4, ge=1, why="rollout rounds per step, the first included")
+    # DAPO overlong shaping: tokens before max_new_tokens where it starts (0 = off; <= rollout.max_new_tokens)
+    overlong_buffer: int = _rule(0, ge=0, why="0 = off")
+    overlong_penalty: float = _rule(1.0, ge=0, why="the size of the penalty; negative would reward overlong answers")
     mask_truncated: bool = False  # drop completions that hit max_new_tokens from the loss
 
     def __post_init__(self):
-        _check(self.loss in ("grpo", "dapo", "dr_grpo"), f"loss.loss must be grpo, dapo or dr_grpo; got {self.loss!r}")
-        _check(self.scale_rewards in ("group", "batch", "none"),
-               f"loss.scale_rewards must be group, batch or none; got {self.scale_rewards!r}")
-        _check(self.mu >= 1 and self.micro_batch >= 1, "loss.mu and loss.micro_batch must be >= 1")
-        _check(self.is_correction in (None, "token_truncate", "token_mask", "sequence_truncate", "sequence_mask"),
-               f"loss.is_correction must be a TIS mode or null; got {self.is_correction!r}")
-        _check(self.beta >= 0 and self.eps_low > 0, "loss.beta must be >= 0 and loss.eps_low > 0")
+        _validate(self)
 
 
 @dataclass(frozen=True)
 class OptimConfig:
-    lr: float = 1e-5
-    weight_decay: float = 0.0
-    betas: tuple[float, float] = (0.9, 0.99)
-    max_grad_norm: float = 1.0
-    schedule: str = "constant"  # constant | linear | cosine
-    warmup_ratio: float = 0.0
-    optimizer: str = "adamw"  # adamw | adamw8bit (bitsandbytes)
+    _prefix = "optim"
+    lr: float = _rule(1e-5, gt=0, why="0 never moves the adapter, < 0 ascends the loss")
+    weight_decay: float = _rule(0.0, ge=0, why="negative decay grows the weights")
+    # Adam's moment decays; torch.optim.AdamW refuses values outside [0, 1)
+    betas: tuple[float, float] = _rule((0.9, 0.99), ge=0, lt=1, why="Adam's moment decay rates")
+    # Gradient clipping: 0 scales every gradient to 0 (the adapter never moves), < 0 flips its sign
+    # (gradient ascent). To clip rarely, set a large value.
+    max_grad_norm: float = _rule(1.0, gt=0, why="0 freezes the adapter, a negative norm ascends the gradient")
+    schedule: str = _rule("constant", choices=SCHEDULES)  # constant | linear | cosine
+    # the share of total_steps spent warming up; 1 would be warm-up only
+    warmup_ratio: float = _rule(0.0, ge=0, lt=1, why="a share of total_steps")
+    optimizer: str = _rule("adamw", choices=OPTIMIZERS)  # adamw | adamw8bit (bitsandbytes)
 
     def __post_init__(self):
-        _check(self.lr > 0, f"optim.lr must be > 0; got {self.lr}")
-        _check(self.schedule in ("constant", "linear", "cosine"), f"optim.schedule: unknown {self.schedule!r}")
-        _check(self.optimizer in ("adamw", "adamw8bit"), f"optim.optimizer: unknown {self.optimizer!r}")
-        _check(0 <= self.warmup_ratio < 1, f"optim.warmup_ratio must be in [0, 1); got {self.warmup_ratio}")
+        _validate(self)
 
 
 @dataclass(frozen=True)
 class AQNConfig:
+    _prefix = "aqn"
     enabled: bool = True
-    sigma_start: float = 1e-2
-    sigma_end: float = 5e-4
-    stages: int = 10
-    resample: str = "step"
+    sigma_start: float = field(default=1e-2, metadata={"rule": _SIGMA})  # finite and > 0
+    sigma_end: float = field(default=5e-4, metadata={"rule": _SIGMA})  # and <= sigma_start unless allow_increasing
+    # a noise-free stage 0 plus a decay over stages 1..K-1 needs K >= 3 (checked only while enabled:
+    # a run without AQN keeps the default and may be shorter than it)
+    stages: int = _rule(10, ge=3, only_if="enabled", why="a noise-free stage 0 and a decay over stages 1..K-1; "
+                                                          "checked while aqn.enabled is true")
+    resample: str = _rule("step", choices=RESAMPLE)  # step: once per rollout step | forward: every forward
+    allow_increasing: bool = False  # let sigma_end exceed sigma_start (noise that grows): only on purpose
 
     def __post_init__(self):
-        if self.enabled:
-            _check(self.stages >= 3, f"aqn.stages must be >= 3; got {self.stages}")
-            _check(self.sigma_start > 0 and self.sigma_end > 0, "aqn sigmas must be positive")
+        _validate(self)
+        check_aqn_sigmas(self.sigma_start, self.sigma_end, self.allow_increasing)
 
 
 @dataclass(frozen=True)
@@ -139,20 +445,25 @@ class TrainConfig:
     loss: LossConfig = field(default_factory=LossConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     aqn: AQNConfig = field(default_factory=AQNConfig)
-    total_steps: int = 100  # sets the lr schedule and AQN stages; train(steps) may stop earlier
-    seed: int = 0
-    save_every: int = 25  # 0: never
-    keep_checkpoints: int = 2
-    eval_every: int = 0  # 0: never during training
-    output_dir: str = "runs/latest"
+    total_steps: int = _rule(100, ge=1)  # sets the lr schedule and AQN stages; train(steps) may stop earlier
+    # The trainer derives per-step seeds as seed * 1_000_003 + ...; [0, 2**32) keeps them inside
+    # torch's 64-bit seed range (and matches numpy's seed range).
+    seed: int = _rule(0, ge=0, le=SEED_MAX)
+    save_every: int = _rule(25, ge=0, why="0 = never")
+    keep_checkpoints: int = _rule(2, ge=0, why="0 = keep all")
+    eval_every: int = _rule(0, ge=0, why="0 = never during training")
+    output_dir: str = "runs/train"  # qerl demo writes runs/demo
     log_tensorboard: bool = False
 
     def __post_init__(self):
-        _check(self.total_steps >= 1, f"total_steps must be >= 1; got {self.total_steps}")
-        _check(self.save_every >= 0 and self.eval_every >= 0, "save_every and eval_every must be >= 0")
+        _validate(self)  # sections given as mappings become section objects here
         if self.aqn.enabled:
-            _check(self.total_steps >= self.aqn.stages,
-                   f"total_steps ({self.total_steps}) must be at least aqn.stages ({self.aqn.stages})")
+            _check(self.total_steps >= self.aqn.stages, "total_steps", self.total_steps,
+                   f"at least aqn.stages = {self.aqn.stages}", "every AQN stage needs at least one step")
+        lc = self.loss
+        _check(lc.overlong_buffer <= self.rollout.max_new_tokens, "loss.overlong_buffer", lc.overlong_buffer,
+               f"<= rollout.max_new_tokens = {self.rollout.max_new_tokens}",
+               "the overlong penalty zone lies inside the generation limit")
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -170,30 +481,21 @@ _SECTION_CLASSES = {"model": ModelConfig, "data": DataConfig, "rollout": Rollout
 def _merge(base: dict, over: dict) -> dict:
     out = dict(base)
     for key, value in over.items():
-        if isinstance(value, dict) and isinstance(out.get(key), dict):
+        if isinstance(value, Mapping) and isinstance(out.get(key), Mapping):
             out[key] = _merge(out[key], value)
         else:
             out[key] = value
     return out
 
 
-def from_dict(d: dict[str, Any]) -> TrainConfig:
+def from_dict(d: Mapping[str, Any]) -> TrainConfig:
     """Build a TrainConfig from nested dicts; unknown keys are an error naming them."""
+    if not isinstance(d, Mapping):
+        raise _bad("config", d, "a mapping of config keys")
     d = dict(d)
-    unknown = set(d) - set(_SECTIONS)
-    _check(not unknown, f"unknown config key(s): {sorted(unknown)}; known: {sorted(_SECTIONS)}")
-    kwargs: dict[str, Any] = {}
-    for name, cls in _SECTION_CLASSES.items():
-        if name in d:
-            section = d.pop(name) or {}
-            _check(isinstance(section, dict), f"config section {name!r} must be a mapping")
-            known = {f.name for f in fields(cls)}
-            bad = set(section) - known
-            _check(not bad, f"unknown key(s) in section {name!r}: {sorted(bad)}; known: {sorted(known)}")
-            if "betas" in section:
-                section = {**section, "betas": tuple(section["betas"])}
-            kwargs[name] = cls(**section)
-    return TrainConfig(**kwargs, **d)
+    _check_keys("", d, list(_SECTIONS))
+    return TrainConfig(**{k: _section(k, _SECTION_CLASSES[k], v) if k in _SECTION_CLASSES else v
+                          for k, v in d.items()})
 
 
 PRESETS: dict[str, dict[str, Any]] = {
@@ -229,8 +531,13 @@ PRESETS: dict[str, dict[str, Any]] = {
 
 def preset(name: str, **overrides) -> TrainConfig:
     """A named preset (``tiny-cpu``, ``paper-gsm8k``, ``paper-bigmath``) with nested overrides."""
-    _check(name in PRESETS, f"unknown preset {name!r}; choose one of {sorted(PRESETS)}")
-    return from_dict(_merge(PRESETS[name], overrides))
+    return from_dict(_merge(_preset_dict(name), overrides))
+
+
+def _preset_dict(name: Any) -> dict[str, Any]:
+    if not isinstance(name, str) or name not in PRESETS:
+        raise _bad("preset", name, "one of " + ", ".join(repr(p) for p in PRESETS))
+    return PRESETS[name]
 
 
 def load_config(path: str | Path) -> TrainConfig:
@@ -238,10 +545,15 @@ def load_config(path: str | Path) -> TrainConfig:
     import yaml
 
     data = yaml.safe_load(Path(path).read_text()) or {}
-    _check(isinstance(data, dict), f"{path}: a config file must be a mapping")
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: a config file must be a mapping; got {data!r}")
     name = data.pop("preset", None)
     try:
-        return preset(name, **data) if name else from_dict(data)
+        if name is None:
+            return from_dict(data)
+        return from_dict(_merge(_preset_dict(name), data))
+    except ConfigError as err:
+        raise ConfigError(f"{path}: {err}", err.key, err.value, err.allowed) from err
     except (TypeError, ValueError) as err:
         raise ValueError(f"{path}: {err}") from err
 
@@ -255,4 +567,5 @@ def save_config(config: TrainConfig, path: str | Path) -> None:
 
 
 __all__ = ["TrainConfig", "ModelConfig", "DataConfig", "RolloutConfig", "LossConfig", "OptimConfig",
-           "AQNConfig", "PRESETS", "preset", "from_dict", "load_config", "save_config", "replace"]
+           "AQNConfig", "ConfigError", "PRESETS", "preset", "from_dict", "load_config", "save_config",
+           "check_value", "check_aqn_sigmas", "replace"]

@@ -63,14 +63,28 @@ class SamplingParams:
     seed: int | None = None    # seeds the sampling RNG for reproducibility
 
     def __post_init__(self):
-        if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
+        # Errors read "<field> must be <allowed>; got <repr(value)>", as configs' do. Bools are not
+        # numbers here; numpy scalars are.
+        import math
+        import numbers
+
+        def is_int(v) -> bool:
+            return isinstance(v, numbers.Integral) and not isinstance(v, bool)
+
+        def is_real(v) -> bool:
+            return isinstance(v, numbers.Real) and not isinstance(v, bool)
+
+        if not is_int(self.max_new_tokens) or self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be a positive int; got {self.max_new_tokens!r}")
-        if not self.temperature >= 0:
-            raise ValueError(f"temperature must be >= 0 (0 = greedy); got {self.temperature}")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1]; got {self.top_p}")
-        if not isinstance(self.top_k, int) or self.top_k < 0:
+        # 0 means greedy (evaluation); inf would flatten the logits to uniform and nan poisons them
+        if not is_real(self.temperature) or not math.isfinite(self.temperature) or self.temperature < 0:
+            raise ValueError(f"temperature must be a finite float >= 0 (0 = greedy); got {self.temperature!r}")
+        if not is_real(self.top_p) or not 0 < self.top_p <= 1:  # nan fails the comparison
+            raise ValueError(f"top_p must be a float in (0, 1] (1 = off); got {self.top_p!r}")
+        if not is_int(self.top_k) or self.top_k < 0:
             raise ValueError(f"top_k must be an int >= 0 (0 = off); got {self.top_k!r}")
+        if self.seed is not None and not is_int(self.seed):
+            raise ValueError(f"seed must be an int or None (None = the global RNG); got {self.seed!r}")
 
     @property
     def greedy(self) -> bool:
@@ -227,6 +241,21 @@ def _check_request(prompts: Any, n: Any) -> list[str]:
     return prompts
 
 
+def _check_context(prompt_ids: Sequence[Sequence[int]], max_new_tokens: int, model: Any) -> None:
+    """Refuse a prompt that, with ``max_new_tokens`` after it, needs more positions than the model
+    has (``config.max_position_embeddings``): transformers would only warn and then decode garbage."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    limit = getattr(getattr(base, "config", None), "max_position_embeddings", None)
+    if not isinstance(limit, int) or limit <= 0:
+        return
+    for i, ids in enumerate(prompt_ids):
+        if len(ids) + max_new_tokens > limit:
+            raise ValueError(f"prompt {i} has {len(ids)} tokens; with max_new_tokens={max_new_tokens} it needs "
+                             f"{len(ids) + max_new_tokens} positions, more than the model's context "
+                             f"(max_position_embeddings={limit}): shorten it (a prompt_fn may truncate) or lower "
+                             "rollout.max_new_tokens")
+
+
 class _SampleAndRecord:
     """The last logits processor: temperature -> top-k -> top-p, and each sampled token's log-prob.
 
@@ -370,6 +399,7 @@ class HFEngine:
         empty = [i for i, ids in enumerate(encoded) if len(ids) == 0]
         if empty:
             raise ValueError(f"prompts {empty[:5]} tokenize to zero tokens; nothing to condition on")
+        _check_context(encoded, sampling.max_new_tokens, self.model)
         step = self.batch_size or len(prompts)
         with _inference(self.model), _seeded(sampling.seed, self.device):
             parts = [self._generate_batch(prompts[i:i + step], encoded[i:i + step], n, sampling)

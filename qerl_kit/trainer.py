@@ -103,7 +103,8 @@ class Trainer:
         self.dist = distributed.Context.detect()  # world 1 unless launched by torchrun & co
         distributed.check_config(config, self.dist.world)
         self.aqn = AQN(config.aqn.sigma_start, config.aqn.sigma_end, config.aqn.stages,
-                       config.total_steps, seed=config.seed, resample=config.aqn.resample) \
+                       config.total_steps, seed=config.seed, resample=config.aqn.resample,
+                       allow_increasing=config.aqn.allow_increasing) \
             if config.aqn.enabled else None
         self.optimizer = _make_optimizer(trainable, config.optim)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, _lr_lambda(config.optim, config.total_steps))
@@ -441,7 +442,8 @@ class Trainer:
             return self.step
         state = ckpt.load_state(path)
         current = json.loads(json.dumps(self.config.to_dict()))  # as saved: tuples become lists
-        changes = ckpt.config_changes(json.loads(state["config"]), current) if "config" in state else {}
+        defaults = json.loads(json.dumps(TrainConfig().to_dict()))  # for keys newer than the checkpoint
+        changes = ckpt.config_changes(json.loads(state["config"]), current, defaults) if "config" in state else {}
         if changes and not allow_config_change:
             shown = "; ".join(f"{k}: {old!r} -> {new!r}" for k, (old, new) in list(changes.items())[:6])
             raise ckpt.CheckpointError(
@@ -486,6 +488,7 @@ class Trainer:
             a = self.config.aqn
             self.aqn.sigma_start, self.aqn.sigma_end, self.aqn.stages = a.sigma_start, a.sigma_end, a.stages
             self.aqn.total_steps, self.aqn.resample = self.config.total_steps, a.resample
+            self.aqn.allow_increasing = a.allow_increasing
         line = {"step": self.step, "checkpoint": str(path), "changes": {k: list(v) for k, v in changes.items()}}
         warnings.warn(f"resumed {path} with a changed config: {line['changes']}", stacklevel=3)
         if self.dist.main:

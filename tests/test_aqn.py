@@ -166,3 +166,44 @@ def test_state_dict_round_trip_continues_the_same_noise():
     b.load_state_dict(a.state_dict())
     assert b.seed == 3
     assert torch.equal(torch.randn(4, generator=a._generator), torch.randn(4, generator=b._generator))
+
+
+# ---- constructor checks shared with the config (qerl_kit.config.AQNConfig) ----------------------
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(sigma_start=float("nan")), r"^sigma_start must be a finite float > 0.*got nan"),
+    (dict(sigma_start=float("inf")), r"^sigma_start must be a finite float > 0.*got inf"),
+    (dict(sigma_end=float("inf"), sigma_start=1.0), r"^sigma_end must be a finite float > 0.*got inf"),
+    (dict(sigma_end=-1e-3), r"^sigma_end must be a finite float > 0.*got -0\.001"),
+    (dict(sigma_start=-1e-2, sigma_end=-1e-3), r"^sigma_start must be a finite float > 0"),
+    (dict(sigma_start=True), r"^sigma_start must be a finite float > 0.*got True"),
+    (dict(sigma_start="loud"), r"^sigma_start must be a finite float > 0.*got 'loud'"),
+    (dict(stages=3.5), r"^stages must be an int"),
+    (dict(total_steps="many"), r"^total_steps must be an int"),
+    (dict(seed=1.5), r"^seed must be an int"),
+    (dict(allow_increasing="maybe"), r"^allow_increasing must be a boolean"),
+])
+def test_non_finite_negative_or_mistyped_values_are_refused(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        AQN(**{"total_steps": 100, **kwargs})
+
+
+def test_growing_noise_needs_allow_increasing():
+    with pytest.raises(ValueError, match=r"sigma_end must be <= sigma_start.*allow_increasing=True.*got 0\.05"):
+        AQN(sigma_start=1e-2, sigma_end=5e-2, total_steps=100)
+    aqn = AQN(sigma_start=1e-2, sigma_end=5e-2, total_steps=100, allow_increasing=True)
+    assert aqn.sigma(10) == pytest.approx(1e-2) and aqn.sigma(99) == pytest.approx(5e-2)
+    assert aqn.sigma(50) > aqn.sigma(10)  # it really grows
+    assert AQN(sigma_start=1e-2, sigma_end=1e-2, total_steps=100).sigma(99) == pytest.approx(1e-2)  # flat: fine
+
+
+def test_the_config_and_the_class_agree():
+    from qerl_kit.config import AQNConfig
+
+    for kwargs in (dict(sigma_start=1e-2, sigma_end=5e-2), dict(sigma_end=float("inf")), dict(sigma_start=-1.0)):
+        with pytest.raises(ValueError):
+            AQNConfig(**kwargs)
+        with pytest.raises(ValueError):
+            AQN(total_steps=100, **kwargs)
+    cfg = AQNConfig(sigma_start=1e-2, sigma_end=5e-2, allow_increasing=True)
+    AQN(cfg.sigma_start, cfg.sigma_end, cfg.stages, 100, resample=cfg.resample, allow_increasing=cfg.allow_increasing)
+    assert AQN(sigma_start="1e-2", total_steps=100).sigma_start == 1e-2  # the config's coercion rules

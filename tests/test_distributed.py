@@ -126,7 +126,7 @@ def test_two_gloo_ranks_equal_one_process_and_resume_across_world_sizes(tmp_path
     # rank 0 alone wrote the metrics and the checkpoint
     lines = (work / "dapo" / "metrics.jsonl").read_text().splitlines()
     assert [json.loads(x)["step"] for x in lines] == [1]
-    assert sorted(p.name for p in (work / "dapo").iterdir()) == ["checkpoint-1", "metrics.jsonl"]
+    assert sorted(p.name for p in (work / "dapo").iterdir()) == ["checkpoint-1", "metrics.jsonl", "run.json"]
     state = torch.load(work / "dapo" / "checkpoint-1" / "trainer_state.pt", weights_only=True)
     assert state["world_size"] == 2 and state["step"] == 1
     lines = (work / "from1" / "metrics.jsonl").read_text().splitlines()

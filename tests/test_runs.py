@@ -173,3 +173,26 @@ def test_a_reward_function_returning_the_wrong_scores_is_named(tmp_path, bad, er
                       prompt_fn=_prompt, progress="none")
     with pytest.raises(error, match=f"reward function 'picky_reward' {match}"):
         trainer.train(1)
+
+
+def test_a_config_key_newer_than_the_checkpoint_is_not_a_change_at_its_default():
+    saved = {"optim": {"lr": 0.1}, "aqn": {"enabled": True}}
+    current = {"optim": {"lr": 0.1}, "aqn": {"enabled": True, "allow_increasing": False}}
+    defaults = {"optim": {"lr": 0.2}, "aqn": {"enabled": False, "allow_increasing": False}}
+    assert ckpt.config_changes(saved, current, defaults) == {}
+    current["aqn"]["allow_increasing"] = True
+    assert ckpt.config_changes(saved, current, defaults) == {"aqn.allow_increasing": (False, True)}
+
+
+@pytest.mark.parametrize("engine", ["hf", "static"])
+def test_a_prompt_longer_than_the_context_is_an_error_not_garbage(engine):
+    from qerl_kit.engine import make_engine
+    from qerl_kit.rollout import SamplingParams
+
+    model = _policy()                                    # qwen2-tiny: max_position_embeddings = 512
+    eng = make_engine(engine, model, make_tokenizer())
+    sampling = SamplingParams(max_new_tokens=20, seed=0)
+    assert len(eng.generate(["ab" * 200], 1, sampling).texts) == 1           # 400 + 20 positions fit
+    with pytest.raises(ValueError, match=r"prompt 1 has 500 tokens; with max_new_tokens=20 it needs 520 positions, "
+                                         r"more than the model's context \(max_position_embeddings=512\)"):
+        eng.generate(["ab", "ab" * 250], 1, sampling)

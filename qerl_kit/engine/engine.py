@@ -43,7 +43,7 @@ from torch import Tensor
 
 from qerl_kit.engine.decoder import Decoder, KVCache
 from qerl_kit.engine.sampler import sample
-from qerl_kit.rollout import (Rollouts, SamplingParams, _check_request, _inference, _pad, _seeded,
+from qerl_kit.rollout import (Rollouts, SamplingParams, _check_context, _check_request, _inference, _pad, _seeded,
                               _decode_completions, _special_ids, _stop_mask)
 
 __all__ = ["StaticEngine"]
@@ -151,6 +151,7 @@ class StaticEngine:
             raise ValueError(f"prompts {empty[:5]} have zero tokens; nothing to condition on")
         if not isinstance(n, int) or n < 1:
             raise ValueError(f"n (samples per prompt) must be an int >= 1; got {n!r}")
+        _check_context(prompt_ids, sampling.max_new_tokens, self.model)
         per_batch = len(prompt_ids) if self.max_rows is None else max(1, self.max_rows // n)
         parts = []
         with _inference(self.model), _seeded(sampling.seed, self.device):

@@ -34,7 +34,7 @@ class AQNPanel:
         """Change the schedule (validated: an impossible value raises, the AQN is left unchanged)."""
         new = dict(sigma_start=sigma_start or self.aqn.sigma_start, sigma_end=sigma_end or self.aqn.sigma_end,
                    stages=stages or self.aqn.stages, total_steps=total_steps or self.aqn.total_steps)
-        AQN(**new)  # validation only
+        AQN(**new, allow_increasing=getattr(self.aqn, "allow_increasing", False))  # validation only
         for key, value in new.items():
             setattr(self.aqn, key, value)
 
