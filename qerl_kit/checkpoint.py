@@ -62,8 +62,6 @@ def save_checkpoint(output_dir: str | Path, step: int, model, state: dict, keep:
                     run_id: str | None = None) -> Path:
     """Write ``checkpoint-<step>`` atomically and keep only the newest ``keep`` checkpoints of the
     run ``run_id`` (other runs' checkpoints, and ones without a run id, are never removed)."""
-    from qerl_kit import runs
-
     root = Path(output_dir)
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"checkpoint-{step}"

@@ -1,0 +1,294 @@
+"""Typed config fields: coercion and range checks shared by the config dataclasses (qerl_kit.config).
+
+See ``qerl_kit.config``'s docstring for the rules; every failure is a ``ConfigError`` naming the
+dotted key, what is allowed and the value given.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import math
+import numbers
+import os
+import typing
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields
+from typing import Any, Callable
+
+
+class ConfigError(ValueError):
+    """A config key or value that is not allowed. ``key`` is the dotted path (``optim.lr``),
+    ``value`` the value given, ``allowed`` what the key accepts (None for unknown-key errors)."""
+
+    def __init__(self, message: str, key: str | None = None, value: Any = None, allowed: str | None = None):
+        super().__init__(message)
+        self.key, self.value, self.allowed = key, value, allowed
+
+
+def _bad(key: str, value: Any, allowed: str, why: str = "") -> ConfigError:
+    """The one error format: ``<key> must be <allowed> (<why>); got <repr(value)>``."""
+    return ConfigError(f"{key} must be {allowed}{f' ({why})' if why else ''}; got {value!r}", key, value, allowed)
+
+
+def _check(cond: bool, key: str, value: Any, allowed: str, why: str = "") -> None:
+    if not cond:
+        raise _bad(key, value, allowed, why)
+
+
+# ---- coercion of one value to a declared type ----------------------------------------------------
+_TRUE, _FALSE, _NONE = {"true", "yes", "on", "1"}, {"false", "no", "off", "0"}, {"null", "none"}
+BOOL_ALLOWED = "a boolean (true/false, or the strings yes/no, on/off, 1/0 in any case)"
+
+
+def _is_bool(v: Any) -> bool:
+    t = type(v)  # numpy's bool scalar too (numpy.bool_; numpy.bool in numpy 2)
+    return isinstance(v, bool) or (t.__module__ == "numpy" and t.__name__ in ("bool_", "bool"))
+
+
+def _as_bool(v: Any) -> bool | None:
+    if _is_bool(v):
+        return bool(v)
+    if isinstance(v, str):
+        s = v.strip().lower()
+        if s in _TRUE:
+            return True
+        if s in _FALSE:
+            return False
+    return None
+
+
+def _as_float(v: Any) -> float | None:
+    if _is_bool(v):
+        return None
+    try:
+        if isinstance(v, numbers.Real):
+            return float(v)
+        if isinstance(v, str):
+            return float(v.strip())
+    except (ValueError, OverflowError):  # not a number; an int too large for a float
+        pass
+    return None
+
+
+def _as_int(v: Any) -> int | None:
+    if _is_bool(v):
+        return None
+    if isinstance(v, numbers.Integral):
+        return int(v)
+    if isinstance(v, str):
+        try:
+            return int(v.strip())
+        except ValueError:
+            v = _as_float(v)
+    if isinstance(v, numbers.Real) and math.isfinite(v) and float(v).is_integer():
+        return int(v)
+    return None
+
+
+@dataclass(frozen=True)
+class _Rule:
+    """The range of one field: bounds (``gt``/``ge``/``lt``/``le``), choices (a tuple or a function
+    returning the registry's names), ``why`` (shown in errors), ``only_if`` (a bool field of the same
+    section: the range applies only while it is true; the type always applies)."""
+
+    gt: float | None = None
+    ge: float | None = None
+    lt: float | None = None
+    le: float | None = None
+    choices: tuple | Callable[[], tuple] | None = None
+    why: str = ""
+    only_if: str | None = None
+
+    def options(self) -> tuple:
+        return self.choices() if callable(self.choices) else tuple(self.choices)
+
+    def bounds(self) -> str:
+        """``> 0``, ``>= 1``, ``in (0, 1]``..., or "" when unbounded."""
+        lo = ("(", ">", self.gt) if self.gt is not None else ("[", ">=", self.ge) if self.ge is not None else None
+        hi = (")", "<", self.lt) if self.lt is not None else ("]", "<=", self.le) if self.le is not None else None
+        if lo and hi:
+            return f"in {lo[0]}{_num(lo[2])}, {_num(hi[2])}{hi[0]}"
+        if lo or hi:
+            return f"{(lo or hi)[1]} {_num((lo or hi)[2])}"
+        return ""
+
+    def within(self, x) -> bool:
+        return ((self.gt is None or x > self.gt) and (self.ge is None or x >= self.ge)
+                and (self.lt is None or x < self.lt) and (self.le is None or x <= self.le))
+
+
+def _num(x: float) -> str:
+    return str(int(x)) if float(x).is_integer() and abs(x) < 1e16 else f"{x:g}"
+
+
+def _allowed(tp: Any, rule: _Rule | None) -> str:
+    """What a field accepts, in words (the ``must be ...`` part of an error)."""
+    rule = rule or _Rule()
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if type(None) in args:  # X | None
+        return "null or " + _allowed(next(a for a in args if a is not type(None)), rule)
+    if origin is tuple:  # tuple[float, float]: the same rule for every element
+        bounds = rule.bounds()
+        return f"a list of {len(args)} finite floats" + (f" {bounds}" if bounds else "")
+    if tp is bool:
+        return BOOL_ALLOWED
+    if tp is str:
+        if rule.choices is not None:
+            return "one of " + ", ".join(repr(c) for c in rule.options())
+        return "a non-empty string"
+    name = {int: "an int", float: "a finite float"}[tp]
+    bounds = rule.bounds()
+    return f"{name} {bounds}" if bounds else name
+
+
+def _coerce(key: str, value: Any, tp: Any, rule: _Rule | None, active: bool = True) -> Any:
+    """``value`` as type ``tp``, range-checked by ``rule`` (unless ``active`` is False)."""
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if type(None) in args:  # X | None
+        if value is None or (isinstance(value, str) and value.strip().lower() in _NONE):
+            return None
+        inner = next(a for a in args if a is not type(None))
+        try:
+            return _coerce(key, value, inner, rule, active)
+        except ConfigError:
+            raise _bad(key, value, _allowed(tp, rule), rule.why if rule else "") from None
+    if isinstance(tp, type) and dataclasses.is_dataclass(tp):  # a section of TrainConfig
+        return _section(key, tp, value)
+    rule = rule or _Rule()
+    allowed = _allowed(tp, rule)
+    if origin is tuple:
+        _check(isinstance(value, (list, tuple)) and len(value) == len(args), key, value, allowed, rule.why)
+        try:
+            return tuple(_coerce(f"{key}[{i}]", item, item_tp, rule, active)
+                         for i, (item, item_tp) in enumerate(zip(value, args)))
+        except ConfigError:
+            raise _bad(key, value, allowed, rule.why) from None
+    if tp is bool:
+        out = _as_bool(value)
+        _check(out is not None, key, value, allowed, rule.why)
+        return out
+    if tp is str:
+        out = os.fspath(value) if isinstance(value, os.PathLike) else value
+        _check(isinstance(out, str) and out != "", key, value, allowed, rule.why)
+        if rule.choices is not None:
+            _check(out in rule.options(), key, value, allowed, rule.why)
+        return out
+    out = _as_int(value) if tp is int else _as_float(value)
+    _check(out is not None and (tp is int or math.isfinite(out)), key, value, allowed, rule.why)
+    if active:
+        _check(rule.within(out), key, value, allowed, rule.why)
+    return out
+
+
+def check_value(key: str, value: Any, tp: Any, **rule) -> Any:
+    """Coerce and check one value as a config field would be (``tp`` a type such as ``float``,
+    ``int | None``; ``rule`` the keywords of a range: gt, ge, lt, le, choices, why). For objects
+    that are not configs but take the same values (``qerl_kit.aqn.AQN``)."""
+    return _coerce(key, value, tp, _Rule(**rule))
+
+
+def _rule(default: Any, **rule) -> Any:
+    """A dataclass field with a default and a range (``_Rule``'s keywords)."""
+    return field(default=default, metadata={"rule": _Rule(**rule)})
+
+
+# ---- choices: from the registries that define them, read when a config is checked -----------------
+def _formats() -> tuple:
+    from qerl_kit.formats import FORMATS
+
+    return (*FORMATS, "none")  # none: a bf16 base with LoRA (no quantization)
+
+
+def _losses() -> tuple:
+    from qerl_kit.grpo import LOSSES
+
+    return tuple(LOSSES)
+
+
+def _scales() -> tuple:
+    from qerl_kit.grpo import SCALES
+
+    return tuple(SCALES)
+
+
+def _is_modes() -> tuple:
+    from qerl_kit.grpo import IS_MODES
+
+    return tuple(IS_MODES)
+
+
+ENGINES = ("auto", "static", "hf")  # qerl_kit.engine.make_engine
+SCHEDULES = ("constant", "linear", "cosine")  # qerl_kit.trainer._lr_lambda
+OPTIMIZERS = ("adamw", "adamw8bit")  # qerl_kit.trainer._make_optimizer
+RESAMPLE = ("step", "forward")  # qerl_kit.aqn.AQN (checked there too)
+SEED_MAX = 2**32 - 1
+
+
+# AQN's noise std: finite and > 0 (nan/inf noise destroys the norms; 0 breaks the exponential decay)
+_SIGMA = _Rule(gt=0, why="a positive noise std: the schedule decays exponentially from sigma_start to "
+                         "sigma_end, so neither can be 0; to train without noise turn AQN off")
+
+
+def check_aqn_sigmas(sigma_start: Any, sigma_end: Any, allow_increasing: Any = False, *, prefix: str = "aqn.",
+                     flag: str = "aqn.allow_increasing: true") -> tuple[float, float, bool]:
+    """The AQN noise schedule's checks, shared by ``AQNConfig`` and ``qerl_kit.aqn.AQN``: both sigmas
+    finite and > 0, and ``sigma_end <= sigma_start`` unless growing noise is asked for explicitly.
+    Returns them coerced (floats, bool)."""
+    start = _coerce(f"{prefix}sigma_start", sigma_start, float, _SIGMA)
+    end = _coerce(f"{prefix}sigma_end", sigma_end, float, _SIGMA)
+    allow = _coerce(f"{prefix}allow_increasing", allow_increasing, bool, None)
+    if end > start and not allow:
+        raise _bad(f"{prefix}sigma_end", sigma_end, f"<= {prefix}sigma_start = {start:g}",
+                   f"AQN noise decays over training; noise that grows is allowed only explicitly, with {flag}")
+    return start, end, allow
+
+
+# ---- validation of a whole section -------------------------------------------------------------------
+_HINTS: dict[type, dict[str, Any]] = {}
+
+
+def _validate(obj: Any) -> None:
+    """Coerce every field of a (frozen) config dataclass to its declared type, in place, and check
+    its range; errors name the field as ``<section>.<field>``."""
+    cls = type(obj)
+    if cls not in _HINTS:
+        _HINTS[cls] = typing.get_type_hints(cls)
+    prefix = getattr(cls, "_prefix", "")
+    # fields whose range depends on another field (only_if) last, once that one is coerced
+    for f in sorted(fields(obj), key=lambda f: f.metadata.get("rule", _Rule()).only_if is not None):
+        rule = f.metadata.get("rule")
+        active = rule is None or rule.only_if is None or getattr(obj, rule.only_if) is True
+        key = f"{prefix}.{f.name}" if prefix else f.name
+        value = _coerce(key, getattr(obj, f.name), _HINTS[cls][f.name], rule, active)
+        object.__setattr__(obj, f.name, value)
+
+
+def _check_keys(prefix: str, given: Mapping, known: list[str]) -> None:
+    """Unknown keys are an error naming them (dotted), the allowed keys and the closest match."""
+    bad = [k for k in given if k not in known]
+    if not bad:
+        return
+    dotted = [f"{prefix}.{k}" if prefix else str(k) for k in bad]
+    close = {k: m[0] for k in bad if isinstance(k, str) for m in [difflib.get_close_matches(k, known, n=1)] if m}
+    msg = (f"unknown config key{'s' if len(bad) > 1 else ''} {', '.join(repr(d) for d in dotted)}; "
+           f"allowed{f' in {prefix!r}' if prefix else ''}: {', '.join(repr(k) for k in known)}")
+    if close:
+        msg += " (did you mean " + ", ".join(f"{v!r} for {k!r}" if len(bad) > 1 else repr(v)
+                                             for k, v in close.items()) + "?)"
+    raise ConfigError(msg, dotted[0], bad[0], None)
+
+
+def _section(name: str, cls: type, value: Any):
+    """A section from an instance, a mapping of its keys, or None (its defaults)."""
+    if isinstance(value, cls):
+        return value
+    if value is None:
+        return cls()
+    if not isinstance(value, Mapping):
+        raise _bad(name, value, f"a mapping of {name} keys ({', '.join(f.name for f in fields(cls))})")
+    _check_keys(name, value, [f.name for f in fields(cls)])
+    return cls(**value)
+
+
+# ---- the sections ------------------------------------------------------------------------------------
