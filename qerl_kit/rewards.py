@@ -26,6 +26,16 @@ Deviations from TRL / official QeRL:
   neither crashes nor hangs. Predicted answers longer than ``MAX_ANSWER_CHARS`` score 0.0.
 - Malformed model output never raises: it scores 0.0. Missing/misaligned columns (a caller bug) raise.
 
+Time bounds: every reward, parser and format pattern here runs in time linear in its input (no
+regex can backtrack super-linearly: possessive quantifiers / atomic groups, or plain ``str`` scans).
+The completion is never truncated. Two length caps bound the work that is not linear:
+``parse_number`` rejects cleaned number strings longer than ``MAX_NUMBER_CHARS`` (4300, Python's
+default ``int(str)`` digit limit), and math-verify is never handed an answer (gold or predicted)
+longer than ``MAX_ANSWER_CHARS``; its own run time is bounded by its timeouts. ``<answer>`` contents
+longer than ``ANSWER_TAG_MAX_CHARS`` are not answer tags (as before). ``tests/test_rewards_adversarial.py``
+times every public function on 10^5 and 10^6 character adversarial completions (docs/rewards.md,
+"Time bounds"). A custom regex given to ``make_format_reward`` is the caller's responsibility.
+
 Nothing here evaluates model text with eval/exec/sympify; only math-verify's own parser sees it.
 math-verify is imported lazily (``pip install math-verify`` or the ``qerl_kit[rewards]`` extra).
 """
@@ -43,17 +53,20 @@ import subprocess
 import sys
 import threading
 from fractions import Fraction
+from itertools import accumulate, repeat
 from typing import Any, Callable, Sequence
 
 __all__ = [
     "gsm8k_reward", "math_reward", "format_reward", "think_format_reward", "make_format_reward",
     "score_gsm8k", "score_math", "extract_gsm8k_answer", "parse_number", "last_boxed",
-    "completion_text", "FORMAT_PATTERNS", "MAX_ANSWER_CHARS",
+    "completion_text", "FORMAT_PATTERNS", "MAX_ANSWER_CHARS", "MAX_NUMBER_CHARS", "ANSWER_TAG_MAX_CHARS",
 ]
 
 logger = logging.getLogger(__name__)
 
-MAX_ANSWER_CHARS = 1000  # longer predicted \boxed{} contents score 0.0 without reaching math-verify
+MAX_ANSWER_CHARS = 1000  # longer predicted \boxed{} contents score 0.0; longer golds never reach math-verify
+MAX_NUMBER_CHARS = 4300  # parse_number: longer (cleaned) number strings are not numbers (None)
+ANSWER_TAG_MAX_CHARS = 2000  # <answer>...</answer> contents longer than this are not answer tags
 PARSING_TIMEOUT = 2      # seconds, per math-verify parse call
 VERIFY_TIMEOUT = 2       # seconds, per math-verify comparison
 RewardFn = Callable[..., "list[float | None]"]
@@ -96,18 +109,23 @@ def _column(name: str, values: Any, n: int) -> list:
 # ----------------------------------------------------------------------------- GSM8K numbers
 
 # A number: optional sign and $, "1,000"-style groups or plain digits, optional decimals, optional
-# "/d" fraction. Every quantifier is over a disjoint character class: no catastrophic backtracking.
-_NUM = r"(?<![\w.])-?\$?(?:(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?|\.\d+)(?:/\d+)?"
+# "/d" fraction. Atomic: once a number has matched (its greedy, longest form) no caller backtracks
+# into it, so a pattern that follows it cannot retry shorter numbers (linear time).
+_NUM = r"(?<![\w.])(?>-?\$?(?:(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?|\.\d+)(?:/\d+)?)"
 _NUM_RE = re.compile(_NUM)
-_HASH_RE = re.compile(r"####[ \t]*(" + _NUM + r")")
-_ANSWER_TAG_RE = re.compile(r"<answer>((?:(?!</answer>).){0,2000}?)</answer>", re.S)
-_LATEX_FRAC_RE = re.compile(r"\\[dt]?frac\{(-?\d+)\}\{(-?\d+)\}")
+_HASH_RE = re.compile(r"####[ \t]*+(" + _NUM + r")")
+_LATEX_FRAC_RE = re.compile(r"\\[dt]?frac\{(-?\d++)\}\{(-?\d++)\}")
+_NUMBER_FULL_RE = re.compile(r"-?(?:\d++(?:\.\d++)?+|\.\d++)(?:/\d++)?+")
 
 
 def parse_number(s: str) -> Fraction | None:
-    """Exact value of one number string ("1,000", "$18.00", "-3/4", "18."), else None."""
+    """Exact value of one number string ("1,000", "$18.00", "-3/4", "18."), else None.
+
+    A cleaned string longer than ``MAX_NUMBER_CHARS`` (4300, Python's default ``int(str)`` digit
+    limit) is None, checked before any regex, also when ``sys.set_int_max_str_digits`` has lifted the
+    limit (``int(str)`` is quadratic in the number of digits)."""
     s = s.strip().rstrip(".").replace(",", "").replace("$", "").replace("\\%", "").rstrip("%").strip()
-    if not re.fullmatch(r"-?(?:\d+(?:\.\d+)?|\.\d+)(?:/\d+)?", s):
+    if len(s) > MAX_NUMBER_CHARS or not _NUMBER_FULL_RE.fullmatch(s):
         return None
     try:
         return Fraction(s)
@@ -130,9 +148,28 @@ def _number_in_span(span: str) -> Fraction | None:
     return parse_number(nums[-1]) if nums else None
 
 
+def _last_answer_tag(text: str) -> str | None:
+    """Content of the last ``<answer>...</answer>`` of at most ``ANSWER_TAG_MAX_CHARS`` characters,
+    the same tag as the last match of ``re.findall(r"<answer>((?:(?!</answer>).){0,2000}?)</answer>",
+    text, re.S)`` (left to right, non-overlapping: a tag's content may hold ``<answer>``), found with
+    ``str.find`` in linear time (the regex rescans up to 2000 characters per ``<answer>``)."""
+    last = None
+    pos, close = 0, -1  # close: first "</answer>" at or after the current content start
+    while (s := text.find("<answer>", pos)) >= 0:
+        body = s + 8
+        if close < body and (close := text.find("</answer>", body)) < 0:
+            break  # no closing tag after here: no later <answer> can match either
+        if close - body <= ANSWER_TAG_MAX_CHARS:
+            last, pos = (body, close), close + 9
+        else:  # every <answer> before close - 2000 - 8 is too far from this (its first) closing tag
+            pos = max(s + 1, close - ANSWER_TAG_MAX_CHARS - 8)
+    return None if last is None else text[last[0]:last[1]]
+
+
 def extract_gsm8k_answer(text: str) -> Fraction | None:
-    """Model's final number: ``#### N``, else last ``\\boxed{N}``, else ``<answer>N</answer>``, else
-    the last number in the text. Returns None when there is no number at all."""
+    """Model's final number: ``#### N``, else last ``\\boxed{N}``, else the last ``<answer>N</answer>``
+    (contents of at most ``ANSWER_TAG_MAX_CHARS``), else the last number in the text. Returns None
+    when there is no number at all. Linear time; the whole text is searched (no cap)."""
     text = completion_text(text)
     hashes = _HASH_RE.findall(text)
     if hashes and (v := parse_number(hashes[-1])) is not None:
@@ -140,8 +177,8 @@ def extract_gsm8k_answer(text: str) -> Fraction | None:
     boxed = last_boxed(text)
     if boxed is not None and (v := _number_in_span(boxed)) is not None:
         return v
-    tags = _ANSWER_TAG_RE.findall(text)
-    if tags and (v := _number_in_span(tags[-1])) is not None:
+    tag = _last_answer_tag(text)
+    if tag is not None and (v := _number_in_span(tag)) is not None:
         return v
     nums = _NUM_RE.findall(_clean_latex_number(text))
     return parse_number(nums[-1]) if nums else None
@@ -184,43 +221,72 @@ def gsm8k_reward(prompts: Sequence[Any] | None = None, completions: Sequence[Any
 # ----------------------------------------------------------------------------- MATH \boxed answers
 
 _BOX_RE = re.compile(r"\\(?:boxed|fbox)(?![A-Za-z])")
+_BLANKS_RE = re.compile(r"[ \t]*+")
+_SPACED_END_RE = re.compile(r"[$\n]")
+_ESCAPE_RE = re.compile(r"\\[\s\S]")  # a backslash and the character it escapes
+_BRACE_DELTA = {"{": 1, "}": -1}
+_BRACE_CHUNK = 1 << 14
+
+
+def _last_box_end(text: str) -> int | None:
+    """End of the last ``_BOX_RE`` match (``\\boxed``/``\\fbox`` not followed by a letter), found
+    from the end with ``str.rfind`` (the two words cannot overlap, so this is finditer's last match)."""
+    best = None
+    for word in ("\\boxed", "\\fbox"):
+        e = len(text)
+        while (i := text.rfind(word, 0, e)) >= 0:
+            k = i + len(word)
+            if k == len(text) or not ("A" <= text[k] <= "Z" or "a" <= text[k] <= "z"):
+                best = k if best is None else max(best, k)
+                break
+            e = i
+    return best
+
+
+def _closing_brace(text: str, j: int) -> int | None:
+    """Index of the ``}`` that closes the ``{`` at ``text[j]`` (``\\`` escapes the next character),
+    else None. Linear, and C-speed: escape pairs are blanked in one ``re.sub``, chunks whose ``}``
+    count cannot bring the depth to 0 are skipped with ``str.count``, the others are scanned with
+    ``itertools.accumulate`` (no Python step per character)."""
+    seg = text[j:]
+    if "\\" in seg:
+        seg = _ESCAPE_RE.sub("  ", seg)  # same length: indices stay aligned
+    depth = 0
+    for a in range(0, len(seg), _BRACE_CHUNK):
+        chunk = seg[a:a + _BRACE_CHUNK]
+        closes = chunk.count("}")
+        if closes == 0 or depth - closes > 0:
+            depth += chunk.count("{") - closes
+            continue
+        acc = list(accumulate(map(_BRACE_DELTA.get, chunk, repeat(0, len(chunk))), initial=depth))
+        try:
+            return j + a + acc.index(0, 1) - 1  # acc[i]: depth after chunk[i - 1]
+        except ValueError:
+            depth = acc[-1]
+    return None
 
 
 def last_boxed(text: str) -> str | None:
     """Content of the last ``\\boxed{...}``/``\\fbox{...}`` (balanced braces, ``\\{`` skipped) or of
     ``\\boxed 5`` (up to ``$`` or end of line). None if absent or the last one is unterminated."""
     text = completion_text(text)
-    starts = [m.end() for m in _BOX_RE.finditer(text)]
-    if not starts:
+    i = _last_box_end(text)
+    if i is None:
         return None
-    i = starts[-1]
-    j = i
-    while j < len(text) and text[j] in " \t":
-        j += 1
+    j = _BLANKS_RE.match(text, i).end()
     if j >= len(text):
         return None
     if text[j] != "{":
         if j == i:  # "\boxed5" is not the spaced form
             return None
-        content = re.split(r"[$\n]", text[j:], maxsplit=1)[0].strip()
+        end = _SPACED_END_RE.search(text, j)
+        content = text[j:end.start() if end else len(text)].strip()
         return content or None
-    depth, k = 0, j
-    while k < len(text):
-        ch = text[k]
-        if ch == "\\":
-            k += 2
-            continue
-        if ch == "{":
-            depth += 1
-        elif ch == "}":
-            depth -= 1
-            if depth == 0:
-                return text[j + 1:k]
-        k += 1
-    return None
+    k = _closing_brace(text, j)
+    return None if k is None else text[j + 1:k]
 
 
-_TEXT_WRAP_RE = re.compile(r"\\(?:text|textbf|mathrm|mbox)\{([^{}]*)\}")
+_TEXT_WRAP_RE = re.compile(r"\\(?:text|textbf|mathrm|mbox)\{([^{}]*+)\}")
 
 
 def _normalize_latex(s: str) -> str:
@@ -334,7 +400,12 @@ def _import_math_verify():
 def _math_verify_equal(gold: str, pred: str, parsing_timeout: int = PARSING_TIMEOUT,
                        verify_timeout: int = VERIFY_TIMEOUT) -> tuple[bool, bool] | None:
     """math-verify on two bare answers. Returns (gold_parsed, equivalent), or None when it could not
-    run at all (worker unavailable in a non-main thread)."""
+    run at all (worker unavailable in a non-main thread). Answers longer than ``MAX_ANSWER_CHARS``
+    are not handed to math-verify: such a gold counts as unparsed, such a prediction as not equal."""
+    if len(gold) > MAX_ANSWER_CHARS:
+        return False, False
+    if len(pred) > MAX_ANSWER_CHARS:
+        return True, False
     mv, timeout_exc = _import_math_verify()
     g_src, p_src = "$\\boxed{" + gold + "}$", "$\\boxed{" + pred + "}$"
     pt, vt = max(1, math.ceil(parsing_timeout)), max(1, math.ceil(verify_timeout))
@@ -391,11 +462,14 @@ def math_reward(prompts: Sequence[Any] | None = None, completions: Sequence[Any]
 # ----------------------------------------------------------------------------- format
 
 FORMAT_PATTERNS: dict[str, str] = {
-    # last non-empty line is "#### <number>" (GSM8K / tiny-task shape)
-    "final_answer": r"(?:\A|\n)[ \t]*####[ \t]*" + _NUM + r"[ \t]*\.?\s*\Z",
-    # exactly: <think>...</think> then <answer>...</answer>, nothing else (tempered tokens: linear time)
-    "think_answer": r"\A\s*<think>(?:(?!</think>)[\s\S])*</think>\s*"
-                    r"<answer>(?:(?!</answer>)[\s\S])+</answer>\s*\Z",
+    # last non-empty line is "#### <number>" (GSM8K / tiny-task shape). Possessive quantifiers and the
+    # atomic number: no backtracking between the blanks, the optional "." and the trailing whitespace
+    # (the old "[ \t]*\.?\s*\Z" was quadratic in trailing blanks followed by any other character).
+    "final_answer": r"(?:\A|\n)[ \t]*+####[ \t]*+" + _NUM + r"[ \t]*+\.?+\s*+\Z",
+    # exactly: <think>...</think> then <answer>...</answer>, nothing else (tempered tokens, possessive:
+    # a body stops at its first closing tag and is never rescanned)
+    "think_answer": r"\A\s*+<think>(?:(?!</think>)[\s\S])*+</think>\s*+"
+                    r"<answer>(?:(?!</answer>)[\s\S])++</answer>\s*+\Z",
 }
 
 
