@@ -461,16 +461,13 @@ class Trainer:
         self.run_id = state.get("run_id") or (runs.read_run(path) or {}).get("run_id") or self.run_id
         if changes:
             self._apply_config(changes, path)
-        if self.dist.main:
-            if runs.read_run(self.output_dir) is None and path.parent.resolve() == self.output_dir.resolve():
-                runs.write_run(self.output_dir, self.run_id, "train")  # a run from before run.json: adopt it
-            moved = runs.claim(self.output_dir, self.run_id, "train")
-            if moved is not None:
-                print(f"{self.output_dir} held another run; it was moved to {moved} (nothing deleted)")
-            # the metrics file keeps exactly the checkpointed steps; later ones are redone
+        if self.dist.main and runs.read_run(self.output_dir) is None and \
+                path.parent.resolve() == self.output_dir.resolve():
+            runs.write_run(self.output_dir, self.run_id, "train")  # a run from before run.json: adopt it
+        self.claim_output_dir()  # this run's directory now (another run there moves aside)
+        if self.dist.main:  # the metrics file keeps exactly the checkpointed steps; later ones are redone
             (self.output_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in self.history))
         self.dist.barrier()
-        self._claimed = True
         return self.step
 
     def _apply_config(self, changes: dict, path: Path) -> None:
