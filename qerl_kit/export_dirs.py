@@ -53,19 +53,26 @@ def _entries(root: Path) -> list[str]:
     return sorted(found)
 
 
-def _few(names: list[str], n: int = 5) -> str:
+def _few(names, n: int = 5) -> str:
+    """The first ``n`` names and how many more (for messages)."""
+    names = list(names)
     return ", ".join(names[:n]) + (f" and {len(names) - n} more" if len(names) > n else "")
+
+
+def load_marker(marker: Path):
+    """A marker file's JSON, or None if it is missing, a link, or not readable JSON (shared with the
+    experiment grid's marker, qerl_kit.grid_dir)."""
+    if marker.is_symlink() or not marker.is_file():
+        return None
+    try:
+        return json.loads(marker.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError):
+        return None
 
 
 def _read_marker(root: Path, kind: str) -> list[str] | None:
     """The files listed by our marker in ``root`` (an earlier export of this ``kind``), else None."""
-    marker = root / EXPORT_MARKER
-    if marker.is_symlink() or not marker.is_file():
-        return None
-    try:
-        data = json.loads(marker.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, ValueError):
-        return None
+    data = load_marker(root / EXPORT_MARKER)
     if not isinstance(data, dict) or data.get("format") != _MARKER_FORMAT or data.get("kind") != kind:
         return None
     if data.get("version") != _MARKER_VERSION:

@@ -13,7 +13,7 @@ import json
 import os
 import re
 from pathlib import Path
-from typing import Sequence
+from qerl_kit.export_dirs import RefusedToOverwrite, _few, load_marker
 
 GRID_MARKER = ".qerl_grid.json"  # in every output directory: the files the grid wrote there
 _GRID_FORMAT, _GRID_VERSION = "qerl_kit.experiments grid", 1
@@ -24,13 +24,7 @@ _DOCS = Path(__file__).resolve().parents[1] / "docs"  # the project's docs/ (com
 
 
 def _refused(message: str):
-    from qerl_kit.export_dirs import RefusedToOverwrite
-
     return RefusedToOverwrite(message)
-
-
-def _few(names: Sequence[str], n: int = 8) -> str:
-    return ", ".join(names[:n]) + (f" and {len(names) - n} more" if len(names) > n else "")
 
 
 class _GridDir:
@@ -65,10 +59,7 @@ class _GridDir:
         marker = root / GRID_MARKER
         if marker.is_symlink() or not marker.is_file():
             return None
-        try:
-            data = json.loads(marker.read_text(encoding="utf-8"))
-        except (OSError, UnicodeDecodeError, ValueError):
-            data = None
+        data = load_marker(marker)
         if not isinstance(data, dict) or data.get("format") != _GRID_FORMAT or data.get("version") != _GRID_VERSION \
                 or not isinstance(data.get("files"), list) or not all(isinstance(f, str) for f in data["files"]):
             raise _refused(f"{marker} is not a marker this version of qerl_kit reads (format {_GRID_FORMAT!r}, "
@@ -93,7 +84,7 @@ class _GridDir:
             names = odd or [e.name + ("/" if e.is_dir() else "") for e in entries]
             raise _refused(
                 f"output_dir {root} is not empty and is not a grid written by run_grid (no {GRID_MARKER}"
-                f"{'' if odd else ', and no runs/ directory of finished runs'}): it holds {_few(names)}. run_grid "
+                f"{'' if odd else ', and no runs/ directory of finished runs'}): it holds {_few(names, 8)}. run_grid "
                 "never overwrites or deletes files it did not write, so nothing was written: choose a new or "
                 "empty output_dir, or move those files away.")
         return {n for n in GRID_OUTPUTS + CLI_OUTPUTS if (root / n).is_file()} | \
