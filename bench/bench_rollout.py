@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from qerl_kit.engine import StaticEngine
+from qerl_kit.rollout import StaticEngine
 from qerl_kit.rollout import SamplingParams
 
 T0 = time.perf_counter()

@@ -1,9 +1,9 @@
-"""From a config to objects: the policy (quantized base + LoRA), its tokenizer, the datasets.
+"""From a config to the policy: the base model (quantized) with LoRA, and its tokenizer.
 
-``build_policy(ModelConfig)`` loads the base (the shipped tiny model, a ``qerl_kit.models``
-preset, or a local Hugging Face directory), quantizes it to the configured format, and attaches
-LoRA. ``build_datasets(DataConfig)`` returns (train, eval) lists of rows with ``prompt`` and
-``answer``, and the reward functions that fit them.
+``build_policy(ModelConfig, device=, dtype=)`` loads the base (the shipped tiny model, or a local
+Hugging Face directory), moves it to ``device`` in compute dtype ``dtype``, quantizes it to the
+configured format there, and attaches LoRA. The task (rows, rewards, prompts) comes from
+``qerl_kit.tasks.make_task(DataConfig)``.
 """
 
 from __future__ import annotations
@@ -12,11 +12,14 @@ from pathlib import Path
 
 import torch
 
-from qerl_kit.config import DataConfig, ModelConfig
+from qerl_kit.config import ModelConfig
+
+__all__ = ["load_base", "build_policy"]
 
 
-def load_base(cfg: ModelConfig, dtype: torch.dtype | None = None):
-    """(model, tokenizer) for ``cfg.name``, not yet quantized."""
+def load_base(cfg: ModelConfig, *, device: str | torch.device | None = None, dtype: torch.dtype | None = None):
+    """(model, tokenizer) for ``cfg.name``, not yet quantized, on ``device`` (default: the CPU) in
+    ``dtype`` (default: float32 for the tiny model, the checkpoint's own dtype otherwise)."""
     from transformers import AutoTokenizer
 
     from qerl_kit.models import PRESETS, load_model
@@ -24,9 +27,9 @@ def load_base(cfg: ModelConfig, dtype: torch.dtype | None = None):
     if cfg.name == "tiny":
         from qerl_kit.tiny import load_tiny
 
-        return load_tiny()
+        return load_tiny(dtype=dtype or torch.float32, device=device or "cpu")
     if cfg.name in PRESETS:
-        raise ValueError(f"model preset {cfg.name!r} has random weights and no tokenizer; "
+        raise ValueError(f"model.name {cfg.name!r} is an architecture preset with random weights and no tokenizer; "
                          "train with 'tiny' or a local Hugging Face model directory")
     if not Path(cfg.name).exists():
         raise FileNotFoundError(
@@ -34,47 +37,21 @@ def load_base(cfg: ModelConfig, dtype: torch.dtype | None = None):
             f"`huggingface-cli download {cfg.name} --local-dir models/{Path(cfg.name).name}`) "
             "and point model.name at that directory")
     model = load_model(cfg.name, dtype=dtype or "auto", trust_remote_code=cfg.trust_remote_code)
+    if device is not None:
+        model = model.to(device)
     tokenizer = AutoTokenizer.from_pretrained(cfg.name, trust_remote_code=cfg.trust_remote_code)
-    return model, tokenizer
+    return model.eval(), tokenizer
 
 
-def build_policy(cfg: ModelConfig, seed: int = 0):
-    """(peft model, tokenizer, quantization report or None): quantize, then attach LoRA."""
+def build_policy(cfg: ModelConfig, *, device: str | torch.device | None = None, dtype: torch.dtype | None = None,
+                 seed: int = 0):
+    """(peft model, tokenizer, quantization report or None): load on ``device``, quantize, attach LoRA.
+
+    ``seed`` seeds LoRA's initialization, so runs with the same seed start from the same adapter."""
     from qerl_kit.lora import attach_lora
     from qerl_kit.quantize import quantize_model
 
-    model, tokenizer = load_base(cfg)
+    model, tokenizer = load_base(cfg, device=device, dtype=dtype)
     report = None if cfg.format == "none" else quantize_model(model, fmt=cfg.format)
     policy = attach_lora(model, r=cfg.lora_r, alpha=cfg.lora_alpha, train_norms=cfg.train_norms, seed=seed)
     return policy, tokenizer, report
-
-
-def build_datasets(cfg: DataConfig, seed: int = 0):
-    """(train rows, eval rows, reward functions) for ``cfg.dataset``.
-
-    ``seed`` only picks which synthetic problems are generated; runs that compare training seeds
-    should keep it fixed so that every run sees the same held-out problems.
-    """
-    from qerl_kit import rewards
-
-    name = cfg.dataset
-    if name == "arith":
-        from qerl_kit.tasks.arith import make_dataset
-
-        train = make_dataset("train", cfg.train_size, seed=seed)
-        evals = make_dataset("test", cfg.eval_size, seed=seed)
-        return train, evals, [rewards.gsm8k_reward]
-    from qerl_kit.data import load_gsm8k, load_math500
-
-    if name == "gsm8k":
-        train, evals = load_gsm8k("train"), load_gsm8k("test")
-        return train, evals[:cfg.eval_size], [rewards.gsm8k_reward]
-    if name == "math500":
-        evals = load_math500("test")
-        return evals, evals[:cfg.eval_size], [rewards.math_reward]
-    path = Path(name)
-    if path.suffix == ".jsonl" and path.exists():
-        train = load_gsm8k(str(path))
-        evals = load_gsm8k(cfg.eval_dataset) if cfg.eval_dataset else train[-cfg.eval_size:]
-        return train, evals[:cfg.eval_size], [rewards.gsm8k_reward]
-    raise ValueError(f"unknown dataset {name!r}: use arith, gsm8k, math500 or a GSM8K-style .jsonl path")

@@ -50,8 +50,9 @@ def _cmd_quantize(args: argparse.Namespace) -> int:
 def _cmd_train(args: argparse.Namespace) -> int:
     from qerl_kit import checkpoint as ckpt
     from qerl_kit import distributed, runs
-    from qerl_kit.build import build_datasets, build_policy
+    from qerl_kit.build import build_policy
     from qerl_kit.config import load_config, preset, save_config
+    from qerl_kit.tasks import make_task
     from qerl_kit.trainer import Trainer
 
     launched = distributed.init()  # under torchrun / accelerate launch: one rank per process
@@ -68,14 +69,11 @@ def _cmd_train(args: argparse.Namespace) -> int:
                   f"{cfg.output_dir}/{runs.PREVIOUS}/")
         else:
             print(f"qerl train: starting a new run in {cfg.output_dir}")
-    policy, tokenizer, report = build_policy(cfg.model, seed=cfg.seed)
-    if torch_cuda_available():
-        policy.to(distributed.device())  # cuda:LOCAL_RANK (cuda:0 on one process)
+    device = distributed.device() if torch_cuda_available() else None  # cuda:LOCAL_RANK (cuda:0 on one process)
+    policy, tokenizer, report = build_policy(cfg.model, device=device, seed=cfg.seed)
     if report is not None and main:
         print(report.summary())
-    train, evals, reward_fns = build_datasets(cfg.data)
-    trainer = Trainer(policy, tokenizer, train, reward_fns, cfg, eval_dataset=evals,
-                      progress="text" if args.no_widgets else "auto")
+    trainer = Trainer(policy, tokenizer, make_task(cfg.data), cfg, progress="text" if args.no_widgets else "auto")
     if latest is not None:
         step = trainer.resume(latest, allow_config_change=args.allow_config_change)
         if main:
@@ -102,11 +100,11 @@ def torch_cuda_available() -> bool:
 
 
 def _cmd_eval(args: argparse.Namespace) -> int:
-    from qerl_kit.build import build_datasets, load_base
+    from qerl_kit.build import load_base
     from qerl_kit.config import DataConfig, ModelConfig
-    from qerl_kit.evaluate import evaluate
     from qerl_kit.lora import load_lora
     from qerl_kit.quantize import quantize_model
+    from qerl_kit.tasks import make_task
 
     mcfg = ModelConfig(name=args.model, format=args.format, trust_remote_code=args.trust_remote_code)
     model, tokenizer = load_base(mcfg)
@@ -114,9 +112,9 @@ def _cmd_eval(args: argparse.Namespace) -> int:
         quantize_model(model, fmt=args.format)
     if args.adapter:
         model = load_lora(model, args.adapter)  # the adapter is applied (the official eval forgot)
-    _, evals, reward_fns = build_datasets(DataConfig(dataset=args.dataset, eval_size=args.limit))
-    result = evaluate(model, tokenizer, evals, reward_fns[0], samples=args.samples,
-                      temperature=args.temperature, top_p=args.top_p, max_new_tokens=args.max_new_tokens)
+    task = make_task(DataConfig(dataset=args.dataset, eval_size=args.limit))
+    result = task.evaluate(model, tokenizer, samples=args.samples, temperature=args.temperature, top_p=args.top_p,
+                           max_new_tokens=args.max_new_tokens)
     print(result)
     return 0
 

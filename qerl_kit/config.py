@@ -1,8 +1,9 @@
 """Training configuration: small frozen dataclasses, one per concern, presets, YAML loading.
 
-``TrainConfig`` groups ``ModelConfig`` (what to train), ``RolloutConfig`` (sampling),
-``LossConfig`` (GRPO/DAPO objective), ``OptimConfig`` and ``AQNConfig``, plus the run's length,
-seed and checkpointing. ``PRESETS`` holds the paper's recipes and a tiny CPU one;
+``TrainConfig`` groups ``ModelConfig`` (what to train), ``DataConfig`` (the task),
+``RolloutConfig`` (sampling and the engine), ``LossConfig`` (the GRPO/DAPO objective),
+``FilterConfig`` (DAPO's sampling-side filters: dynamic sampling, overlong shaping, truncated
+completions), ``OptimConfig`` and ``AQNConfig``, plus the run's length, seed and checkpointing. ``PRESETS`` holds the paper's recipes and a tiny CPU one;
 ``load_config("x.yaml")`` reads a YAML file (optionally ``preset: name`` plus overrides).
 
 Every field is coerced to its declared type and checked against its range in ``__post_init__``,
@@ -19,7 +20,8 @@ so a config built from YAML, a dict, a preset with overrides, ``TrainConfig.repl
 * ``X | None``: ``None`` and the strings ``"null"``/``"none"`` (any case) are None; else as X.
 * ``str``: a non-empty string (or an ``os.PathLike``, stored as a string); a field with choices
   must be one of them, taken from the registries that define them where there is one
-  (``grpo.LOSSES``, ``grpo.SCALES``, ``grpo.IS_MODES``, ``formats.FORMATS``).
+  (``grpo.LOSSES``, ``grpo.SCALES``, ``grpo.IS_MODES``, ``formats.FORMATS``, ``rollout.ENGINES``,
+  ``tasks.TASKS``).
 
 An unknown key, a value of the wrong type or a value out of range is a ``ConfigError`` (a
 ``ValueError``) whose message names the dotted key, what is allowed and the value given:
@@ -34,9 +36,9 @@ from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
-from qerl_kit.config_types import (ENGINES, OPTIMIZERS, RESAMPLE, SCHEDULES, SEED_MAX, _SIGMA,  # noqa: F401
-                                   ConfigError, _bad, _check, _check_keys, _formats, _is_modes, _losses, _rule,
-                                   _scales, _section, _validate, check_aqn_sigmas, check_value)
+from qerl_kit.config_types import (OPTIMIZERS, RESAMPLE, SCHEDULES, SEED_MAX, _SIGMA,  # noqa: F401
+                                   ConfigError, _bad, _check, _check_keys, _engines, _formats, _is_modes, _losses,
+                                   _rule, _scales, _section, _tasks, _validate, check_aqn_sigmas, check_value)
 
 
 @dataclass(frozen=True)
@@ -58,13 +60,16 @@ class ModelConfig:
 @dataclass(frozen=True)
 class DataConfig:
     _prefix = "data"
-    dataset: str = "arith"  # arith (the tiny task) | gsm8k | math500 | a JSONL path
+    dataset: str = "arith"  # a task of qerl_kit.tasks.TASKS (arith, gsm8k, math500) or a GSM8K-style .jsonl path
     eval_dataset: str | None = None  # default: the dataset's held-out split
     eval_size: int = _rule(200, ge=1)  # held-out problems; 0 would make accuracy 0/0
     train_size: int = _rule(20000, ge=1)  # for generated tasks: an empty training set cannot be sampled
 
     def __post_init__(self):
         _validate(self)
+        names = _tasks()
+        _check(self.dataset in names or self.dataset.endswith(".jsonl"), "data.dataset", self.dataset,
+               f"one of {', '.join(repr(n) for n in names)} (qerl_kit.tasks.TASKS) or a path ending in .jsonl")
 
 
 @dataclass(frozen=True)
@@ -80,8 +85,8 @@ class RolloutConfig:
                                               "0 (greedy) would give identical samples and divide by 0")
     top_p: float = _rule(1.0, gt=0, le=1, why="a nucleus probability; 1 = off")
     top_k: int = _rule(0, ge=0, why="0 = off")
-    # auto (StaticEngine on a GPU, transformers' generate elsewhere) | static | hf
-    engine: str = _rule("auto", choices=ENGINES)
+    # auto (StaticEngine on a GPU, transformers' generate elsewhere) | static | hf | vllm (rollout.ENGINES)
+    engine: str = _rule("auto", choices=_engines)
 
     def __post_init__(self):
         _validate(self)
@@ -113,6 +118,16 @@ class LossConfig:
     # is_correction: null.
     is_cap: float = _rule(3.0, ge=1, why="on-policy tokens have rho = 1, a lower cap truncates or masks them and "
                                          "a cap <= 0 flips the loss; to turn TIS off set loss.is_correction: null")
+
+    def __post_init__(self):
+        _validate(self)
+
+
+@dataclass(frozen=True)
+class FilterConfig:
+    """DAPO's sampling-side filters: which groups and completions reach the loss, and length shaping."""
+
+    _prefix = "filters"
     dynamic_sampling: bool = False  # DAPO: drop groups whose rewards are all equal, refill
     max_sampling_rounds: int = _rule(4, ge=1, why="rollout rounds per step, the first included")
     # DAPO overlong shaping: tokens before max_new_tokens where it starts (0 = off; <= rollout.max_new_tokens)
@@ -167,6 +182,7 @@ class TrainConfig:
     data: DataConfig = field(default_factory=DataConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     loss: LossConfig = field(default_factory=LossConfig)
+    filters: FilterConfig = field(default_factory=FilterConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     aqn: AQNConfig = field(default_factory=AQNConfig)
     total_steps: int = _rule(100, ge=1)  # sets the lr schedule and AQN stages; train(steps) may stop earlier
@@ -184,8 +200,8 @@ class TrainConfig:
         if self.aqn.enabled:
             _check(self.total_steps >= self.aqn.stages, "total_steps", self.total_steps,
                    f"at least aqn.stages = {self.aqn.stages}", "every AQN stage needs at least one step")
-        lc = self.loss
-        _check(lc.overlong_buffer <= self.rollout.max_new_tokens, "loss.overlong_buffer", lc.overlong_buffer,
+        fc = self.filters
+        _check(fc.overlong_buffer <= self.rollout.max_new_tokens, "filters.overlong_buffer", fc.overlong_buffer,
                f"<= rollout.max_new_tokens = {self.rollout.max_new_tokens}",
                "the overlong penalty zone lies inside the generation limit")
 
@@ -194,12 +210,15 @@ class TrainConfig:
 
     def replace(self, **sections) -> "TrainConfig":
         """A copy with sections replaced: ``cfg.replace(optim={"lr": 3e-5}, total_steps=50)``."""
-        return from_dict(_merge(self.to_dict(), sections))
+        return from_dict(_merge(self.to_dict(), upgrade_dict(sections)))
 
 
 _SECTIONS = {f.name: f.type for f in fields(TrainConfig)}
 _SECTION_CLASSES = {"model": ModelConfig, "data": DataConfig, "rollout": RolloutConfig,
-                    "loss": LossConfig, "optim": OptimConfig, "aqn": AQNConfig}
+                    "loss": LossConfig, "filters": FilterConfig, "optim": OptimConfig, "aqn": AQNConfig}
+# Keys that lived in ``loss`` before FilterConfig split off (configs and checkpoints written then).
+MOVED_KEYS = {("loss", k): ("filters", k) for k in
+              ("dynamic_sampling", "max_sampling_rounds", "overlong_buffer", "overlong_penalty", "mask_truncated")}
 
 
 def _merge(base: dict, over: dict) -> dict:
@@ -212,11 +231,35 @@ def _merge(base: dict, over: dict) -> dict:
     return out
 
 
+def upgrade_dict(d: Mapping[str, Any]) -> dict[str, Any]:
+    """A config dict written before a key moved (``MOVED_KEYS``), with the key in its new section.
+
+    ``loss: {dynamic_sampling: true}`` becomes ``filters: {dynamic_sampling: true}``, with a
+    DeprecationWarning; a key given in both places is an error."""
+    import warnings
+
+    out = {k: dict(v) if isinstance(v, Mapping) else v for k, v in d.items()}
+    for (old_section, key), (new_section, new_key) in MOVED_KEYS.items():
+        section = out.get(old_section)
+        if isinstance(section, Mapping) and key in section:
+            target = out.setdefault(new_section, {})
+            if not isinstance(target, dict):
+                continue  # a section object: the old key is reported as unknown
+            if new_key in target:
+                raise ConfigError(f"{old_section}.{key} and {new_section}.{new_key} are both set; "
+                                  f"{old_section}.{key} moved to {new_section}.{new_key}: keep only that one",
+                                  f"{old_section}.{key}", section[key])
+            target[new_key] = section.pop(key)
+            warnings.warn(f"config key {old_section}.{key} is now {new_section}.{new_key}", DeprecationWarning,
+                          stacklevel=3)
+    return out
+
+
 def from_dict(d: Mapping[str, Any]) -> TrainConfig:
     """Build a TrainConfig from nested dicts; unknown keys are an error naming them."""
     if not isinstance(d, Mapping):
         raise _bad("config", d, "a mapping of config keys")
-    d = dict(d)
+    d = upgrade_dict(d)
     _check_keys("", d, list(_SECTIONS))
     return TrainConfig(**{k: _section(k, _SECTION_CLASSES[k], v) if k in _SECTION_CLASSES else v
                           for k, v in d.items()})
@@ -246,7 +289,8 @@ PRESETS: dict[str, dict[str, Any]] = {
         model=dict(name="Qwen/Qwen2.5-7B-Instruct", format="nvfp4", lora_r=32, gradient_checkpointing=True),
         data=dict(dataset="math500", eval_size=500),
         rollout=dict(batch_size=128, group_size=16, max_new_tokens=8192, temperature=1.0),
-        loss=dict(loss="dapo", eps_low=0.2, eps_high=0.28, mu=1, micro_batch=4, dynamic_sampling=True),
+        loss=dict(loss="dapo", eps_low=0.2, eps_high=0.28, mu=1, micro_batch=4),
+        filters=dict(dynamic_sampling=True),
         optim=dict(lr=1e-5, optimizer="adamw8bit", schedule="cosine", warmup_ratio=0.1, max_grad_norm=0.2),
         aqn=dict(enabled=True, sigma_start=1e-2, sigma_end=5e-4, stages=10),
         total_steps=1000, save_every=50),
@@ -255,7 +299,7 @@ PRESETS: dict[str, dict[str, Any]] = {
 
 def preset(name: str, **overrides) -> TrainConfig:
     """A named preset (``tiny-cpu``, ``paper-gsm8k``, ``paper-bigmath``) with nested overrides."""
-    return from_dict(_merge(_preset_dict(name), overrides))
+    return from_dict(_merge(_preset_dict(name), upgrade_dict(overrides)))
 
 
 def _preset_dict(name: Any) -> dict[str, Any]:
@@ -271,6 +315,7 @@ def load_config(path: str | Path) -> TrainConfig:
     data = yaml.safe_load(Path(path).read_text()) or {}
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: a config file must be a mapping; got {data!r}")
+    data = upgrade_dict(data)  # before the merge, so an old key cannot shadow the preset's new one
     name = data.pop("preset", None)
     try:
         if name is None:
@@ -290,6 +335,6 @@ def save_config(config: TrainConfig, path: str | Path) -> None:
     Path(path).write_text(yaml.safe_dump(d, sort_keys=False))
 
 
-__all__ = ["TrainConfig", "ModelConfig", "DataConfig", "RolloutConfig", "LossConfig", "OptimConfig",
-           "AQNConfig", "ConfigError", "PRESETS", "preset", "from_dict", "load_config", "save_config",
+__all__ = ["TrainConfig", "ModelConfig", "DataConfig", "RolloutConfig", "LossConfig", "FilterConfig", "OptimConfig",
+           "AQNConfig", "upgrade_dict", "MOVED_KEYS", "ConfigError", "PRESETS", "preset", "from_dict", "load_config", "save_config",
            "check_value", "check_aqn_sigmas", "replace"]

@@ -218,9 +218,20 @@ def _is_modes() -> tuple:
     return tuple(IS_MODES)
 
 
-ENGINES = ("auto", "static", "hf")  # qerl_kit.engine.make_engine
-SCHEDULES = ("constant", "linear", "cosine")  # qerl_kit.trainer._lr_lambda
-OPTIMIZERS = ("adamw", "adamw8bit")  # qerl_kit.trainer._make_optimizer
+def _tasks() -> tuple:
+    from qerl_kit.tasks.registry import task_names
+
+    return task_names()
+
+
+def _engines() -> tuple:
+    from qerl_kit.rollout.registry import engine_names
+
+    return engine_names()
+
+
+SCHEDULES = ("constant", "linear", "cosine")  # qerl_kit.optim.lr_lambda
+OPTIMIZERS = ("adamw", "adamw8bit")  # qerl_kit.optim.make_optimizer
 RESAMPLE = ("step", "forward")  # qerl_kit.aqn.AQN (checked there too)
 SEED_MAX = 2**32 - 1
 

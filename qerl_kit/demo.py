@@ -19,24 +19,15 @@ from pathlib import Path
 import torch
 
 
-def _prompt_fn(dataset: str):
-    from qerl_kit.data import build_prompt
-
-    if dataset == "arith":
-        from qerl_kit.tiny import PROMPT_SUFFIX
-
-        return lambda tok, row: build_prompt(tok, row["prompt"], suffix=PROMPT_SUFFIX)
-    return lambda tok, row: build_prompt(tok, row["prompt"])
-
-
 def run_demo(model: str = "tiny", dataset: str = "arith", steps: int | None = None, seed: int = 0,
              output_dir: str = "runs/demo", eval_size: int | None = None, fmt: str = "nvfp4",
              progress: str = "auto") -> dict:
     """Run the demo and return its summary (also written to ``output_dir/summary.json``)."""
-    from qerl_kit.build import build_datasets, build_policy
+    from qerl_kit.build import build_policy
     from qerl_kit.config import preset, save_config
     from qerl_kit.plots import plot_metrics
     from qerl_kit.table import text_table
+    from qerl_kit.tasks import make_task
     from qerl_kit.trainer import Trainer
 
     start = time.perf_counter()
@@ -65,9 +56,9 @@ def run_demo(model: str = "tiny", dataset: str = "arith", steps: int | None = No
     policy, tokenizer, report = build_policy(cfg.model, seed=seed)
     if report is not None:
         print(report.summary())
-    train, heldout, reward_fns = build_datasets(cfg.data)  # the same problems for every seed
-    trainer = Trainer(policy, tokenizer, train, reward_fns, cfg, eval_dataset=heldout,
-                      prompt_fn=_prompt_fn(dataset), progress=progress)
+    task = make_task(cfg.data)  # the same problems for every seed
+    heldout = task.eval
+    trainer = Trainer(policy, tokenizer, task, cfg, progress=progress)
     trainer.claim_output_dir("demo")  # a fresh run each time: an earlier one moves aside, nothing is deleted
     save_config(cfg, out / "config.yaml")
     print(f"held-out split: {len(heldout)} problems; measuring the quantized base (greedy) ...")

@@ -38,7 +38,7 @@ import torch
 import torch.distributed as dist
 
 __all__ = ["init", "shutdown", "active", "rank", "world_size", "local_rank", "is_main", "device",
-           "barrier", "Context", "group_slice", "check_config", "reduce_metrics", "GroupSeededEngine",
+           "barrier", "Context", "group_slice", "check_config", "reduce_metrics", "GroupSeededEngine", "backward",
            "SEED_STRIDE"]
 
 SEED_STRIDE = 1_000_003  # sampling-seed offset per global group index (0 for the first group)
@@ -184,7 +184,7 @@ class Context:
 
 def check_config(config, world: int) -> None:
     """Refuse what data parallelism over ``world`` ranks cannot do (yet), naming the fix."""
-    r, lc = config.rollout, config.loss
+    r, fc = config.rollout, config.filters
     if world <= 1:
         return
     if r.batch_size % (world * r.group_size):
@@ -192,8 +192,8 @@ def check_config(config, world: int) -> None:
             f"rollout.batch_size ({r.batch_size}) must be divisible by world_size x group_size "
             f"({world} x {r.group_size} = {world * r.group_size}): every rank takes whole groups "
             f"and the same number of them")
-    if lc.dynamic_sampling:
-        raise ValueError("loss.dynamic_sampling is not supported with more than one rank yet (the kept "
+    if fc.dynamic_sampling:
+        raise ValueError("filters.dynamic_sampling is not supported with more than one rank yet (the kept "
                          "groups would land unevenly on the ranks); run it on one process or turn it off")
 
 
@@ -270,13 +270,23 @@ class GroupSeededEngine:
     def generate(self, prompts, n, sampling):
         import dataclasses
 
-        from qerl_kit.rollout import Rollouts
+        from qerl_kit.rollout.types import Rollouts, as_prompts
 
         if sampling.seed is None:
             raise ValueError("GroupSeededEngine needs a seeded SamplingParams")
-        parts = [self.engine.generate([p], n, dataclasses.replace(sampling, seed=sampling.seed + j * SEED_STRIDE))
-                 for j, p in enumerate(prompts)]
+        prompts = as_prompts(prompts, getattr(self.engine, "tokenizer", None),
+                             getattr(self.engine, "add_special_tokens", False))
+        parts = [self.engine.generate(prompts[j:j + 1], n,
+                                      dataclasses.replace(sampling, seed=sampling.seed + j * SEED_STRIDE))
+                 for j in range(len(prompts))]
         return parts[0] if len(parts) == 1 else Rollouts.concat(parts)
+
+
+def backward(loss: torch.Tensor, ctx: Context) -> None:
+    """``loss.backward()`` for a micro-batch loss normalized by the *global* batch (all ranks' tokens or
+    sequences): DDP averages the ranks' gradients, so the loss is scaled by W and the average becomes
+    the sum, which is the single-process gradient of the same global batch."""
+    (loss * ctx.world if ctx.world > 1 else loss).backward()
 
 
 @contextlib.contextmanager

@@ -17,6 +17,8 @@ table in a notebook.
   dataset column as a list aligned with the completions (``answer=[...]``).
 * Problems are sent to the engine ``batch_size`` at a time (each becomes ``batch_size * samples``
   sequences); chunk i is seeded with ``seed + i``.
+* ``pass_at_k`` is the share of problems with a correct sample among the ``samples``; ``by(column)``
+  splits accuracy and pass@k by a dataset column (the arithmetic task's ``level``).
 """
 
 from __future__ import annotations
@@ -26,7 +28,8 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable
 
-from qerl_kit.rollout import HFEngine, RolloutEngine, SamplingParams
+from qerl_kit.rollout.base import RolloutEngine, engine_sync
+from qerl_kit.rollout.types import Prompts, SamplingParams
 from qerl_kit.table import html_table, text_table
 
 __all__ = ["evaluate", "EvalResult", "CORRECT_THRESHOLD"]
@@ -56,6 +59,20 @@ class EvalResult:
     def num_problems(self) -> int:
         return len(self.per_problem)
 
+    @property
+    def pass_at_k(self) -> float:
+        """Share of problems with at least one correct sample (k = ``samples``)."""
+        return sum(p["pass_rate"] > 0 for p in self.per_problem) / len(self.per_problem)
+
+    def by(self, column: str) -> dict:
+        """Accuracy, pass@k and count per value of a dataset column (``result.by("level")``)."""
+        groups: dict = {}
+        for p in self.per_problem:
+            groups.setdefault(p["columns"].get(column), []).append(p)
+        return {key: {"accuracy": sum(p["pass_rate"] for p in ps) / len(ps),
+                      "pass_at_k": sum(p["pass_rate"] > 0 for p in ps) / len(ps), "n": len(ps)}
+                for key, ps in sorted(groups.items(), key=lambda kv: (kv[0] is None, str(kv[0])))}
+
     def summary(self) -> str:
         mode = "greedy" if self.temperature == 0 else f"temperature {self.temperature:g}"
         return (f"accuracy {self.accuracy:.4f} (pass@1, {self.samples} sample(s) per problem, {mode}) "
@@ -83,21 +100,17 @@ class EvalResult:
         return pd.DataFrame(self.per_problem)
 
 
-def _default_prompt_fn(tokenizer: Any, row: dict) -> str:
-    from qerl_kit.data import build_prompt
-
-    return build_prompt(tokenizer, row["prompt"])
-
-
 def evaluate(model: Any, tokenizer: Any, dataset: Iterable[dict], reward_fn: Callable[..., list],
              *, samples: int = 1, temperature: float = 0.6, top_p: float = 0.95,
              max_new_tokens: int = 512, batch_size: int = 16, engine: RolloutEngine | None = None,
              prompt_fn: Callable[[Any, dict], str] | None = None, seed: int | None = 0) -> EvalResult:
     """pass@1 of ``model`` (adapter applied, if any) on ``dataset`` rows with a ``prompt`` column.
 
-    ``engine`` overrides the default ``HFEngine(model, tokenizer)`` (e.g. a vLLM engine; then
-    ``model`` may be None). ``prompt_fn(tokenizer, row)`` renders a row; the default is
-    ``qerl_kit.data.build_prompt(tokenizer, row["prompt"])`` (chat template when there is one).
+    ``engine`` overrides the default ``HFEngine(model, tokenizer)`` (e.g. a vLLM engine, which is
+    synced with ``model``'s adapter first; ``model`` may be None when the engine holds it already).
+    ``prompt_fn(tokenizer, row)`` renders a row; the default is ``qerl_kit.tasks.chat_prompt``
+    (the chat template when there is one, GSM8K's instruction suffix). ``Task.evaluate`` passes a
+    task's prompt function and accuracy reward.
     """
     rows = [dict(r) for r in dataset]
     if not rows:
@@ -117,8 +130,11 @@ def evaluate(model: Any, tokenizer: Any, dataset: Iterable[dict], reward_fn: Cal
     if engine is None:
         if model is None:
             raise ValueError("pass a model (evaluated with HFEngine) or an engine")
+        from qerl_kit.rollout.hf import HFEngine
+
         engine = HFEngine(model, tokenizer)
-    prompt_fn = prompt_fn or _default_prompt_fn
+    if prompt_fn is None:
+        from qerl_kit.tasks.task import chat_prompt as prompt_fn
     columns = [k for k in dict.fromkeys(k for r in rows for k in r) if k != "prompt"]
     per_problem: list[dict] = []
     stats: dict[str, float] = {}
@@ -127,9 +143,11 @@ def evaluate(model: Any, tokenizer: Any, dataset: Iterable[dict], reward_fn: Cal
         sampling = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature,
                                   top_p=top_p if temperature > 0 else 1.0,
                                   seed=None if seed is None else seed + chunk_index)
-        out = engine.generate([prompt_fn(tokenizer, r) for r in chunk], samples, sampling)
+        prompts = Prompts.encode(tokenizer, [prompt_fn(tokenizer, r) for r in chunk])
+        with engine_sync(engine, model):
+            out = engine.generate(prompts, samples, sampling)
         repeated = [r for r in chunk for _ in range(samples)]
-        ids = [c[m.bool()].tolist() for c, m in zip(out.completion_ids, out.completion_mask)]
+        ids = out.completion_id_lists()
         scores = reward_fn(prompts=[r["prompt"] for r in repeated], completions=list(out.texts),
                            completion_ids=ids, **{k: [r.get(k) for r in repeated] for k in columns})
         scores = list(scores)
@@ -142,7 +160,8 @@ def evaluate(model: Any, tokenizer: Any, dataset: Iterable[dict], reward_fn: Cal
             per_problem.append({"index": start + j, "prompt": row["prompt"], "answer": row.get("answer"),
                                 "completions": list(out.texts[s]), "scores": got, "lengths": lengths[s],
                                 "finish_reasons": list(out.finish_reasons[s]),
-                                "pass_rate": sum(map(_is_correct, got)) / samples})
+                                "pass_rate": sum(map(_is_correct, got)) / samples,
+                                "columns": {k: v for k, v in row.items() if k not in ("prompt", "answer")}})
         for key, value in getattr(out, "stats", {}).items():
             if key != "rollout/tokens_per_s":
                 stats[key] = stats.get(key, 0.0) + value

@@ -184,53 +184,21 @@ class _RecordingEngine:
         return getattr(self.engine, name)
 
 
-def _build_policy(model_cfg, seed: int, device: torch.device):
-    from qerl_kit.build import build_policy
-
-    if device.type == "cpu":
-        policy, tok, _ = build_policy(model_cfg, seed=seed)
-        return policy, tok
-    from qerl_kit.build import load_base
-    from qerl_kit.lora import attach_lora
-    from qerl_kit.quantize import quantize_model
-
-    if model_cfg.name == "tiny":  # bf16 compute on the GPU, as in the paper
-        from qerl_kit.tiny import load_tiny
-
-        base, tok = load_tiny(dtype=torch.bfloat16, device=device)
-    else:
-        base, tok = load_base(model_cfg, dtype=torch.bfloat16)
-        base = base.to(device).eval()
-    if model_cfg.format != "none":
-        quantize_model(base, fmt=model_cfg.format)
-    policy = attach_lora(base, r=model_cfg.lora_r, alpha=model_cfg.lora_alpha, train_norms=model_cfg.train_norms,
-                         seed=seed)
-    return policy, tok
-
-
-def _prompt_fn(dataset: str) -> Callable:
-    from qerl_kit.data import build_prompt
-
-    if dataset == "arith":
-        from qerl_kit.tiny import PROMPT_SUFFIX
-
-        return lambda tok, row: build_prompt(tok, row["prompt"], suffix=PROMPT_SUFFIX)
-    return lambda tok, row: build_prompt(tok, row["prompt"])
-
-
 def run_one(gc: GridConfig, seed: int, cfg, data, device: torch.device, base_cache: dict,
             progress: str = "none") -> tuple[list[dict], dict]:
-    """Train one (config, seed); returns (per-step rows, summary). ``data`` = build_datasets(...)."""
-    from qerl_kit.engine import make_engine
+    """Train one (config, seed); returns (per-step rows, summary). ``data`` = the Task (make_task(cfg.data))."""
+    from qerl_kit.build import build_policy
+    from qerl_kit.rollout import make_engine
     from qerl_kit.trainer import Trainer
 
     start = time.perf_counter()
     torch.manual_seed(seed)
-    policy, tok = _build_policy(cfg.model, seed, device)
-    train, heldout, reward_fns = data
+    # bf16 compute on the GPU, as in the paper; float32 (exact) on the CPU
+    policy, tok, _ = build_policy(cfg.model, device=device, dtype=torch.bfloat16 if device.type == "cuda" else None,
+                                  seed=seed)
+    task, heldout = data, data.eval
     engine = _RecordingEngine(make_engine(cfg.rollout.engine, policy, tok))  # auto: StaticEngine on a GPU
-    trainer = Trainer(policy, tok, train, reward_fns, cfg, engine=engine, eval_dataset=heldout,
-                      prompt_fn=_prompt_fn(cfg.data.dataset), progress=progress)
+    trainer = Trainer(policy, tok, task, cfg, engine=engine, progress=progress)
     # LoRA's B starts at zero, so the untrained policy is the base model: its greedy accuracy is the
     # same for every seed and with or without AQN (noise is only on during rollouts); measure once.
     key = (cfg.model.name, cfg.model.format)
@@ -291,7 +259,7 @@ def run_grid(configs: Sequence[GridConfig | str], seeds: Sequence[int], *, steps
     """
     import pandas as pd
 
-    from qerl_kit.build import build_datasets
+    from qerl_kit.tasks import make_task
 
     base_lr = TINY_LR if model == "tiny" else PAPER_LR
     configs, seeds, dev = resolve_configs(configs, base_lr), _check_seeds(seeds), _device(device)
@@ -325,7 +293,7 @@ def run_grid(configs: Sequence[GridConfig | str], seeds: Sequence[int], *, steps
             summaries.append(summary)
             continue
         if data is None:
-            data = build_datasets(cfg.data)  # seed 0: the same problems for every run
+            data = make_task(cfg.data)  # seed 0: the same problems for every run
         work = Path(cfg.output_dir)  # runs/.work/<run>: the trainer's scratch directory, the grid's own
         shutil.rmtree(work, ignore_errors=True)  # a crashed run's partial metrics.jsonl
         log(f"[{i}/{len(plan)}] {gc.name} seed {seed}: training {steps} steps ({gc.label}, lr {gc.lr:g}) ...")

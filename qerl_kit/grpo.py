@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import math
 import warnings
+from dataclasses import dataclass
 from typing import Callable, Sequence
 
 import torch
@@ -53,7 +54,7 @@ from .sampling_filters import KeptGroups, accumulate_groups, filter_groups, over
 
 __all__ = [
     "combine_rewards", "group_advantages", "frac_reward_zero_std",
-    "grpo_loss", "dapo_loss", "dr_grpo_loss", "LOSSES",
+    "grpo_loss", "dapo_loss", "dr_grpo_loss", "LOSSES", "LossSpec", "register_loss", "NORMALIZERS",
     "clip_stats", "kl_k3", "importance_weights", "IS_MODES",
     "filter_groups", "accumulate_groups", "KeptGroups", "overlong_penalty",
 ]
@@ -289,7 +290,56 @@ def dr_grpo_loss(
     return loss.sum() / (logp.shape[0] * length)
 
 
-LOSSES: dict[str, Callable[..., torch.Tensor]] = {"grpo": grpo_loss, "dapo": dapo_loss, "dr_grpo": dr_grpo_loss}
+# ----------------------------------------------------------------------------- the registry
+
+NORMALIZERS = ("tokens", "sequences", "length")
+
+
+@dataclass(frozen=True)
+class LossSpec:
+    """A loss as the Trainer uses it: the function and what it divides by.
+
+    The Trainer computes one step's loss in micro-batches, on every rank, and wants the gradient of
+    the *global* batch's loss. ``normalizer`` says how:
+
+    * ``"tokens"``: ``fn(..., num_tokens=N)`` divides by the global batch's N active tokens, so
+      micro-batch losses add up to the global one (DAPO);
+    * ``"sequences"``: ``fn`` is a mean over its rows, so a micro-batch of b rows is weighted
+      b / (global rows) (GRPO);
+    * ``"length"``: ``fn(..., max_len=L)`` divides by rows x L with L the global batch's widest
+      completion, weighted like ``"sequences"`` (Dr. GRPO).
+    """
+
+    fn: Callable[..., torch.Tensor]
+    normalizer: str
+
+    def __post_init__(self):
+        if not callable(self.fn):
+            raise TypeError(f"a loss must be callable; got {self.fn!r}")
+        if self.normalizer not in NORMALIZERS:
+            raise ValueError(f"normalizer must be one of {NORMALIZERS}; got {self.normalizer!r}")
+
+    def batch_kwargs(self, num_tokens: torch.Tensor | float, max_len: int) -> dict:
+        """The keyword the function takes for the global batch's normalizer (none for "sequences")."""
+        return {"tokens": {"num_tokens": num_tokens}, "sequences": {},
+                "length": {"max_len": int(max_len)}}[self.normalizer]
+
+    def chunk_weight(self, rows: int, global_rows: int) -> float:
+        """What one micro-batch's loss is multiplied by so that the chunks add up to the global loss."""
+        return 1.0 if self.normalizer == "tokens" else rows / global_rows
+
+
+LOSSES: dict[str, LossSpec] = {"grpo": LossSpec(grpo_loss, "sequences"), "dapo": LossSpec(dapo_loss, "tokens"),
+                               "dr_grpo": LossSpec(dr_grpo_loss, "length")}
+
+
+def register_loss(name: str, fn: Callable[..., torch.Tensor], normalizer: str) -> LossSpec:
+    """Make ``name`` a value of ``loss.loss``. ``fn(logp, old_logp, advantages, mask, *, eps_low,
+    eps_high, beta, ref_logp, is_weights, **normalizer keyword)`` returns a scalar; see ``LossSpec``."""
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"a loss name must be a non-empty string; got {name!r}")
+    LOSSES[name] = spec = LossSpec(fn, normalizer)
+    return spec
 
 
 # ----------------------------------------------------------------------------- diagnostics

@@ -80,12 +80,17 @@ class QuantLinear(nn.Module):
         return self.quant_tensor().dequantize(dtype or self.compute_dtype)
 
     @property
-    def weight(self) -> torch.Tensor:
-        """The packed codes, so code that asks a layer for ``.weight`` (device, dtype) finds a tensor.
-
-        This is *not* a dense weight: use ``dequantized_weight()`` for that.
-        """
+    def qweight(self) -> torch.Tensor:
+        """The packed codes (as GPTQ layers name theirs): where the weight lives, for code that asks a
+        layer for its device (peft places the adapter there). Not a dense weight."""
         return self.packed
+
+    def __getattr__(self, name: str):
+        if name == "weight":  # layer.weight @ x would silently compute with packed codes
+            raise AttributeError(
+                f"{type(self).__name__} stores its weight in {self.fmt.upper()} (packed codes and scales) and has no "
+                "dense .weight; use dequantized_weight() for a dense copy, or call the layer")
+        return super().__getattr__(name)
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, **quant_kwargs) -> "QuantLinear":

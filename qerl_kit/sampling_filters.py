@@ -5,7 +5,9 @@ advantage everywhere, so it adds no gradient and only dilutes the batch. DAPO dr
 and keeps generating until the batch holds ``target_groups`` groups with some reward spread.
 ``filter_groups`` says which groups to keep; ``accumulate_groups`` is the bookkeeping for the
 rollout loop (it never generates anything itself). Like verl's ``filter_groups`` recipe, groups
-beyond the target are discarded, and a round limit raises instead of looping forever. Unlike
+beyond the target are discarded, and a round limit raises instead of looping forever, or, with
+``exhausted="fill"`` (the Trainer's choice: a long run should not die on one hard batch), fills
+the batch with the last round's groups that had no reward spread, counted in ``groups_filled``. Unlike
 verl, groups of size 1 are rejected (verl keeps them; their GRPO advantage is 0 anyway).
 
 Overlong reward shaping (DAPO §3.4, verl ``overlong_buffer``): 0 until the completion length
@@ -65,6 +67,7 @@ class KeptGroups:
     rounds: int = 0            # generation rounds consumed
     groups_seen: int = 0       # groups generated over all rounds
     groups_kept: int = 0       # groups that passed the filter (before truncation to the target)
+    groups_filled: int = 0     # groups without reward spread taken at the round limit (exhausted="fill")
 
     @property
     def num_groups(self) -> int:
@@ -92,13 +95,17 @@ def accumulate_groups(
     *,
     max_rounds: int | None = None,
     atol: float = 0.0,
+    exhausted: str = "raise",
 ) -> tuple[KeptGroups, bool]:  # (new state, target reached)
     """Add one generation round's groups that pass ``filter_groups``; stop at ``target_groups``.
 
     Call once per round with a fresh rollout; train on ``state.items()`` once it returns True.
     Groups past the target are discarded. With ``max_rounds`` set, a round that ends short of
-    the target at ``rounds >= max_rounds`` raises ``RuntimeError`` (verl's ``max_num_gen_batches``).
+    the target at ``rounds >= max_rounds`` raises ``RuntimeError`` (verl's ``max_num_gen_batches``),
+    or with ``exhausted="fill"`` takes this round's other groups, in order, until the target.
     """
+    if exhausted not in ("raise", "fill"):
+        raise ValueError(f"exhausted must be 'raise' or 'fill'; got {exhausted!r}")
     r = _as_float_1d(rewards, "rewards")
     if len(items) != r.numel():
         raise ValueError(f"got {len(items)} items for {r.numel()} rewards; they must match one-to-one")
@@ -112,6 +119,14 @@ def accumulate_groups(
         if k and len(new_groups) < target_groups:
             new_groups.append(tuple(items[g * G:(g + 1) * G]))
             new_rewards.append(tuple(r[g * G:(g + 1) * G].tolist()))
+    filled = 0
+    last = max_rounds is not None and state.rounds + 1 >= max_rounds
+    if last and exhausted == "fill":
+        for g, k in enumerate(keep):
+            if not k and len(new_groups) < target_groups:
+                new_groups.append(tuple(items[g * G:(g + 1) * G]))
+                new_rewards.append(tuple(r[g * G:(g + 1) * G].tolist()))
+                filled += 1
     new = replace(
         state,
         groups=tuple(new_groups),
@@ -119,6 +134,7 @@ def accumulate_groups(
         rounds=state.rounds + 1,
         groups_seen=state.groups_seen + len(keep),
         groups_kept=state.groups_kept + sum(keep),
+        groups_filled=state.groups_filled + filled,
     )
     done = new.num_groups >= target_groups
     if not done and max_rounds is not None and new.rounds >= max_rounds:

@@ -22,19 +22,21 @@ converts every linear layer but ``lm_head`` with ``qerl_kit.quantize.quantize_mo
   sample at temperature 1 is right 55% of the time and 8 samples include a right one for 99% of
   the problems: the gap RL closes.
 
-``evaluate`` measures greedy or sampled accuracy (and pass@k) with ``model.generate``, by level.
+Its accuracy (greedy or sampled, pass@k, by level) is measured with ``qerl_kit.evaluate.evaluate``
+on the arithmetic Task: ``make_task().evaluate(model, tok)``, ``result.by("level")``.
 """
 
 from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any, Sequence
 
 import torch
 
+from qerl_kit.tasks.arith import PROMPT_SUFFIX  # noqa: F401  (the prompts the model answers: the task's)
+
 __all__ = ["TINY_DIR", "SPECIAL_TOKENS", "CHAT_TEMPLATE", "PROMPT_SUFFIX", "build_tokenizer",
-           "tiny_config", "load_tiny", "evaluate"]
+           "tiny_config", "load_tiny"]
 
 TINY_DIR = Path(__file__).resolve().parent / "assets" / "tiny-arith"
 
@@ -47,9 +49,6 @@ CHAT_TEMPLATE = (
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|assistant|>\n' }}{% endif %}"
 )
-# The instruction suffix qerl_kit.data.build_prompt appends by default also works (the model saw
-# prompts with and without it); without it prompts are ~70 tokens shorter, so rollouts are faster.
-PROMPT_SUFFIX = ""
 # Qwen2's pre-tokenizer split (transformers' Qwen2Tokenizer rebuilds exactly this pipeline).
 _QWEN2_SPLIT = (r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"""
                 r"""|\s*[\r\n]+|\s+(?!\S)|\s+""")
@@ -130,50 +129,3 @@ def load_tiny(path: str | os.PathLike | None = None, quantize: str | None = None
 
         model.quant_report = quantize_model(model, fmt=quantize)
     return model, tok
-
-
-@torch.no_grad()
-def evaluate(model, tokenizer, rows: Sequence[dict], samples: int = 1, temperature: float = 0.0,
-             max_new_tokens: int = 64, batch_size: int = 64, suffix: str = PROMPT_SUFFIX,
-             seed: int = 0) -> dict[str, Any]:
-    """Accuracy of ``model`` on ``rows`` (``make_dataset`` rows) with ``gsm8k_reward``.
-
-    ``temperature=0`` decodes greedily (``samples`` must be 1); otherwise ``samples`` completions per
-    row are drawn at ``temperature`` (top-k/top-p off). Returns ``accuracy`` (mean over all
-    completions), ``pass_at_k`` (share of rows with at least one right completion), ``by_level``
-    ({level: {"accuracy", "pass_at_k", "n"}}), ``n``, ``samples`` and ``completions`` (texts, row-major).
-    Prompts are ``qerl_kit.data.build_prompt(tokenizer, row["prompt"], suffix=suffix)``. Sampling
-    reseeds torch's global generator once per batch, from ``seed``.
-    """
-    from qerl_kit.data import build_prompt
-    from qerl_kit.rewards import gsm8k_reward
-
-    if temperature == 0 and samples != 1:
-        raise ValueError("greedy decoding gives one completion per row: pass samples=1")
-    device = next(model.parameters()).device
-    prompts = [build_prompt(tokenizer, r["prompt"], suffix=suffix) for r in rows for _ in range(samples)]
-    gen = torch.Generator(device="cpu").manual_seed(seed)
-    texts: list[str] = []
-    for i in range(0, len(prompts), batch_size):
-        enc = tokenizer(prompts[i:i + batch_size], return_tensors="pt", padding=True,
-                        add_special_tokens=False).to(device)
-        torch.manual_seed(int(torch.randint(0, 2**31 - 1, (1,), generator=gen)))
-        kwargs = dict(do_sample=False) if temperature == 0 else dict(
-            do_sample=True, temperature=temperature, top_k=0, top_p=1.0)
-        out = model.generate(**enc, max_new_tokens=max_new_tokens, pad_token_id=tokenizer.pad_token_id,
-                             eos_token_id=tokenizer.eos_token_id, **kwargs)
-        texts += tokenizer.batch_decode(out[:, enc["input_ids"].shape[1]:], skip_special_tokens=True)
-    answers = [r["answer"] for r in rows for _ in range(samples)]
-    scores = [s or 0.0 for s in gsm8k_reward(None, texts, answer=answers)]
-    per_row = [scores[j * samples:(j + 1) * samples] for j in range(len(rows))]
-
-    def summary(idx: list[int]) -> dict[str, float]:
-        return {"accuracy": sum(sum(per_row[j]) for j in idx) / max(len(idx) * samples, 1),
-                "pass_at_k": sum(max(per_row[j]) for j in idx) / max(len(idx), 1), "n": len(idx)}
-
-    levels = sorted({r.get("level", 0) for r in rows})
-    result = summary(list(range(len(rows))))
-    result.update(samples=samples, temperature=temperature, completions=texts,
-                  by_level={k: summary([j for j, r in enumerate(rows) if r.get("level", 0) == k])
-                            for k in levels})
-    return result

@@ -1,22 +1,28 @@
 """The GRPO/DAPO loop on a 4-bit base: rollouts under AQN, rewards, advantages, clipped updates.
 
-``Trainer(model, tokenizer, dataset, reward_fns, config)`` owns all training state (optimizer,
-scheduler, step, AQN, metrics), so ``train(steps)`` can be called again and again from a
-notebook, with a slider changed in between (``trainer.set_lr(...)``, ``trainer.aqn.sigma_start``).
-One step:
+``Trainer(model, tokenizer, task, config)`` owns all training state (optimizer, scheduler, step,
+AQN, metrics), so ``train(steps)`` can be called again and again from a notebook, with a slider
+changed in between (``trainer.set_lr(...)``, ``trainer.aqn.sigma_start``). The ``task``
+(``qerl_kit.tasks.Task``) brings the rows, the reward functions and the prompt function; the
+rollout engine is ``config.rollout.engine`` (``qerl_kit.rollout.make_engine``) unless given. One
+step is five phases:
 
-1. sample ``batch_size / group_size`` prompts (seeded by (seed, step), so a resumed run draws
-   the same prompts), and generate ``group_size`` completions each with the policy under AQN
-   noise (``with aqn.noise(...)``); the noise is removed before any training forward;
-2. score them with TRL-style reward functions, add DAPO overlong shaping if asked, optionally
-   drop groups whose rewards are all equal and refill (dynamic sampling);
-3. group-normalized advantages; the clean policy's log-probs (``old``), the reference's
-   (adapter disabled) when ``beta > 0``, entropy, and truncated importance weights between the
-   rollout log-probs (noisy, sampled) and the clean training log-probs;
-4. ``mu`` optimizer steps on the batch in micro-batches, with gradient clipping and the lr
-   schedule (a step whose gradient norm is inf/NaN is skipped and counted in ``update/skipped``,
-   as verl does, instead of writing NaN into the adapter); then metrics (TRL's names where one
-   exists) and, every ``save_every`` steps, a checkpoint from which ``resume()`` continues exactly.
+1. **collect**: sample ``batch_size / group_size`` rows (seeded by (seed, step), so a resumed run
+   draws the same prompts), render and tokenize them once (``task.encode``), and inside
+   ``engine.sync(policy, noise=aqn, step=step)`` generate ``group_size`` completions each: the
+   engine receives the step's AQN noise and the current adapter (a no-op upload for engines that
+   read the policy's memory; vLLM gets both), and the noise is gone before any training forward.
+   With ``filters.dynamic_sampling``, groups whose rewards are all equal are dropped and more
+   rounds are generated (``sampling_filters.accumulate_groups``, filling at the round limit);
+2. **score**: TRL-style reward functions, DAPO overlong shaping if asked;
+3. **prepare**: group-normalized advantages over the global batch; the clean policy's log-probs
+   (``old``), the reference's (adapter disabled) when ``beta > 0``, entropy, and truncated
+   importance weights between the rollout log-probs (noisy, sampled) and the clean ones;
+4. **update**: ``mu`` optimizer steps on the batch in micro-batches, the loss normalized as its
+   ``grpo.LossSpec`` says, with gradient clipping and the lr schedule (a step whose gradient norm
+   is inf/NaN is skipped and counted in ``update/skipped``, as verl does);
+5. **metrics**: TRL's names where one exists; every ``save_every`` steps a checkpoint from which
+   ``resume()`` continues exactly.
 
 Launched by ``torchrun`` (or ``accelerate launch``) the same Trainer runs data-parallel: each
 rank takes a slice of whole groups, advantages and loss normalizers are global, the adapter's
@@ -27,9 +33,9 @@ gradients are all-reduced by DDP, metrics are reduced, and rank 0 alone logs and
 from __future__ import annotations
 
 import json
-import math
 import time
 import warnings
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Sequence
 
@@ -39,66 +45,50 @@ from qerl_kit import checkpoint as ckpt
 from qerl_kit import distributed
 from qerl_kit import grpo, runs
 from qerl_kit.aqn import AQN
-from qerl_kit.config import TrainConfig
+from qerl_kit.config import TrainConfig, upgrade_dict
 from qerl_kit.logprobs import batched_logprobs, completion_logprobs
-from qerl_kit.engine import make_engine
-from qerl_kit.rollout import Rollouts, SamplingParams
-from qerl_kit.sampling_filters import filter_groups, overlong_penalty
+from qerl_kit.optim import lr_lambda, make_optimizer
+from qerl_kit.rollout.base import engine_sync
+from qerl_kit.rollout.registry import make_engine
+from qerl_kit.rollout.types import Rollouts, SamplingParams
+from qerl_kit.sampling_filters import KeptGroups, accumulate_groups, overlong_penalty
+from qerl_kit.scoring import score_rollouts
+from qerl_kit.tasks.task import Task
 
 
-def _default_prompt_fn(tokenizer, row) -> str:
-    from qerl_kit.data import build_prompt
+@dataclass
+class _Prepared:
+    """What the update phase trains on: this rank's slice of the step's batch."""
 
-    return build_prompt(tokenizer, row["prompt"])
-
-
-def _make_optimizer(params, cfg):
-    if cfg.optimizer == "adamw8bit":
-        try:
-            import bitsandbytes as bnb
-        except ImportError as err:
-            raise ImportError("optim.optimizer='adamw8bit' needs bitsandbytes: pip install "
-                              "'qerl_kit[gpu]' (or pick optimizer='adamw')") from err
-        return bnb.optim.AdamW8bit(params, lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay)
-    return torch.optim.AdamW(params, lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay)
-
-
-def _lr_lambda(cfg, total_steps: int) -> Callable[[int], float]:
-    warmup = int(cfg.warmup_ratio * total_steps)
-
-    def fn(step: int) -> float:
-        if step < warmup:
-            return (step + 1) / warmup
-        frac = (step - warmup) / max(total_steps - warmup, 1)
-        if cfg.schedule == "linear":
-            return max(0.0, 1 - frac)
-        if cfg.schedule == "cosine":
-            return 0.5 * (1 + math.cos(math.pi * min(frac, 1.0)))
-        return 1.0
-    return fn
+    batch: Rollouts
+    rewards: torch.Tensor      # [n] this rank's rewards
+    all_rewards: torch.Tensor  # [W*n] the global batch's
+    mask: torch.Tensor         # [n, C] float: completion tokens in the loss
+    adv: torch.Tensor          # [n]
+    old_logp: torch.Tensor     # [n, C] the clean policy's, before the update
+    entropy: torch.Tensor      # [n, C]
+    ref_logp: torch.Tensor | None
+    is_weights: torch.Tensor | None
 
 
 class Trainer:
     """GRPO/DAPO on a (quantized) LoRA model; see the module docstring for one step."""
 
-    def __init__(self, model, tokenizer, dataset: Sequence[dict], reward_fns: Sequence[Callable],
-                 config: TrainConfig, *, engine=None, eval_dataset: Sequence[dict] | None = None,
-                 prompt_fn: Callable | None = None, accuracy_fn: Callable | None = None,
-                 progress: str = "auto"):
-        if not dataset:
-            raise ValueError("Trainer needs a non-empty dataset")
-        if not reward_fns:
-            raise ValueError("Trainer needs at least one reward function")
+    def __init__(self, model, tokenizer, task: Task, config: TrainConfig, *, engine=None, progress: str = "auto"):
+        if not isinstance(task, Task):
+            raise TypeError(f"Trainer(model, tokenizer, task, config) takes a qerl_kit.tasks.Task; got "
+                            f"{type(task).__name__} (build one with qerl_kit.tasks.make_task(cfg.data) or "
+                            "Task(name, train_rows, eval_rows, reward_fns, prompt_fn))")
+        if not isinstance(config, TrainConfig):
+            raise TypeError(f"config must be a qerl_kit.config.TrainConfig; got {type(config).__name__}")
+        if not task.train:
+            raise ValueError(f"task {task.name!r} has no training rows")
         trainable = [p for p in model.parameters() if p.requires_grad]
         if not trainable:
             raise ValueError("the model has no trainable parameters; attach LoRA first "
                              "(qerl_kit.lora.attach_lora)")
-        self.model, self.tokenizer, self.config = model, tokenizer, config
-        self.dataset, self.eval_dataset = list(dataset), eval_dataset
-        self.reward_fns = list(reward_fns)
-        self.accuracy_fn = accuracy_fn or self.reward_fns[0]
-        self.prompt_fn = prompt_fn or _default_prompt_fn
-        self.engine = engine or make_engine(config.rollout.engine, model, tokenizer)
+        self.model, self.tokenizer, self.config, self.task = model, tokenizer, config, task
+        self.engine = engine if engine is not None else make_engine(config.rollout.engine, model, tokenizer)
         self.progress = progress
         self.dist = distributed.Context.detect()  # world 1 unless launched by torchrun & co
         distributed.check_config(config, self.dist.world)
@@ -106,8 +96,8 @@ class Trainer:
                        config.total_steps, seed=config.seed, resample=config.aqn.resample,
                        allow_increasing=config.aqn.allow_increasing) \
             if config.aqn.enabled else None
-        self.optimizer = _make_optimizer(trainable, config.optim)
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, _lr_lambda(config.optim, config.total_steps))
+        self.optimizer = make_optimizer(trainable, config.optim)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(config.optim, config.total_steps))
         self.step = 0
         self.history: list[dict] = []
         self.output_dir = Path(config.output_dir)
@@ -130,6 +120,23 @@ class Trainer:
                 model.enable_input_require_grads()
         self._ddp = distributed.wrap_ddp(model, self.dist)  # None on one process
 
+    # ---- the task's parts, as the loop reads them --------------------------------------------
+    @property
+    def dataset(self) -> list[dict]:
+        return self.task.train
+
+    @property
+    def eval_dataset(self) -> list[dict]:
+        return self.task.eval
+
+    @property
+    def reward_fns(self) -> tuple[Callable, ...]:
+        return self.task.rewards
+
+    @property
+    def accuracy_fn(self) -> Callable:
+        return self.task.accuracy
+
     # ---- controls a notebook can call between chunks ----------------------------------------
     def set_lr(self, lr: float) -> None:
         """Change the base learning rate (the schedule keeps multiplying it)."""
@@ -146,7 +153,17 @@ class Trainer:
 
         return pd.DataFrame(self.history)
 
-    # ---- one step --------------------------------------------------------------------------
+    # ---- one step: collect -> score -> prepare -> update -> metrics ---------------------------
+    def train_step(self) -> dict:
+        start = time.perf_counter()
+        batch, rewards, metrics = self._collect(self.step)
+        prep = self._prepare(batch, rewards, metrics)
+        update = self._update(prep, metrics)
+        metrics.update(self._metrics(prep, update))
+        metrics["time/step"] = time.perf_counter() - start
+        self.step += 1
+        return distributed.reduce_metrics(metrics, self.dist)  # the same row on every rank
+
     def _rows(self, step: int, round_: int = 0) -> list[dict]:
         g = torch.Generator().manual_seed(self.config.seed * 1_000_003 + step * 101 + round_)
         idx = torch.randint(len(self.dataset), (self.config.rollout.prompts_per_step,), generator=g)
@@ -157,112 +174,81 @@ class Trainer:
         return SamplingParams(max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
                               seed=self.config.seed * 7919 + step * 31 + round_ + first_group * distributed.SEED_STRIDE)
 
-    @staticmethod
-    def _checked_scores(fn, scores, n: int) -> list:
-        """A reward function's scores, one per completion, or an error that names the function."""
-        name = getattr(fn, "__name__", type(fn).__name__)
-        if scores is None:
-            raise TypeError(f"reward function {name!r} returned None; it must return one score (a float, or None "
-                            f"for 'not applicable') per completion: a list of {n}")
-        if isinstance(scores, torch.Tensor):
-            scores = scores.tolist()
-        try:
-            scores = list(scores)
-        except TypeError:
-            raise TypeError(f"reward function {name!r} returned {type(scores).__name__}, not a list of "
-                            f"{n} scores") from None
-        if len(scores) != n:
-            raise ValueError(f"reward function {name!r} returned {len(scores)} scores for {n} completions; "
-                             "it must return exactly one per completion")
-        for s in scores:
-            if s is not None and not isinstance(s, (int, float)):
-                raise TypeError(f"reward function {name!r} returned a score of type {type(s).__name__} ({s!r}); "
-                                "scores are floats, or None for 'not applicable'")
-        return scores
+    def _rollout(self, step: int, round_: int, metrics: dict) -> tuple[list[dict], Rollouts]:
+        """One round's rows (this rank's whole groups) and their rollouts, under the step's sync."""
+        rows = self._rows(step, round_)
+        part = distributed.group_slice(len(rows), self.dist.rank, self.dist.world)
+        rows = rows[part]
+        prompts = self.task.encode(self.tokenizer, rows)
+        with engine_sync(self.engine, self.model, self.aqn, step) as info:
+            rollouts = self.engine.generate(prompts, self.config.rollout.group_size,
+                                            self._sampling(step, round_, part.start))
+        if self.aqn is not None:
+            metrics["aqn/sigma"], metrics["aqn/stage"] = self.aqn.sigma(step), self.aqn.stage(step)
+            metrics["aqn/norms"] = info.get("aqn/norms", 0)
+        if "sync/seconds" in info:
+            metrics["time/sync"] = metrics.get("time/sync", 0.0) + info["sync/seconds"]
+        return rows, rollouts
 
-    def _score(self, rows: list[dict], rollouts: Rollouts) -> tuple[torch.Tensor, dict, torch.Tensor]:
-        G = self.config.rollout.group_size
-        columns = {k: [row[k] for row in rows for _ in range(G)] for k in rows[0] if k != "prompt"}
-        ids = [c[m.bool()].tolist() for c, m in zip(rollouts.completion_ids, rollouts.completion_mask)]
-        per_fn, metrics = [], {}
-        for fn in self.reward_fns:
-            scores = self._checked_scores(
-                fn, fn(prompts=rollouts.prompts, completions=rollouts.texts, completion_ids=ids, **columns),
-                len(rollouts.texts))
-            per_fn.append(scores)
-            vals = torch.tensor([float("nan") if s is None else float(s) for s in scores])
-            name = getattr(fn, "__name__", type(fn).__name__)
-            metrics[f"rewards/{name}/mean"] = vals.nanmean().item()
-            metrics[f"rewards/{name}/std"] = vals[~vals.isnan()].std().item() if (~vals.isnan()).sum() > 1 else 0.0
-        rewards = grpo.combine_rewards(per_fn)
-        acc_scores = per_fn[self.reward_fns.index(self.accuracy_fn)] if self.accuracy_fn in self.reward_fns else \
-            self._checked_scores(self.accuracy_fn, self.accuracy_fn(prompts=rollouts.prompts, completions=rollouts.texts,
-                                                                    completion_ids=ids, **columns), len(rollouts.texts))
-        correct = torch.tensor([1.0 if (s is not None and s >= 1.0) else 0.0 for s in acc_scores])
-        lc = self.config.loss
-        if lc.overlong_buffer > 0:
-            rewards = rewards + overlong_penalty(rollouts.completion_mask.sum(1).cpu(), self.config.rollout.max_new_tokens,
-                                                 lc.overlong_buffer, lc.overlong_penalty)
-        return rewards, metrics, correct
-
-    def _collect(self, step: int):
-        """Rollouts, rewards and per-step metrics, with DAPO dynamic sampling when enabled."""
-        cfg, G = self.config, self.config.rollout.group_size
-        kept: list[tuple[Rollouts, torch.Tensor, torch.Tensor, torch.Tensor]] = []
-        n_kept, rounds, t_rollout, metrics, stats = 0, 0, 0.0, {}, {}
+    def _collect(self, step: int) -> tuple[Rollouts, torch.Tensor, dict]:
+        """Rollouts and rewards of the step's batch, with DAPO dynamic sampling when enabled."""
+        cfg, G, fc = self.config, self.config.rollout.group_size, self.config.filters
         target = cfg.rollout.prompts_per_step // self.dist.world
+        metrics: dict = {}
+        state, rounds, t_rollout = KeptGroups(), [], 0.0
         while True:
-            rows = self._rows(step, rounds)
-            part = distributed.group_slice(len(rows), self.dist.rank, self.dist.world)  # whole groups
-            rows = rows[part]
-            prompts = [self.prompt_fn(self.tokenizer, row) for row in rows]
             t0 = time.perf_counter()
-            if self.aqn is not None:
-                with self.aqn.noise(self.model, step) as count:
-                    rollouts = self.engine.generate(prompts, G, self._sampling(step, rounds, part.start))
-                metrics["aqn/sigma"], metrics["aqn/stage"], metrics["aqn/norms"] = \
-                    self.aqn.sigma(step), self.aqn.stage(step), count
-            else:
-                rollouts = self.engine.generate(prompts, G, self._sampling(step, rounds, part.start))
+            rows, rollouts = self._rollout(step, len(rounds), metrics)
             t_rollout += time.perf_counter() - t0
-            stats = getattr(rollouts, "stats", {}) or {}
             rewards, reward_metrics, correct = self._score(rows, rollouts)
-            if rounds == 0:
+            if not rounds:
                 metrics.update(reward_metrics)
                 metrics["reward"], metrics["accuracy"] = rewards.nanmean().item(), correct.mean().item()
                 metrics["frac_reward_zero_std"] = grpo.frac_reward_zero_std(rewards, G)
-            rounds += 1
-            keep = filter_groups(rewards, G) if cfg.loss.dynamic_sampling else torch.ones(len(rows), dtype=torch.bool)
-            last = not cfg.loss.dynamic_sampling or rounds >= cfg.loss.max_sampling_rounds
-            if last and n_kept + int(keep.sum()) < target:
-                keep = torch.ones(len(rows), dtype=torch.bool)  # out of rounds: fill with what we have
-            idx = [g * G + j for g in keep.nonzero().flatten().tolist()[: target - n_kept] for j in range(G)]
-            if idx:
-                kept.append((rollouts, torch.tensor(idx), rewards, correct))
-                n_kept += len(idx) // G
-            if n_kept >= target:
+            rounds.append((rollouts, rewards))
+            if not fc.dynamic_sampling:
+                break
+            items = [(len(rounds) - 1, i) for i in range(len(rollouts))]
+            state, done = accumulate_groups(state, items, rewards, G, target, max_rounds=fc.max_sampling_rounds,
+                                            exhausted="fill")
+            if done:
                 break
         metrics["time/rollout"] = t_rollout
+        stats = rounds[-1][0].stats or {}
         metrics["rollout/tokens_per_s"] = stats.get("rollout/tokens_per_s", float("nan"))
-        if cfg.loss.dynamic_sampling:
-            metrics["sampling/rounds"] = rounds
-        batch = Rollouts.concat([r.select(i) for r, i, _, _ in kept]) if len(kept) > 1 or \
-            len(kept[0][1]) != len(kept[0][0].texts) else kept[0][0]
-        rewards = torch.cat([rw[i] for _, i, rw, _ in kept])
-        return batch, rewards, metrics
+        if not fc.dynamic_sampling:
+            return rounds[0][0], rounds[0][1], metrics
+        metrics["sampling/rounds"] = state.rounds
+        metrics["sampling/filled_groups"] = state.groups_filled
+        runs_: list[tuple[int, list[int]]] = []  # consecutive kept rows of one round
+        for r, i in state.items():
+            if runs_ and runs_[-1][0] == r:
+                runs_[-1][1].append(i)
+            else:
+                runs_.append((r, [i]))
+        batch = Rollouts.concat([rounds[r][0].select(idx) for r, idx in runs_])
+        return batch, state.reward_tensor(), metrics
 
-    def train_step(self) -> dict:
-        cfg, lc, step = self.config, self.config.loss, self.step
-        G, temp = cfg.rollout.group_size, cfg.rollout.temperature
-        start = time.perf_counter()
-        batch, rewards, metrics = self._collect(step)
+    def _score(self, rows: list[dict], rollouts: Rollouts) -> tuple[torch.Tensor, dict, torch.Tensor]:
+        """(rewards [B], per-function metrics, correct [B]) of one round's completions, DAPO-shaped."""
+        rewards, metrics, correct = score_rollouts(self.task, rows, rollouts, self.config.rollout.group_size)
+        fc = self.config.filters
+        if fc.overlong_buffer > 0:
+            rewards = rewards + overlong_penalty(rollouts.completion_lengths.cpu(), self.config.rollout.max_new_tokens,
+                                                 fc.overlong_buffer, fc.overlong_penalty)
+        return rewards, metrics, correct
+
+    def _prepare(self, batch: Rollouts, rewards: torch.Tensor, metrics: dict) -> _Prepared:
+        """Loss mask, global advantages, the clean policy's (and reference's) log-probs, IS weights."""
+        lc, temp = self.config.loss, self.config.rollout.temperature
         mask = batch.completion_mask.float()
-        if lc.mask_truncated:
+        if self.config.filters.mask_truncated:
             keep = torch.tensor([r != "length" for r in batch.finish_reasons], dtype=mask.dtype, device=mask.device)
             mask = mask * keep[:, None]
         all_rewards = self.dist.all_gather(rewards)  # the global batch's (= rewards on one process)
         mine = slice(self.dist.rank * len(rewards), (self.dist.rank + 1) * len(rewards))
-        adv = grpo.group_advantages(all_rewards, G, scale=lc.scale_rewards)[mine].to(mask.device)  # rewards: CPU
+        adv = grpo.group_advantages(all_rewards, self.config.rollout.group_size,
+                                    scale=lc.scale_rewards)[mine].to(mask.device)  # rewards: CPU
         t0 = time.perf_counter()
         self.model.eval()
         old_logp, entropy = batched_logprobs(self.model, batch, temp, lc.micro_batch, with_entropy=True)
@@ -275,18 +261,25 @@ class Trainer:
             is_w, is_stats = grpo.importance_weights(old_logp, batch.logprobs, mask, mode=lc.is_correction, cap=lc.is_cap)
             metrics.update(is_stats)
         metrics["time/logprob"] = time.perf_counter() - t0
+        return _Prepared(batch, rewards, all_rewards, mask, adv, old_logp, entropy, ref_logp, is_w)
+
+    def _eps(self) -> tuple[float, float]:
+        lc = self.config.loss
+        return lc.eps_low, (lc.eps_low if lc.eps_high is None else lc.eps_high)  # the one pair loss and stats use
+
+    def _update(self, prep: _Prepared, metrics: dict) -> dict:
+        """``mu`` optimizer steps on the prepared batch; returns loss, grad_norm and skipped steps."""
+        lc, temp, batch, mask = self.config.loss, self.config.rollout.temperature, prep.batch, prep.mask
         t0 = time.perf_counter()
         self.model.train()
-        loss_fn, n, W = grpo.LOSSES[lc.loss], mask.shape[0], self.dist.world
-        eps_high = lc.eps_low if lc.eps_high is None else lc.eps_high  # the one value loss and stats use
-        kwargs = dict(eps_low=lc.eps_low, eps_high=eps_high, beta=lc.beta)
-        # normalizers of the global batch: all ranks' tokens (DAPO), W*n sequences, the widest completion (Dr. GRPO)
-        total_tokens = self.dist.sum(mask.sum()).clamp(min=1)
-        extra = {"dapo": {"num_tokens": total_tokens}, "grpo": {},
-                 "dr_grpo": {"max_len": int(self.dist.max(torch.tensor(mask.shape[1])))}}[lc.loss]
+        spec, n = grpo.LOSSES[lc.loss], mask.shape[0]
+        eps_low, eps_high = self._eps()
+        # the normalizers of the global batch: all ranks' tokens, W*n sequences, the widest completion
+        normalizer = spec.batch_kwargs(self.dist.sum(mask.sum()).clamp(min=1),
+                                       int(self.dist.max(torch.tensor(mask.shape[1]))))
         forward = self._ddp if self._ddp is not None else self.model
         starts = list(range(0, n, lc.micro_batch))
-        skipped = 0
+        skipped, loss_sum, grad_norm = 0, 0.0, torch.tensor(0.0)
         for _ in range(lc.mu):
             loss_sum = 0.0
             for s in starts:
@@ -294,44 +287,48 @@ class Trainer:
                 with distributed.no_sync(self._ddp, s != starts[-1]):  # all-reduce once, after the last
                     logp = completion_logprobs(forward, batch.prompt_ids[sl], batch.prompt_mask[sl],
                                                batch.completion_ids[sl], batch.completion_mask[sl], temp)
-                    loss = loss_fn(logp, old_logp[sl], adv[sl], mask[sl],
-                                   ref_logp=None if ref_logp is None else ref_logp[sl],
-                                   is_weights=None if is_w is None else is_w[sl], **kwargs, **extra)
-                    if lc.loss != "dapo":  # sequence-mean losses: weight each chunk by its share
-                        loss = loss * (logp.shape[0] / (n * W))
-                    (loss * W if W > 1 else loss).backward()  # DDP averages over ranks; W x mean = sum
+                    loss = spec.fn(logp, prep.old_logp[sl], prep.adv[sl], mask[sl], eps_low=eps_low, eps_high=eps_high,
+                                   beta=lc.beta, ref_logp=None if prep.ref_logp is None else prep.ref_logp[sl],
+                                   is_weights=None if prep.is_weights is None else prep.is_weights[sl], **normalizer)
+                    loss = loss * spec.chunk_weight(logp.shape[0], n * self.dist.world)
+                    distributed.backward(loss, self.dist)
                 loss_sum += loss.item()
             params = [p for p in self.model.parameters() if p.requires_grad]
-            grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.optim.max_grad_norm)
+            grad_norm = torch.nn.utils.clip_grad_norm_(params, self.config.optim.max_grad_norm)
             if torch.isfinite(grad_norm):  # the same on every rank: DDP all-reduced the gradients
                 self.optimizer.step()
             else:  # one inf/NaN gradient would turn the adapter and Adam's moments into NaN for good
                 skipped += 1
-                warnings.warn(f"step {step + 1}: gradient norm is {float(grad_norm)}; optimizer step skipped "
-                              "(the adapter is unchanged; see update/skipped)", RuntimeWarning, stacklevel=2)
+                warnings.warn(f"step {self.step + 1}: gradient norm is {float(grad_norm)}; optimizer step skipped "
+                              "(the adapter is unchanged; see update/skipped)", RuntimeWarning, stacklevel=3)
             self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
         self.model.eval()
         metrics["time/update"] = time.perf_counter() - t0
+        return {"loss": loss_sum, "grad_norm": float(grad_norm), "skipped": skipped}
+
+    def _metrics(self, prep: _Prepared, update: dict) -> dict:
+        """The step's metrics after the update (clip ratios against the new policy, entropy, lengths)."""
+        lc, batch, mask, W = self.config.loss, prep.batch, prep.mask, self.dist.world
         with torch.no_grad():
-            new_logp = batched_logprobs(self.model, batch, temp, lc.micro_batch) if lc.mu > 1 else old_logp
-        metrics.update(grpo.clip_stats(new_logp, old_logp, adv, mask, lc.eps_low, eps_high))
-        lengths = batch.completion_mask.sum(1).float()
-        ent = self.dist.sum(torch.stack([(entropy * mask).sum(), mask.sum()]).double())
-        metrics.update({
-            "step": step + 1, "loss": loss_sum, "grad_norm": float(grad_norm), "lr": self.scheduler.get_last_lr()[0],
-            "update/skipped": skipped,
-            "reward_std": all_rewards.std().item() if all_rewards.numel() > 1 else 0.0,
-            "entropy": (ent[0] / ent[1].clamp(min=1)).item() if W > 1 else ((entropy * mask).sum() / mask.sum().clamp(min=1)).item(),
+            new_logp = batched_logprobs(self.model, batch, self.config.rollout.temperature, lc.micro_batch) \
+                if lc.mu > 1 else prep.old_logp
+        out = grpo.clip_stats(new_logp, prep.old_logp, prep.adv, mask, *self._eps())
+        lengths = batch.completion_lengths.float()
+        ent = self.dist.sum(torch.stack([(prep.entropy * mask).sum(), mask.sum()]).double())
+        out.update({
+            "step": self.step + 1, "loss": update["loss"], "grad_norm": update["grad_norm"],
+            "lr": self.scheduler.get_last_lr()[0], "update/skipped": update["skipped"],
+            "reward_std": prep.all_rewards.std().item() if prep.all_rewards.numel() > 1 else 0.0,
+            "entropy": (ent[0] / ent[1].clamp(min=1)).item() if W > 1 else
+            ((prep.entropy * mask).sum() / mask.sum().clamp(min=1)).item(),
             "completions/mean_length": lengths.mean().item(),
             "completions/clipped_ratio": sum(r == "length" for r in batch.finish_reasons) / len(batch.finish_reasons),
             "num_tokens": int(batch.completion_mask.sum()),
         })
-        if ref_logp is not None:
-            metrics["kl"] = grpo.kl_k3(old_logp, ref_logp, mask).item()
-        metrics["time/step"] = time.perf_counter() - start
-        self.step += 1
-        return distributed.reduce_metrics(metrics, self.dist)  # the same row on every rank
+        if prep.ref_logp is not None:
+            out["kl"] = grpo.kl_k3(prep.old_logp, prep.ref_logp, mask).item()
+        return out
 
     # ---- the loop ----------------------------------------------------------------------------
     def train(self, steps: int | None = None, callback: Callable[[dict], None] | None = None) -> "Trainer":
@@ -384,15 +381,12 @@ class Trainer:
 
     def evaluate(self, dataset: Sequence[dict] | None = None, **kwargs):
         """Held-out accuracy with the adapter applied (greedy unless ``temperature`` is given)."""
-        from qerl_kit.evaluate import evaluate
-
         data = dataset if dataset is not None else self.eval_dataset
         if not data:
-            raise ValueError("no evaluation dataset: pass one here or as Trainer(eval_dataset=...)")
+            raise ValueError(f"no evaluation rows: task {self.task.name!r} has none; pass dataset=")
         kwargs.setdefault("temperature", 0.0)
         kwargs.setdefault("max_new_tokens", self.config.rollout.max_new_tokens)
-        return evaluate(self.model, self.tokenizer, data, self.accuracy_fn, engine=self.engine,
-                        prompt_fn=self.prompt_fn, **kwargs)
+        return self.task.evaluate(self.model, self.tokenizer, data, engine=self.engine, **kwargs)
 
     # ---- the run directory and checkpoints ----------------------------------------------------
     def claim_output_dir(self, command: str = "train") -> Path | None:
@@ -443,7 +437,12 @@ class Trainer:
         state = ckpt.load_state(path)
         current = json.loads(json.dumps(self.config.to_dict()))  # as saved: tuples become lists
         defaults = json.loads(json.dumps(TrainConfig().to_dict()))  # for keys newer than the checkpoint
-        changes = ckpt.config_changes(json.loads(state["config"]), current, defaults) if "config" in state else {}
+        changes = {}
+        if "config" in state:
+            with warnings.catch_warnings():  # a checkpoint written before a key moved (config.MOVED_KEYS)
+                warnings.simplefilter("ignore", DeprecationWarning)
+                saved = upgrade_dict(json.loads(state["config"]))
+            changes = ckpt.config_changes(saved, current, defaults)
         if changes and not allow_config_change:
             shown = "; ".join(f"{k}: {old!r} -> {new!r}" for k, (old, new) in list(changes.items())[:6])
             raise ckpt.CheckpointError(

@@ -7,11 +7,11 @@ import typing
 
 import pytest
 
-from qerl_kit.config import (PRESETS, AQNConfig, ConfigError, DataConfig, LossConfig, ModelConfig, OptimConfig,
-                             RolloutConfig, TrainConfig, from_dict, load_config, preset, save_config)
+from qerl_kit.config import (PRESETS, AQNConfig, ConfigError, DataConfig, FilterConfig, LossConfig, ModelConfig,
+                             OptimConfig, RolloutConfig, TrainConfig, from_dict, load_config, preset, save_config)
 
 SECTIONS = {"model": ModelConfig, "data": DataConfig, "rollout": RolloutConfig, "loss": LossConfig,
-            "optim": OptimConfig, "aqn": AQNConfig}
+            "filters": FilterConfig, "optim": OptimConfig, "aqn": AQNConfig}
 
 
 @pytest.mark.parametrize("name", sorted(PRESETS))
@@ -66,10 +66,10 @@ def test_yaml_exponent_without_a_dot_is_a_float(tmp_path):
 
 def test_yaml_quoted_booleans_mean_what_they_say(tmp_path):
     path = tmp_path / "c.yaml"
-    path.write_text('preset: paper-bigmath\naqn:\n  enabled: "false"\nloss:\n  dynamic_sampling: "off"\n'
+    path.write_text('preset: paper-bigmath\naqn:\n  enabled: "false"\nfilters:\n  dynamic_sampling: "off"\n'
                     'model:\n  trust_remote_code: "no"\n  gradient_checkpointing: "Yes"\n')
     cfg = load_config(path)
-    assert cfg.aqn.enabled is False and cfg.loss.dynamic_sampling is False
+    assert cfg.aqn.enabled is False and cfg.filters.dynamic_sampling is False
     assert cfg.model.trust_remote_code is False and cfg.model.gradient_checkpointing is True
 
 
@@ -100,7 +100,7 @@ def re_repr(value) -> str:
 ])
 def test_bool_fields_accept_true_false_and_their_spellings(text, value):
     assert from_dict(dict(aqn=dict(enabled=text))).aqn.enabled is value
-    assert from_dict(dict(loss=dict(dynamic_sampling=text))).loss.dynamic_sampling is value
+    assert from_dict(dict(filters=dict(dynamic_sampling=text))).filters.dynamic_sampling is value
     assert from_dict(dict(log_tensorboard=text)).log_tensorboard is value
 
 
@@ -202,7 +202,7 @@ def test_choices_follow_the_registries():
     ("loss", "scale_rewards", "std", "'group', 'batch', 'none'"),
     ("loss", "is_correction", "token", "null or one of 'token_truncate'"),
     ("model", "format", "int3", "'nvfp4', 'mxfp4', 'nf4', 'none'"),
-    ("rollout", "engine", "fast", "'auto', 'static', 'hf'"),
+    ("rollout", "engine", "fast", "'auto', 'hf', 'static', 'vllm'"),
     ("optim", "schedule", "step", "'constant', 'linear', 'cosine'"),
     ("optim", "optimizer", "sgd", "'adamw', 'adamw8bit'"),
     ("aqn", "resample", "batch", "'step', 'forward'"),
@@ -259,10 +259,10 @@ NAN, INF = float("nan"), float("inf")
     (dict(loss=dict(eps_high=-0.2)), "loss.eps_high"),
     (dict(loss=dict(mu=0)), "loss.mu"),
     (dict(loss=dict(micro_batch=0)), "loss.micro_batch"),
-    (dict(loss=dict(max_sampling_rounds=0)), "loss.max_sampling_rounds"),
-    (dict(loss=dict(overlong_buffer=-1)), "loss.overlong_buffer"),
-    (dict(loss=dict(overlong_buffer=100), rollout=dict(max_new_tokens=64)), "loss.overlong_buffer"),
-    (dict(loss=dict(overlong_penalty=-1.0)), "loss.overlong_penalty"),
+    (dict(filters=dict(max_sampling_rounds=0)), "filters.max_sampling_rounds"),
+    (dict(filters=dict(overlong_buffer=-1)), "filters.overlong_buffer"),
+    (dict(filters=dict(overlong_buffer=100), rollout=dict(max_new_tokens=64)), "filters.overlong_buffer"),
+    (dict(filters=dict(overlong_penalty=-1.0)), "filters.overlong_penalty"),
     (dict(model=dict(lora_r=0)), "model.lora_r"),
     (dict(model=dict(lora_alpha=0.0)), "model.lora_alpha"),
     (dict(model=dict(lora_alpha=-16)), "model.lora_alpha"),
@@ -287,9 +287,9 @@ def test_errors_name_key_value_and_what_is_allowed():
 
 def test_the_defaults_and_edges_that_are_allowed():
     cfg = from_dict(dict(rollout=dict(top_p=1.0, top_k=0, temperature=1e-3), optim=dict(weight_decay=0, warmup_ratio=0),
-                         loss=dict(beta=0, is_cap=1.0, overlong_buffer=64), save_every=0, eval_every=0,
+                         loss=dict(beta=0, is_cap=1.0), filters=dict(overlong_buffer=64), save_every=0, eval_every=0,
                          keep_checkpoints=0, seed=2**32 - 1))
-    assert cfg.loss.is_cap == 1.0 and cfg.seed == 2**32 - 1 and cfg.loss.overlong_buffer == 64
+    assert cfg.loss.is_cap == 1.0 and cfg.seed == 2**32 - 1 and cfg.filters.overlong_buffer == 64
     # AQN off: its stage count is not used, so a demo of 2 steps keeps the default 10 stages
     assert from_dict(dict(aqn=dict(enabled=False), total_steps=2)).aqn.stages == 10
 
@@ -361,7 +361,7 @@ def test_presets_with_overrides_are_coerced_and_checked():
 def test_direct_constructors_and_dataclasses_replace_are_coerced_and_checked():
     assert OptimConfig(lr="1e-5").lr == 1e-5
     assert AQNConfig(enabled="false").enabled is False
-    assert LossConfig(dynamic_sampling="off").dynamic_sampling is False
+    assert FilterConfig(dynamic_sampling="off").dynamic_sampling is False
     with pytest.raises(ValueError, match=r"optim\.max_grad_norm"):
         OptimConfig(max_grad_norm=0)
     with pytest.raises(ValueError, match=r"rollout\.temperature"):
@@ -397,12 +397,14 @@ def _capture_train_config(monkeypatch, argv):
     import qerl_kit.cli
     import qerl_kit.trainer
 
+    import qerl_kit.tasks
+
     class FakeTrainer:
-        def __init__(self, policy, tokenizer, train, reward_fns, cfg, **kwargs):
+        def __init__(self, policy, tokenizer, task, cfg, **kwargs):
             raise _Built(cfg)
 
-    monkeypatch.setattr(qerl_kit.build, "build_policy", lambda mcfg, seed: (None, None, None))
-    monkeypatch.setattr(qerl_kit.build, "build_datasets", lambda dcfg: ([], [], []))
+    monkeypatch.setattr(qerl_kit.build, "build_policy", lambda mcfg, **kwargs: (None, None, None))
+    monkeypatch.setattr(qerl_kit.tasks, "make_task", lambda dcfg: None)
     monkeypatch.setattr(qerl_kit.cli, "torch_cuda_available", lambda: False)
     monkeypatch.setattr(qerl_kit.trainer, "Trainer", FakeTrainer)
     with pytest.raises(_Built) as built:
@@ -413,11 +415,11 @@ def _capture_train_config(monkeypatch, argv):
 def test_cli_train_reads_yaml_strings_with_their_declared_types(tmp_path, monkeypatch):
     path = tmp_path / "run.yaml"
     path.write_text('preset: tiny-cpu\noptim: {lr: 1e-5}\naqn: {enabled: "false"}\n'
-                    'loss: {dynamic_sampling: "off"}\n')
+                    'filters: {dynamic_sampling: "off"}\n')
     cfg = _capture_train_config(monkeypatch, ["train", "--config", str(path), "--output-dir",
                                               str(tmp_path / "out"), "--no-widgets"])
     assert cfg.optim.lr == 1e-5 and type(cfg.optim.lr) is float
-    assert cfg.aqn.enabled is False and cfg.loss.dynamic_sampling is False
+    assert cfg.aqn.enabled is False and cfg.filters.dynamic_sampling is False
     assert cfg.output_dir == str(tmp_path / "out")
 
 
@@ -458,3 +460,33 @@ def test_sampling_params_allow_greedy_and_unseeded():
     assert SamplingParams(seed=None).seed is None and SamplingParams(seed=3).seed == 3
     assert SamplingParams(top_p=1.0, top_k=0, max_new_tokens=1).top_p == 1.0
     assert not math.isnan(SamplingParams(temperature=0.6).temperature)
+
+
+# ---- keys that moved, and the registries the choices come from ------------------------------------
+def test_a_key_that_moved_to_filters_is_read_there_with_a_warning(tmp_path):
+    with pytest.warns(DeprecationWarning, match="loss.dynamic_sampling is now filters.dynamic_sampling"):
+        cfg = from_dict(dict(loss=dict(dynamic_sampling=True, mu=2)))
+    assert cfg.filters.dynamic_sampling is True and cfg.loss.mu == 2
+    path = tmp_path / "old.yaml"  # an old YAML on a preset that sets the new key itself: the file wins
+    path.write_text("preset: paper-bigmath\nloss:\n  dynamic_sampling: false\n")
+    with pytest.warns(DeprecationWarning):
+        assert load_config(path).filters.dynamic_sampling is False
+    with pytest.raises(ConfigError, match="both set"):
+        from_dict(dict(loss=dict(mask_truncated=True), filters=dict(mask_truncated=False)))
+    with pytest.raises(ConfigError, match="unknown config key 'loss.dynamic_sampling'"):
+        from_dict({"loss": {"dynamic_sampling": True}, "filters": FilterConfig()})  # a section object stays as given
+
+
+def test_choices_are_read_from_the_registries_they_name(monkeypatch):
+    from qerl_kit import grpo
+    from qerl_kit.rollout import registry
+    from qerl_kit.tasks import registry as tasks
+
+    for field, key, value in (("engine", "rollout", "mine"), ("loss", "loss", "mine"), ("dataset", "data", "mine")):
+        with pytest.raises(ConfigError, match=f"{key}.{field}"):
+            from_dict({key: {field: value}})
+    monkeypatch.setitem(registry.ENGINES, "mine", lambda policy, tok, **kw: None)
+    monkeypatch.setitem(grpo.LOSSES, "mine", grpo.LossSpec(grpo.grpo_loss, "sequences"))
+    monkeypatch.setitem(tasks.TASKS, "mine", lambda cfg, seed: None)
+    cfg = from_dict(dict(rollout=dict(engine="mine"), loss=dict(loss="mine"), data=dict(dataset="mine")))
+    assert (cfg.rollout.engine, cfg.loss.loss, cfg.data.dataset) == ("mine", "mine", "mine")

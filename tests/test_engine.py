@@ -5,7 +5,8 @@ import zlib
 import pytest
 import torch
 
-from qerl_kit.engine import Decoder, StaticEngine, process_logits, sample
+from qerl_kit.engine import Decoder, process_logits, sample
+from qerl_kit.rollout import StaticEngine
 from qerl_kit.lora import attach_lora
 from qerl_kit.models import build_model
 from qerl_kit.quantize import quantize_model
@@ -244,7 +245,7 @@ def test_trainer_runs_on_the_static_engine(tiny, tmp_path):
 
 def test_make_engine_and_the_config_switch(tiny):
     from qerl_kit.config import RolloutConfig
-    from qerl_kit.engine import make_engine
+    from qerl_kit.rollout import make_engine
 
     model, tok = tiny
     assert isinstance(make_engine("auto", model, tok), HFEngine)  # CPU model: generate
@@ -277,7 +278,7 @@ def test_float32_adapters_on_a_bf16_base_stay_on_the_fused_path():
 def test_gradient_checkpointing_hooks_keep_the_fused_path():
     """enable_input_require_grads (needed with gradient checkpointing) hooks the embedding; that hook
     is inert at inference, so it must not push rollouts off the fused path and CUDA graphs."""
-    from qerl_kit.engine.engine import _hooked_modules
+    from qerl_kit.rollout.static import _hooked_modules
 
     model = build_model("qwen2-tiny", seed=4)
     quantize_model(model, "nvfp4")

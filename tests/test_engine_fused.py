@@ -14,7 +14,7 @@ IN_PROCESS = triton_interp.enable()  # before Triton's first import
 
 triton = pytest.importorskip("triton", reason="the fused kernels need triton")
 
-from qerl_kit.engine import StaticEngine  # noqa: E402
+from qerl_kit.rollout import StaticEngine  # noqa: E402
 from qerl_kit.kernels.engine_fused import (add_rmsnorm, add_rmsnorm_ref, rope_to_cache,  # noqa: E402
                                            rope_to_cache_ref, silu_mul, silu_mul_ref)
 from qerl_kit.kernels.lora_triton import kernels_take, lora_apply_, lora_apply_ref_  # noqa: E402

@@ -3,12 +3,14 @@
 Run: python -m pytest tests/test_evaluate.py -q
 """
 
+import contextlib
+
 import pytest
 import torch
 
 from qerl_kit.data import build_prompt
 from qerl_kit.evaluate import EvalResult, evaluate
-from qerl_kit.rollout import HFEngine, RolloutEngine, Rollouts, SamplingParams
+from qerl_kit.rollout import HFEngine, Prompts, RolloutEngine, Rollouts, SamplingParams
 from tests.test_rollout import make_model, make_tokenizer
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
@@ -21,10 +23,16 @@ class ScriptedEngine:
     """A RolloutEngine whose completions come from a table: prompt -> list of texts (cycled)."""
 
     def __init__(self, table=None, default="?"):
-        self.table, self.default, self.calls = table or {}, default, []
+        self.table, self.default, self.calls, self.syncs = table or {}, default, [], []
+
+    def sync(self, policy=None, *, noise=None, step=0):
+        self.syncs.append((policy, noise))
+        return contextlib.nullcontext({})
 
     def generate(self, prompts, n, sampling):
-        self.calls.append((list(prompts), n, sampling))
+        assert isinstance(prompts, Prompts) and all(prompts.ids)  # token ids, tokenized once by evaluate
+        prompts = list(prompts.texts)
+        self.calls.append((prompts, n, sampling))
         texts = [self.table.get(p, [self.default])[j % len(self.table.get(p, [self.default]))]
                  for p in prompts for j in range(n)]
         ids = [[3 + ord(c) % 500 for c in t] + [1] for t in texts]
@@ -69,6 +77,7 @@ def test_pass_at_1_threshold_none_and_reward_columns():
     # two engine calls of <= 2 problems, n = samples, seeds seed + chunk index, sampling passed on
     assert [len(c[0]) for c in engine.calls] == [2, 1] and all(c[1] == 4 for c in engine.calls)
     assert [c[2] for c in engine.calls] == [SamplingParams(9, 0.7, 0.9, 0, seed) for seed in (10, 11)]
+    assert engine.syncs == [(None, None)] * 2  # each call inside engine.sync (a vLLM engine gets the adapter there)
     # the last call's reward kwargs: TRL-style columns, repeated per sample, group-contiguous
     assert seen["prompts"] == ["unanswerable"] * 4 and seen["answer"] == [None] * 4
     assert seen["level"] == [3] * 4 and seen["completion_ids"][0][-1] == 1
@@ -91,24 +100,24 @@ def test_default_prompt_uses_chat_template_and_custom_prompt_fn():
 def test_greedy_samples_once_and_errors():
     engine = ScriptedEngine()
     with pytest.warns(UserWarning, match="greedy"):
-        res = evaluate(None, None, ROWS, exact_reward, samples=4, temperature=0, engine=engine)
+        res = evaluate(None, make_tokenizer(), ROWS, exact_reward, samples=4, temperature=0, engine=engine)
     assert res.samples == 1 and engine.calls[0][1] == 1 and engine.calls[0][2].greedy
     assert engine.calls[0][2].top_p == 1.0
     with pytest.raises(ValueError, match="empty"):
-        evaluate(None, None, [], exact_reward, engine=engine)
+        evaluate(None, make_tokenizer(), [], exact_reward, engine=engine)
     with pytest.raises(ValueError, match="no 'prompt' column"):
-        evaluate(None, None, [{"question": "q", "answer": "1"}], exact_reward, engine=engine)
+        evaluate(None, make_tokenizer(), [{"question": "q", "answer": "1"}], exact_reward, engine=engine)
     with pytest.raises(ValueError, match="2 scores for 3"):
-        evaluate(None, None, ROWS, lambda completions, **kw: [1.0, 0.0], engine=engine)
+        evaluate(None, make_tokenizer(), ROWS, lambda completions, **kw: [1.0, 0.0], engine=engine)
     with pytest.raises(ValueError, match="samples"):
-        evaluate(None, None, ROWS, exact_reward, samples=0, engine=engine)
+        evaluate(None, make_tokenizer(), ROWS, exact_reward, samples=0, engine=engine)
     with pytest.raises(ValueError, match="pass a model"):
-        evaluate(None, None, ROWS, exact_reward)
+        evaluate(None, make_tokenizer(), ROWS, exact_reward)
 
 
 def test_summary_html_and_dataframe():
     engine = ScriptedEngine(default="#### 2")
-    res = evaluate(None, None, ROWS, exact_reward, samples=2, engine=engine)
+    res = evaluate(None, make_tokenizer(), ROWS, exact_reward, samples=2, engine=engine)
     assert isinstance(res, EvalResult)
     text = str(res)
     assert "accuracy 0.3333" in text and "2 sample(s)" in text and "one plus one" in text
@@ -156,3 +165,21 @@ def test_evaluation_applies_the_lora_adapter():
             if "lora_B" in name:
                 p.zero_()
     assert evaluate(model, tok, rows, match, temperature=0, max_new_tokens=8).accuracy == 1.0
+
+
+def test_a_generate_only_engine_works_and_pass_at_k_and_by_column():
+    class Bare:  # no sync: fine without AQN noise
+        def generate(self, prompts, n, sampling):
+            return ScriptedEngine({prompts.texts[0]: ["#### 2", "#### 6"]}).generate(prompts, n, sampling)
+
+    tok = make_tokenizer()
+    res = evaluate(None, tok, ROWS, exact_reward, samples=2, temperature=1.0, engine=Bare(), batch_size=1)
+    assert [p["pass_rate"] for p in res.per_problem] == [0.5, 0.5, 0.0]  # "#### 2" right once, "#### 6" once
+    assert res.pass_at_k == pytest.approx(2 / 3) and res.accuracy == pytest.approx(1 / 3)
+    assert res.by("level") == {1: {"accuracy": 0.5, "pass_at_k": 1.0, "n": 1},
+                               2: {"accuracy": 0.5, "pass_at_k": 1.0, "n": 1},
+                               3: {"accuracy": 0.0, "pass_at_k": 0.0, "n": 1}}
+    from qerl_kit.rollout.base import engine_sync
+
+    with pytest.raises(TypeError, match="no sync.*AQN noise cannot"):
+        engine_sync(Bare(), None, noise=object())

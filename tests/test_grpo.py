@@ -14,6 +14,7 @@ from qerl_kit import sampling_filters
 from qerl_kit.grpo import (
     LOSSES,
     KeptGroups,
+    LossSpec,
     accumulate_groups,
     clip_stats,
     combine_rewards,
@@ -26,6 +27,7 @@ from qerl_kit.grpo import (
     importance_weights,
     kl_k3,
     overlong_penalty,
+    register_loss,
 )
 
 LN2, LN4, LN15 = math.log(2.0), math.log(4.0), math.log(1.5)
@@ -200,7 +202,8 @@ def test_ratio_one_loss_and_gradient(seed):
         "dapo": -adv[:, None] / L.sum() * mask,
         "dr_grpo": -adv[:, None] / (B * T) * mask,
     }
-    for name, fn in LOSSES.items():
+    for name, spec in LOSSES.items():
+        fn = spec.fn
         lp = logp.detach().clone().requires_grad_(True)
         # old_logp = logp itself (not detached): the loss must treat it as a constant
         loss = fn(lp, lp, adv, mask)
@@ -210,7 +213,34 @@ def test_ratio_one_loss_and_gradient(seed):
 
 
 def test_registry():
-    assert LOSSES == {"grpo": grpo_loss, "dapo": dapo_loss, "dr_grpo": dr_grpo_loss}
+    assert {k: (v.fn, v.normalizer) for k, v in LOSSES.items()} == {
+        "grpo": (grpo_loss, "sequences"), "dapo": (dapo_loss, "tokens"), "dr_grpo": (dr_grpo_loss, "length")}
+    with pytest.raises(ValueError, match="normalizer must be one of"):
+        LossSpec(grpo_loss, "rows")
+
+
+@pytest.mark.parametrize("name", sorted(LOSSES))
+def test_micro_batches_weighted_by_the_spec_add_up_to_the_whole_batch_loss(name):
+    """What the Trainer does: each chunk's loss x chunk_weight, with the whole batch's normalizer."""
+    spec = LOSSES[name]
+    logp, old, adv, mask = random_batch(B=6, lengths=[6, 1, 3, 5, 2, 6])
+    B, T = mask.shape
+    normalizer = spec.batch_kwargs(mask.sum(), T)
+    whole = spec.fn(logp, old, adv, mask, **normalizer)
+    chunks = sum(spec.fn(logp[s:s + 4], old[s:s + 4], adv[s:s + 4], mask[s:s + 4], **normalizer)
+                 * spec.chunk_weight(len(logp[s:s + 4]), B) for s in range(0, B, 4))
+    close(chunks, whole)
+    lp = logp.detach().clone().requires_grad_(True)
+    spec.fn(lp, old, adv, mask, **normalizer).backward()
+    assert lp.grad.abs().sum() > 0
+
+
+def test_register_loss_adds_a_loss_the_config_accepts(monkeypatch):
+    from qerl_kit.config import from_dict
+
+    monkeypatch.setitem(LOSSES, "placeholder", LOSSES["grpo"])  # restored after the test
+    spec = register_loss("placeholder", dapo_loss, "tokens")
+    assert LOSSES["placeholder"] is spec and from_dict(dict(loss=dict(loss="placeholder"))).loss.loss == "placeholder"
 
 
 def test_empty_sequence_and_garbage_padding_do_not_make_nan():
@@ -221,7 +251,7 @@ def test_empty_sequence_and_garbage_padding_do_not_make_nan():
     ref = old.clone()
     ref[3] = math.inf
     w = torch.where(mask.bool(), 1.5, math.nan)  # IS weights that are NaN on padding
-    for fn in LOSSES.values():
+    for fn in (s.fn for s in LOSSES.values()):
         if logp.grad is not None:
             logp.grad = None
         loss = fn(logp, old, adv, mask, ref_logp=ref, beta=0.1, is_weights=w)
@@ -230,7 +260,7 @@ def test_empty_sequence_and_garbage_padding_do_not_make_nan():
         assert torch.isfinite(logp.grad).all()
         assert (logp.grad[1] == 0).all() and (logp.grad[2, 3:] == 0).all()
     all_empty = torch.zeros_like(mask)
-    for fn in LOSSES.values():
+    for fn in (s.fn for s in LOSSES.values()):
         close(fn(logp, old, adv, all_empty), 0.0)
     s = clip_stats(logp, old, adv, all_empty)
     assert all(v == 0.0 for v in s.values())
@@ -394,8 +424,23 @@ def test_accumulate_groups_round_limit_and_errors():
         accumulate_groups(KeptGroups(), [0, 1, 2, 3], torch.tensor([1.0, 1.0, 0.0, 0.0]), 2, 2, max_rounds=1)
     with pytest.raises(ValueError, match="must match one-to-one"):
         accumulate_groups(KeptGroups(), [0, 1, 2], torch.tensor([1.0, 0.0]), 2, 2)
+    with pytest.raises(ValueError, match="exhausted must be"):
+        accumulate_groups(KeptGroups(), [0, 1], torch.tensor([1.0, 0.0]), 2, 1, exhausted="retry")
     with pytest.raises(ValueError, match="group_size >= 2"):
         filter_groups(torch.tensor([1.0, 0.0]), 1)
+
+
+def test_accumulate_groups_fills_at_the_round_limit_with_the_last_rounds_other_groups():
+    rewards = torch.tensor([1, 1, 0, 1, 1, 1, 0, 0.0])  # groups a (flat), b (spread), c (flat), d (flat)
+    s1, done = accumulate_groups(KeptGroups(), ["a", "a", "b", "b", "c", "c", "d", "d"], rewards, 2, 3, max_rounds=2,
+                                 exhausted="fill")
+    assert not done and s1.items() == ["b", "b"] and s1.groups_filled == 0  # round 1 of 2: no fill yet
+    s2, done = accumulate_groups(s1, ["e", "e", "f", "f", "g", "g", "h", "h"], torch.tensor([1, 1, 0, 0, 0, 1, 1, 1.0]),
+                                 2, 3, max_rounds=2, exhausted="fill")
+    # round 2: g passes the filter; the batch is then filled with e, the first flat group, in order
+    assert done and s2.items() == ["b", "b", "g", "g", "e", "e"] and s2.groups_filled == 1
+    assert (s2.groups_kept, s2.groups_seen) == (2, 8)
+    close(s2.reward_tensor(), [0, 1, 0, 1, 1, 1])
 
 
 def test_sampling_helpers_are_reexported():
@@ -424,7 +469,7 @@ def test_overlong_penalty_errors():
 # ----------------------------------------------------------------------------- error messages
 def test_loss_input_errors():
     logp, old, adv, mask = random_batch()
-    for fn in LOSSES.values():
+    for fn in (s.fn for s in LOSSES.values()):
         with pytest.raises(ValueError, match="ref_logp"):
             fn(logp, old, adv, mask, beta=0.1)
     with pytest.raises(ValueError, match=r"old_logp must have shape \[B, T\]"):

@@ -236,7 +236,7 @@ def test_gpu_fallback_to_our_kernels_when_a_build_fails(monkeypatch):
 def test_engine_decodes_through_humming_with_the_models_logprobs():
     """A 2-layer model with 7B-sized widths, NVFP4 + LoRA, on the GPU engine (CUDA graphs): its fused
     q/k/v and gate/up take humming, and each sampled token's log-prob is the HF forward's."""
-    from qerl_kit.engine import StaticEngine
+    from qerl_kit.rollout import StaticEngine
     from qerl_kit.lora import attach_lora
     from qerl_kit.models import build_model
     from qerl_kit.quantize import quantize_model

@@ -186,7 +186,7 @@ def test_a_config_key_newer_than_the_checkpoint_is_not_a_change_at_its_default()
 
 @pytest.mark.parametrize("engine", ["hf", "static"])
 def test_a_prompt_longer_than_the_context_is_an_error_not_garbage(engine):
-    from qerl_kit.engine import make_engine
+    from qerl_kit.rollout import make_engine
     from qerl_kit.rollout import SamplingParams
 
     model = _policy()                                    # qwen2-tiny: max_position_embeddings = 512

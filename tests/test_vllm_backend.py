@@ -15,13 +15,13 @@ import torch
 from safetensors.torch import load_file
 from torch import nn
 
-from qerl_kit import vllm_backend
+from qerl_kit.rollout import vllm as vllm_backend
 from qerl_kit.aqn import AQN
 from qerl_kit.lora import attach_lora, load_lora
 from qerl_kit.models import build_model
 from qerl_kit.quantize import quantize_model
 from qerl_kit.rollout import Rollouts, SamplingParams
-from qerl_kit.vllm_backend import (AdapterWriter, VLLMEngine, hf_norm_names, resolve_norms,
+from qerl_kit.rollout.vllm import (AdapterWriter, VLLMEngine, hf_norm_names, resolve_norms,
                                    vllm_norm_names)
 
 EOS, PAD = 1, 0

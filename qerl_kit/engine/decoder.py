@@ -68,29 +68,37 @@ def _rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     return x * cos[:, None] + _rotate_half(x) * sin[:, None]
 
 
+def unsupported_layout(model: nn.Module) -> str | None:
+    """Why ``Decoder`` cannot run ``model`` (a sentence), or None when its layout is one it knows."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    inner = getattr(base, "model", None)
+    needed = ("embed_tokens", "layers", "norm", "rotary_emb")
+    if inner is None or not all(hasattr(inner, a) for a in needed) or not hasattr(base, "lm_head"):
+        return (f"{type(base).__name__} is not a Qwen2/Qwen3/Llama-style causal LM (expected "
+                "model.model.{embed_tokens, layers, norm, rotary_emb} and model.lm_head)")
+    config = getattr(base, "config", None)
+    if getattr(config, "use_sliding_window", False) and getattr(config, "sliding_window", None):
+        return "the static engine implements full attention only; this config enables a sliding window (use HFEngine)"
+    for i, layer in enumerate(inner.layers):
+        attn = getattr(layer, "self_attn", None)
+        parts = ("q_proj", "k_proj", "v_proj", "o_proj")
+        if attn is None or not all(hasattr(attn, p) for p in parts) or not hasattr(layer, "mlp"):
+            return f"layer {i} ({type(layer).__name__}) lacks self_attn.{{q,k,v,o}}_proj or mlp"
+    return None
+
+
 class Decoder:
     """The model's modules, run with a static KV cache (see the module docstring)."""
 
     def __init__(self, model: nn.Module, fused: bool = True):
+        reason = unsupported_layout(model)
+        if reason is not None:
+            raise (NotImplementedError if "sliding window" in reason else TypeError)(reason)
         base = model.get_base_model() if hasattr(model, "get_base_model") else model
-        inner = getattr(base, "model", None)
-        needed = ("embed_tokens", "layers", "norm", "rotary_emb")
-        if inner is None or not all(hasattr(inner, a) for a in needed) or not hasattr(base, "lm_head"):
-            raise TypeError(
-                f"{type(base).__name__} is not a Qwen2/Qwen3/Llama-style causal LM (expected "
-                "model.model.{embed_tokens, layers, norm, rotary_emb} and model.lm_head)")
-        config = base.config
-        if getattr(config, "use_sliding_window", False) and getattr(config, "sliding_window", None):
-            raise NotImplementedError("the static engine implements full attention only; this config "
-                                      "enables a sliding window (use HFEngine)")
+        inner, config = base.model, base.config
         self.model, self.config = base, config
         self.embed, self.layers, self.norm = inner.embed_tokens, list(inner.layers), inner.norm
         self.rotary, self.lm_head = inner.rotary_emb, base.lm_head
-        for i, layer in enumerate(self.layers):
-            attn = getattr(layer, "self_attn", None)
-            parts = ("q_proj", "k_proj", "v_proj", "o_proj")
-            if attn is None or not all(hasattr(attn, p) for p in parts) or not hasattr(layer, "mlp"):
-                raise TypeError(f"layer {i} ({type(layer).__name__}) lacks self_attn.{{q,k,v,o}}_proj or mlp")
         attn = self.layers[0].self_attn
         self.heads = config.num_attention_heads
         self.kv_heads = getattr(config, "num_key_value_heads", None) or self.heads

@@ -45,10 +45,14 @@ import hashlib
 import random
 from typing import Iterable, Sequence
 
-__all__ = ["LEVELS", "SPLITS", "TEST_PERCENT", "make_problem", "make_dataset", "split_of",
+__all__ = ["LEVELS", "SPLITS", "TEST_PERCENT", "PROMPT_SUFFIX", "make_problem", "make_dataset", "split_of",
            "careless_solution", "skeleton_key"]
 
 LEVELS: tuple[int, ...] = (1, 2, 3, 4)
+# The instruction after the question in this task's prompts (``qerl_kit.tasks.arith_prompt``): none.
+# The tiny model saw prompts with and without GSM8K's suffix; without it prompts are ~70 tokens
+# shorter, so rollouts are faster.
+PROMPT_SUFFIX = ""
 SPLITS = ("train", "test")
 TEST_PERCENT = 20          # share of skeletons (not of rows) that belong to the held-out split
 MAX_VALUE = 99             # every intermediate value stays in 1..MAX_VALUE

@@ -1,12 +1,12 @@
 """``StaticEngine``: rollouts with a static KV cache, shared prefill and CUDA-graph decode steps.
 
-A backend of ``qerl_kit.rollout``'s interface (``generate(prompts, n, sampling) -> Rollouts``),
-built for the RL loop's shape of work: the same number of rows and completion length step after
+A backend of ``qerl_kit.rollout``'s interface (``generate(prompts, n, sampling) -> Rollouts``,
+``generate_ids`` -> ``Generation``), built for the RL loop's shape of work: the same number of rows and completion length step after
 step, a policy whose LoRA weights and AQN norm noise change in place between calls.
 
 How one call runs:
 
-1. Prompts are tokenized, left-padded to a width P rounded up to ``prompt_bucket`` (so calls of
+1. Prompt ids are left-padded to a width P rounded up to ``prompt_bucket`` (so calls of
    similar prompt lengths reuse one cache and its graphs), and prefilled once per unique prompt,
    in chunks of at most ``max_prefill_tokens``; keys/values are written to each of the prompt's n
    cache rows. The first completion token of every row is sampled from the prefill's logits.
@@ -43,8 +43,8 @@ from torch import Tensor
 
 from qerl_kit.engine.decoder import Decoder, KVCache
 from qerl_kit.engine.sampler import sample
-from qerl_kit.rollout import (Rollouts, SamplingParams, _check_context, _check_request, _inference, _pad, _seeded,
-                              _decode_completions, _special_ids, _stop_mask)
+from qerl_kit.rollout.base import ModelEngine, check_context, inference, seeded, special_ids, stop_mask
+from qerl_kit.rollout.types import Generation, Prompts, SamplingParams, as_prompts, check_n, pad_rows
 
 __all__ = ["StaticEngine"]
 
@@ -74,7 +74,7 @@ class _State:
             getattr(self, k).copy_(v)
 
 
-class StaticEngine:
+class StaticEngine(ModelEngine):
     """Static-KV-cache rollout engine; see the module docstring.
 
     ``cuda_graphs``: capture decode steps on CUDA (ignored on the CPU, where steps run eagerly).
@@ -103,7 +103,7 @@ class StaticEngine:
         self.length_bucket, self.prompt_bucket = length_bucket, prompt_bucket
         self.max_prefill_tokens, self.sync_every = max_prefill_tokens, sync_every
         self.add_special_tokens, self.ignore_eos, self.keep_cache = add_special_tokens, ignore_eos, keep_cache
-        pad, self.stop_token_ids = _special_ids(tokenizer, self.decoder.model, stop_token_ids)
+        pad, self.stop_token_ids = special_ids(tokenizer, self.decoder.model, stop_token_ids)
         self.pad_token_id = 0 if pad is None else pad  # generate_ids works without a tokenizer
         self._state: tuple[tuple, _State] | None = None
 
@@ -117,56 +117,30 @@ class StaticEngine:
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
 
-    # -- the public interface -------------------------------------------------------------------
-    def generate(self, prompts: list[str], n: int = 1, sampling: SamplingParams | None = None) -> Rollouts:
-        prompts = _check_request(prompts, n)
-        if self.tokenizer is None:
-            raise ValueError("this StaticEngine has no tokenizer; pass one, or call generate_ids")
-        sampling = sampling or SamplingParams()
-        encoded = self.tokenizer(prompts, add_special_tokens=self.add_special_tokens)["input_ids"]
-        start = time.perf_counter()
-        out = self.generate_ids(encoded, n, sampling, ignore_eos=self.ignore_eos)
-        c_ids, cmask, stopped = out["completion_ids"], out["completion_mask"], out["stopped"]
-        texts = _decode_completions(self.tokenizer, c_ids, cmask, stopped)
-        seconds = time.perf_counter() - start
-        tokens = int(cmask.sum())
-        stats = {"rollout/tokens": tokens, "rollout/seconds": seconds,
-                 "rollout/tokens_per_s": tokens / max(seconds, 1e-9),
-                 "rollout/prefill_seconds": out["prefill_seconds"], "rollout/decode_seconds": out["decode_seconds"]}
-        return Rollouts([p for p in prompts for _ in range(n)], out["prompt_ids"], out["prompt_mask"],
-                        c_ids, cmask, out["logprobs"], texts, ["stop" if s else "length" for s in stopped.tolist()],
-                        n, self.pad_token_id, stats)
-
-    def generate_ids(self, prompt_ids: Sequence[Sequence[int]], n: int = 1,
-                     sampling: SamplingParams | None = None, ignore_eos: bool = False) -> dict[str, Any]:
-        """Token-level generation: prompt id lists -> dict of tensors (group-contiguous rows):
-        prompt_ids/prompt_mask [R, P] (left-padded), completion_ids/completion_mask/logprobs [R, C],
-        stopped [R] bool, and prefill/decode seconds."""
-        sampling = sampling or SamplingParams()
-        prompt_ids = [list(p) for p in prompt_ids]
-        if not prompt_ids:
-            raise ValueError("no prompts: nothing to generate")
-        empty = [i for i, p in enumerate(prompt_ids) if len(p) == 0]
-        if empty:
-            raise ValueError(f"prompts {empty[:5]} have zero tokens; nothing to condition on")
-        if not isinstance(n, int) or n < 1:
-            raise ValueError(f"n (samples per prompt) must be an int >= 1; got {n!r}")
-        _check_context(prompt_ids, sampling.max_new_tokens, self.model)
+    # -- the public interface (generate: ModelEngine's, on top of generate_ids) ---------------
+    def generate_ids(self, prompts: Prompts | Sequence[Sequence[int]], n: int = 1,
+                     sampling: SamplingParams | None = None, ignore_eos: bool | None = None) -> Generation:
+        """Token-level generation: ``Generation`` of ``len(prompts) * n`` group-contiguous rows, with
+        ``rollout/prefill_seconds`` and ``rollout/decode_seconds`` in its stats. ``ignore_eos``
+        (default: the engine's) runs every row to ``max_new_tokens``."""
+        prompts = as_prompts(prompts, self.tokenizer, self.add_special_tokens)
+        n, sampling = check_n(n), sampling or SamplingParams()
+        ignore_eos = self.ignore_eos if ignore_eos is None else ignore_eos
+        prompt_ids = [list(p) for p in prompts.ids]
+        check_context(prompt_ids, sampling.max_new_tokens, self.model)
         per_batch = len(prompt_ids) if self.max_rows is None else max(1, self.max_rows // n)
         parts = []
-        with _inference(self.model), _seeded(sampling.seed, self.device):
+        with inference(self.model), seeded(sampling.seed, self.device):
             for i in range(0, len(prompt_ids), per_batch):
                 chunk = prompt_ids[i:i + per_batch]
                 real = len(chunk)
                 if real < per_batch < len(prompt_ids):  # pad the last batch: same shape, same graphs
                     chunk = chunk + [chunk[-1]] * (per_batch - real)
                 out = self._generate_batch(chunk, n, sampling, ignore_eos)
-                parts.append(out if real == len(chunk) else _rows(out, real * n))
+                parts.append(out if real == len(chunk) else out.head(real * n))
         if not self.keep_cache:
             self.reset()
-        if len(parts) == 1:
-            return parts[0]
-        return _concat(parts, self.pad_token_id)
+        return Generation.concat(parts, self.pad_token_id)
 
     # -- one batch ------------------------------------------------------------------------------
     def _state_for(self, rows: int, width: int, new: int) -> _State:
@@ -242,13 +216,13 @@ class StaticEngine:
         graph.replay()
 
     def _generate_batch(self, prompt_ids: list[list[int]], n: int, sampling: SamplingParams,
-                        ignore_eos: bool) -> dict[str, Any]:
+                        ignore_eos: bool) -> Generation:
         dev, dec = self.device, self.decoder
         B, new = len(prompt_ids), sampling.max_new_tokens
         longest = max(len(p) for p in prompt_ids)
         width = -(-longest // self.prompt_bucket) * self.prompt_bucket
-        ids = _pad([torch.tensor(p, dtype=torch.long) for p in prompt_ids], self.pad_token_id, left=True)
-        mask = _pad([torch.ones(len(p), dtype=torch.long) for p in prompt_ids], 0, left=True)
+        ids = pad_rows([torch.tensor(p, dtype=torch.long) for p in prompt_ids], self.pad_token_id, left=True)
+        mask = pad_rows([torch.ones(len(p), dtype=torch.long) for p in prompt_ids], 0, left=True)
         ids = torch.cat([ids.new_full((B, width - longest), self.pad_token_id), ids], 1).to(dev)
         mask = torch.cat([mask.new_zeros((B, width - longest)), mask], 1).to(dev)
         rows = B * n
@@ -298,15 +272,14 @@ class StaticEngine:
             cmask = torch.ones_like(c_ids)
             stopped = torch.zeros(rows, dtype=torch.bool, device=dev)
         else:
-            cmask, stopped = _stop_mask(c_ids, self.stop_token_ids or [-1])
+            cmask, stopped = stop_mask(c_ids, self.stop_token_ids)
             width_used = int(cmask.sum(1).max())  # drop the all-padding tail after the last stop
             cmask, c_ids, logprobs = cmask[:, :width_used], c_ids[:, :width_used], logprobs[:, :width_used]
             c_ids = torch.where(cmask.bool(), c_ids, self.pad_token_id)
             logprobs = torch.where(cmask.bool(), logprobs, 0.0)
-        return dict(prompt_ids=ids[:, width - longest:].repeat_interleave(n, 0),
-                    prompt_mask=mask[:, width - longest:].repeat_interleave(n, 0),
-                    completion_ids=c_ids, completion_mask=cmask, logprobs=logprobs, stopped=stopped,
-                    prefill_seconds=t1 - t0, decode_seconds=t2 - t1)
+        return Generation(ids[:, width - longest:].repeat_interleave(n, 0), mask[:, width - longest:].repeat_interleave(n, 0),
+                          c_ids, cmask, logprobs, stopped,
+                          {"rollout/prefill_seconds": t1 - t0, "rollout/decode_seconds": t2 - t1})
 
 
 # Hooks that do nothing under no_grad: transformers' and peft's enable_input_require_grads (needed
@@ -321,25 +294,4 @@ def _hooked_modules(model: torch.nn.Module) -> list[str]:
         hooks = list(module._forward_hooks.values()) + list(module._forward_pre_hooks.values())
         if any(getattr(h, "__name__", None) not in _INERT_HOOKS for h in hooks):
             out.append(name)
-    return out
-
-
-def _rows(out: dict[str, Any], rows: int) -> dict[str, Any]:
-    """The first ``rows`` rows of a batch's output (drops the padding rows of a last batch)."""
-    return {k: (v[:rows] if isinstance(v, Tensor) else v) for k, v in out.items()}
-
-
-def _concat(parts: list[dict], pad: int) -> dict[str, Any]:
-    from qerl_kit.rollout import _repad
-
-    P = max(p["prompt_ids"].shape[1] for p in parts)
-    C = max(p["completion_ids"].shape[1] for p in parts)
-    out = {"prompt_ids": torch.cat([_repad(p["prompt_ids"], P, pad, True) for p in parts]),
-           "prompt_mask": torch.cat([_repad(p["prompt_mask"], P, 0, True) for p in parts]),
-           "completion_ids": torch.cat([_repad(p["completion_ids"], C, pad, False) for p in parts]),
-           "completion_mask": torch.cat([_repad(p["completion_mask"], C, 0, False) for p in parts]),
-           "logprobs": torch.cat([_repad(p["logprobs"], C, 0.0, False) for p in parts]),
-           "stopped": torch.cat([p["stopped"] for p in parts])}
-    out["prefill_seconds"] = sum(p["prefill_seconds"] for p in parts)
-    out["decode_seconds"] = sum(p["decode_seconds"] for p in parts)
     return out

@@ -3,7 +3,10 @@
 ``VLLMEngine(checkpoint_dir, tokenizer)`` starts ``vllm.LLM`` in this process on a checkpoint
 written by ``qerl_kit.export.save_nvfp4`` (vLLM runs it with its W4A16-FP4 Marlin kernels) with
 LoRA enabled, and implements the rollout interface of ``qerl_kit.rollout``:
-``generate(prompts, n, sampling) -> Rollouts`` with each sampled token's log-prob.
+``with engine.sync(policy, noise=aqn, step=step):`` (wake up, upload the adapter and the step's
+norms) then ``generate(prompts, n, sampling) -> Rollouts`` with each sampled token's log-prob.
+``VLLMEngine.from_policy(policy, tokenizer)`` exports the policy's NVFP4 base to a temporary
+directory first; ``make_engine("vllm", policy, tokenizer)`` (``rollout.engine: vllm``) calls it.
 
 * ``sync_adapter(peft_model, aqn=None, step=None)`` after each update: the LoRA matrices go to a
   fresh directory on tmpfs (``/dev/shm``) and the next ``generate`` uses a ``LoRARequest`` with a
@@ -27,12 +30,13 @@ import shutil
 import tempfile
 import time
 from pathlib import Path
-from typing import Sequence
+from typing import Any, Iterator, Sequence
 
 import torch
 from torch import nn
 
-from qerl_kit.rollout import Rollouts, SamplingParams
+from qerl_kit.rollout.base import Engine
+from qerl_kit.rollout.types import Generation, Prompts, Rollouts, SamplingParams, as_prompts, check_n
 
 __all__ = ["VLLMEngine", "AdapterWriter", "vllm_norm_names", "hf_norm_names", "resolve_norms",
            "import_vllm", "require_cuda"]
@@ -160,7 +164,7 @@ class AdapterWriter:
 
 
 # ---- the engine ---------------------------------------------------------------------------------
-class VLLMEngine:
+class VLLMEngine(Engine):
     """``vllm.LLM`` on an exported NVFP4 checkpoint; ``generate`` fills ``qerl_kit.rollout.Rollouts``."""
 
     def __init__(self, checkpoint_dir: str | Path, tokenizer, *, gpu_memory_utilization: float = 0.3,
@@ -182,6 +186,7 @@ class VLLMEngine:
         self.enable_sleep_mode, self.asleep = enable_sleep_mode, False
         self.adapters = AdapterWriter(adapter_root)
         self.lora_request = None
+        self.last_norm_count = 0
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # engine in this process: apply_model
         kwargs = dict(model=str(checkpoint_dir), enable_lora=True, max_lora_rank=self.max_lora_rank,
                       max_loras=1, gpu_memory_utilization=gpu_memory_utilization,
@@ -199,6 +204,47 @@ class VLLMEngine:
             kwargs.pop("logprobs_mode")
             self.llm = vllm.LLM(**kwargs)
         self.logprobs_mode = kwargs.get("logprobs_mode", "raw_logprobs")
+        self._export_dir: Path | None = None  # a base exported by from_policy, removed by close()
+
+    @classmethod
+    def from_policy(cls, policy: nn.Module, tokenizer, *, export_dir: str | Path | None = None,
+                    **kwargs) -> "VLLMEngine":
+        """Export ``policy``'s NVFP4 base (``qerl_kit.export.save_nvfp4``) to ``export_dir`` (default: a
+        fresh temporary directory, removed by ``close``) and start vLLM on it, with ``max_lora_rank``
+        the adapter's rank unless given. The adapter and norms reach vLLM at every ``sync``."""
+        from qerl_kit.export import save_nvfp4
+
+        import_vllm()  # fail before minutes of exporting
+        require_cuda()
+        temporary = export_dir is None
+        path = Path(tempfile.mkdtemp(prefix="qerl-vllm-base-")) if temporary else Path(export_dir)
+        save_nvfp4(policy, path, tokenizer=tokenizer)
+        config = getattr(policy, "peft_config", {}).get("default")
+        if config is not None:
+            kwargs.setdefault("max_lora_rank", config.r)
+        engine = cls(path, tokenizer, **kwargs)
+        engine._export_dir = path if temporary else None
+        return engine
+
+    # -- the step before a rollout -----------------------------------------------------------------
+    @contextlib.contextmanager
+    def sync(self, policy: nn.Module | None = None, *, noise=None, step: int = 0) -> Iterator[dict]:
+        """Wake vLLM, send it ``policy``'s adapter and norms (with ``noise``'s AQN at ``step``), run the
+        block, then put vLLM back to sleep (with sleep mode on), so training has the memory back."""
+        if noise is not None and policy is None:
+            raise ValueError("VLLMEngine.sync with noise needs the policy whose norms carry it")
+        start = time.perf_counter()
+        self.wake_up()
+        try:
+            info: dict[str, Any] = {}
+            if policy is not None:
+                self.sync_adapter(policy, aqn=noise, step=step)
+                if noise is not None:
+                    info["aqn/norms"] = self.last_norm_count if noise.sigma(step) > 0 else 0
+            info["sync/seconds"] = time.perf_counter() - start
+            yield info
+        finally:
+            self.sleep()
 
     # -- weights ---------------------------------------------------------------------------------
     def sync_adapter(self, peft_model, *, aqn=None, step: int | None = None, adapter_name: str = "default"):
@@ -236,6 +282,7 @@ class VLLMEngine:
         counts = self._apply_to_model(_LoadNorms(values, expected=len(norms)))
         if any(c != len(norms) for c in counts):
             raise RuntimeError(f"vLLM workers updated {counts} norms, expected {len(norms)} each")
+        self.last_norm_count = len(norms)
         return len(norms)
 
     def _apply_to_model(self, fn) -> list:
@@ -265,34 +312,49 @@ class VLLMEngine:
             self.sleep()
 
     # -- rollouts --------------------------------------------------------------------------------
-    def generate(self, prompts: list[str], n: int = 1, sampling: SamplingParams | None = None) -> Rollouts:
-        if isinstance(prompts, str) or not prompts or not all(isinstance(p, str) for p in prompts):
-            raise TypeError("prompts must be a non-empty list of strings")
-        if not isinstance(n, int) or n < 1:
-            raise ValueError(f"n (samples per prompt) must be an int >= 1; got {n!r}")
+    def _run(self, prompts: Prompts, n: int, sampling: SamplingParams) -> tuple[Generation, list[str]]:
         if self.asleep:
-            raise RuntimeError("the vLLM engine is asleep; call wake_up() (or use `with engine.awake():`)")
-        sampling = sampling or SamplingParams()
-        start = time.perf_counter()
-        ids = self.tokenizer(list(prompts), add_special_tokens=self.add_special_tokens)["input_ids"]
+            raise RuntimeError("the vLLM engine is asleep; call wake_up() (or generate inside `with engine.sync(...)`"
+                               " / `with engine.awake():`)")
         params = self._vllm.SamplingParams(
             n=n, max_tokens=sampling.max_new_tokens, temperature=sampling.temperature, top_p=sampling.top_p,
             top_k=sampling.top_k or -1, seed=sampling.seed, logprobs=0, skip_special_tokens=True,
             stop_token_ids=self.stop_token_ids or None)
-        outputs = self.llm.generate([{"prompt_token_ids": list(p)} for p in ids], params,
+        outputs = self.llm.generate([{"prompt_token_ids": list(p)} for p in prompts.ids], params,
                                     lora_request=self.lora_request, use_tqdm=False)
-        rows = []
-        for prompt, prompt_ids, out in zip(prompts, ids, outputs):
+        p_ids, c_ids, logprobs, stopped, texts = [], [], [], [], []
+        for prompt_ids, out in zip(prompts.ids, outputs):
             for c in sorted(out.outputs, key=lambda c: c.index):
                 toks = list(c.token_ids)
                 if c.logprobs is None or len(c.logprobs) != len(toks):
                     raise RuntimeError("vLLM returned no per-token log-probs (SamplingParams.logprobs=0)")
-                rows.append((prompt, list(prompt_ids), toks, [float(lp[t].logprob) for lp, t in zip(c.logprobs, toks)],
-                             c.text, "stop" if c.finish_reason == "stop" else "length"))
+                p_ids.append(list(prompt_ids))
+                c_ids.append(toks)
+                logprobs.append([float(lp[t].logprob) for lp, t in zip(c.logprobs, toks)])
+                stopped.append(c.finish_reason == "stop")
+                texts.append(c.text)
+        return Generation.from_lists(p_ids, c_ids, logprobs, stopped, self.pad_token_id), texts
+
+    def generate_ids(self, prompts: Prompts | Sequence[Sequence[int]], n: int = 1,
+                     sampling: SamplingParams | None = None) -> Generation:
+        return self._run(as_prompts(prompts, self.tokenizer, self.add_special_tokens), check_n(n),
+                         sampling or SamplingParams())[0]
+
+    def generate(self, prompts: Prompts | Sequence[str] | Sequence[Sequence[int]], n: int = 1,
+                 sampling: SamplingParams | None = None) -> Rollouts:
+        """As ``Engine.generate``, with the texts vLLM decoded (its detokenizer, special tokens skipped)."""
+        prompts = as_prompts(prompts, self.tokenizer, self.add_special_tokens)
+        n = check_n(n)
+        start = time.perf_counter()
+        gen, texts = self._run(prompts, n, sampling or SamplingParams())
         seconds = time.perf_counter() - start
-        tokens = sum(len(r[2]) for r in rows)
-        stats = {"rollout/tokens": tokens, "rollout/seconds": seconds, "rollout/tokens_per_s": tokens / max(seconds, 1e-9)}
-        return Rollouts.from_lists(*zip(*rows), group_size=n, pad_token_id=self.pad_token_id, stats=stats)
+        tokens = int(gen.completion_mask.sum())
+        return Rollouts.from_generation(prompts, gen, n, texts, self.pad_token_id, {
+            "rollout/tokens": tokens, "rollout/seconds": seconds, "rollout/tokens_per_s": tokens / max(seconds, 1e-9)})
 
     def close(self) -> None:
+        """Remove the adapter directories (and a base ``from_policy`` exported to a temporary directory)."""
         self.adapters.cleanup()
+        if self._export_dir is not None:
+            shutil.rmtree(self._export_dir, ignore_errors=True)
+            self._export_dir = None

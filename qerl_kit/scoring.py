@@ -1,0 +1,60 @@
+"""Scoring completions with a task's reward functions, TRL's way, with errors that name the function.
+
+``score_rollouts(task, rows, rollouts, group_size)`` calls every reward function with TRL's
+keyword arguments (``prompts``, ``completions``, ``completion_ids`` and each other dataset column
+as a list aligned with the completions), checks what each returns (one float or None per
+completion), combines them (``grpo.combine_rewards``) and says which completions are correct
+(the task's accuracy reward >= 1).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from qerl_kit import grpo
+
+__all__ = ["checked_scores", "score_rollouts"]
+
+
+def checked_scores(fn, scores, n: int) -> list:
+    """A reward function's scores, one per completion, or an error that names the function."""
+    name = getattr(fn, "__name__", type(fn).__name__)
+    if scores is None:
+        raise TypeError(f"reward function {name!r} returned None; it must return one score (a float, or None "
+                        f"for 'not applicable') per completion: a list of {n}")
+    if isinstance(scores, torch.Tensor):
+        scores = scores.tolist()
+    try:
+        scores = list(scores)
+    except TypeError:
+        raise TypeError(f"reward function {name!r} returned {type(scores).__name__}, not a list of "
+                        f"{n} scores") from None
+    if len(scores) != n:
+        raise ValueError(f"reward function {name!r} returned {len(scores)} scores for {n} completions; "
+                         "it must return exactly one per completion")
+    for s in scores:
+        if s is not None and not isinstance(s, (int, float)):
+            raise TypeError(f"reward function {name!r} returned a score of type {type(s).__name__} ({s!r}); "
+                            "scores are floats, or None for 'not applicable'")
+    return scores
+
+
+def score_rollouts(task, rows: list[dict], rollouts, group_size: int) -> tuple[torch.Tensor, dict, torch.Tensor]:
+    """(rewards [B], ``rewards/<fn>/mean|std`` metrics, correct [B] as 0/1 floats) of rollouts of ``rows``."""
+    columns = {k: [row[k] for row in rows for _ in range(group_size)] for k in rows[0] if k != "prompt"}
+    kwargs = dict(prompts=rollouts.prompts, completions=rollouts.texts,
+                  completion_ids=rollouts.completion_id_lists(), **columns)
+    n = len(rollouts.texts)
+    per_fn, metrics = [], {}
+    for fn in task.rewards:
+        scores = checked_scores(fn, fn(**kwargs), n)
+        per_fn.append(scores)
+        vals = torch.tensor([float("nan") if s is None else float(s) for s in scores])
+        name = getattr(fn, "__name__", type(fn).__name__)
+        metrics[f"rewards/{name}/mean"] = vals.nanmean().item()
+        metrics[f"rewards/{name}/std"] = vals[~vals.isnan()].std().item() if (~vals.isnan()).sum() > 1 else 0.0
+    rewards = grpo.combine_rewards(per_fn)
+    acc = task.accuracy
+    acc_scores = per_fn[task.rewards.index(acc)] if acc in task.rewards else checked_scores(acc, acc(**kwargs), n)
+    correct = torch.tensor([1.0 if (s is not None and s >= 1.0) else 0.0 for s in acc_scores])
+    return rewards, metrics, correct
