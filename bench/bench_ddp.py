@@ -96,6 +96,7 @@ def run(args) -> dict | None:
     from qerl_kit.lora import attach_lora
     from qerl_kit.models import PRESETS, build_model
     from qerl_kit.quantize import quantize_model
+    from qerl_kit.tasks import Task
     from qerl_kit.trainer import Trainer
 
     warnings.filterwarnings("ignore", message=".*no EOS or stop token id known.*")
@@ -144,8 +145,8 @@ def run(args) -> dict | None:
         loss=dict(loss="dapo", micro_batch=args.micro_batch),
         optim=dict(lr=1e-5), aqn=dict(enabled=True, stages=3),
         total_steps=max(3, total), save_every=0, output_dir=str(Path(args.out) / f"run_w{W}")))
-    trainer = Trainer(policy, IdTokenizer(), rows, [random_reward], cfg,
-                      prompt_fn=lambda tok, row: row["prompt"], progress="none")
+    task = Task("random-ids", rows, [], (random_reward,), lambda tok, row: row["prompt"])
+    trainer = Trainer(policy, IdTokenizer(), task, cfg, progress="none")
 
     def sync():
         if args.device == "cuda":

@@ -186,8 +186,8 @@ def engine_run(model, prompts, new: int, repeats: int = 1) -> dict:
         sync()
         total = time.perf_counter() - t
         if best is None or total < best["total_s"]:
-            best = dict(total_s=total, prefill_s=out["prefill_seconds"], decode_s=out["decode_seconds"],
-                        ms_per_step=1e3 * out["decode_seconds"] / max(new - 1, 1), warmup_s=warm,
+            best = dict(total_s=total, prefill_s=out.stats["rollout/prefill_seconds"], decode_s=out.stats["rollout/decode_seconds"],
+                        ms_per_step=1e3 * out.stats["rollout/decode_seconds"] / max(new - 1, 1), warmup_s=warm,
                         path=engine.decoder.path)
     engine.reset()
     del engine
@@ -248,21 +248,21 @@ def part_check(args, device, results):
         with torch.no_grad():
             a = StaticEngine(model, None, cuda_graphs=True, length_bucket=16).generate_ids(prompts, 2, sp, ignore_eos=True)
             b = StaticEngine(model, None, cuda_graphs=False, length_bucket=16).generate_ids(prompts, 2, sp, ignore_eos=True)
-            ids = torch.cat([torch.tensor(prompts, device=device).repeat_interleave(2, 0), a["completion_ids"]], 1)
+            ids = torch.cat([torch.tensor(prompts, device=device).repeat_interleave(2, 0), a.completion_ids], 1)
             logits = model(input_ids=ids).logits[:, 36:-1].float()
-        ref = torch.log_softmax(logits, -1).gather(2, a["completion_ids"][:, :, None]).squeeze(2)
+        ref = torch.log_softmax(logits, -1).gather(2, a.completion_ids[:, :, None]).squeeze(2)
         sampled = StaticEngine(model, None).generate_ids(prompts, 2, SamplingParams(max_new_tokens=40, seed=5),
                                                          ignore_eos=True)
-        ids_s = torch.cat([torch.tensor(prompts, device=device).repeat_interleave(2, 0), sampled["completion_ids"]], 1)
+        ids_s = torch.cat([torch.tensor(prompts, device=device).repeat_interleave(2, 0), sampled.completion_ids], 1)
         with torch.no_grad():
             ls = torch.log_softmax(model(input_ids=ids_s).logits[:, 36:-1].float(), -1)
-        ref_s = ls.gather(2, sampled["completion_ids"][:, :, None]).squeeze(2)
+        ref_s = ls.gather(2, sampled.completion_ids[:, :, None]).squeeze(2)
         out[preset] = dict(
-            graph_eq_eager_tokens=bool(torch.equal(a["completion_ids"], b["completion_ids"])),
-            graph_vs_eager_logprob_maxdiff=(a["logprobs"] - b["logprobs"]).abs().max().item(),
-            greedy_logprob_vs_hf_forward_maxdiff=(a["logprobs"] - ref).abs().max().item(),
-            sampled_logprob_vs_hf_forward_maxdiff=(sampled["logprobs"] - ref_s).abs().max().item(),
-            sampled_distinct_rows=len({tuple(r) for r in sampled["completion_ids"].tolist()}))
+            graph_eq_eager_tokens=bool(torch.equal(a.completion_ids, b.completion_ids)),
+            graph_vs_eager_logprob_maxdiff=(a.logprobs - b.logprobs).abs().max().item(),
+            greedy_logprob_vs_hf_forward_maxdiff=(a.logprobs - ref).abs().max().item(),
+            sampled_logprob_vs_hf_forward_maxdiff=(sampled.logprobs - ref_s).abs().max().item(),
+            sampled_distinct_rows=len({tuple(r) for r in sampled.completion_ids.tolist()}))
         log(f"check {preset}: {out[preset]}")
         del model
         free()
@@ -382,6 +382,7 @@ def part_step(args, device, results):
     from bench.bench_ddp import IdTokenizer  # prompts are whitespace-separated token ids
 
     from qerl_kit.config import preset as cfg_preset
+    from qerl_kit.tasks import Task
     from qerl_kit.trainer import Trainer
 
     rows = results.setdefault("step", [])
@@ -406,8 +407,8 @@ def part_step(args, device, results):
                              rollout=dict(batch_size=64, group_size=8, max_new_tokens=args.new),
                              loss=dict(micro_batch=args.micro_batch), aqn=dict(enabled=fmt == "nvfp4"))
             engine = StaticEngine(peft, IdTokenizer(), ignore_eos=True, keep_cache=preset not in args.checkpointing)
-            trainer = Trainer(peft, IdTokenizer(), data, [reward], cfg, engine=engine, prompt_fn=lambda tok, row: row["prompt"],
-                              progress="none")
+            task = Task("random-ids", data, [], (reward,), lambda tok, row: row["prompt"])
+            trainer = Trainer(peft, IdTokenizer(), task, cfg, engine=engine, progress="none")
             steps = 1 if ckpt else 2  # big models: one step (its peak includes graph capture)
             for i in range(steps):
                 if torch.cuda.is_available():

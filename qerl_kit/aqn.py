@@ -117,7 +117,7 @@ class AQN:
     def __post_init__(self):
         # The same rules as the config's aqn section (qerl_kit.config): typed values, finite
         # sigmas > 0, and sigma_end <= sigma_start unless allow_increasing=True.
-        from qerl_kit.config import check_aqn_sigmas, check_value
+        from qerl_kit.config_types import check_aqn_sigmas, check_value
 
         self.stages = check_value("stages", self.stages, int)
         self.total_steps = check_value("total_steps", self.total_steps, int)

@@ -139,6 +139,13 @@ def build_messages(question: str, system_prompt: str | None = None,
     return msgs + [{"role": "user", "content": f"{question}{suffix or ''}"}]
 
 
+def chat_prompt(tokenizer: Any, row: dict, suffix: str | None = None) -> str:
+    """The prompt of a dataset row: ``build_prompt`` of its ``prompt`` column (the tokenizer's chat
+    template when it has one), with GSM8K's instruction suffix unless ``suffix`` says otherwise.
+    The default prompt function of a ``qerl_kit.tasks.Task`` and of ``qerl_kit.evaluate.evaluate``."""
+    return build_prompt(tokenizer, row["prompt"], suffix=GSM8K_SUFFIX if suffix is None else suffix)
+
+
 def build_prompt(tokenizer: Any, question: str, system_prompt: str | None = None,
                  suffix: str = GSM8K_SUFFIX) -> str:
     """Prompt text for generation: the tokenizer's chat template (with the generation prompt) when it

@@ -108,7 +108,7 @@ def evaluate(model: Any, tokenizer: Any, dataset: Iterable[dict], reward_fn: Cal
 
     ``engine`` overrides the default ``HFEngine(model, tokenizer)`` (e.g. a vLLM engine, which is
     synced with ``model``'s adapter first; ``model`` may be None when the engine holds it already).
-    ``prompt_fn(tokenizer, row)`` renders a row; the default is ``qerl_kit.tasks.chat_prompt``
+    ``prompt_fn(tokenizer, row)`` renders a row; the default is ``qerl_kit.data.chat_prompt``
     (the chat template when there is one, GSM8K's instruction suffix). ``Task.evaluate`` passes a
     task's prompt function and accuracy reward.
     """
@@ -134,7 +134,7 @@ def evaluate(model: Any, tokenizer: Any, dataset: Iterable[dict], reward_fn: Cal
 
         engine = HFEngine(model, tokenizer)
     if prompt_fn is None:
-        from qerl_kit.tasks.task import chat_prompt as prompt_fn
+        from qerl_kit.data import chat_prompt as prompt_fn
     columns = [k for k in dict.fromkeys(k for r in rows for k in r) if k != "prompt"]
     per_problem: list[dict] = []
     stats: dict[str, float] = {}

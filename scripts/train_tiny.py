@@ -44,7 +44,21 @@ if str(ROOT) not in sys.path:
 
 from qerl_kit.data import GSM8K_SUFFIX, build_prompt  # noqa: E402
 from qerl_kit.tasks.arith import LEVELS, careless_solution, make_dataset  # noqa: E402
-from qerl_kit.tiny import TINY_DIR, build_tokenizer, evaluate, load_tiny, tiny_config  # noqa: E402
+from qerl_kit.evaluate import evaluate as evaluate_rows  # noqa: E402
+from qerl_kit.rewards import gsm8k_reward  # noqa: E402
+from qerl_kit.tasks.arith import PROMPT_SUFFIX  # noqa: E402
+from qerl_kit.tiny import TINY_DIR, build_tokenizer, load_tiny, tiny_config  # noqa: E402
+
+
+def evaluate(model, tok, rows, samples: int = 1, temperature: float = 0.0, batch_size: int = 64,
+             suffix: str = PROMPT_SUFFIX) -> dict:
+    """Accuracy (mean pass@1), pass@k and both by level, through ``qerl_kit.evaluate`` (greedy, or
+    ``samples`` completions at ``temperature`` with top-p off); ``batch_size`` counts completions."""
+    res = evaluate_rows(model, tok, rows, gsm8k_reward, samples=samples, temperature=temperature, top_p=1.0,
+                        max_new_tokens=64, batch_size=max(1, batch_size // samples),
+                        prompt_fn=lambda t, r: build_prompt(t, r["prompt"], suffix=suffix))
+    return {"accuracy": res.accuracy, "pass_at_k": res.pass_at_k, "by_level": res.by("level"), "n": res.num_problems,
+            "samples": samples, "temperature": temperature}
 
 
 def parse_args(argv=None):
@@ -155,8 +169,6 @@ def calibrate(out_dir: str, device, n: int, samples: int) -> dict:
     res["greedy_nvfp4_gsm8k_suffix"] = evaluate(quant, tok, rows, batch_size=bs, suffix=GSM8K_SUFFIX)
     res["sampled_t1_nvfp4"] = evaluate(quant, tok, rows, samples=samples, temperature=1.0, batch_size=bs)
     res["sampled_t1_dense"] = evaluate(dense, tok, rows, samples=samples, temperature=1.0, batch_size=bs)
-    for r in res.values():
-        r.pop("completions")
     return res
 
 

@@ -46,11 +46,11 @@ def _trainer(out: Path, **over):
     from qerl_kit.rollout import HFEngine
     from qerl_kit.trainer import Trainer
     from tests.test_rollout import make_tokenizer
-    from tests.test_trainer import DATA, _policy, _prompt, ascii_reward, first_char_reward
+    from tests.test_trainer import TASK, _policy
 
     policy, tok = _policy(0), make_tokenizer()
-    return Trainer(policy, tok, DATA, [first_char_reward, ascii_reward], _config(out, **over),
-                   engine=GroupSeededEngine(HFEngine(policy, tok)), prompt_fn=_prompt, progress="none")
+    return Trainer(policy, tok, TASK, _config(out, **over), engine=GroupSeededEngine(HFEngine(policy, tok)),
+                   progress="none")
 
 
 def _adapter(trainer) -> dict[str, torch.Tensor]:

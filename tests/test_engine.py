@@ -47,17 +47,17 @@ def test_sampled_logprobs_are_the_models(preset, fmt):
     engine = StaticEngine(model, prompt_bucket=4, length_bucket=8)
     out = engine.generate_ids(prompts, n=2, sampling=SamplingParams(max_new_tokens=10, temperature=0.8, seed=3),
                               ignore_eos=True)
-    assert out["completion_ids"].shape == (6, 10) and bool(out["completion_mask"].all())
+    assert out.completion_ids.shape == (6, 10) and bool(out.completion_mask.all())
     for row in range(6):
         prompt = prompts[row // 2]
-        completion = out["completion_ids"][row].tolist()
+        completion = out.completion_ids[row].tolist()
         ref = torch.log_softmax(_hf_logits(model, prompt, completion) / 0.8, dim=-1)
         want = ref.gather(1, torch.tensor(completion)[:, None]).squeeze(1)
-        torch.testing.assert_close(out["logprobs"][row], want, atol=2e-4, rtol=1e-4)
+        torch.testing.assert_close(out.logprobs[row], want, atol=2e-4, rtol=1e-4)
     # the prompt comes back left-padded to its longest length, group-contiguous
-    assert out["prompt_ids"].shape == (6, 11)
-    assert out["prompt_ids"][2, -11:].tolist() == prompts[1]
-    assert out["prompt_mask"][0].tolist() == [0] * 6 + [1] * 5
+    assert out.prompt_ids.shape == (6, 11)
+    assert out.prompt_ids[2, -11:].tolist() == prompts[1]
+    assert out.prompt_mask[0].tolist() == [0] * 6 + [1] * 5
 
 
 def test_greedy_matches_hf_engine_on_the_tiny_model(tiny):
@@ -93,15 +93,15 @@ def test_stop_tokens_end_rows_and_are_kept(tiny):
     engine = StaticEngine(model, tok, sync_every=4)
     eos = tok.eos_token_id
     out = engine.generate_ids([[5, 6, 7, 8]], n=4, sampling=SamplingParams(max_new_tokens=30, temperature=1.5, seed=0))
-    ids, mask = out["completion_ids"], out["completion_mask"]
+    ids, mask = out.completion_ids, out.completion_mask
     for row in range(4):
         L = int(mask[row].sum())
-        if out["stopped"][row]:
+        if out.stopped[row]:
             assert ids[row, L - 1] == eos and (ids[row, :L - 1] != eos).all()
         else:
             assert L == 30
-        assert (ids[row, L:] == engine.pad_token_id).all() and (out["logprobs"][row, L:] == 0).all()
-        assert (out["logprobs"][row, :L] < 0).all()
+        assert (ids[row, L:] == engine.pad_token_id).all() and (out.logprobs[row, L:] == 0).all()
+        assert (out.logprobs[row, :L] < 0).all()
 
 
 def test_seed_reproduces_and_rng_is_left_alone(tiny):
@@ -130,7 +130,7 @@ def test_adapter_and_aqn_changes_are_seen_live(tiny):
     sp = SamplingParams(max_new_tokens=6, temperature=0)
 
     def logprobs():
-        return engine.generate_ids(prompt, 1, sp, ignore_eos=True)["logprobs"]
+        return engine.generate_ids(prompt, 1, sp, ignore_eos=True).logprobs
 
     base = logprobs()
     aqn = AQN(sigma_start=0.5, sigma_end=0.1, stages=3, total_steps=3)
@@ -156,9 +156,9 @@ def test_max_rows_splits_into_batches_with_the_same_result(tiny):
     whole = StaticEngine(model, tok).generate_ids(prompts, 2, sp)
     for max_rows in (2, 4):  # 4: batches of 2 prompts, the last one padded to the same shape
         split = StaticEngine(model, tok, max_rows=max_rows).generate_ids(prompts, 2, sp)
-        assert torch.equal(whole["completion_ids"], split["completion_ids"])
-        assert torch.equal(whole["prompt_ids"], split["prompt_ids"])
-        assert split["stopped"].shape == (6,)
+        assert torch.equal(whole.completion_ids, split.completion_ids)
+        assert torch.equal(whole.prompt_ids, split.prompt_ids)
+        assert split.stopped.shape == (6,)
 
 
 def test_forward_hooks_route_to_the_generic_path(tiny):
@@ -220,23 +220,20 @@ def test_errors_name_the_problem(tiny):
         engine.generate_ids([[1, 2], []], 1)
     with pytest.raises(TypeError, match="list of strings"):
         engine.generate("one prompt", 1)
-    with pytest.raises(ValueError, match="no tokenizer"):
+    with pytest.raises(ValueError, match="need a tokenizer"):
         StaticEngine(model).generate(["x"], 1)
 
 
 def test_trainer_runs_on_the_static_engine(tiny, tmp_path):
     """One GRPO step with the engine as the trainer's rollout backend."""
-    from qerl_kit.build import build_datasets
     from qerl_kit.config import preset
-    from qerl_kit.demo import _prompt_fn
+    from qerl_kit.tasks import make_task
     from qerl_kit.trainer import Trainer
 
     model, tok = tiny
     cfg = preset("tiny-cpu", total_steps=3, output_dir=str(tmp_path), save_every=0,
                  rollout=dict(batch_size=8, group_size=4, max_new_tokens=24), aqn=dict(stages=3))
-    train, _, rewards = build_datasets(cfg.data)
-    trainer = Trainer(model, tok, train, rewards, cfg, engine=StaticEngine(model, tok),
-                      prompt_fn=_prompt_fn("arith"), progress="none")
+    trainer = Trainer(model, tok, make_task(cfg.data), cfg, engine=StaticEngine(model, tok), progress="none")
     row = trainer.train_step()
     assert row["num_tokens"] > 0 and 0 <= row["reward"] <= 1
     # step 0 is AQN's noise-free stage: the engine's sampling log-probs are the trainer's own
@@ -257,6 +254,23 @@ def test_make_engine_and_the_config_switch(tiny):
         RolloutConfig(engine="fast")
 
 
+def test_auto_resolves_by_layout_and_a_bug_in_an_engine_surfaces(tiny, monkeypatch):
+    from qerl_kit.rollout import registry
+
+    model, tok = tiny
+    monkeypatch.setattr(type(next(model.parameters())), "is_cuda", property(lambda self: True))  # "on a GPU"
+    assert registry.resolve_engine("auto", model) == "static"
+    plain = torch.nn.Sequential(torch.nn.Linear(2, 2))  # not a causal LM the static engine knows
+    assert registry.resolve_engine("auto", plain) == "hf"
+
+    def broken(policy, tokenizer, **kwargs):
+        raise TypeError("a bug inside the engine")
+
+    monkeypatch.setitem(registry.ENGINES, "static", broken)
+    with pytest.raises(TypeError, match="a bug inside the engine"):  # no silent fallback to transformers
+        registry.make_engine("auto", model, tok)
+
+
 def test_float32_adapters_on_a_bf16_base_stay_on_the_fused_path():
     model = build_model("qwen2-tiny", seed=3, dtype=torch.bfloat16)
     quantize_model(model, "nvfp4")
@@ -270,9 +284,9 @@ def test_float32_adapters_on_a_bf16_base_stay_on_the_fused_path():
     assert engine.decoder.path == "fused" and engine.decoder._plan_ok
     prompt = [5, 6, 7, 8, 9]
     for row in range(2):
-        ids = out["completion_ids"][row].tolist()
+        ids = out.completion_ids[row].tolist()
         ref = torch.log_softmax(_hf_logits(model, prompt, ids), -1).gather(1, torch.tensor(ids)[:, None]).squeeze(1)
-        torch.testing.assert_close(out["logprobs"][row], ref, atol=0.05, rtol=0)  # bf16 arithmetic
+        torch.testing.assert_close(out.logprobs[row], ref, atol=0.05, rtol=0)  # bf16 arithmetic
 
 
 def test_gradient_checkpointing_hooks_keep_the_fused_path():

@@ -119,8 +119,8 @@ def test_fused_step_matches_generic_step_and_leaves_the_model_unchanged(preset, 
     a = generic.generate_ids(prompts, 2, sp, ignore_eos=True)
     b = fused.generate_ids(prompts, 2, sp, ignore_eos=True)
     tol = 2e-3 if dtype == torch.float32 else 6e-2
-    if torch.equal(a["completion_ids"], b["completion_ids"]):
-        torch.testing.assert_close(a["logprobs"], b["logprobs"], atol=tol, rtol=0)
+    if torch.equal(a.completion_ids, b.completion_ids):
+        torch.testing.assert_close(a.logprobs, b.logprobs, atol=tol, rtol=0)
     else:  # bf16 rounding may flip a sample; then the first differing token is a near tie
         assert dtype == torch.bfloat16
     # a second engine reuses the fused buffers instead of concatenating again
@@ -136,7 +136,7 @@ def test_unsupported_layers_fall_back_to_the_generic_path():
     engine = StaticEngine(model)
     assert engine.decoder.plan is None and "MXFP4Linear" in engine.decoder.path
     out = engine.generate_ids([[5, 6, 7]], 2, SamplingParams(max_new_tokens=4, seed=0), ignore_eos=True)
-    assert out["completion_ids"].shape == (2, 4)
+    assert out.completion_ids.shape == (2, 4)
 
 
 def test_fused_model_exports_and_reloads(tmp_path):
@@ -161,14 +161,14 @@ def test_gpu_graph_replay_equals_eager_and_sees_lora_updates():
     eager = StaticEngine(model, cuda_graphs=False, length_bucket=8)
     a = graphs.generate_ids(prompts, 2, sp, ignore_eos=True)
     b = eager.generate_ids(prompts, 2, sp, ignore_eos=True)
-    assert torch.equal(a["completion_ids"], b["completion_ids"])
+    assert torch.equal(a.completion_ids, b.completion_ids)
     lora_b = next(p for n, p in model.named_parameters() if "lora_B" in n)
     with torch.no_grad():
         lora_b.add_(0.3)
     c = graphs.generate_ids(prompts, 2, sp, ignore_eos=True)  # replayed graphs, new adapter values
     d = eager.generate_ids(prompts, 2, sp, ignore_eos=True)
-    assert torch.equal(c["completion_ids"], d["completion_ids"])
-    assert not torch.equal(a["logprobs"], c["logprobs"])
+    assert torch.equal(c.completion_ids, d.completion_ids)
+    assert not torch.equal(a.logprobs, c.logprobs)
 
 
 @pytest.mark.skipif(not CUDA, reason="CUDA graphs need a GPU")
@@ -184,7 +184,7 @@ def test_gpu_graphs_survive_batch_shape_changes_in_every_format(fmt):
     for prompts, n in (([[5, 6, 7, 8], [9, 10]], 2), ([[11, 12, 13]], 3), ([[5, 6, 7, 8], [9, 10]], 2)):
         a = graphs.generate_ids(prompts, n, sp, ignore_eos=True)
         b = eager.generate_ids(prompts, n, sp, ignore_eos=True)
-        assert torch.equal(a["completion_ids"], b["completion_ids"]), (fmt, len(prompts), n)
+        assert torch.equal(a.completion_ids, b.completion_ids), (fmt, len(prompts), n)
 
 
 # -- grouped LoRA (two launches per projection group) -----------------------------------------------

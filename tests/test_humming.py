@@ -264,10 +264,10 @@ def test_engine_decodes_through_humming_with_the_models_logprobs():
     assert kernels.route("forward", torch.cat([x, x]), gate_up.packed, gate_up.scales) == "humming"
     assert hm.cached(qkv.packed, torch.bfloat16) is not None     # built during the warm-up, not in a capture
     for row in range(8):
-        prompt, completion = prompts[row // 2], out["completion_ids"][row].tolist()
+        prompt, completion = prompts[row // 2], out.completion_ids[row].tolist()
         ids = torch.tensor([prompt + completion], device="cuda")
         with torch.no_grad():
             logits = model(input_ids=ids).logits[0, len(prompt) - 1:-1].float()
         want = torch.log_softmax(logits, -1).gather(1, torch.tensor(completion, device="cuda")[:, None]).squeeze(1)
         # bf16 activations, and different kernels (humming in the graphs, the dense path in the forward)
-        torch.testing.assert_close(out["logprobs"][row].to(want.device), want, atol=0.15, rtol=0.05)
+        torch.testing.assert_close(out.logprobs[row].to(want.device), want, atol=0.15, rtol=0.05)

@@ -313,3 +313,47 @@ def test_errors(model, tok):
         SamplingParams(temperature=-1.0)
     with pytest.raises(ValueError, match="batch_size"):
         HFEngine(model, tok, batch_size=0)
+
+
+# ----------------------------------------------------------------------------- the contract: prompts, sync
+
+def test_prompts_are_tokenized_once_and_every_input_form_gives_the_same_rollouts(model, tok):
+    from qerl_kit.rollout import Prompts, as_prompts
+
+    engine = HFEngine(model, tok)
+    sp = SamplingParams(6, seed=2)
+    encoded = Prompts.encode(tok, PROMPTS)
+    assert encoded.texts == tuple(PROMPTS) and [len(p) for p in encoded.ids] == [12, 2, 25, 1]
+    from_texts = engine.generate(PROMPTS, 2, sp)
+    from_prompts = engine.generate(encoded, 2, sp)
+    from_ids = engine.generate([list(p) for p in encoded.ids], 2, sp)
+    assert_same(from_prompts, from_texts, atol=0)
+    assert torch.equal(from_ids.completion_ids, from_texts.completion_ids) and from_ids.prompts == [""] * 8
+    assert as_prompts(encoded) is encoded and encoded[1:3].texts == tuple(PROMPTS[1:3])
+    gen = engine.generate_ids(encoded, 2, sp)  # the token-level result: no texts
+    assert torch.equal(gen.completion_ids, from_texts.completion_ids) and gen.stopped.dtype == torch.bool
+    with pytest.raises(ValueError, match="zero tokens"):
+        as_prompts([[5], []])
+    with pytest.raises(ValueError, match="need a tokenizer"):
+        as_prompts(["text"], None)
+
+
+def test_sync_puts_the_steps_noise_in_for_the_block_only(model, tok):
+    from qerl_kit.aqn import AQN
+
+    engine = HFEngine(model, tok)
+    aqn = AQN(total_steps=10, stages=10, seed=1)
+    norms = aqn.norms(model)
+    clean = [n.weight.detach().clone() for n in norms]
+    with engine.sync(model, noise=aqn, step=5) as info:
+        assert info["aqn/norms"] == len(norms) > 0
+        assert not torch.equal(norms[0].weight, clean[0])     # the rollout reads noisy norms
+        noisy = engine.generate(PROMPTS, 2, SamplingParams(6, seed=3))
+    assert all(torch.equal(n.weight, c) for n, c in zip(norms, clean))  # gone before any training forward
+    plain = engine.generate(PROMPTS, 2, SamplingParams(6, seed=3))
+    assert not torch.equal(noisy.logprobs, plain.logprobs)
+    with engine.sync(model) as info:                            # no noise: nothing to do
+        assert info == {}
+    with pytest.raises(ValueError, match="generates with its own model"):
+        with engine.sync(make_model(seed=1)):
+            pass

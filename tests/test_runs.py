@@ -167,10 +167,11 @@ def test_a_reward_function_returning_the_wrong_scores_is_named(tmp_path, bad, er
     def picky_reward(prompts, completions, **_):
         return bad(len(completions))
 
+    from qerl_kit.tasks import Task
     from qerl_kit.trainer import Trainer
 
-    trainer = Trainer(_policy(), make_tokenizer(), DATA, [first_char_reward, picky_reward], _config(tmp_path),
-                      prompt_fn=_prompt, progress="none")
+    task = Task("picky", DATA, [], (first_char_reward, picky_reward), _prompt)
+    trainer = Trainer(_policy(), make_tokenizer(), task, _config(tmp_path), progress="none")
     with pytest.raises(error, match=f"reward function 'picky_reward' {match}"):
         trainer.train(1)
 
@@ -186,8 +187,7 @@ def test_a_config_key_newer_than_the_checkpoint_is_not_a_change_at_its_default()
 
 @pytest.mark.parametrize("engine", ["hf", "static"])
 def test_a_prompt_longer_than_the_context_is_an_error_not_garbage(engine):
-    from qerl_kit.rollout import make_engine
-    from qerl_kit.rollout import SamplingParams
+    from qerl_kit.rollout import SamplingParams, make_engine
 
     model = _policy()                                    # qwen2-tiny: max_position_embeddings = 512
     eng = make_engine(engine, model, make_tokenizer())

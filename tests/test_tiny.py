@@ -14,7 +14,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 from qerl_kit.rewards import gsm8k_reward  # noqa: E402
 from qerl_kit.tasks.arith import (LEVELS, TEST_PERCENT, careless_solution, make_dataset,  # noqa: E402
                                   make_problem, split_of)
-from qerl_kit.tiny import TINY_DIR, build_tokenizer, evaluate, load_tiny  # noqa: E402
+from qerl_kit.tasks import make_task  # noqa: E402
+from qerl_kit.tiny import TINY_DIR, build_tokenizer, load_tiny  # noqa: E402
 
 MAX_DIR_BYTES = 25 * 10**6
 
@@ -131,10 +132,10 @@ def test_every_linear_but_lm_head_quantizes():
 
 def test_quick_greedy_accuracy_after_nvfp4_is_in_band():
     model, tok = load_tiny(quantize="nvfp4")
-    rows = make_dataset("test", 64, seed=0)
-    res = evaluate(model, tok, rows, batch_size=64)
-    assert 0.10 <= res["accuracy"] <= 0.60, res["by_level"]
-    assert res["by_level"][1]["accuracy"] >= 0.8  # one-step problems are solved
+    task = make_task()  # the arithmetic task: its held-out rows, prompts and reward
+    res = task.evaluate(model, tok, make_dataset("test", 64, seed=0), temperature=0, batch_size=64)
+    assert 0.10 <= res.accuracy <= 0.60, res.by("level")
+    assert res.by("level")[1]["accuracy"] >= 0.8  # one-step problems are solved
 
 
 @pytest.mark.slow
@@ -143,9 +144,10 @@ def test_calibration_on_heldout_split():
     find a right answer far more often."""
     torch.manual_seed(0)
     model, tok = load_tiny(quantize="nvfp4")
+    task = make_task()
     rows = make_dataset("test", 200, seed=0)
-    greedy = evaluate(model, tok, rows, batch_size=100)
-    assert 0.20 <= greedy["accuracy"] <= 0.50
-    sampled = evaluate(model, tok, rows, samples=8, temperature=1.0, batch_size=200)
-    assert sampled["pass_at_k"] >= 0.70
-    assert sampled["accuracy"] > greedy["accuracy"]
+    greedy = task.evaluate(model, tok, rows, temperature=0, batch_size=100)
+    assert 0.20 <= greedy.accuracy <= 0.50
+    sampled = task.evaluate(model, tok, rows, samples=8, temperature=1.0, top_p=1.0, batch_size=25)
+    assert sampled.pass_at_k >= 0.70
+    assert sampled.accuracy > greedy.accuracy

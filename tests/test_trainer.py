@@ -10,6 +10,8 @@ from qerl_kit.config import TrainConfig, from_dict
 from qerl_kit.lora import attach_lora
 from qerl_kit.models import build_model
 from qerl_kit.quantize import quantize_model
+from qerl_kit.sampling_filters import overlong_penalty
+from qerl_kit.tasks import Task
 from qerl_kit.trainer import Trainer
 from tests.test_rollout import make_tokenizer
 
@@ -51,9 +53,11 @@ def _config(tmp_path, **over):
     return from_dict(base)
 
 
-def _trainer(tmp_path, seed=0, **over):
-    return Trainer(_policy(seed), make_tokenizer(), DATA, [first_char_reward, ascii_reward],
-                   _config(tmp_path, **over), prompt_fn=_prompt, progress="none")
+TASK = Task("letters", DATA, DATA[:2], (first_char_reward, ascii_reward), _prompt)
+
+
+def _trainer(tmp_path, seed=0, task=TASK, **over):
+    return Trainer(_policy(seed), make_tokenizer(), task, _config(tmp_path, **over), progress="none")
 
 
 def test_steps_run_end_to_end_with_finite_trl_named_metrics(tmp_path):
@@ -104,9 +108,11 @@ def test_resume_after_a_kill_gives_the_same_next_steps(tmp_path):
 @pytest.mark.parametrize("loss", ["grpo", "dapo", "dr_grpo"])
 def test_loss_variants_kl_and_mu(tmp_path, loss):
     trainer = _trainer(tmp_path, loss=dict(loss=loss, beta=0.05, mu=2), aqn=dict(enabled=False))
-    trainer.train(1)
-    row = trainer.history[0]
-    assert math.isfinite(row["kl"]) and row["kl"] >= 0 and "aqn/sigma" not in row
+    trainer.train(2)
+    first, second = trainer.history
+    # LoRA's B starts at zero: before the first update the policy is the reference, so its KL is 0;
+    # after an update (mu = 2 optimizer steps) the adapter has moved and the KL is positive
+    assert first["kl"] == pytest.approx(0.0, abs=1e-7) and second["kl"] > 1e-6 and "aqn/sigma" not in first
 
 
 def test_gradient_checkpointing_gives_the_same_step(tmp_path):
@@ -117,11 +123,42 @@ def test_gradient_checkpointing_gives_the_same_step(tmp_path):
     assert ckpt.history[0]["grad_norm"] == pytest.approx(plain.history[0]["grad_norm"], rel=1e-4)
 
 
-def test_dynamic_sampling_refills_and_overlong_shaping(tmp_path):
-    trainer = _trainer(tmp_path, loss=dict(dynamic_sampling=True, max_sampling_rounds=3,
-                                           overlong_buffer=2, overlong_penalty=0.5))
+def _spy_prepare(trainer):
+    """Record the (batch, rewards) the update phase receives."""
+    seen, prepare = [], trainer._prepare
+    trainer._prepare = lambda batch, rewards, metrics: (seen.append((batch, rewards.clone())),
+                                                        prepare(batch, rewards, metrics))[1]
+    return seen
+
+
+def test_dynamic_sampling_keeps_groups_with_spread_and_fills_at_the_round_limit(tmp_path):
+    calls = []
+
+    def scripted(prompts, completions, **_):  # round 1: no spread; round 2: group 0 only; round 3: none
+        calls.append(list(prompts))
+        return [0.0, 1.0, 0.0, 1.0] + [0.0] * 4 if len(calls) == 2 else [0.0] * 8
+
+    trainer = _trainer(tmp_path, task=Task("scripted", DATA, [], (scripted,), _prompt), aqn=dict(enabled=False),
+                       filters=dict(dynamic_sampling=True, max_sampling_rounds=3))
+    seen = _spy_prepare(trainer)
     trainer.train(1)
-    assert 1 <= trainer.history[0]["sampling/rounds"] <= 3
+    row, (batch, rewards) = trainer.history[0], seen[0]
+    assert row["sampling/rounds"] == 3 and row["sampling/filled_groups"] == 1 and len(calls) == 3
+    # the batch: round 2's group 0 (the one with spread), then round 3's first group to fill the target
+    assert batch.prompts == calls[1][:4] + calls[2][:4] and rewards.tolist() == [0.0, 1.0, 0.0, 1.0] + [0.0] * 4
+    assert row["frac_reward_zero_std"] == 1.0  # metrics describe the first round, as TRL's do
+
+
+def test_overlong_shaping_penalizes_long_completions(tmp_path):
+    trainer = _trainer(tmp_path, task=Task("flat", DATA, [], (lambda completions, **_: [1.0] * len(completions),),
+                                           _prompt), aqn=dict(enabled=False),
+                       filters=dict(overlong_buffer=3, overlong_penalty=0.5))
+    seen = _spy_prepare(trainer)
+    trainer.train(1)
+    batch, rewards = seen[0]
+    lengths = batch.completion_lengths
+    expected = 1.0 + overlong_penalty(lengths, 6, 3, 0.5)
+    assert torch.allclose(rewards, expected) and (lengths > 3).any() and (rewards < 1.0).any()
 
 
 def test_set_lr_between_chunks(tmp_path):
@@ -137,9 +174,11 @@ def test_constructor_errors(tmp_path):
     for p in plain.parameters():
         p.requires_grad_(False)
     with pytest.raises(ValueError, match="no trainable parameters"):
-        Trainer(plain, make_tokenizer(), DATA, [first_char_reward], TrainConfig())
-    with pytest.raises(ValueError, match="non-empty dataset"):
-        Trainer(_policy(), make_tokenizer(), [], [first_char_reward], TrainConfig())
+        Trainer(plain, make_tokenizer(), TASK, TrainConfig())
+    with pytest.raises(ValueError, match="no training rows"):
+        Trainer(_policy(), make_tokenizer(), TASK.with_rows(train=[]), TrainConfig())
+    with pytest.raises(TypeError, match="takes a qerl_kit.tasks.Task"):
+        Trainer(_policy(), make_tokenizer(), DATA, TrainConfig())
 
 
 def test_a_non_finite_gradient_skips_the_update_and_training_goes_on(tmp_path, monkeypatch):
@@ -151,7 +190,7 @@ def test_a_non_finite_gradient_skips_the_update_and_training_goes_on(tmp_path, m
     before = {n: p.detach().clone() for n, p in trainer.model.named_parameters() if p.requires_grad}
     moments = {k: v.clone() for k, v in trainer.optimizer.state_dict()["state"][0].items()}
     dapo = grpo.LOSSES["dapo"]
-    monkeypatch.setitem(grpo.LOSSES, "dapo", lambda *a, **k: dapo(*a, **k) * float("nan"))
+    monkeypatch.setitem(grpo.LOSSES, "dapo", grpo.LossSpec(lambda *a, **k: dapo.fn(*a, **k) * float("nan"), "tokens"))
     with pytest.warns(RuntimeWarning, match="optimizer step skipped"):
         trainer.train(1)
     row = trainer.history[-1]

@@ -9,6 +9,7 @@ import dataclasses
 import json
 import sys
 import types
+from pathlib import Path
 
 import pytest
 import torch
@@ -20,7 +21,7 @@ from qerl_kit.aqn import AQN
 from qerl_kit.lora import attach_lora, load_lora
 from qerl_kit.models import build_model
 from qerl_kit.quantize import quantize_model
-from qerl_kit.rollout import Rollouts, SamplingParams
+from qerl_kit.rollout import Prompts, Rollouts, SamplingParams
 from qerl_kit.rollout.vllm import (AdapterWriter, VLLMEngine, hf_norm_names, resolve_norms,
                                    vllm_norm_names)
 
@@ -136,6 +137,10 @@ class Tok:
 
     def __call__(self, texts, add_special_tokens=False):
         return {"input_ids": [[100 + ord(c) % 50 for c in t] for t in texts]}
+
+    def save_pretrained(self, path):  # what save_nvfp4 calls: vLLM reads the tokenizer from the checkpoint
+        (Path(path) / "tokenizer.json").write_text("{}")
+        return [str(Path(path) / "tokenizer.json")]
 
 
 def _peft(train_norms=True, r=4):
@@ -297,3 +302,89 @@ def test_aqn_and_trained_norms_reach_vllms_own_norms(fake_vllm, tmp_path):
     with pytest.raises(ValueError, match="no module"):
         engine.sync_adapter(peft, aqn=aqn, step=5)
     engine.close()
+
+
+# ---- the rollout contract: sync, from_policy, the registry, the Trainer driving it ------------------
+def _lora_file(engine) -> dict:
+    return load_file(str(Path(engine.lora_request.lora_path) / "adapter_model.safetensors"))
+
+
+def test_sync_wakes_uploads_the_adapter_and_the_steps_noise_then_sleeps(fake_vllm, tmp_path):
+    peft = _peft(train_norms=False)
+    engine = VLLMEngine(tmp_path, Tok())
+    engine.sleep()
+    aqn = AQN(total_steps=10, stages=10, seed=7)
+    with engine.sync(peft, noise=aqn, step=5) as info:
+        assert not engine.asleep
+        out = engine.generate(Prompts.encode(Tok(), ["ab"]), 2)
+    assert engine.asleep and info["aqn/norms"] == 4 and info["sync/seconds"] >= 0
+    calls = [c[0] for c in engine.llm.calls]
+    assert calls == ["sleep", "wake_up", "apply_model", "reset_prefix_cache", "generate", "sleep"]
+    assert engine.llm.calls[4][3] is engine.lora_request and out.prompts == ["ab", "ab"]
+    with engine.sync(peft, noise=aqn, step=0) as info:  # AQN's noise-free stage: clean norms, none perturbed
+        pass
+    assert info["aqn/norms"] == 0
+    with pytest.raises(RuntimeError, match="asleep"):
+        engine.generate(["ab"], 1)
+    with pytest.raises(ValueError, match="needs the policy"):
+        with engine.sync(None, noise=aqn, step=1):
+            pass
+    engine.close()
+
+
+def test_a_stale_adapter_never_reaches_vllm(fake_vllm, tmp_path):
+    """Each sync sends the adapter as it is now; a change after a sync reaches vLLM at the next one."""
+    peft = _peft(train_norms=False)
+    engine = VLLMEngine(tmp_path, Tok(), enable_sleep_mode=False)
+    lora = {n: p for n, p in peft.named_parameters() if "lora_B" in n}
+    with engine.sync(peft):
+        first, first_id = _lora_file(engine), engine.lora_request.lora_int_id
+    with torch.no_grad():
+        for p in lora.values():
+            p.add_(1.0)  # an optimizer step
+    with engine.sync(peft):
+        second = _lora_file(engine)
+    assert engine.lora_request.lora_int_id == first_id + 1 and ("remove_lora", first_id) in engine.llm.calls
+    key = next(k for k in second if "lora_B" in k)
+    assert torch.equal(second[key], first[key] + 1.0)
+    assert "sleep" not in [c[0] for c in engine.llm.calls]  # sleep mode off: never put to sleep
+    engine.close()
+
+
+def test_from_policy_exports_the_base_and_make_engine_builds_it(fake_vllm):
+    from qerl_kit.rollout import make_engine
+
+    peft = _peft(train_norms=False, r=16)
+    engine = make_engine("vllm", peft, Tok(), gpu_memory_utilization=0.4)
+    export = Path(engine.llm.kwargs["model"])
+    config = json.loads((export / "config.json").read_text())
+    assert config["quantization_config"]["format"] == "nvfp4-pack-quantized" and (export / "tokenizer.json").exists()
+    assert engine.llm.kwargs["max_lora_rank"] == 16 and engine.llm.kwargs["gpu_memory_utilization"] == 0.4
+    engine.close()
+    assert not export.exists()  # the temporary export goes with the engine
+
+
+def test_the_trainer_drives_vllm_syncing_before_every_rollout(fake_vllm, tmp_path):
+    from qerl_kit.config import from_dict
+    from qerl_kit.tasks import Task
+    from qerl_kit.trainer import Trainer
+
+    peft = _peft(train_norms=False)
+    rows = [{"prompt": p} for p in ("ab", "cd", "ef", "gh")]
+    task = Task("fake", rows, [], (lambda completions, **_: [float(c.endswith("c1")) for c in completions],),
+                lambda tok, row: row["prompt"])
+    cfg = from_dict(dict(rollout=dict(batch_size=4, group_size=2, max_new_tokens=4, engine="vllm"),
+                         loss=dict(micro_batch=4), aqn=dict(stages=3), total_steps=3, save_every=0,
+                         output_dir=str(tmp_path / "run")))
+    trainer = Trainer(peft, Tok(), task, cfg, progress="none")
+    assert isinstance(trainer.engine, VLLMEngine)
+    trainer.train(3)
+    calls = [c[0] for c in trainer.engine.llm.calls]
+    generates = [i for i, c in enumerate(calls) if c == "generate"]
+    assert len(generates) == 3 and all(calls[i - 1] == "reset_prefix_cache" and calls[i + 1] == "sleep"
+                                       for i in generates)  # adapter synced right before, asleep right after
+    requests = [trainer.engine.llm.calls[i][3].lora_int_id for i in generates]
+    assert requests == sorted(set(requests))  # a new adapter version for every rollout
+    assert [r["aqn/norms"] for r in trainer.history] == [0, 4, 4]  # noise reached vLLM's norms from stage 1
+    assert all("time/sync" in r for r in trainer.history)
+    trainer.engine.close()

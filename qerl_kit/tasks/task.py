@@ -15,15 +15,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
+from qerl_kit.data import chat_prompt
+
 __all__ = ["Task", "chat_prompt"]
-
-
-def chat_prompt(tokenizer: Any, row: dict, suffix: str | None = None) -> str:
-    """``qerl_kit.data.build_prompt`` of the row's question: the tokenizer's chat template when it
-    has one, with GSM8K's instruction suffix unless ``suffix`` says otherwise."""
-    from qerl_kit.data import GSM8K_SUFFIX, build_prompt
-
-    return build_prompt(tokenizer, row["prompt"], suffix=GSM8K_SUFFIX if suffix is None else suffix)
 
 
 @dataclass(frozen=True)
