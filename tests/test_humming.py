@@ -200,11 +200,17 @@ def test_routed_layer_in_a_graph_equals_eager_and_trains():
         out = q(static)
     graph.replay()
     torch.cuda.synchronize()
-    torch.testing.assert_close(out, eager, rtol=1e-2, atol=1e-2)
+
+    def close(a, b):  # bf16 outputs of ~1: a few ulps apart where the kernel's split-K adds in another order
+        # (seen on the H200: 2 of 36864 elements 0.023 apart); a replay on stale input is ~1.4 apart
+        rel = ((a.float() - b.float()).norm() / b.float().norm()).item()
+        assert rel < 1e-2 and (a.float() - b.float()).abs().max().item() < 6e-2, rel
+
+    close(out, eager)
     fresh = torch.randn_like(x)
     static.copy_(fresh)
     graph.replay()
-    torch.testing.assert_close(out, q(fresh), rtol=1e-2, atol=1e-2)
+    close(out, q(fresh))
     # the training path: 3-D input that needs a gradient; dx from our dgrad kernel
     x3 = torch.randn(2, 4, 3584, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     y = q(x3)
