@@ -307,3 +307,61 @@ def test_gradient_checkpointing_hooks_keep_the_fused_path():
         assert _hooked_modules(model) == ["base_model.model.model.norm"]
     finally:
         handle.remove()
+
+
+# ---- live rows only: compaction ----------------------------------------------------------------
+def _arith_prompts(tok, k=8):
+    from qerl_kit.tasks import make_task
+
+    task = make_task()
+    return task.encode(tok, task.eval[:k])  # levels 1-4: completions of very different lengths
+
+
+def test_compaction_keeps_greedy_outputs_and_decodes_fewer_rows(tiny):
+    model, tok = tiny
+    prompts = _arith_prompts(tok)
+    sp = SamplingParams(max_new_tokens=48, temperature=0)
+    dense = StaticEngine(model, tok, sync_every=2, compact=False).generate_ids(prompts, 2, sp)
+    engine = StaticEngine(model, tok, sync_every=2)
+    packed = engine.generate_ids(prompts, 2, sp)
+    assert torch.equal(packed.completion_ids, dense.completion_ids)
+    assert torch.equal(packed.completion_mask, dense.completion_mask) and torch.equal(packed.stopped, dense.stopped)
+    torch.testing.assert_close(packed.logprobs, dense.logprobs, atol=1e-5, rtol=1e-5)
+    lengths = dense.completion_mask.sum(1)
+    assert lengths.max() > 2 * lengths.min()  # the case that matters: uneven lengths
+    assert packed.stats["rollout/compactions"] >= 2
+    assert packed.stats["rollout/row_steps"] < 0.7 * packed.stats["rollout/dense_row_steps"]
+    assert dense.stats["rollout/row_steps"] == dense.stats["rollout/dense_row_steps"]
+    again = engine.generate_ids(prompts, 2, sp)  # the views (and on a GPU their graphs) are reused
+    assert torch.equal(again.completion_ids, dense.completion_ids)
+
+
+def test_compacted_sampling_has_the_models_logprobs(tiny):
+    model, tok = tiny
+    prompts = _arith_prompts(tok, 6)
+    T = 1.3
+    out = StaticEngine(model, tok, sync_every=2).generate_ids(prompts, 4, SamplingParams(48, temperature=T, seed=5))
+    assert out.stats["rollout/compactions"] >= 1
+    for row in range(len(out)):
+        prompt, L = list(prompts.ids[row // 4]), int(out.completion_mask[row].sum())
+        completion = out.completion_ids[row, :L].tolist()
+        ref = torch.log_softmax(_hf_logits(model, prompt, completion) / T, dim=-1)
+        want = ref.gather(1, torch.tensor(completion)[:, None]).squeeze(1)
+        torch.testing.assert_close(out.logprobs[row, :L], want, atol=2e-4, rtol=1e-4)
+        assert (out.logprobs[row, L:] == 0).all() and (out.completion_ids[row, L:] == tok.pad_token_id).all()
+
+
+def test_forced_lengths_end_rows_there_with_and_without_compaction(tiny):
+    """stop_after (benchmarks of realistic length distributions): row r gets exactly that many tokens."""
+    model, tok = tiny
+    prompts = _arith_prompts(tok, 4)
+    lengths = [3, 17, 9, 1, 30, 5, 12, 2]
+    sp = SamplingParams(max_new_tokens=32, temperature=1.0, seed=1)
+    outs = [StaticEngine(model, tok, sync_every=2, compact=c).generate_ids(prompts, 2, sp, ignore_eos=True,
+                                                                          stop_after=lengths) for c in (True, False)]
+    for out in outs:
+        assert out.completion_mask.sum(1).tolist() == lengths and out.stopped.all()
+        assert out.completion_ids.shape[1] == 30
+    assert outs[0].stats["rollout/row_steps"] < outs[1].stats["rollout/row_steps"]
+    with pytest.raises(ValueError, match="one length >= 1 per row"):
+        StaticEngine(model, tok).generate_ids(prompts, 2, sp, stop_after=[3] * 7)

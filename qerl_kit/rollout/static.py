@@ -19,6 +19,13 @@ How one call runs:
    stopped.
 3. Rows stop at a stop token (EOS, the model's ``generation_config`` EOS ids, ``stop_token_ids``)
    or at ``max_new_tokens``; ``ignore_eos=True`` (benchmarks) runs every row to the full length.
+4. Live rows only (``compact=True``): at each ``sync_every`` check, when the rows still decoding fit
+   in half the rows in use or fewer, they move to the front of the buffers (KV cache, tokens,
+   outputs) and decoding continues on a view of the next power of two of rows, with its own
+   graphs. A batch then costs about its mean length, not its longest. Greedy outputs are those of
+   the uncompacted engine; sampled ones are draws of the same distribution (the RNG stream is
+   consumed by fewer rows) with exact log-probs. ``rollout/row_steps`` (rows decoded, summed over
+   steps) against ``rollout/dense_row_steps`` says what it saved.
 
 What the graphs bake in, and what they read live: tensor *storage* is fixed at capture, values
 are read at replay. LoRA matrices updated in place by an optimizer, AQN's in-place norm noise and
@@ -63,8 +70,25 @@ class _State:
     out_tok: Tensor    # [R, C]
     out_lp: Tensor     # [R, C] float32
     stop: Tensor       # [S] stop ids (at least one entry; -1 when there is none)
+    stop_at: Tensor    # [R] long: a row's forced length (stop_after), a large value otherwise
     graphs: dict = field(default_factory=dict)
+    forced: bool = False  # whether this call forces lengths (a Python flag: part of the graph key)
     pool: Any = None   # the memory pool this state's graphs share; it dies with them
+    root: Any = None   # for a view: the state whose first rows it is (and whose pool its graphs use)
+    views: dict = field(default_factory=dict)  # rows -> the view of this state's first rows
+
+    def front(self, rows: int) -> "_State":
+        """The state of the first ``rows`` rows: views of these buffers (no copy), its own graphs."""
+        if rows == self.tok.shape[0]:
+            return self
+        if rows not in self.views:
+            self.views[rows] = _State(
+                cache=KVCache([k[:rows] for k in self.cache.k], [v[:rows] for v in self.cache.v]),
+                tok=self.tok[:rows], pos=self.pos[:rows], slot=self.slot, step=self.step, done=self.done[:rows],
+                key_bias=self.key_bias[:rows], out_tok=self.out_tok[:rows], out_lp=self.out_lp[:rows], stop=self.stop,
+                stop_at=self.stop_at[:rows], root=self)
+        self.views[rows].forced = self.forced
+        return self.views[rows]
 
     def snapshot(self) -> dict[str, Tensor]:
         return {k: getattr(self, k).clone() for k in ("tok", "pos", "slot", "step", "done", "key_bias")}
@@ -90,7 +114,7 @@ class StaticEngine(ModelEngine):
                  max_rows: int | None = None, length_bucket: int = 128, prompt_bucket: int = 64,
                  max_prefill_tokens: int = 16384, sync_every: int = 32,
                  stop_token_ids: Sequence[int] | None = None, add_special_tokens: bool = False,
-                 ignore_eos: bool = False, keep_cache: bool = True, fused: bool = True):
+                 ignore_eos: bool = False, keep_cache: bool = True, fused: bool = True, compact: bool = True):
         for name, value in (("length_bucket", length_bucket), ("prompt_bucket", prompt_bucket),
                             ("max_prefill_tokens", max_prefill_tokens), ("sync_every", sync_every)):
             if not isinstance(value, int) or value < 1:
@@ -103,6 +127,7 @@ class StaticEngine(ModelEngine):
         self.length_bucket, self.prompt_bucket = length_bucket, prompt_bucket
         self.max_prefill_tokens, self.sync_every = max_prefill_tokens, sync_every
         self.add_special_tokens, self.ignore_eos, self.keep_cache = add_special_tokens, ignore_eos, keep_cache
+        self.compact = compact
         pad, self.stop_token_ids = special_ids(tokenizer, self.decoder.model, stop_token_ids)
         self.pad_token_id = 0 if pad is None else pad  # generate_ids works without a tokenizer
         self._state: tuple[tuple, _State] | None = None
@@ -119,15 +144,25 @@ class StaticEngine(ModelEngine):
 
     # -- the public interface (generate: ModelEngine's, on top of generate_ids) ---------------
     def generate_ids(self, prompts: Prompts | Sequence[Sequence[int]], n: int = 1,
-                     sampling: SamplingParams | None = None, ignore_eos: bool | None = None) -> Generation:
+                     sampling: SamplingParams | None = None, ignore_eos: bool | None = None,
+                     stop_after: Sequence[int] | None = None) -> Generation:
         """Token-level generation: ``Generation`` of ``len(prompts) * n`` group-contiguous rows, with
         ``rollout/prefill_seconds`` and ``rollout/decode_seconds`` in its stats. ``ignore_eos``
-        (default: the engine's) runs every row to ``max_new_tokens``."""
+        (default: the engine's) runs every row to ``max_new_tokens``. ``stop_after`` (one length per
+        row, benchmarks): row r ends after that many tokens, as if it had emitted a stop token there
+        (stop tokens the model emits still end it earlier unless ``ignore_eos``)."""
         prompts = as_prompts(prompts, self.tokenizer, self.add_special_tokens)
         n, sampling = check_n(n), sampling or SamplingParams()
         ignore_eos = self.ignore_eos if ignore_eos is None else ignore_eos
         prompt_ids = [list(p) for p in prompts.ids]
         check_context(prompt_ids, sampling.max_new_tokens, self.model)
+        if stop_after is not None:
+            stop_after = [int(x) for x in stop_after]
+            if len(stop_after) != len(prompt_ids) * n or min(stop_after) < 1:
+                raise ValueError(f"stop_after needs one length >= 1 per row ({len(prompt_ids) * n}); got "
+                                 f"{len(stop_after)} values, smallest {min(stop_after, default=None)}")
+            if self.max_rows is not None and self.max_rows < len(prompt_ids) * n:
+                raise ValueError("stop_after needs all rows in one batch (max_rows=None)")
         per_batch = len(prompt_ids) if self.max_rows is None else max(1, self.max_rows // n)
         parts = []
         with inference(self.model), seeded(sampling.seed, self.device):
@@ -136,7 +171,7 @@ class StaticEngine(ModelEngine):
                 real = len(chunk)
                 if real < per_batch < len(prompt_ids):  # pad the last batch: same shape, same graphs
                     chunk = chunk + [chunk[-1]] * (per_batch - real)
-                out = self._generate_batch(chunk, n, sampling, ignore_eos)
+                out = self._generate_batch(chunk, n, sampling, ignore_eos, stop_after)
                 parts.append(out if real == len(chunk) else out.head(real * n))
         if not self.keep_cache:
             self.reset()
@@ -158,7 +193,8 @@ class StaticEngine(ModelEngine):
                     done=torch.zeros(rows, dtype=torch.bool, device=dev),
                     key_bias=torch.full((rows, width + new), float("-inf"), dtype=self.decoder.dtype, device=dev),
                     out_tok=torch.zeros(rows, new, dtype=torch.long, device=dev),
-                    out_lp=torch.zeros(rows, new, dtype=torch.float32, device=dev), stop=stop)
+                    out_lp=torch.zeros(rows, new, dtype=torch.float32, device=dev), stop=stop,
+                    stop_at=torch.full((rows,), new + 1, dtype=torch.long, device=dev))
         self._state = (key, st)
         return st
 
@@ -173,6 +209,8 @@ class StaticEngine(ModelEngine):
         st.out_lp.index_copy_(1, st.step, lp[:, None])
         if not ignore_eos:
             st.done |= (tok[:, None] == st.stop[None, :]).any(dim=1)
+        if st.forced:  # stop_after: the row's last token is the one just written at column step
+            st.done |= st.stop_at <= st.step + 1
         st.tok.copy_(tok)
         st.pos += 1
         st.slot += 1
@@ -193,7 +231,7 @@ class StaticEngine(ModelEngine):
         return True
 
     def _replay(self, st: _State, length: int, sampling: SamplingParams, ignore_eos: bool) -> None:
-        key = (length, sampling.temperature, sampling.top_k, sampling.top_p, ignore_eos)
+        key = (length, sampling.temperature, sampling.top_k, sampling.top_p, ignore_eos, st.forced)
         graph = st.graphs.get(key)
         if graph is None:
             snap = st.snapshot()
@@ -203,20 +241,21 @@ class StaticEngine(ModelEngine):
                 self._step(st, length, sampling, ignore_eos)
             torch.cuda.current_stream().wait_stream(side)
             st.load(snap)
-            # One pool per state: a pool handle outlives its graphs, and capturing into a pool whose
-            # graphs were all freed (a new state after a change of batch shape) trips an internal
-            # assert of PyTorch's caching allocator (seen with torch 2.11 on an H200).
-            if st.pool is None:
-                st.pool = torch.cuda.graph_pool_handle()
+            # One pool per state (its views included): a pool handle outlives its graphs, and capturing
+            # into a pool whose graphs were all freed (a new state after a change of batch shape) trips
+            # an internal assert of PyTorch's caching allocator (seen with torch 2.11 on an H200).
+            owner = st.root or st
+            if owner.pool is None:
+                owner.pool = torch.cuda.graph_pool_handle()
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=st.pool):
+            with torch.cuda.graph(graph, pool=owner.pool):
                 self._step(st, length, sampling, ignore_eos)
             st.load(snap)  # capture runs nothing, but be explicit about the state replay starts from
             st.graphs[key] = graph
         graph.replay()
 
     def _generate_batch(self, prompt_ids: list[list[int]], n: int, sampling: SamplingParams,
-                        ignore_eos: bool) -> Generation:
+                        ignore_eos: bool, stop_after: list[int] | None = None) -> Generation:
         dev, dec = self.device, self.decoder
         B, new = len(prompt_ids), sampling.max_new_tokens
         longest = max(len(p) for p in prompt_ids)
@@ -245,6 +284,14 @@ class StaticEngine(ModelEngine):
         st.out_lp.zero_()
         st.out_tok[:, 0], st.out_lp[:, 0] = tok, lp
         st.done.copy_(torch.zeros_like(st.done) if ignore_eos else (tok[:, None] == st.stop[None, :]).any(1))
+        st.forced = stop_after is not None
+        for view in st.views.values():
+            view.forced = st.forced
+        st.stop_at.fill_(new + 1)
+        forced_len = torch.tensor(stop_after, dtype=torch.long, device=dev) if st.forced else None
+        if st.forced:
+            st.stop_at.copy_(forced_len)
+            st.done |= st.stop_at <= 1
         st.tok.copy_(tok)
         st.pos.copy_(row_mask.sum(1))
         st.slot.fill_(width)
@@ -253,33 +300,72 @@ class StaticEngine(ModelEngine):
             torch.cuda.synchronize(dev)
         t1 = time.perf_counter()
         graphs = self._use_graphs()
-        steps = new
+        steps, view, row_map, final = new, st, torch.arange(rows, device=dev), None
+        row_steps, compactions = 0, 0
         for t in range(1, new):
-            if not ignore_eos and t % self.sync_every == 0 and bool(st.done.all()):
-                steps = t
-                break
+            if (not ignore_eos or st.forced) and t % self.sync_every == 0:
+                live = (~view.done).nonzero().flatten()  # the host waits here, every sync_every steps
+                if len(live) == 0:
+                    steps = t
+                    break
+                target = 1 << (len(live) - 1).bit_length()  # the next power of two of the live rows
+                if self.compact and target <= view.tok.shape[0] // 2:
+                    view, row_map, final = self._compact(st, view, live, target, row_map, final, width + t)
+                    compactions += 1
             length = min(width + new, -(-(width + t) // self.length_bucket) * self.length_bucket)
             if graphs:
-                self._replay(st, length, sampling, ignore_eos)
+                self._replay(view, length, sampling, ignore_eos)
             else:
-                self._step(st, length, sampling, ignore_eos)
+                self._step(view, length, sampling, ignore_eos)
+            row_steps += view.tok.shape[0]
+        if final is not None:  # the rows still in the front go back to their places
+            final[0].index_copy_(0, row_map, view.out_tok)
+            final[1].index_copy_(0, row_map, view.out_lp)
+        out_tok, out_lp = final if final is not None else (st.out_tok, st.out_lp)
         if dev.type == "cuda":
             torch.cuda.synchronize(dev)
         t2 = time.perf_counter()
-        c_ids = st.out_tok[:, :steps].clone()
-        logprobs = st.out_lp[:, :steps].clone()
+        c_ids = out_tok[:, :steps].clone()
+        logprobs = out_lp[:, :steps].clone()
         if ignore_eos:
             cmask = torch.ones_like(c_ids)
             stopped = torch.zeros(rows, dtype=torch.bool, device=dev)
         else:
             cmask, stopped = stop_mask(c_ids, self.stop_token_ids)
-            width_used = int(cmask.sum(1).max())  # drop the all-padding tail after the last stop
+        if forced_len is not None:  # a forced length ends the row like a stop token would (original row order)
+            forced = torch.arange(c_ids.shape[1], device=dev)[None, :] < forced_len[:, None]
+            stopped = stopped | (forced_len <= c_ids.shape[1])
+            cmask = cmask & forced.long() if not ignore_eos else forced.long()
+        if not ignore_eos or forced_len is not None:
+            width_used = max(int(cmask.sum(1).max()), 1)  # drop the all-padding tail after the last stop
             cmask, c_ids, logprobs = cmask[:, :width_used], c_ids[:, :width_used], logprobs[:, :width_used]
             c_ids = torch.where(cmask.bool(), c_ids, self.pad_token_id)
             logprobs = torch.where(cmask.bool(), logprobs, 0.0)
         return Generation(ids[:, width - longest:].repeat_interleave(n, 0), mask[:, width - longest:].repeat_interleave(n, 0),
                           c_ids, cmask, logprobs, stopped,
-                          {"rollout/prefill_seconds": t1 - t0, "rollout/decode_seconds": t2 - t1})
+                          {"rollout/prefill_seconds": t1 - t0, "rollout/decode_seconds": t2 - t1,
+                           "rollout/row_steps": row_steps, "rollout/dense_row_steps": rows * (steps - 1),
+                           "rollout/compactions": compactions})
+
+    @staticmethod
+    def _compact(root: _State, view: _State, live: Tensor, rows: int, row_map: Tensor,
+                 final: tuple[Tensor, Tensor] | None, filled: int) -> tuple[_State, Tensor, tuple[Tensor, Tensor]]:
+        """Move the ``live`` rows of ``view`` to the first ``rows`` rows of ``root``'s buffers and decode
+        on the view of those from now on (its own graphs); the remaining places are filled with copies
+        of a finished row, which decode nothing. Outputs of every row so far are kept in ``final`` (by
+        original row) first. Only the first ``filled`` cache columns are copied: the rest is unwritten."""
+        if final is None:
+            final = (torch.empty_like(root.out_tok), torch.empty_like(root.out_lp))
+        final[0].index_copy_(0, row_map, view.out_tok)
+        final[1].index_copy_(0, row_map, view.out_lp)
+        finished = view.done.nonzero().flatten()[:1]
+        idx = torch.cat([live, finished.expand(rows - len(live))])
+        small = root.front(rows)
+        for name in ("tok", "pos", "done", "key_bias", "out_tok", "out_lp", "stop_at"):
+            getattr(small, name).copy_(getattr(view, name)[idx])  # the gather copies before the write
+        for big, front in zip(view.cache.k + view.cache.v, small.cache.k + small.cache.v):
+            front[:, :, :filled] = big[idx, :, :filled]
+        return small, row_map[idx], final
 
 
 # Hooks that do nothing under no_grad: transformers' and peft's enable_input_require_grads (needed
