@@ -1,0 +1,136 @@
+"""vLLM on the cases of ``bench.bench_live_rows``: the same random Qwen2.5 shapes, LoRA r32, prompts
+and forced completion lengths (lognormal mean 300, cap 1024, seed 0), so the two tables compare.
+
+    python -m bench.bench_vllm_lengths --out OUT      # on the H200, with vLLM 0.26 importable
+
+One format per process (vLLM's memory is not given back inside one): ``--formats nvfp4``, then
+``--formats bf16``. Per format (``nvfp4``: our compressed-tensors export, which vLLM runs with its Marlin FP4 kernels;
+``bf16``: ``save_pretrained`` of the same random model), one ``vllm.LLM`` with LoRA (the adapter as
+a ``LoRARequest``, as ``qerl_kit.rollout.vllm`` sends it) and per-token log-probs on, as an RL
+rollout needs. Each request gets ``min_tokens = max_tokens = L`` and ``ignore_eos`` (its forced
+length); vLLM batches continuously, so finished rows leave the batch. Also a fixed-length run (every
+row 256 tokens, and 1 token for the prefill) for vLLM's ms per decode step at that batch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import os
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from bench.bench_live_rows import hash_lengths, lengths_for
+from bench.bench_rollout import build, free, log, random_prompts, with_lora
+
+
+def export(peft, fmt: str, root: Path) -> Path:
+    path = Path(tempfile.mkdtemp(prefix=f"vllm-{fmt}-", dir=root))
+    if fmt == "nvfp4":
+        from qerl_kit.export import save_nvfp4
+
+        save_nvfp4(peft, path)
+    else:
+        peft.get_base_model().save_pretrained(str(path), safe_serialization=True)
+    return path
+
+
+def timed(llm, prompts, params, lora) -> float:
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, lora_request=lora, use_tqdm=False)
+    torch.cuda.synchronize()
+    wall = time.perf_counter() - t
+    return wall, outs
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=os.environ.get("OUT", "bench/results/vllm_lengths"))
+    ap.add_argument("--model", default="Qwen2.5-7B")
+    ap.add_argument("--formats", nargs="+", default=["nvfp4"])
+    ap.add_argument("--batches", nargs="+", type=int, default=[64, 256])
+    ap.add_argument("--prompt", type=int, default=256)
+    ap.add_argument("--mean", type=float, default=300.0)
+    ap.add_argument("--sigma", type=float, default=0.8)
+    ap.add_argument("--cap", type=int, default=1024)
+    ap.add_argument("--fixed", type=int, default=256)
+    ap.add_argument("--lora-r", type=int, default=32)
+    ap.add_argument("--budget", type=float, default=400.0)
+    args = ap.parse_args()
+    import vllm
+    from vllm import LLM, SamplingParams
+    from vllm.lora.request import LoRARequest
+
+    from qerl_kit.rollout.vllm import AdapterWriter
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    t0, rows = time.perf_counter(), []
+    root = Path(tempfile.mkdtemp(prefix="bench-vllm-"))
+    for fmt in args.formats:
+        if time.perf_counter() - t0 > args.budget:
+            log(f"budget spent: skip {fmt}")
+            continue
+        peft = with_lora(build(args.model, fmt, "cuda"), args.lora_r)
+        vocab = peft.get_base_model().config.vocab_size
+        path = export(peft, fmt, root)
+        writer = AdapterWriter(root)
+        lora_id, lora_path = writer.write(peft)
+        del peft
+        free()
+        t = time.perf_counter()
+        kwargs = dict(model=str(path), gpu_memory_utilization=0.6, max_model_len=args.prompt + args.cap + 16,
+                      max_num_seqs=max(args.batches), skip_tokenizer_init=True, dtype="bfloat16", seed=0,
+                      logprobs_mode="processed_logprobs")
+        try:
+            llm = LLM(enable_lora=True, max_lora_rank=args.lora_r, max_loras=1, **kwargs)
+            lora = LoRARequest("bench", lora_id, str(lora_path))
+        except Exception as err:  # noqa: BLE001 - say what failed, measure without the adapter
+            log(f"vLLM with LoRA failed to start ({err!r:.300}); measuring without LoRA")
+            llm, lora = LLM(**kwargs), None
+        log(f"vLLM {vllm.__version__} {fmt}: LLM built in {time.perf_counter() - t:.1f}s (LoRA {lora is not None})")
+        sp = lambda n_tok: SamplingParams(n=1, max_tokens=n_tok, min_tokens=n_tok, ignore_eos=True, temperature=1.0,  # noqa: E731
+                                          logprobs=0, detokenize=False, seed=0)
+        timed(llm, random_prompts(8, args.prompt, vocab, seed=1), [sp(16)] * 8, lora)  # warm-up: LoRA load, kernels
+        for batch in args.batches:
+            if time.perf_counter() - t0 > args.budget:
+                log(f"budget spent: skip {fmt} batch {batch}")
+                continue
+            lengths = lengths_for(batch, args.mean, args.sigma, args.cap)
+            prompts = random_prompts(batch, args.prompt, vocab)
+            prefill, _ = timed(llm, prompts, [sp(1)] * batch, lora)
+            fixed, _ = timed(llm, prompts, [sp(args.fixed)] * batch, lora)
+            wall, outs = timed(llm, prompts, [sp(L) for L in lengths], lora)
+            got = [len(o.outputs[0].token_ids) for o in outs]
+            assert got == lengths, (got[:8], lengths[:8])
+            ms = 1e3 * (fixed - prefill) / (args.fixed - 1)
+            mean = sum(lengths) / batch
+            rows.append(dict(engine=f"vllm-{vllm.__version__}", model=args.model, format=fmt, lora=lora is not None,
+                             batch=batch, prompt=args.prompt,
+                             mean_length=mean, max_length=max(lengths), lengths_sha=hash_lengths(lengths),
+                             realistic_wall_s=wall, fixed_len=args.fixed, fixed_wall_s=fixed, prefill_s=prefill,
+                             ms_per_step_fixed=ms, ratio_to_mean_length=wall / (mean * ms / 1e3)))
+            log(f"vLLM {fmt} batch {batch}: realistic {wall:.2f}s (mean {mean:.0f}, max {max(lengths)}), fixed "
+                f"{args.fixed} tokens {fixed:.2f}s = {ms:.2f} ms/step, prefill {prefill:.2f}s")
+        del llm
+        writer.cleanup()
+        free()
+    meta = dict(date=time.strftime("%Y-%m-%d"), device=torch.cuda.get_device_name(), torch=torch.__version__,
+                vllm=vllm.__version__, args=vars(args))
+    tag = "_".join(args.formats)
+    (out / f"vllm_lengths_{tag}.json").write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))
+    if rows:
+        with open(out / f"vllm_lengths_{tag}.csv", "w", newline="") as f:
+            w = csv.DictWriter(f, fieldnames=list(rows[0]))
+            w.writeheader()
+            w.writerows(rows)
+    log(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
