@@ -1,8 +1,9 @@
 """``StaticEngine``: rollouts with a static KV cache, shared prefill and CUDA-graph decode steps.
 
 A backend of ``qerl_kit.rollout``'s interface (``generate(prompts, n, sampling) -> Rollouts``,
-``generate_ids`` -> ``Generation``), built for the RL loop's shape of work: the same number of rows and completion length step after
-step, a policy whose LoRA weights and AQN norm noise change in place between calls.
+``generate_ids`` -> ``Generation``), built for the RL loop's shape of work: the same number of
+rows and completion length step after step, a policy whose LoRA weights and AQN norm noise change
+in place between calls.
 
 How one call runs:
 
@@ -22,7 +23,8 @@ How one call runs:
 4. Live rows only (``compact=True``): at each ``sync_every`` check, when the rows still decoding fit
    in half the rows in use or fewer, they move to the front of the buffers (KV cache, tokens,
    outputs) and decoding continues on a view of the next power of two of rows, with its own
-   graphs. A batch then costs about its mean length, not its longest. Greedy outputs are those of
+   graphs, so finished rows stop costing compute (the longest row's tail still costs a small
+   batch's step time per token: bench/results/live_rows_h200.md). Greedy outputs are those of
    the uncompacted engine; sampled ones are draws of the same distribution (the RNG stream is
    consumed by fewer rows) with exact log-probs. ``rollout/row_steps`` (rows decoded, summed over
    steps) against ``rollout/dense_row_steps`` says what it saved.
@@ -108,6 +110,8 @@ class StaticEngine(ModelEngine):
     which path runs); it re-points q/k/v and gate/up weights to views of one concatenated buffer.
     ``keep_cache``: keep the KV cache and graphs between calls (fast); False frees them after each
     call, so a training step that follows has the cache's memory back (graphs are re-captured).
+    ``compact``: decode live rows only (step 4 of the module docstring); False runs every row until
+    the longest stops (the A/B baseline).
     """
 
     def __init__(self, model: torch.nn.Module, tokenizer: Any = None, *, cuda_graphs: bool = True,
