@@ -233,10 +233,16 @@ def test_trainer_runs_on_the_static_engine(tiny, tmp_path):
     model, tok = tiny
     cfg = preset("tiny-cpu", total_steps=3, output_dir=str(tmp_path), save_every=0,
                  rollout=dict(batch_size=8, group_size=4, max_new_tokens=24), aqn=dict(stages=3))
-    trainer = Trainer(model, tok, make_task(cfg.data), cfg, engine=StaticEngine(model, tok), progress="none")
+    engine = StaticEngine(model, tok, sync_every=4)  # stop checks every 4 steps: the batch gets compacted
+    trainer = Trainer(model, tok, make_task(cfg.data), cfg, engine=engine, progress="none")
+    seen = []
+    generate = engine.generate_ids
+    engine.generate_ids = lambda *a, **k: seen.append(generate(*a, **k)) or seen[-1]
     row = trainer.train_step()
     assert row["num_tokens"] > 0 and 0 <= row["reward"] <= 1
-    # step 0 is AQN's noise-free stage: the engine's sampling log-probs are the trainer's own
+    assert seen[0].stats["rollout/compactions"] >= 1
+    # step 0 is AQN's noise-free stage: the engine's sampling log-probs are the trainer's own,
+    # compaction included
     assert row["sampling/sampling_logp_difference/max"] < 1e-3
 
 
