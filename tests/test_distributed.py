@@ -174,7 +174,7 @@ def test_config_errors_name_the_fix(tmp_path):
     with pytest.raises(ValueError, match=r"divisible by world_size x group_size \(3 x 2 = 6\)"):
         distributed.check_config(_config(tmp_path), 3)
     with pytest.raises(ValueError, match="dynamic_sampling is not supported"):
-        distributed.check_config(_config(tmp_path, loss=dict(dynamic_sampling=True)), 2)
+        distributed.check_config(_config(tmp_path, filters=dict(dynamic_sampling=True)), 2)
 
 
 def test_single_process_is_a_no_op(tmp_path, monkeypatch):
