@@ -42,6 +42,15 @@ def lengths_for(batch: int, mean: float, sigma: float, cap: int, seed: int = 0) 
     return [max(1, min(cap, round(rng.lognormvariate(mu, sigma)))) for _ in range(batch)]
 
 
+def add_length_args(ap: argparse.ArgumentParser) -> None:
+    """The prompt length and the completion-length distribution: one definition for this script and
+    ``bench.bench_vllm_lengths``, so both draw the same lengths."""
+    ap.add_argument("--prompt", type=int, default=256)
+    ap.add_argument("--mean", type=float, default=300.0)
+    ap.add_argument("--sigma", type=float, default=0.8)
+    ap.add_argument("--cap", type=int, default=1024)
+
+
 def run_case(model, prompts, lengths, compact: bool, sync_every: int = 32) -> dict:
     engine = StaticEngine(model, None, max_prefill_tokens=32768, compact=compact, sync_every=sync_every)
     sp = SamplingParams(max_new_tokens=max(lengths), temperature=1.0, seed=0)
@@ -69,10 +78,7 @@ def main() -> None:
     ap.add_argument("--models", nargs="+", default=["Qwen2.5-7B"])
     ap.add_argument("--formats", nargs="+", default=["nvfp4", "bf16"])
     ap.add_argument("--batches", nargs="+", type=int, default=[64, 256])
-    ap.add_argument("--prompt", type=int, default=256)
-    ap.add_argument("--mean", type=float, default=300.0)
-    ap.add_argument("--sigma", type=float, default=0.8)
-    ap.add_argument("--cap", type=int, default=1024)
+    add_length_args(ap)
     ap.add_argument("--lora-r", type=int, default=32)
     ap.add_argument("--sync-every", type=int, default=32, help="the engine's stop check (and compaction) interval")
     ap.add_argument("--budget", type=float, default=520.0, help="seconds after which remaining cases are skipped")

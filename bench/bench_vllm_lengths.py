@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from bench.bench_live_rows import hash_lengths, lengths_for
+from bench.bench_live_rows import add_length_args, hash_lengths, lengths_for
 from bench.bench_rollout import build, free, log, random_prompts, with_lora
 
 
@@ -54,10 +54,7 @@ def main() -> None:
     ap.add_argument("--model", default="Qwen2.5-7B")
     ap.add_argument("--formats", nargs="+", default=["nvfp4"])
     ap.add_argument("--batches", nargs="+", type=int, default=[64, 256])
-    ap.add_argument("--prompt", type=int, default=256)
-    ap.add_argument("--mean", type=float, default=300.0)
-    ap.add_argument("--sigma", type=float, default=0.8)
-    ap.add_argument("--cap", type=int, default=1024)
+    add_length_args(ap)
     ap.add_argument("--fixed", type=int, default=256)
     ap.add_argument("--lora-r", type=int, default=32)
     ap.add_argument("--budget", type=float, default=400.0)

@@ -371,3 +371,17 @@ def test_forced_lengths_end_rows_there_with_and_without_compaction(tiny):
     assert outs[0].stats["rollout/row_steps"] < outs[1].stats["rollout/row_steps"]
     with pytest.raises(ValueError, match="one length >= 1 per row"):
         StaticEngine(model, tok).generate_ids(prompts, 2, sp, stop_after=[3] * 7)
+
+
+def test_a_registered_engine_is_made_by_name(tiny, monkeypatch):
+    from qerl_kit.rollout import registry
+
+    model, tok = tiny
+    monkeypatch.setitem(registry.ENGINES, "placeholder", None)  # restored after the test
+    registry.register_engine("placeholder", lambda policy, tokenizer, **kw: ("built", policy, kw))
+    assert registry.make_engine("placeholder", model, tok, batch_size=2) == ("built", model, {"batch_size": 2})
+    assert "placeholder" in registry.engine_names()
+    with pytest.raises(ValueError, match="other than 'auto'"):
+        registry.register_engine("auto", lambda policy, tokenizer: None)
+    with pytest.raises(TypeError, match="must be callable"):
+        registry.register_engine("x", "not a factory")

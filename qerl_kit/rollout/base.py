@@ -56,16 +56,21 @@ class Engine:
                  sampling: SamplingParams | None = None) -> Rollouts:
         prompts = as_prompts(prompts, self.tokenizer, self.add_special_tokens)
         n, sampling = check_n(n), sampling or SamplingParams()
-        if self.tokenizer is None:
-            raise ValueError(f"this {type(self).__name__} has no tokenizer to decode completions with; pass one, "
-                             "or call generate_ids")
         start = time.perf_counter()
-        gen = self.generate_ids(prompts, n, sampling)
-        texts = decode_completions(self.tokenizer, gen.completion_ids, gen.completion_mask, gen.stopped)
+        gen, texts = self._generate_texts(prompts, n, sampling)
         seconds = time.perf_counter() - start
         tokens = int(gen.completion_mask.sum())
         return Rollouts.from_generation(prompts, gen, n, texts, self.pad_token_id, {
             "rollout/tokens": tokens, "rollout/seconds": seconds, "rollout/tokens_per_s": tokens / max(seconds, 1e-9)})
+
+    def _generate_texts(self, prompts: Prompts, n: int, sampling: SamplingParams) -> tuple[Generation, list[str]]:
+        """``generate_ids`` and the completions decoded with the engine's tokenizer (a backend that
+        decodes itself, like vLLM, overrides this)."""
+        if self.tokenizer is None:
+            raise ValueError(f"this {type(self).__name__} has no tokenizer to decode completions with; pass one, "
+                             "or call generate_ids")
+        gen = self.generate_ids(prompts, n, sampling)
+        return gen, decode_completions(self.tokenizer, gen.completion_ids, gen.completion_mask, gen.stopped)
 
     def sync(self, policy: Any = None, *, noise: Any = None, step: int = 0):  # pragma: no cover - abstract
         raise NotImplementedError

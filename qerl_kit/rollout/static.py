@@ -288,9 +288,7 @@ class StaticEngine(ModelEngine):
         st.out_lp.zero_()
         st.out_tok[:, 0], st.out_lp[:, 0] = tok, lp
         st.done.copy_(torch.zeros_like(st.done) if ignore_eos else (tok[:, None] == st.stop[None, :]).any(1))
-        st.forced = stop_after is not None
-        for view in st.views.values():
-            view.forced = st.forced
+        st.forced = stop_after is not None  # views take it when _compact asks for them (front)
         st.stop_at.fill_(new + 1)
         forced_len = torch.tensor(stop_after, dtype=torch.long, device=dev) if st.forced else None
         if st.forced:

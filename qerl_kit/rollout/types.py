@@ -172,6 +172,19 @@ _PADDED = (("prompt_ids", None, True), ("prompt_mask", 0, True), ("completion_id
            ("completion_mask", 0, False), ("logprobs", 0.0, False))
 
 
+def _check_padded(obj: Any, kind: str, rows: set[int]) -> None:
+    """The padded tensors of a Generation/Rollouts agree in shape, and every field in ``rows``."""
+    if obj.prompt_mask.shape != obj.prompt_ids.shape:
+        raise ValueError(f"prompt_mask {tuple(obj.prompt_mask.shape)} != prompt_ids {tuple(obj.prompt_ids.shape)}")
+    for name in ("completion_mask", "logprobs"):
+        if getattr(obj, name).shape != obj.completion_ids.shape:
+            raise ValueError(f"{name} {tuple(getattr(obj, name).shape)} != completion_ids "
+                             f"{tuple(obj.completion_ids.shape)}")
+    rows = rows | {obj.prompt_ids.shape[0], obj.completion_ids.shape[0]}
+    if len(rows) != 1:
+        raise ValueError(f"{kind} fields disagree on the number of rows: {sorted(rows)}")
+
+
 def _concat_padded(parts: Sequence[Any], pad: int) -> dict[str, Tensor]:
     """The shared tensors of several Generation/Rollouts, re-padded to common widths and stacked."""
     P = max(p.prompt_ids.shape[1] for p in parts)
@@ -201,16 +214,7 @@ class Generation:
     stats: dict[str, float] = field(default_factory=dict)  # backend timings (rollout/prefill_seconds ...)
 
     def __post_init__(self):
-        if self.prompt_mask.shape != self.prompt_ids.shape:
-            raise ValueError(f"prompt_mask {tuple(self.prompt_mask.shape)} != prompt_ids "
-                             f"{tuple(self.prompt_ids.shape)}")
-        for name in ("completion_mask", "logprobs"):
-            if getattr(self, name).shape != self.completion_ids.shape:
-                raise ValueError(f"{name} {tuple(getattr(self, name).shape)} != completion_ids "
-                                 f"{tuple(self.completion_ids.shape)}")
-        rows = {self.prompt_ids.shape[0], self.completion_ids.shape[0], self.stopped.shape[0]}
-        if len(rows) != 1:
-            raise ValueError(f"Generation fields disagree on the number of rows: {sorted(rows)}")
+        _check_padded(self, "Generation", {self.stopped.shape[0]})
 
     def __len__(self) -> int:
         return self.completion_ids.shape[0]
@@ -260,17 +264,8 @@ class Rollouts:
     stats: dict[str, float] = field(default_factory=dict)
 
     def __post_init__(self):
+        _check_padded(self, "Rollouts", {len(self.prompts), len(self.texts), len(self.finish_reasons)})
         rows = self.prompt_ids.shape[0]
-        if self.prompt_mask.shape != self.prompt_ids.shape:
-            raise ValueError(f"prompt_mask {tuple(self.prompt_mask.shape)} != prompt_ids "
-                             f"{tuple(self.prompt_ids.shape)}")
-        for name in ("completion_mask", "logprobs"):
-            if getattr(self, name).shape != self.completion_ids.shape:
-                raise ValueError(f"{name} {tuple(getattr(self, name).shape)} != completion_ids "
-                                 f"{tuple(self.completion_ids.shape)}")
-        lengths = {len(self.prompts), len(self.texts), len(self.finish_reasons), self.completion_ids.shape[0]}
-        if lengths != {rows}:
-            raise ValueError(f"Rollouts fields disagree on the number of rows: {sorted(lengths)} vs {rows}")
         if self.group_size < 1 or rows % self.group_size:
             raise ValueError(f"{rows} rows do not split into groups of {self.group_size}")
 

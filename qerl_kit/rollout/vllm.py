@@ -36,7 +36,7 @@ import torch
 from torch import nn
 
 from qerl_kit.rollout.base import Engine
-from qerl_kit.rollout.types import Generation, Prompts, Rollouts, SamplingParams, as_prompts, check_n
+from qerl_kit.rollout.types import Generation, Prompts, SamplingParams, as_prompts, check_n
 
 __all__ = ["VLLMEngine", "AdapterWriter", "vllm_norm_names", "hf_norm_names", "resolve_norms",
            "import_vllm", "require_cuda"]
@@ -312,7 +312,9 @@ class VLLMEngine(Engine):
             self.sleep()
 
     # -- rollouts --------------------------------------------------------------------------------
-    def _run(self, prompts: Prompts, n: int, sampling: SamplingParams) -> tuple[Generation, list[str]]:
+    def _generate_texts(self, prompts: Prompts, n: int, sampling: SamplingParams) -> tuple[Generation, list[str]]:
+        """One ``LLM.generate`` call: the Generation and the texts vLLM decoded (its detokenizer,
+        special tokens skipped)."""
         if self.asleep:
             raise RuntimeError("the vLLM engine is asleep; call wake_up() (or generate inside `with engine.sync(...)`"
                                " / `with engine.awake():`)")
@@ -337,20 +339,8 @@ class VLLMEngine(Engine):
 
     def generate_ids(self, prompts: Prompts | Sequence[Sequence[int]], n: int = 1,
                      sampling: SamplingParams | None = None) -> Generation:
-        return self._run(as_prompts(prompts, self.tokenizer, self.add_special_tokens), check_n(n),
-                         sampling or SamplingParams())[0]
-
-    def generate(self, prompts: Prompts | Sequence[str] | Sequence[Sequence[int]], n: int = 1,
-                 sampling: SamplingParams | None = None) -> Rollouts:
-        """As ``Engine.generate``, with the texts vLLM decoded (its detokenizer, special tokens skipped)."""
-        prompts = as_prompts(prompts, self.tokenizer, self.add_special_tokens)
-        n = check_n(n)
-        start = time.perf_counter()
-        gen, texts = self._run(prompts, n, sampling or SamplingParams())
-        seconds = time.perf_counter() - start
-        tokens = int(gen.completion_mask.sum())
-        return Rollouts.from_generation(prompts, gen, n, texts, self.pad_token_id, {
-            "rollout/tokens": tokens, "rollout/seconds": seconds, "rollout/tokens_per_s": tokens / max(seconds, 1e-9)})
+        return self._generate_texts(as_prompts(prompts, self.tokenizer, self.add_special_tokens), check_n(n),
+                                    sampling or SamplingParams())[0]
 
     def close(self) -> None:
         """Remove the adapter directories (and a base ``from_policy`` exported to a temporary directory)."""
