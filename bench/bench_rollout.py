@@ -171,24 +171,31 @@ def random_prompts(batch: int, length: int, vocab: int, seed: int = 0) -> list[l
     return torch.randint(10, vocab - 10, (batch, length), generator=g).tolist()
 
 
-def engine_run(model, prompts, new: int, repeats: int = 1) -> dict:
-    engine = StaticEngine(model, None, max_prefill_tokens=32768)
-    log(f"engine decode path: {engine.decoder.path}")
+# An engine variant's StaticEngine options: "-sdpa" is the attention path before the split-KV
+# kernel (every row holds its copy of the prompt's keys, scaled_dot_product_attention over them).
+OLD_ATTENTION = dict(shared_prefix=False, attention="sdpa")
+
+
+def engine_run(model, prompts, new: int, repeats: int = 1, n: int = 1, **engine_kw) -> dict:
+    """``prompts`` x ``n`` rows (n samples of each prompt, as GRPO groups) at fixed length."""
+    engine = StaticEngine(model, None, max_prefill_tokens=32768, **engine_kw)
+    log(f"engine decode path: {engine.decoder.path}, attention {engine.decoder.attention}, "
+        f"shared prefix {engine.shared_prefix}")
     sp = SamplingParams(max_new_tokens=new, temperature=1.0, seed=0)
     t = time.perf_counter()
-    engine.generate_ids(prompts, 1, sp, ignore_eos=True)  # warm-up: autotune, graph capture
+    engine.generate_ids(prompts, n, sp, ignore_eos=True)  # warm-up: autotune, graph capture
     sync()
     warm = time.perf_counter() - t
     best = None
     for _ in range(repeats):
         t = time.perf_counter()
-        out = engine.generate_ids(prompts, 1, sp, ignore_eos=True)
+        out = engine.generate_ids(prompts, n, sp, ignore_eos=True)
         sync()
         total = time.perf_counter() - t
         if best is None or total < best["total_s"]:
             best = dict(total_s=total, prefill_s=out.stats["rollout/prefill_seconds"], decode_s=out.stats["rollout/decode_seconds"],
                         ms_per_step=1e3 * out.stats["rollout/decode_seconds"] / max(new - 1, 1), warmup_s=warm,
-                        path=engine.decoder.path)
+                        path=engine.decoder.path, kv_cache_gib=engine._state[1].cache.nbytes / 2**30)
     engine.reset()
     del engine
     free()
@@ -224,9 +231,11 @@ def kv_bytes_per_token(model) -> int:
     return c.num_hidden_layers * 2 * c.num_key_value_heads * head_dim * 2
 
 
-def floor_ms_per_step(wbytes: int, model, batch: int, prompt: int, new: int, bw: float) -> float:
-    avg_ctx = prompt + new / 2
-    return 1e3 * (wbytes + batch * avg_ctx * kv_bytes_per_token(model)) / bw
+def floor_ms_per_step(wbytes: int, model, batch: int, prompt: int, new: int, bw: float, n: int = 1) -> float:
+    """Weights plus the KV cache read once per step at the copy bandwidth; with groups of n samples
+    sharing one prompt, the prompt's keys are read once per group (a shared prefix)."""
+    kv_tokens = batch // n * prompt + batch * new / 2
+    return 1e3 * (wbytes + kv_tokens * kv_bytes_per_token(model)) / bw
 
 
 # -- parts --------------------------------------------------------------------------------------
@@ -279,7 +288,7 @@ def part_rollout(args, device, results, bw):
         todo = lambda v, b: v in variants and (preset, v, b) not in done  # noqa: E731
         vocab = 512 if args.smoke else 152064
         # 1) the bf16 model: transformers and our engine, both with LoRA
-        if any(v in variants for v in ("hf-bf16", "engine-bf16", "hf-nf4")):
+        if any(v in variants for v in ("hf-bf16", "engine-bf16", "engine-bf16-sdpa", "hf-nf4")):
             if time.perf_counter() - T0 > args.budget:
                 log(f"budget spent: skip {preset} bf16")
             else:
@@ -290,9 +299,13 @@ def part_rollout(args, device, results, bw):
                     wb = weight_bytes(peft)
                     log(f"{preset} bf16 built in {time.perf_counter() - t:.1f}s, {wb / 2**30:.1f} GiB read per step")
                     for batch in args.batches:
-                        prompts = random_prompts(batch, args.prompt, vocab)
-                        for variant, fn in (("engine-bf16", lambda: engine_run(peft, prompts, args.new)),
-                                            ("hf-bf16", lambda: hf_run(peft, prompts, args.new, args.hf_tokens))):
+                        n = group(args, batch)
+                        prompts = random_prompts(batch // n, args.prompt, vocab)
+                        dense = random_prompts(batch, args.prompt, vocab)  # transformers: one row per prompt
+                        for variant, fn in (("engine-bf16", lambda: engine_run(peft, prompts, args.new, n=n)),
+                                            ("engine-bf16-sdpa", lambda: engine_run(peft, prompts, args.new, n=n,
+                                                                                    **OLD_ATTENTION)),
+                                            ("hf-bf16", lambda: hf_run(peft, dense, args.new, args.hf_tokens))):
                             if todo(variant, batch):
                                 _case(rows, preset, variant, batch, fn, wb, peft, args, bw)
                     if "hf-nf4" in variants:
@@ -310,7 +323,7 @@ def part_rollout(args, device, results, bw):
                     log(f"{preset} bf16/nf4 failed: {err!r}\n{traceback.format_exc()}")
                 free()
         # 2) NVFP4 + LoRA on our engine, with and without AQN
-        if not any(v in variants for v in ("engine-nvfp4", "engine-nvfp4-ours", "engine-nvfp4-aqn")):
+        if not any(v in variants for v in ("engine-nvfp4", "engine-nvfp4-sdpa", "engine-nvfp4-ours", "engine-nvfp4-aqn")):
             continue
         if time.perf_counter() - T0 > args.budget:
             log(f"budget spent: skip {preset} nvfp4")
@@ -324,25 +337,35 @@ def part_rollout(args, device, results, bw):
 
             aqn = AQN(sigma_start=1e-2, sigma_end=5e-4, stages=10, total_steps=100)
             for batch in args.batches:
-                prompts = random_prompts(batch, args.prompt, vocab)
+                n = group(args, batch)
+                prompts = random_prompts(batch // n, args.prompt, vocab)
                 if todo("engine-nvfp4", batch):
-                    _case(rows, preset, "engine-nvfp4", batch, lambda: engine_run(peft, prompts, args.new), wb, peft, args, bw)
+                    _case(rows, preset, "engine-nvfp4", batch, lambda: engine_run(peft, prompts, args.new, n=n),
+                          wb, peft, args, bw)
+                if todo("engine-nvfp4-sdpa", batch):
+                    _case(rows, preset, "engine-nvfp4-sdpa", batch,
+                          lambda: engine_run(peft, prompts, args.new, n=n, **OLD_ATTENTION), wb, peft, args, bw)
                 if todo("engine-nvfp4-ours", batch):  # the routing table without humming-kernels
                     def run_ours():
                         from qerl_kit.kernels import set_backend
 
                         with set_backend("ours"):
-                            return engine_run(peft, prompts, args.new)
+                            return engine_run(peft, prompts, args.new, n=n)
                     _case(rows, preset, "engine-nvfp4-ours", batch, run_ours, wb, peft, args, bw)
                 if todo("engine-nvfp4-aqn", batch) and batch in args.aqn_batches:
                     def run_aqn():
                         with aqn.noise(peft, step=15):
-                            return engine_run(peft, prompts, args.new)
+                            return engine_run(peft, prompts, args.new, n=n)
                     _case(rows, preset, "engine-nvfp4-aqn", batch, run_aqn, wb, peft, args, bw)
             del peft
         except Exception as err:  # noqa: BLE001
             log(f"{preset} nvfp4 failed: {err!r}\n{traceback.format_exc()}")
         free()
+
+
+def group(args, batch: int) -> int:
+    """Samples per prompt at this batch: ``--n``, or the whole batch when it is smaller."""
+    return max(1, min(args.n, batch))
 
 
 def _done_cases(paths) -> set:
@@ -362,12 +385,15 @@ def _case(rows, preset, variant, batch, fn, wb, model, args, bw):
         if torch.cuda.is_available():
             torch.cuda.reset_peak_memory_stats()
         r = fn()
-        floor = floor_ms_per_step(wb, model, batch, args.prompt, args.new, bw)
-        row = dict(model=preset, variant=variant, batch=batch, prompt=args.prompt, new_tokens=args.new,
+        n = group(args, batch) if variant.startswith("engine") else 1
+        shared = variant.startswith("engine") and not variant.endswith("-sdpa")
+        floor = floor_ms_per_step(wb, model, batch, args.prompt, args.new, bw, n if shared else 1)
+        row = dict(model=preset, variant=variant, batch=batch, n=n, prompt=args.prompt, new_tokens=args.new,
                    tokens_per_s=batch * args.new / r["total_s"], total_s=r["total_s"], prefill_s=r["prefill_s"],
                    decode_ms_per_step=r["ms_per_step"], floor_ms_per_step=floor,
                    x_floor=r["ms_per_step"] / floor, measured_tokens=r.get("measured_tokens", args.new),
                    warmup_s=r.get("warmup_s", float("nan")), path=r.get("path", "transformers"),
+                   kv_cache_gib=r.get("kv_cache_gib", float("nan")),
                    peak_gib=torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else float("nan"))
         rows.append(row)
         log(f"{preset} {variant} B={batch}: {row['tokens_per_s']:.0f} tok/s, {r['ms_per_step']:.2f} ms/step "
@@ -454,6 +480,8 @@ def main() -> None:
     ap.add_argument("--prompt", type=int, default=256)
     ap.add_argument("--new", type=int, default=512)
     ap.add_argument("--hf-tokens", type=int, default=24)
+    ap.add_argument("--n", type=int, default=1, help="samples per prompt on the engine (GRPO's group size); "
+                    "batch / n distinct prompts (transformers: batch distinct prompts)")
     ap.add_argument("--lora-r", type=int, default=32)
     ap.add_argument("--step-cases", nargs="*", default=["Qwen2.5-7B:bf16", "Qwen2.5-7B:nvfp4", "Qwen2.5-32B:nvfp4",
                                                         "Qwen2.5-72B:nvfp4"])

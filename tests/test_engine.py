@@ -385,3 +385,31 @@ def test_a_registered_engine_is_made_by_name(tiny, monkeypatch):
         registry.register_engine("auto", lambda policy, tokenizer: None)
     with pytest.raises(TypeError, match="must be callable"):
         registry.register_engine("x", "not a factory")
+
+
+def test_shared_prefix_stores_the_prompt_once_and_changes_no_output(tiny):
+    """The prompt's keys/values live once per prompt (KVCache's prefix), not in each of its n rows:
+    outputs (greedy and sampled, with compaction moving rows) equal the plain layout's, and the
+    cache holds P slots per prompt instead of per row."""
+    model, tok = tiny
+    prompts = _arith_prompts(tok, 6)
+    n, new = 4, 48
+    for sp in (SamplingParams(new, temperature=0), SamplingParams(new, temperature=1.2, seed=3)):
+        plain_engine = StaticEngine(model, tok, sync_every=2, shared_prefix=False)
+        shared_engine = StaticEngine(model, tok, sync_every=2)
+        plain, shared = plain_engine.generate_ids(prompts, n, sp), shared_engine.generate_ids(prompts, n, sp)
+        assert shared.stats["rollout/compactions"] >= 1  # rows moved: prompt_row followed them
+        assert torch.equal(shared.completion_ids, plain.completion_ids)
+        torch.testing.assert_close(shared.logprobs, plain.logprobs, atol=1e-6, rtol=0)
+        cache_p, cache_s = plain_engine._state[1].cache, shared_engine._state[1].cache
+        P, rows = cache_s.prefix_len, len(prompts) * n
+        assert P > 0 and cache_p.prefix_len == 0 and cache_s.max_len == cache_p.max_len == P + new
+        assert cache_s.pk[0].shape[0] == len(prompts) and cache_s.k[0].shape[:3] == (rows, cache_s.k[0].shape[1], new)
+        per_slot = cache_p.nbytes // (rows * (P + new))
+        assert cache_s.nbytes == per_slot * (rows * new + len(prompts) * P)
+        again = shared_engine.generate_ids(prompts, n, sp)  # prompt_row is reset after the last call's moves
+        assert torch.equal(again.completion_ids, shared.completion_ids)
+    with pytest.raises(ValueError, match="needs shared_prefix=False"):
+        StaticEngine(model, tok, attention="sdpa")
+    with pytest.raises(ValueError, match="attention='flash'"):
+        StaticEngine(model, tok, shared_prefix=False, attention="flash")

@@ -10,10 +10,12 @@ or wrapped by peft) and runs them itself, so the rollout engine controls every t
   every replay of a captured CUDA graph;
 * rotary embeddings come from the model's ``rotary_emb`` (every RoPE variant transformers has);
 * attention is ours: ``prefill`` runs the B unique prompts through ``scaled_dot_product_attention``
-  and writes their keys/values to the cache once per sample row (``repeat_interleave(n)``);
-  ``decode`` writes one token per row at cache slot ``slot`` (a device tensor, so a captured graph
-  advances it itself) and attends over the first ``length`` slots with a per-row key mask,
-  grouped-query style (no expanded K/V copies).
+  and writes their keys/values to the cache, once per prompt into a shared prefix (``KVCache``
+  with ``pk``/``pv``) or once per sample row (``repeat_interleave(n)``) without one; ``decode``
+  writes one token per row at cache slot ``slot`` (a device tensor, so a captured graph advances
+  it itself) and attends over the first ``length`` slots with a per-row key mask, grouped-query
+  style, through ``qerl_kit.kernels.decode_attention`` (split-KV Triton kernel on the GPU, its
+  PyTorch reference on the CPU).
 
 ``fused=True`` (default) decodes through ``qerl_kit.engine.fast.FusedPlan`` where the model allows
 (fused q/k/v and gate/up matmuls, LoRA as shared down-projections, fused elementwise kernels);
@@ -30,32 +32,66 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from qerl_kit.kernels.decode_attention import IMPLS, Prefix, decode_attention
+
 
 @dataclass
 class KVCache:
-    """Static keys/values: ``k[layer]``, ``v[layer]`` of shape [rows, kv_heads, max_len, head_dim]."""
+    """Static keys/values of every layer.
+
+    ``k[layer]``, ``v[layer]`` [rows, kv_heads, S, D] hold the rows' own slots. With a shared
+    prefix (``pk``/``pv`` [prompts, kv_heads, P, D], ``prompt_row`` [rows]: the prompt each row
+    continues) slot j < P of row r is its prompt's position j, stored once for the prompt's n rows,
+    and slot j >= P is ``k[layer][r, :, j - P]``; without one P = 0 and ``k`` holds every slot.
+    """
 
     k: list[Tensor]
     v: list[Tensor]
+    pk: list[Tensor] | None = None
+    pv: list[Tensor] | None = None
+    prompt_row: Tensor | None = None
 
     @classmethod
     def allocate(cls, layers: int, rows: int, kv_heads: int, max_len: int, head_dim: int,
-                 dtype: torch.dtype, device: torch.device) -> "KVCache":
-        shape = (rows, kv_heads, max_len, head_dim)
-        return cls([torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)],
-                   [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)])
+                 dtype: torch.dtype, device: torch.device, prompts: int = 0, prefix_len: int = 0) -> "KVCache":
+        """``prompts`` > 0: a shared prefix of ``prefix_len`` slots per prompt, rows = prompts x n."""
+        if prompts and (rows % prompts or not 0 < prefix_len < max_len):
+            raise ValueError(f"KVCache: {rows} rows for {prompts} prompts and a prefix of {prefix_len} of "
+                             f"{max_len} slots: rows must be a multiple of prompts, 0 < prefix < slots")
+        own = max_len - prefix_len if prompts else max_len
+        shape = (rows, kv_heads, own, head_dim)
+        cache = cls([torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)],
+                    [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)])
+        if prompts:
+            pshape = (prompts, kv_heads, prefix_len, head_dim)
+            cache.pk = [torch.zeros(pshape, dtype=dtype, device=device) for _ in range(layers)]
+            cache.pv = [torch.zeros(pshape, dtype=dtype, device=device) for _ in range(layers)]
+            cache.prompt_row = torch.arange(prompts, device=device).repeat_interleave(rows // prompts)
+        return cache
 
     @property
     def rows(self) -> int:
         return self.k[0].shape[0]
 
     @property
+    def prefix_len(self) -> int:
+        return 0 if self.pk is None else self.pk[0].shape[2]
+
+    @property
     def max_len(self) -> int:
-        return self.k[0].shape[2]
+        return self.prefix_len + self.k[0].shape[2]
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.k + self.v)
+        return sum(t.numel() * t.element_size() for t in self.k + self.v + (self.pk or []) + (self.pv or []))
+
+    def prefix(self, layer: int) -> Prefix | None:
+        return None if self.pk is None else Prefix(self.pk[layer], self.pv[layer], self.prompt_row)
+
+    def front(self, rows: int) -> "KVCache":
+        """Views of the first ``rows`` rows (the prefix is shared, not sliced)."""
+        return KVCache([k[:rows] for k in self.k], [v[:rows] for v in self.v], self.pk, self.pv,
+                       None if self.prompt_row is None else self.prompt_row[:rows])
 
 
 def _rotate_half(x: Tensor) -> Tensor:
@@ -107,6 +143,7 @@ class Decoder:
         self.group = self.heads // self.kv_heads
         self.plan, self.path, self._plan_ok = None, "generic decode path (fused=False)", False
         self.use_plan = True  # the engine turns it off for a call on a model with forward hooks
+        self.attention = "auto"  # decode attention's implementation (kernels.decode_attention.IMPLS)
         if fused:
             from qerl_kit.engine.fast import FusedPlan
 
@@ -120,9 +157,15 @@ class Decoder:
     def dtype(self) -> torch.dtype:
         return self.embed.weight.dtype
 
-    def allocate(self, rows: int, max_len: int, device: torch.device) -> KVCache:
+    def allocate(self, rows: int, max_len: int, device: torch.device, prompts: int = 0,
+                 prefix_len: int = 0) -> KVCache:
         return KVCache.allocate(self.num_layers, rows, self.kv_heads, max_len, self.head_dim,
-                                self.dtype, device)
+                                self.dtype, device, prompts, prefix_len)
+
+    def set_attention(self, impl: str) -> None:
+        if impl not in IMPLS:
+            raise ValueError(f"attention={impl!r}; allowed: {', '.join(IMPLS)}")
+        self.attention = impl
 
     def _qkv(self, attn: nn.Module, h: Tensor, positions: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """h [R, T, hidden] -> q [R, H, T, D], k and v [R, KVH, T, D], rotary applied."""
@@ -142,8 +185,13 @@ class Decoder:
     # -- prefill ------------------------------------------------------------------------------
     def prefill(self, ids: Tensor, mask: Tensor, cache: KVCache, rows: slice, n: int) -> Tensor:
         """Run B left-padded prompts [B, P]; write their K/V to cache rows ``rows`` (B*n of them,
-        each prompt's n rows contiguous) at slots [0, P); return the last position's logits [B, V]."""
+        each prompt's n rows contiguous) at slots [0, P), or, with a shared prefix (P its length),
+        once per prompt to prefix rows ``rows // n``; return the last position's logits [B, V]."""
         B, P = ids.shape
+        shared = cache.pk is not None
+        if shared and P != cache.prefix_len:
+            raise ValueError(f"prefill: prompts of width {P} for a shared prefix of {cache.prefix_len} slots")
+        prompts = slice(rows.start // n, rows.stop // n)
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
         causal = torch.ones(P, P, dtype=torch.bool, device=ids.device).tril()
         allowed = causal[None] & mask.bool()[:, None, :]
@@ -154,8 +202,12 @@ class Decoder:
             attn = layer.self_attn
             x = layer.input_layernorm(h)
             q, k, v = self._qkv(attn, x, positions)
-            cache.k[i][rows, :, :P] = k.repeat_interleave(n, dim=0)
-            cache.v[i][rows, :, :P] = v.repeat_interleave(n, dim=0)
+            if shared:
+                cache.pk[i][prompts] = k
+                cache.pv[i][prompts] = v
+            else:
+                cache.k[i][rows, :, :P] = k.repeat_interleave(n, dim=0)
+                cache.v[i][rows, :, :P] = v.repeat_interleave(n, dim=0)
             if self.group > 1:
                 k, v = k.repeat_interleave(self.group, dim=1), v.repeat_interleave(self.group, dim=1)
             o = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, scale=self.scaling)
@@ -185,18 +237,16 @@ class Decoder:
         R = tokens.shape[0]
         h = self.embed(tokens[:, None])  # [R, 1, hidden]
         pos = positions[:, None]
-        bias = key_bias[:, None, None, :length].float()  # [R, 1, 1, L]
+        own = slot - cache.prefix_len if cache.pk is not None else slot  # the column in k/v
         for i, layer in enumerate(self.layers):
             attn = layer.self_attn
             x = layer.input_layernorm(h)
             q, k, v = self._qkv(attn, x, pos)  # q [R, H, 1, D]; k, v [R, KVH, 1, D]
-            cache.k[i].index_copy_(2, slot, k)
-            cache.v[i].index_copy_(2, slot, v)
-            keys, values = cache.k[i][:, :, :length], cache.v[i][:, :, :length]
+            cache.k[i].index_copy_(2, own, k)
+            cache.v[i].index_copy_(2, own, v)
             qg = q.reshape(R, self.kv_heads, self.group, self.head_dim)
-            scores = torch.matmul(qg, keys.transpose(-1, -2)).float() * self.scaling + bias
-            probs = torch.softmax(scores, dim=-1).to(values.dtype)  # [R, KVH, G, L]
-            o = torch.matmul(probs, values).reshape(R, 1, self.heads * self.head_dim)
-            h = h + attn.o_proj(o)
+            o = decode_attention(qg, cache.k[i], cache.v[i], key_bias, length, self.scaling, cache.prefix(i),
+                                 impl=self.attention)
+            h = h + attn.o_proj(o.reshape(R, 1, self.heads * self.head_dim))
             h = h + layer.mlp(layer.post_attention_layernorm(h))
         return self._logits(h[:, 0])

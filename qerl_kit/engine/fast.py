@@ -16,8 +16,9 @@ launches whatever the number of adapters in it:
   concatenation, a matmul and one ``addmm`` per projection: five kernels for q/k/v). Captured
   CUDA graphs therefore never go stale when the adapter trains.
 * Elementwise chains are ``qerl_kit.kernels.engine_fused`` kernels (residual add + RMSNorm, RoPE +
-  cache write, SiLU x up); attention is ``scaled_dot_product_attention`` with the grouped query
-  heads laid out as [rows, kv_heads, group, head_dim], so K/V are never expanded.
+  cache write, SiLU x up); attention is ``qerl_kit.kernels.decode_attention`` (split-KV, the
+  prompt's keys shared by its rows) with the grouped query heads laid out as
+  [rows, kv_heads, group, head_dim], so K/V are never expanded.
 
 ``FusedPlan.build(decoder)`` returns None, with the reason, for what it does not cover (a LoRA
 with DoRA or several active adapters, a projection that is neither ``NVFP4Linear`` nor
@@ -32,6 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from qerl_kit.kernels.decode_attention import decode_attention
 from qerl_kit.kernels.engine_fused import add_rmsnorm, rope_to_cache, silu_mul
 from qerl_kit.kernels.lora_triton import lora_apply_
 
@@ -186,7 +188,7 @@ class FusedPlan:
         x = dec.embed(tokens)  # [R, hidden]
         cos, sin = dec.rotary(x[:, None], positions[:, None])
         cos, sin = cos[:, 0], sin[:, 0]
-        bias = key_bias[:, None, None, :length].to(x.dtype)
+        P = cache.prefix_len  # slot >= P: the rows' own cache columns start at P
         h = None
         pending = x  # what the next add_rmsnorm adds to the residual stream
         for i, lp in enumerate(self.layers):
@@ -197,9 +199,9 @@ class FusedPlan:
             v = qkv[:, nq + nk:].view(R, KVH, D)
             if lp.q_norm is not None:
                 q, k = lp.q_norm(q), lp.k_norm(k)
-            q = rope_to_cache(q, k, v, cos, sin, cache.k[i], cache.v[i], slot)
-            o = F.scaled_dot_product_attention(q.view(R, KVH, H // KVH, D), cache.k[i][:, :, :length],
-                                               cache.v[i][:, :, :length], attn_mask=bias, scale=dec.scaling)
+            q = rope_to_cache(q, k, v, cos, sin, cache.k[i], cache.v[i], slot, offset=P)
+            o = decode_attention(q.view(R, KVH, H // KVH, D), cache.k[i], cache.v[i], key_bias, length,
+                                 dec.scaling, cache.prefix(i), impl=dec.attention)
             o = lp.o(o.reshape(R, nq))
             xn, h = add_rmsnorm(o, h, dec.layers[i].post_attention_layernorm.weight, lp.eps2)
             pending = lp.down(silu_mul(lp.gate_up(xn)))

@@ -8,9 +8,9 @@ replace the elementwise chains; the matmuls stay NVFP4 kernels / cuBLAS:
   model's residual add is) and ``RMSNorm(h)`` with the exact operation order of transformers'
   Qwen2/Llama RMSNorm (float32 statistics, normalised value rounded to the input dtype, then
   times the weight); returns (normed, h). ``residual=None`` is a plain RMSNorm.
-* ``rope_to_cache(q, k, v, cos, sin, k_cache, v_cache, slot)``: rotary embedding of one token's
-  q and k per row (rotate-half convention), k and v written straight into cache column ``slot``
-  (a device tensor); returns the rotated q, contiguous.
+* ``rope_to_cache(q, k, v, cos, sin, k_cache, v_cache, slot, offset)``: rotary embedding of one
+  token's q and k per row (rotate-half convention), k and v written straight into cache column
+  ``slot - offset`` (``slot`` a device tensor); returns the rotated q, contiguous.
 * ``silu_mul(gate_up)``: ``silu(gate) * up`` for gate/up concatenated along the last dimension.
 
 ``fused_available(x)`` says whether the Triton versions run for ``x`` (CUDA, or the CPU under
@@ -69,7 +69,7 @@ if HAS_TRITON:
     @triton.jit
     def _rope_cache_kernel(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, qo_ptr, kc_ptr, vc_ptr, slot_ptr,
                            stride_qr, stride_qh, stride_kr, stride_kh, stride_vr, stride_vh, stride_cr,
-                           stride_cache_r, stride_cache_h, stride_cache_l, H, HALF: tl.constexpr):
+                           stride_cache_r, stride_cache_h, stride_cache_l, H, offset, HALF: tl.constexpr):
         """Program (row, head): heads [0, H) are q heads; [H, H + KVH) are k/v heads."""
         DT: tl.constexpr = qo_ptr.dtype.element_ty
         row = tl.program_id(0)
@@ -87,7 +87,7 @@ if HAS_TRITON:
             tl.store(qo + HALF + d, o2)
         else:
             kh = head - H
-            slot = tl.load(slot_ptr)
+            slot = tl.load(slot_ptr) - offset
             kb = k_ptr + row * stride_kr + kh * stride_kh
             k1, k2 = _rotate(tl.load(kb + d), tl.load(kb + HALF + d), c1, c2, s1, s2, DT)
             dst = row * stride_cache_r + kh * stride_cache_h + slot * stride_cache_l
@@ -129,9 +129,10 @@ def rope_ref(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     return x * cos[:, None] + torch.cat((-x2, x1), dim=-1) * sin[:, None]
 
 
-def rope_to_cache_ref(q, k, v, cos, sin, k_cache, v_cache, slot) -> Tensor:
-    k_cache.index_copy_(2, slot, rope_ref(k, cos, sin)[:, :, None])
-    v_cache.index_copy_(2, slot, v[:, :, None])
+def rope_to_cache_ref(q, k, v, cos, sin, k_cache, v_cache, slot, offset: int = 0) -> Tensor:
+    col = slot - offset if offset else slot
+    k_cache.index_copy_(2, col, rope_ref(k, cos, sin)[:, :, None])
+    v_cache.index_copy_(2, col, v[:, :, None])
     return rope_ref(q, cos, sin).contiguous()
 
 
@@ -156,11 +157,12 @@ def add_rmsnorm(x: Tensor, residual: Tensor | None, weight: Tensor, eps: float,
 
 
 def rope_to_cache(q: Tensor, k: Tensor, v: Tensor, cos: Tensor, sin: Tensor, k_cache: Tensor, v_cache: Tensor,
-                  slot: Tensor, use_triton: bool | None = None) -> Tensor:
+                  slot: Tensor, use_triton: bool | None = None, offset: int = 0) -> Tensor:
     """q [R, H, D], k/v [R, KVH, D] (any row/head strides, last dim contiguous); cos/sin [R, D];
-    caches [R, KVH, L, D]; slot [1] long. Returns rotated q [R, H, D]; writes k, v at ``slot``."""
+    caches [R, KVH, L, D]; slot [1] long. Returns rotated q [R, H, D]; writes k, v at cache column
+    ``slot - offset`` (``offset``: the shared prefix's length, whose slots are not in this cache)."""
     if not (fused_available(q) if use_triton is None else use_triton):
-        return rope_to_cache_ref(q, k, v, cos, sin, k_cache, v_cache, slot)
+        return rope_to_cache_ref(q, k, v, cos, sin, k_cache, v_cache, slot, offset)
     R, H, D = q.shape
     kvh = k.shape[1]
     for name, t in (("q", q), ("k", k), ("v", v), ("cos", cos), ("sin", sin), ("k_cache", k_cache)):
@@ -170,7 +172,7 @@ def rope_to_cache(q: Tensor, k: Tensor, v: Tensor, cos: Tensor, sin: Tensor, k_c
     _rope_cache_kernel[(R, H + kvh)](q, k, v, cos, sin, q_out, k_cache, v_cache, slot,
                                      q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
                                      cos.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-                                     H, HALF=D // 2, num_warps=1,
+                                     H, offset, HALF=D // 2, num_warps=1,
                                      enable_fp_fusion=False)  # eager's roundings: no product+sum FMA
     return q_out
 

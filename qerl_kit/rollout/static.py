@@ -9,8 +9,9 @@ How one call runs:
 
 1. Prompt ids are left-padded to a width P rounded up to ``prompt_bucket`` (so calls of
    similar prompt lengths reuse one cache and its graphs), and prefilled once per unique prompt,
-   in chunks of at most ``max_prefill_tokens``; keys/values are written to each of the prompt's n
-   cache rows. The first completion token of every row is sampled from the prefill's logits.
+   in chunks of at most ``max_prefill_tokens``; keys/values are written once per prompt, to the
+   cache's shared prefix that the prompt's n rows all read (``shared_prefix=False``: copied to
+   each of the n rows). The first completion token of every row is sampled from the prefill's logits.
 2. Each decode step (one token for every row) runs the model's own modules through
    ``qerl_kit.engine.decoder``, samples on the device (``qerl_kit.engine.sampler``), writes the
    token and its log-prob into output buffers and advances its own counters (slot, positions,
@@ -85,7 +86,7 @@ class _State:
             return self
         if rows not in self.views:
             self.views[rows] = _State(
-                cache=KVCache([k[:rows] for k in self.cache.k], [v[:rows] for v in self.cache.v]),
+                cache=self.cache.front(rows),
                 tok=self.tok[:rows], pos=self.pos[:rows], slot=self.slot, step=self.step, done=self.done[:rows],
                 key_bias=self.key_bias[:rows], out_tok=self.out_tok[:rows], out_lp=self.out_lp[:rows], stop=self.stop,
                 stop_at=self.stop_at[:rows], root=self)
@@ -112,13 +113,20 @@ class StaticEngine(ModelEngine):
     call, so a training step that follows has the cache's memory back (graphs are re-captured).
     ``compact``: decode live rows only (step 4 of the module docstring); False runs every row until
     the longest stops (the A/B baseline).
+    ``shared_prefix``: store each prompt's keys/values once for its n rows (``KVCache``'s prefix);
+    False stores them in every row (the A/B baseline, and the layout ``attention="sdpa"`` needs).
+    ``attention``: decode attention's implementation, ``auto`` (the split-KV Triton kernel on the
+    GPU, its reference on the CPU), ``triton``, ``torch`` or ``sdpa`` (PyTorch's
+    ``scaled_dot_product_attention``, the kernel's A/B baseline); see
+    ``qerl_kit.kernels.decode_attention``.
     """
 
     def __init__(self, model: torch.nn.Module, tokenizer: Any = None, *, cuda_graphs: bool = True,
                  max_rows: int | None = None, length_bucket: int = 128, prompt_bucket: int = 64,
                  max_prefill_tokens: int = 16384, sync_every: int = 32,
                  stop_token_ids: Sequence[int] | None = None, add_special_tokens: bool = False,
-                 ignore_eos: bool = False, keep_cache: bool = True, fused: bool = True, compact: bool = True):
+                 ignore_eos: bool = False, keep_cache: bool = True, fused: bool = True, compact: bool = True,
+                 shared_prefix: bool = True, attention: str = "auto"):
         for name, value in (("length_bucket", length_bucket), ("prompt_bucket", prompt_bucket),
                             ("max_prefill_tokens", max_prefill_tokens), ("sync_every", sync_every)):
             if not isinstance(value, int) or value < 1:
@@ -126,7 +134,11 @@ class StaticEngine(ModelEngine):
         if max_rows is not None and (not isinstance(max_rows, int) or max_rows < 1):
             raise ValueError(f"max_rows must be None or an int >= 1; got {max_rows!r}")
         self.model, self.tokenizer = model, tokenizer
+        if attention == "sdpa" and shared_prefix:
+            raise ValueError("attention='sdpa' reads the plain cache layout: it needs shared_prefix=False")
         self.decoder = Decoder(model, fused=fused)
+        self.decoder.set_attention(attention)
+        self.shared_prefix = shared_prefix
         self.cuda_graphs, self.max_rows = cuda_graphs, max_rows
         self.length_bucket, self.prompt_bucket = length_bucket, prompt_bucket
         self.max_prefill_tokens, self.sync_every = max_prefill_tokens, sync_every
@@ -182,14 +194,15 @@ class StaticEngine(ModelEngine):
         return Generation.concat(parts, self.pad_token_id)
 
     # -- one batch ------------------------------------------------------------------------------
-    def _state_for(self, rows: int, width: int, new: int) -> _State:
-        key = (rows, width, new)
+    def _state_for(self, rows: int, n: int, width: int, new: int) -> _State:
+        key = (rows, n, width, new)
         if self._state is not None and self._state[0] == key:
             return self._state[1]
         self._state = None  # free the old cache (and its graphs) before allocating the new one
         dev = self.device
         stop = torch.tensor(self.stop_token_ids or [-1], dtype=torch.long, device=dev)
-        st = _State(cache=self.decoder.allocate(rows, width + new, dev),
+        prompts = rows // n if self.shared_prefix else 0
+        st = _State(cache=self.decoder.allocate(rows, width + new, dev, prompts, width),
                     tok=torch.zeros(rows, dtype=torch.long, device=dev),
                     pos=torch.zeros(rows, dtype=torch.long, device=dev),
                     slot=torch.zeros(1, dtype=torch.long, device=dev),
@@ -269,7 +282,9 @@ class StaticEngine(ModelEngine):
         ids = torch.cat([ids.new_full((B, width - longest), self.pad_token_id), ids], 1).to(dev)
         mask = torch.cat([mask.new_zeros((B, width - longest)), mask], 1).to(dev)
         rows = B * n
-        st = self._state_for(rows, width, new)
+        st = self._state_for(rows, n, width, new)
+        if st.cache.prompt_row is not None:  # an earlier call's compaction moved rows
+            st.cache.prompt_row.copy_(torch.arange(B, device=dev).repeat_interleave(n))
         t0 = time.perf_counter()
         # prefill, in chunks of whole prompts
         chunk = max(1, self.max_prefill_tokens // width)
@@ -355,7 +370,8 @@ class StaticEngine(ModelEngine):
         """Move the ``live`` rows of ``view`` to the first ``rows`` rows of ``root``'s buffers and decode
         on the view of those from now on (its own graphs); the remaining places are filled with copies
         of a finished row, which decode nothing. Outputs of every row so far are kept in ``final`` (by
-        original row) first. Only the first ``filled`` cache columns are copied: the rest is unwritten."""
+        original row) first. Only the first ``filled`` cache slots are copied (the rest is unwritten),
+        and of those only the rows' own: a shared prefix stays where it is and ``prompt_row`` follows."""
         if final is None:
             final = (torch.empty_like(root.out_tok), torch.empty_like(root.out_lp))
         final[0].index_copy_(0, row_map, view.out_tok)
@@ -365,8 +381,11 @@ class StaticEngine(ModelEngine):
         small = root.front(rows)
         for name in ("tok", "pos", "done", "key_bias", "out_tok", "out_lp", "stop_at"):
             getattr(small, name).copy_(getattr(view, name)[idx])  # the gather copies before the write
+        own = filled - root.cache.prefix_len
         for big, front in zip(view.cache.k + view.cache.v, small.cache.k + small.cache.v):
-            front[:, :, :filled] = big[idx, :, :filled]
+            front[:, :, :own] = big[idx, :, :own]
+        if small.cache.prompt_row is not None:
+            small.cache.prompt_row.copy_(view.cache.prompt_row[idx])
         return small, row_map[idx], final
 
 
