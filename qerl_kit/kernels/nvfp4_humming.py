@@ -205,7 +205,7 @@ def compile_shapes(shapes, dtype: torch.dtype = torch.bfloat16, device: torch.de
     # the bar shows only once a shape takes a while: shapes in humming's disk cache load in milliseconds
     bar = tqdm(shapes, desc="compiling humming kernels", unit="shape", disable=not progress, delay=1.0)
     for n, k in bar:
-        bar.set_postfix_str(f"{n} x {k}")
+        bar.set_postfix_str(f"{n} x {k}", refresh=False)  # a refresh would print a cached shape's bar
         packed = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, device=device)
         # generic scales (not all powers of two, which humming may compile a special case for)
         scales = (torch.rand(n, k // 16, device=device) * 300 + 8).to(torch.float8_e4m3fn)
