@@ -9,7 +9,9 @@ from the model's shape alone (``qerl_kit.models.PRESETS`` or any transformers co
 * **LoRA**: ``r * (in + out)`` parameters per targeted projection, their gradients, and the
   optimizer state (AdamW: two moments in the parameters' dtype; ``adamw8bit``: one byte each);
 * **rollout KV cache**: ``2 * layers * kv_heads * head_dim`` values per token for every sequence
-  of the rollout batch at its full length (``HFEngine`` expands the shared prefill per sample);
+  of the rollout batch at its full length; with ``group_size`` > 1 the prompt counts once per
+  group, as the ``StaticEngine`` stores it (its cache's shared prefix; ``HFEngine`` expands the
+  prefill per sample: leave ``group_size=1`` for it);
 * **training activations** of one micro-batch: with activation checkpointing, each layer's input
   plus one layer recomputed during backward; without, every layer's saved tensors (norm outputs,
   q/k/v, attention output, the MLP's gate/up/act/product; SDPA keeps no score matrix); plus the
@@ -126,7 +128,7 @@ def plan_memory(model: Any = "Qwen2.5-7B", fmt: str = "nvfp4", lora_r: int = 32,
                 rollout_batch: int = 128, prompt_len: int = 256, max_new_tokens: int = 4096,
                 micro_batch: int = 8, gradient_checkpointing: bool = True, kv_bytes: int = 2,
                 act_bytes: int = 2, lora_bytes: int = 2, overhead: float = 0.10,
-                gpu_bytes: int | None = None) -> MemoryPlan:
+                gpu_bytes: int | None = None, group_size: int = 1) -> MemoryPlan:
     """Estimate the memory of a QeRL run; see the module docstring for what each part counts."""
     if fmt != "none":
         from qerl_kit.formats import get_format
@@ -149,9 +151,13 @@ def plan_memory(model: Any = "Qwen2.5-7B", fmt: str = "nvfp4", lora_r: int = 32,
     # LoRA and its training state
     lora_params = L * sum(lora_r * (proj[t][0] + proj[t][1]) for t in targets)
     opt_bytes = lora_params * (2 * lora_bytes if optimizer == "adamw" else 2)
-    # rollout: KV cache of every sequence at full length
+    # rollout: KV cache of every sequence at full length (the prompt once per group of samples)
+    if not isinstance(group_size, int) or group_size < 1 or rollout_batch % group_size:
+        raise ValueError(f"group_size must be an int >= 1 that divides rollout_batch ({rollout_batch}); "
+                         f"got {group_size!r}")
     seq = prompt_len + max_new_tokens
-    kv = rollout_batch * seq * 2 * L * s["kv_heads"] * s["head_dim"] * kv_bytes
+    kv_tokens = rollout_batch // group_size * prompt_len + rollout_batch * max_new_tokens
+    kv = kv_tokens * 2 * L * s["kv_heads"] * s["head_dim"] * kv_bytes
     rollout_logits = rollout_batch * V * 4  # one step's float32 logits (HFEngine's record buffer)
     # training: one micro-batch
     T = micro_batch * seq
@@ -167,7 +173,8 @@ def plan_memory(model: Any = "Qwen2.5-7B", fmt: str = "nvfp4", lora_r: int = 32,
         f"LoRA r={lora_r} ({lora_params / 1e6:.1f} M params)": lora_params * lora_bytes,
         "LoRA gradients": lora_params * lora_bytes,
         f"optimizer state ({optimizer})": opt_bytes,
-        f"rollout: KV cache ({rollout_batch} seqs x {seq} tokens)": kv,
+        f"rollout: KV cache ({rollout_batch} seqs x {seq} tokens"
+        + (f", prompt shared by groups of {group_size})" if group_size > 1 else ")"): kv,
         "rollout: logits of one decode step": rollout_logits,
         f"training: activations (micro-batch {micro_batch}, "
         f"{'checkpointed' if gradient_checkpointing else 'all layers kept'})": acts,

@@ -49,6 +49,12 @@ def test_kv_cache_and_bf16_arithmetic_for_qwen25_7b():
     assert ratio == pytest.approx(16 / 4.5, rel=1e-3)
     assert 3.5e9 < _part(nv, "weights: projections") < 3.8e9  # 6.5 B projection weights at 4.5 bits
 
+    per_tok = 2 * 28 * 4 * 128 * 2
+    grouped = plan_memory("Qwen2.5-7B", rollout_batch=64, prompt_len=256, max_new_tokens=512, group_size=8)
+    assert _part(grouped, "rollout: KV cache") == (8 * 256 + 64 * 512) * per_tok  # the prompt once per group
+    with pytest.raises(ValueError, match="group_size must be an int >= 1 that divides rollout_batch"):
+        plan_memory("Qwen2.5-7B", rollout_batch=64, group_size=5)
+
 
 def test_peak_is_static_plus_the_larger_phase_and_fits():
     plan = plan_memory("Qwen2.5-7B", overhead=0.0)
