@@ -6,6 +6,9 @@
   model's task), ``train_size`` / ``eval_size`` rows generated from ``seed`` with disjoint
   splits, scored by ``gsm8k_reward``, prompted without GSM8K's instruction suffix (the tiny model
   knows both; prompts are ~70 tokens shorter without it);
+* ``countdown``: reach a target from 3-5 given numbers with + - * / (``qerl_kit.tasks.countdown``:
+  a task that needs search), generated from ``seed`` with disjoint splits, scored exactly by
+  ``countdown_reward`` plus a small ``format_reward``;
 * ``gsm8k``: GSM8K's train and test splits (``qerl_kit.data.load_gsm8k``), ``gsm8k_reward``;
 * ``math500``: MATH-500 (train = eval, for quick checks), ``math_reward``;
 * and a path to a GSM8K-style ``.jsonl`` file (held-out rows: ``data.eval_dataset`` or its last
@@ -40,6 +43,15 @@ def _arith(cfg, seed: int) -> Task:
                 info={"seed": seed, "train_size": cfg.train_size, "eval_size": cfg.eval_size})
 
 
+def _countdown(cfg, seed: int) -> Task:
+    from qerl_kit.tasks import countdown
+
+    return Task("countdown", countdown.make_dataset("train", cfg.train_size, seed=seed),
+                countdown.make_dataset("test", cfg.eval_size, seed=seed),
+                (countdown.countdown_reward, countdown.format_reward), countdown.countdown_prompt,
+                max_new_tokens=96, info={"seed": seed, "train_size": cfg.train_size, "eval_size": cfg.eval_size})
+
+
 def _gsm8k(cfg, seed: int) -> Task:
     from qerl_kit import rewards
     from qerl_kit.data import load_gsm8k
@@ -69,7 +81,8 @@ def _jsonl(cfg, seed: int) -> Task:
                 info={"path": str(path)})
 
 
-TASKS: dict[str, Callable[..., Task]] = {"arith": _arith, "gsm8k": _gsm8k, "math500": _math500}
+TASKS: dict[str, Callable[..., Task]] = {"arith": _arith, "countdown": _countdown, "gsm8k": _gsm8k,
+                                         "math500": _math500}
 
 
 def register_task(name: str, factory: Callable[..., Task]) -> None:
