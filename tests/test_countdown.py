@@ -112,3 +112,24 @@ def test_countdown_is_a_registered_task():
     assert row["prompt"] in task.prompt(None, row)
     res = task.accuracy(None, [f"#### {row['solution']}"], numbers=[row["numbers"]], target=[row["target"]])
     assert res == [1.0]
+
+
+def test_the_model_script_trains_saves_and_calibrates_in_smoke_mode(tmp_path):
+    import json
+    import random
+
+    from scripts.train_countdown import main, near_miss
+
+    rng = random.Random(0)
+    for r in cd.make_dataset("train", 50, seed=1):
+        miss = near_miss(r["solution"], r["numbers"], r["target"], rng)
+        assert miss is not None and cd.score_countdown(f"#### {miss}", r["numbers"], r["target"]) == 0.0
+        assert cd.format_reward(None, [f"#### {miss}"], numbers=[r["numbers"]], target=[r["target"]]) == [0.1]
+    out = tmp_path / "model"
+    summary = main(["--smoke", "--out", str(out)])
+    assert (out / "model.safetensors").exists() and (out / "tokenizer.json").exists()
+    report = json.loads((out / "train_report.json").read_text())
+    assert report["steps"] == 6 and set(report["calibration"]) == {"greedy_dense", "greedy_nvfp4", "sampled_t1_nvfp4"}
+    assert summary["params"] > 0
+    with pytest.raises(FileExistsError, match="not empty"):
+        main(["--smoke", "--out", str(out)])
