@@ -75,3 +75,55 @@ def plot_schedule(aqn, ax=None, step: int | None = None):
         ax.axvline(step, color="tab:red", linestyle=":")
     fig.tight_layout()
     return fig
+
+
+DASHBOARD_METRICS = ("reward", "accuracy", "entropy", "completions/mean_length", "aqn/sigma", "rollout/temperature")
+_CONTROLS = ("aqn/sigma", "rollout/temperature", "lr")  # set, not measured: drawn without a moving mean
+
+
+def plot_dashboard(history: Sequence[dict], metrics: Sequence[str] = DASHBOARD_METRICS, *,
+                   chunk_starts: Sequence[int] = (), width_in: float = 10.0, ncols: int = 3,
+                   smooth: int = 5, title: str | None = None):
+    """The training dashboard's figure: one panel per metric in rows of ``ncols`` (default 2 x 3,
+    ``width_in`` inches wide: 900 px at the widgets' 90 dpi), integer step ticks, a moving mean of
+    the last ``smooth`` steps (in the legend) and a dotted line before each step in ``chunk_starts``
+    (the first step of a chunk; step 1 is no boundary). A metric absent from ``history`` gets an
+    empty panel that says so, so the layout does not depend on what was logged."""
+    import pandas as pd
+    from matplotlib.ticker import MaxNLocator
+
+    if ncols < 1:
+        raise ValueError(f"ncols must be >= 1; got {ncols}")
+    plt = _plt()
+    df = pd.DataFrame(list(history))
+    metrics = list(metrics)
+    nrows = max(1, -(-len(metrics) // ncols))
+    fig, axes = plt.subplots(nrows, ncols, figsize=(width_in, 2.6 * nrows), squeeze=False)
+    boundaries = sorted({int(s) for s in chunk_starts if s > 1})
+    for i, ax in enumerate(axes.flat):
+        if i >= len(metrics):
+            ax.set_visible(False)
+            continue
+        m = metrics[i]
+        ax.set_title(m, fontsize=10)
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        if m not in df.columns or df[m].isna().all():
+            ax.text(0.5, 0.5, f"{m}\nnot logged", ha="center", va="center", transform=ax.transAxes, color="gray")
+            continue
+        ax.plot(df["step"], df[m], marker="o", markersize=3, linewidth=1.2, color="tab:blue", label="per step")
+        if smooth > 1 and len(df) >= smooth and m not in _CONTROLS:  # a control's mean says nothing
+            ax.plot(df["step"], df[m].rolling(smooth, min_periods=1).mean(), color="black", alpha=0.5,
+                    linewidth=1, label=f"mean of last {smooth}")
+        for j, b in enumerate(boundaries):
+            ax.axvline(b - 0.5, color="tab:red", linestyle=":", linewidth=1, label="chunk start" if j == 0 else None)
+        if m == "aqn/sigma" and (df[m] > 0).any():
+            ax.set_yscale("symlog", linthresh=float(df[m][df[m] > 0].min()) / 2)
+        ax.tick_params(labelsize=8)
+        ax.set_xlabel("step", fontsize=8)
+    first = next((ax for ax in axes.flat if ax.get_visible() and ax.get_legend_handles_labels()[0]), None)
+    if first is not None:
+        first.legend(fontsize=7, loc="best")
+    if title:
+        fig.suptitle(title)
+    fig.tight_layout()
+    return fig

@@ -319,6 +319,8 @@ class Trainer:
         out.update({
             "step": self.step + 1, "loss": update["loss"], "grad_norm": update["grad_norm"],
             "lr": self.scheduler.get_last_lr()[0], "update/skipped": update["skipped"],
+            # the temperature this step sampled and scored at (a dashboard may change it between chunks)
+            "rollout/temperature": self.config.rollout.temperature,
             "reward_std": prep.all_rewards.std().item() if prep.all_rewards.numel() > 1 else 0.0,
             "entropy": (ent[0] / ent[1].clamp(min=1)).item() if W > 1 else
             ((prep.entropy * mask).sum() / mask.sum().clamp(min=1)).item(),

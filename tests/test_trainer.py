@@ -68,9 +68,9 @@ def test_steps_run_end_to_end_with_finite_trl_named_metrics(tmp_path):
     row = trainer.history[-1]
     for key in ("reward", "reward_std", "accuracy", "entropy", "clip_ratio/low_mean", "clip_ratio/high_mean",
                 "clip_ratio/region_mean", "completions/mean_length", "completions/clipped_ratio",
-                "frac_reward_zero_std", "aqn/sigma", "rollout/tokens_per_s", "time/rollout", "time/logprob",
-                "time/update", "rewards/first_char_reward/mean", "rewards/ascii_reward/mean", "loss", "grad_norm",
-                "sampling/sampling_logp_difference/mean", "sampling/importance_sampling_ratio/mean"):
+                "frac_reward_zero_std", "aqn/sigma", "rollout/temperature", "rollout/tokens_per_s", "time/rollout",
+                "time/logprob", "time/update", "rewards/first_char_reward/mean", "rewards/ascii_reward/mean", "loss",
+                "grad_norm", "sampling/sampling_logp_difference/mean", "sampling/importance_sampling_ratio/mean"):
         assert key in row and math.isfinite(row[key]), key
     assert trainer.history[0]["aqn/sigma"] == 0.0 and trainer.history[2]["aqn/sigma"] > 0  # stage 0, then 1
     assert trainer.history[2]["aqn/norms"] == 4
@@ -167,6 +167,14 @@ def test_set_lr_between_chunks(tmp_path):
     trainer.set_lr(1e-4)
     trainer.train(1)
     assert trainer.history[-1]["lr"] == pytest.approx(1e-4)
+
+
+def test_rollout_temperature_is_logged_per_step(tmp_path):
+    trainer = _trainer(tmp_path)
+    trainer.train(1)
+    trainer.config = trainer.config.replace(rollout={"temperature": 0.7})  # what a dashboard does between chunks
+    trainer.train(1)
+    assert [r["rollout/temperature"] for r in trainer.history] == [1.0, 0.7]
 
 
 def test_constructor_errors(tmp_path):

@@ -2,31 +2,39 @@
 
 Sliders (learning rate, AQN sigma_start, temperature) are applied to the trainer between chunks
 (``apply_controls``); the stop button sets ``trainer.stop_requested`` so the running chunk ends
-after its current step. Jupyter handles widget events only between cell executions, so a chunk
-started from the "run" button trains in a background thread and the notebook stays live; a
+after its current step (pressed while no chunk runs, it does nothing). Jupyter handles widget
+events only between cell executions, so a chunk started from the "run" button trains in a
+background thread and the notebook stays live (the button is disabled until the chunk ends); a
 chunk started from code (``dash.run(steps)``) trains in the foreground, as papermill needs.
 """
 
 from __future__ import annotations
 
+import html
 import threading
 import time
 
-from qerl_kit.plots import DEFAULT_METRICS, plot_metrics
+from qerl_kit.plots import DASHBOARD_METRICS, plot_dashboard
 from qerl_kit.table import html_table
+from qerl_kit.widgets.aqn_panel import SIGMA_START_GRID, sigma_options
 from qerl_kit.widgets.common import HAS_WIDGETS, W, figure_html, show
 
 _TABLE_COLUMNS = ("step", "reward", "accuracy", "entropy", "completions/mean_length", "aqn/sigma", "lr",
-                  "time/step")
+                  "rollout/temperature", "time/step")
 
 
 class TrainingDashboard:
-    def __init__(self, trainer, metrics=DEFAULT_METRICS, redraw_every_s: float = 1.0):
+    def __init__(self, trainer, metrics=DASHBOARD_METRICS, redraw_every_s: float = 1.0):
         self.trainer, self.metrics = trainer, tuple(metrics)
         self.redraw_every_s = redraw_every_s
         self._last_draw = 0.0
         self._thread: threading.Thread | None = None
+        self.running = False            # a chunk is training (set before its thread starts)
+        self.chunk_starts: list[int] = []  # the first step of every chunk, for the plot's boundaries
+        self.status = "idle"
+        self._chunk_steps, self._chunk_done = 0, 0
         self.widget = self._build() if HAS_WIDGETS else None
+        self._show_live()
 
     # -- controls -------------------------------------------------------------------------------
     def apply_controls(self, lr: float | None = None, sigma_start: float | None = None,
@@ -39,12 +47,38 @@ class TrainingDashboard:
             t.aqn.sigma_start = sigma_start
         if temperature is not None and temperature != t.config.rollout.temperature:
             t.config = t.config.replace(rollout={"temperature": temperature})
+        self._show_live()
+
+    def live_values(self) -> dict:
+        """What the trainer uses now (not what the sliders show): the optimizer's current lr, the
+        AQN's sigma_start (None without AQN) and the rollout temperature."""
+        t = self.trainer
+        return {"lr": float(t.optimizer.param_groups[0]["lr"]),
+                "sigma_start": float(t.aqn.sigma_start) if t.aqn is not None else None,
+                "temperature": float(t.config.rollout.temperature)}
+
+    def live_text(self) -> str:
+        v = self.live_values()
+        sigma = "off" if v["sigma_start"] is None else f"{v['sigma_start']:.1e}"
+        return f"trainer uses: lr = {v['lr']:.2e}, AQN sigma_start = {sigma}, temperature = {v['temperature']:.2f}"
 
     def run(self, steps: int, background: bool = False):
-        """Train ``steps`` more steps, updating the views after each step."""
+        """Train ``steps`` more steps, updating the views after each step.
+
+        A stop flag left from an idle press is cleared first, so the chunk trains. Raises if a
+        chunk is already running (the button is disabled meanwhile)."""
+        if self.running:
+            raise RuntimeError("a chunk is already running; press stop or wait for it to end")
+        if steps < 1:
+            raise ValueError(f"steps must be >= 1; got {steps}")
         if self.widget is not None:
             self.apply_controls(self.lr.value, self.sigma.value if self.trainer.aqn else None, self.temp.value)
             self.progress.max, self.progress.value = steps, 0
+            self.run_button.disabled = True
+        self.trainer.stop_requested = False
+        self.running, self._chunk_steps, self._chunk_done = True, steps, 0
+        self.chunk_starts.append(self.trainer.step + 1)
+        self._set_status(f"running chunk: 0/{steps}")
         if background:
             self._thread = threading.Thread(target=self._train, args=(steps,), daemon=True)
             self._thread.start()
@@ -52,33 +86,66 @@ class TrainingDashboard:
         self._train(steps)
         return self.trainer
 
-    def stop(self) -> None:
+    def stop(self) -> bool:
+        """End the running chunk after its current step; True if a chunk was running, else a no-op."""
+        if not self.running:
+            self._set_status("idle (stop ignored: no chunk is running)")
+            return False
         self.trainer.stop_requested = True
+        return True
 
     def wait(self) -> None:
         if self._thread is not None:
             self._thread.join()
 
     def _train(self, steps: int) -> None:
-        self.trainer.train(steps, callback=self._on_step)
-        self._draw(force=True)
+        try:
+            self.trainer.train(steps, callback=self._on_step)
+            done = self._chunk_done
+            self._set_status(f"idle: chunk of {steps} steps done (step {self.trainer.step})" if done == steps else
+                             f"stopped after {done} steps of {steps} (step {self.trainer.step}); idle")
+        except BaseException as err:
+            self._set_status(f"failed after {self._chunk_done} steps: {type(err).__name__}: {err}")
+            raise
+        finally:  # the button comes back and the flag is cleared whatever happened in the chunk
+            self.running = False
+            self.trainer.stop_requested = False
+            if self.widget is not None:
+                self.run_button.disabled = False
+            self._draw(force=True)
 
     def _on_step(self, row: dict) -> None:
+        self._chunk_done += 1
         if self.widget is not None:
             self.progress.value += 1
+        self._set_status(f"running chunk: {self._chunk_done}/{self._chunk_steps}")
+        self._show_live()
         self._draw()
+
+    def _set_status(self, text: str) -> None:
+        self.status = text
+        if self.widget is not None:
+            self.status_label.value = f"<code>{html.escape(text)}</code>"
+
+    def _show_live(self) -> None:
+        if self.widget is not None:
+            self.live_label.value = f"<code>{html.escape(self.live_text())}</code>"
 
     # -- views ----------------------------------------------------------------------------------
     def table_html(self, last: int = 8) -> str:
         rows = [{c: r.get(c, "") for c in _TABLE_COLUMNS} for r in self.trainer.history[-last:]]
         return html_table(rows, caption=f"last {len(rows)} steps")
 
+    def figure(self):
+        """The dashboard's plot as a matplotlib Figure (2 x 3 panels, chunk boundaries marked)."""
+        return plot_dashboard(self.trainer.history, self.metrics, chunk_starts=self.chunk_starts)
+
     def _draw(self, force: bool = False) -> None:
         now = time.monotonic()
         if not self.trainer.history or (not force and now - self._last_draw < self.redraw_every_s):
             return
         self._last_draw = now
-        fig = plot_metrics(self.trainer.history, self.metrics)
+        fig = self.figure()
         if self.widget is not None:
             self.plot.value = figure_html(fig)
             self.table.value = self.table_html()
@@ -90,22 +157,28 @@ class TrainingDashboard:
     def _build(self):
         t = self.trainer
         lr = t.optimizer.param_groups[0].get("initial_lr", t.optimizer.param_groups[0]["lr"])
+        style = {"description_width": "90px"}
         self.lr = W.FloatLogSlider(value=lr, base=10, min=-6, max=-1, step=0.01, description="lr",
-                                  readout_format=".1e")
+                                  readout_format=".1e", style=style)
+        # AQN's sigma on the AQN panel's grid, which reaches where the tiny model's accuracy breaks (~1)
         sigma = t.aqn.sigma_start if t.aqn else 1e-2
-        self.sigma = W.FloatLogSlider(value=sigma, base=10, min=-4, max=-0.5, step=0.01, description="AQN sigma",
-                                      readout_format=".1e", disabled=t.aqn is None)
+        self.sigma = W.SelectionSlider(options=sigma_options(SIGMA_START_GRID, sigma), value=float(sigma),
+                                       description="AQN sigma", disabled=t.aqn is None, style=style)
         self.temp = W.FloatSlider(value=t.config.rollout.temperature, min=0.1, max=2.0, step=0.05,
-                                  description="temperature")
+                                  description="temperature", style=style)
         self.steps = W.IntText(value=10, description="steps")
         self.run_button = W.Button(description="run chunk", icon="play")
         self.stop_button = W.Button(description="stop", icon="stop")
         self.run_button.on_click(lambda _b: self.run(self.steps.value, background=True))
         self.stop_button.on_click(lambda _b: self.stop())
         self.progress = W.IntProgress(value=0, min=0, max=1, description="chunk")
+        self.live_label = W.HTML()  # what the trainer uses: a slider may show a snapped value
+        self.live_label.add_class("qerl-live-values")
+        self.status_label = W.HTML(value="<code>idle</code>")
+        self.status_label.add_class("qerl-run-status")
         self.plot, self.table = W.HTML(), W.HTML()
-        return W.VBox([W.HBox([self.lr, self.sigma, self.temp]),
-                       W.HBox([self.steps, self.run_button, self.stop_button, self.progress]),
+        return W.VBox([W.HBox([self.lr, self.sigma, self.temp]), self.live_label,
+                       W.HBox([self.steps, self.run_button, self.stop_button, self.progress]), self.status_label,
                        self.plot, self.table])
 
     def _ipython_display_(self):
@@ -115,4 +188,4 @@ class TrainingDashboard:
         else:
             print(f"TrainingDashboard: {len(self.trainer.history)} steps so far (ipywidgets not installed)")
             if self.trainer.history:
-                show(plot_metrics(self.trainer.history, self.metrics))
+                show(self.figure())
