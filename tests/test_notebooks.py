@@ -99,3 +99,19 @@ def test_paper_claims_default_run_reads_the_committed_results_and_writes_nothing
     after = {p: p.read_bytes() for p in docs.rglob("*") if p.is_file()}
     assert after == before
     assert not (tmp_path / "runs").exists()                       # nothing trained
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_committed_widgets_carry_their_state(name):
+    """A widget output without saved state shows as raw ``VBox(children=...)`` text on GitHub and in a
+    reopened notebook: every widget view in a committed notebook must have its model in the saved
+    widget state (scripts/execute_notebooks.py stores it)."""
+    import nbformat
+
+    nb = nbformat.read(NOTEBOOKS / name, as_version=4)
+    views = [o["data"]["application/vnd.jupyter.widget-view+json"]["model_id"] for c in nb.cells
+             for o in c.get("outputs", []) if "application/vnd.jupyter.widget-view+json" in o.get("data", {})]
+    state = nb.metadata.get("widgets", {}).get("application/vnd.jupyter.widget-state+json", {}).get("state", {})
+    assert all(v in state for v in views), (name, [v for v in views if v not in state])
+    if name.startswith(("03", "04")):
+        assert views, f"{name} should show its panel"
