@@ -43,6 +43,7 @@ if str(ROOT) not in sys.path:
 
 from qerl_kit.tasks import countdown as cd  # noqa: E402
 from qerl_kit.tiny import build_tokenizer, tiny_config  # noqa: E402
+from scripts.train_tiny import pad_pairs  # noqa: E402
 
 OPS = "+-*/"
 
@@ -107,17 +108,6 @@ def encode(tok, rows, rng: random.Random, miss: float):
     return out
 
 
-def batch(pairs, pad_id: int):
-    width = max(len(p) + len(t) for p, t in pairs)
-    ids = torch.full((len(pairs), width), pad_id, dtype=torch.long)
-    lab = torch.full((len(pairs), width), -100, dtype=torch.long)
-    mask = torch.zeros((len(pairs), width), dtype=torch.long)
-    for j, (p, t) in enumerate(pairs):
-        n, m = len(p), len(p) + len(t)
-        ids[j, :n], ids[j, n:m], lab[j, n:m], mask[j, :m] = torch.tensor(p), torch.tensor(t), torch.tensor(t), 1
-    return ids, lab, mask
-
-
 def evaluate(model, tok, rows, max_new_tokens: int, samples: int = 1, temperature: float = 0.0) -> dict:
     from qerl_kit.evaluate import evaluate as evaluate_rows
     from qerl_kit.tasks.countdown import countdown_prompt, countdown_reward
@@ -157,7 +147,7 @@ def main(argv=None) -> dict:
         cos = 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, step / args.steps)))
         for g in opt.param_groups:
             g["lr"] = args.lr * warm * cos
-        ids, lab, mask = (t.to(device) for t in batch([pairs[rng.randrange(len(pairs))]
+        ids, lab, mask = (t.to(device) for t in pad_pairs([pairs[rng.randrange(len(pairs))]
                                                        for _ in range(args.batch_size)], tok.pad_token_id))
         model.train()
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):

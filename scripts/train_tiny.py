@@ -124,6 +124,12 @@ def make_batch(pool, levels, idx, rng: random.Random, args, pad_id: int):
         prompt = suffixed[i] if rng.random() < args.suffix_prob else bare[i]
         target = slipped[i] if levels[i] >= 2 and rng.random() < args.slip else clean[i]
         parts.append((prompt, target))
+    return pad_pairs(parts, pad_id)
+
+
+def pad_pairs(parts, pad_id: int):
+    """(prompt ids, target ids) pairs -> right-padded (input_ids, labels, attention_mask) tensors,
+    labels only on the target (the assistant turn). Also used by scripts/train_countdown.py."""
     width = max(len(p) + len(t) for p, t in parts)
     ids = np.full((len(parts), width), pad_id, dtype=np.int64)
     lab = np.full((len(parts), width), -100, dtype=np.int64)

@@ -55,19 +55,10 @@ if HAS_TRITON:
     import triton.language as tl
 
     from qerl_kit.kernels.backend import interpreting, patch_interpreter_for_numpy24
+    from qerl_kit.kernels.lora_triton import dot_f32  # float32 dot, widened under the interpreter
 
     if interpreting():
         patch_interpreter_for_numpy24()
-
-    @triton.jit
-    def _dot(a, b, IEEE: tl.constexpr, INTERPRET: tl.constexpr):
-        """a @ b in float32 (the interpreter's dot reads bfloat16 as integers: widen there)."""
-        if INTERPRET:
-            return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
-        elif IEEE:
-            return tl.dot(a, b, input_precision="ieee")
-        else:
-            return tl.dot(a, b)
 
     @triton.jit
     def _attend_block(q, k_base, v_base, bias_base, start, end, pos0, stride_l, m_i, l_i, acc, scale,
@@ -78,7 +69,7 @@ if HAS_TRITON:
         offs_d = tl.arange(0, D)
         nmask = offs_n < end
         kt = tl.load(k_base + offs_n[None, :] * stride_l + offs_d[:, None], mask=nmask[None, :], other=0.0)
-        s = _dot(q, kt, IEEE, INTERPRET) * scale  # [G, BLOCK] float32
+        s = dot_f32(q, kt, IEEE, INTERPRET) * scale  # [G, BLOCK] float32
         bias = tl.load(bias_base + pos0 + offs_n, mask=nmask, other=float("-inf")).to(tl.float32)
         s = s + bias[None, :]
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
@@ -87,7 +78,7 @@ if HAS_TRITON:
         p = tl.exp(s - m_safe[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
         vt = tl.load(v_base + offs_n[:, None] * stride_l + offs_d[None, :], mask=nmask[:, None], other=0.0)
-        acc = acc * alpha[:, None] + _dot(p.to(vt.dtype), vt, IEEE, INTERPRET)
+        acc = acc * alpha[:, None] + dot_f32(p.to(vt.dtype), vt, IEEE, INTERPRET)
         return m_new, l_i, acc
 
     @triton.jit

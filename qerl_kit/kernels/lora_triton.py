@@ -57,7 +57,7 @@ if HAS_TRITON:
         return tl.where(i == 0, v0, tl.where(i == 1, v1, v2))
 
     @triton.jit
-    def _dot(a, b, IEEE: tl.constexpr, INTERPRET: tl.constexpr):
+    def dot_f32(a, b, IEEE: tl.constexpr, INTERPRET: tl.constexpr):
         """a @ b in float32. The interpreter's dot reads bfloat16 as integers, so there the operands
         are widened first (exact); float32 operands get a true float32 product (no TF32), as torch."""
         if INTERPRET:
@@ -86,7 +86,7 @@ if HAS_TRITON:
                              mask=(offs_m[:, None] < M) & (offs_k[None, :] < K), other=0.0)
                 ak = tl.load(a_ptr + offs_r[:, None] * sa + offs_k[None, :],
                              mask=(offs_r[:, None] < r) & (offs_k[None, :] < K), other=0.0)
-                acc += _dot(xk.to(ak.dtype), tl.trans(ak), IEEE, INTERPRET)
+                acc += dot_f32(xk.to(ak.dtype), tl.trans(ak), IEEE, INTERPRET)
             tl.store(p_ptr + (split * M + offs_m[:, None]) * RT + (c + offs_r)[None, :], acc,
                      mask=(offs_m[:, None] < M) & (offs_r[None, :] < r))
 
@@ -111,7 +111,7 @@ if HAS_TRITON:
             tt = t.to(a0.dtype.element_ty).to(y_ptr.dtype.element_ty)  # x @ A^T in A's dtype, then y's
             bb = tl.load(b_ptr + offs_n[:, None] * sb + offs_r[None, :],
                          mask=(offs_n[:, None] < n) & (offs_r[None, :] < r), other=0.0).to(tt.dtype)
-            acc = _dot(tt, tl.trans(bb), IEEE, INTERPRET)
+            acc = dot_f32(tt, tl.trans(bb), IEEE, INTERPRET)
             mask = (offs_m[:, None] < M) & (offs_n[None, :] < n)
             y_ptrs = y_ptr + offs_m[:, None] * stride_ym + (o + offs_n)[None, :]
             y = tl.load(y_ptrs, mask=mask, other=0.0).to(tl.float32)
