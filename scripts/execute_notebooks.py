@@ -34,13 +34,13 @@ def execute(path: Path, timeout: int) -> tuple[object, float]:
     return nb, seconds
 
 
-def main() -> int:
+def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("notebooks", nargs="+", type=Path)
     ap.add_argument("--out", type=Path, help="directory for the executed copies (default: a temporary one)")
     ap.add_argument("--in-place", action="store_true", help="replace the given notebooks with their executed copies")
     ap.add_argument("--timeout", type=int, default=1800, help="seconds per cell")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     if args.in_place and args.out:
         ap.error("--in-place and --out exclude each other")
     os.environ.setdefault("OMP_NUM_THREADS", "1")

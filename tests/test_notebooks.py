@@ -115,3 +115,23 @@ def test_committed_widgets_carry_their_state(name):
     assert all(v in state for v in views), (name, [v for v in views if v not in state])
     if name.startswith(("03", "04")):
         assert views, f"{name} should show its panel"
+
+
+def test_execute_notebooks_writes_a_copy_with_outputs_and_widget_state(tmp_path):
+    pytest.importorskip("nbclient")
+    pytest.importorskip("ipywidgets")
+    import nbformat
+    from nbformat.v4 import new_code_cell, new_notebook
+
+    from scripts.execute_notebooks import main
+
+    src = tmp_path / "nb.ipynb"
+    nbformat.write(new_notebook(cells=[new_code_cell("print(6 * 7)"),
+                                       new_code_cell("import ipywidgets as W\nW.IntSlider(value=3)")]), src)
+    before = src.read_bytes()
+    assert main([str(src), "--out", str(tmp_path / "out")]) == 0
+    assert src.read_bytes() == before                      # the source is never rewritten by default
+    nb = nbformat.read(tmp_path / "out" / "nb.ipynb", as_version=4)
+    assert "42" in nb.cells[0].outputs[0]["text"]
+    view = nb.cells[1].outputs[0]["data"]["application/vnd.jupyter.widget-view+json"]["model_id"]
+    assert view in nb.metadata["widgets"]["application/vnd.jupyter.widget-state+json"]["state"]
