@@ -8,8 +8,9 @@ One format per process (vLLM's memory is not given back inside one): ``--formats
 ``bf16``: ``save_pretrained`` of the same random model), one ``vllm.LLM`` with LoRA (the adapter as
 a ``LoRARequest``, as ``qerl_kit.rollout.vllm`` sends it) and per-token log-probs on, as an RL
 rollout needs. Each request gets ``min_tokens = max_tokens = L`` and ``ignore_eos`` (its forced
-length); vLLM batches continuously, so finished rows leave the batch. Also a fixed-length run (every
-row 256 tokens, and 1 token for the prefill) for vLLM's ms per decode step at that batch.
+length); vLLM batches continuously, so finished rows leave the batch. Also, at ``--fixed-batches``
+(issue #25's 1, 8, 64, 256), a fixed-length run (every row ``--fixed`` = 512 tokens, and 1 token
+for the prefill; best of ``--repeats``) for vLLM's ms per decode step at that batch.
 """
 
 from __future__ import annotations
@@ -53,9 +54,11 @@ def main() -> None:
     ap.add_argument("--out", default=os.environ.get("OUT", "bench/results/vllm_lengths"))
     ap.add_argument("--model", default="Qwen2.5-7B")
     ap.add_argument("--formats", nargs="+", default=["nvfp4"])
-    ap.add_argument("--batches", nargs="+", type=int, default=[64, 256])
+    ap.add_argument("--batches", nargs="+", type=int, default=[64, 256], help="batches of the realistic-lengths runs")
+    ap.add_argument("--fixed-batches", nargs="*", type=int, default=[1, 8, 64, 256])
     add_length_args(ap)
-    ap.add_argument("--fixed", type=int, default=256)
+    ap.add_argument("--fixed", type=int, default=512)
+    ap.add_argument("--repeats", type=int, default=2, help="fixed-length runs per batch (the best is kept)")
     ap.add_argument("--lora-r", type=int, default=32)
     ap.add_argument("--budget", type=float, default=400.0)
     args = ap.parse_args()
@@ -82,7 +85,7 @@ def main() -> None:
         free()
         t = time.perf_counter()
         kwargs = dict(model=str(path), gpu_memory_utilization=0.6, max_model_len=args.prompt + args.cap + 16,
-                      max_num_seqs=max(args.batches), skip_tokenizer_init=True, dtype="bfloat16", seed=0,
+                      max_num_seqs=max(args.batches + args.fixed_batches), skip_tokenizer_init=True, dtype="bfloat16", seed=0,
                       logprobs_mode="processed_logprobs")
         try:
             llm = LLM(enable_lora=True, max_lora_rank=args.lora_r, max_loras=1, **kwargs)
@@ -94,26 +97,32 @@ def main() -> None:
         sp = lambda n_tok: SamplingParams(n=1, max_tokens=n_tok, min_tokens=n_tok, ignore_eos=True, temperature=1.0,  # noqa: E731
                                           logprobs=0, detokenize=False, seed=0)
         timed(llm, random_prompts(8, args.prompt, vocab, seed=1), [sp(16)] * 8, lora)  # warm-up: LoRA load, kernels
-        for batch in args.batches:
+        for batch in sorted(set(args.batches) | set(args.fixed_batches)):
             if time.perf_counter() - t0 > args.budget:
                 log(f"budget spent: skip {fmt} batch {batch}")
                 continue
-            lengths = lengths_for(batch, args.mean, args.sigma, args.cap)
             prompts = random_prompts(batch, args.prompt, vocab)
-            prefill, _ = timed(llm, prompts, [sp(1)] * batch, lora)
-            fixed, _ = timed(llm, prompts, [sp(args.fixed)] * batch, lora)
-            wall, outs = timed(llm, prompts, [sp(L) for L in lengths], lora)
-            got = [len(o.outputs[0].token_ids) for o in outs]
-            assert got == lengths, (got[:8], lengths[:8])
-            ms = 1e3 * (fixed - prefill) / (args.fixed - 1)
-            mean = sum(lengths) / batch
-            rows.append(dict(engine=f"vllm-{vllm.__version__}", model=args.model, format=fmt, lora=lora is not None,
-                             batch=batch, prompt=args.prompt,
-                             mean_length=mean, max_length=max(lengths), lengths_sha=hash_lengths(lengths),
-                             realistic_wall_s=wall, fixed_len=args.fixed, fixed_wall_s=fixed, prefill_s=prefill,
-                             ms_per_step_fixed=ms, ratio_to_mean_length=wall / (mean * ms / 1e3)))
-            log(f"vLLM {fmt} batch {batch}: realistic {wall:.2f}s (mean {mean:.0f}, max {max(lengths)}), fixed "
-                f"{args.fixed} tokens {fixed:.2f}s = {ms:.2f} ms/step, prefill {prefill:.2f}s")
+            row = dict(engine=f"vllm-{vllm.__version__}", model=args.model, format=fmt, lora=lora is not None,
+                       batch=batch, prompt=args.prompt)
+            if batch in args.fixed_batches:
+                prefill = min(timed(llm, prompts, [sp(1)] * batch, lora)[0] for _ in range(args.repeats))
+                fixed = min(timed(llm, prompts, [sp(args.fixed)] * batch, lora)[0] for _ in range(args.repeats))
+                ms = 1e3 * (fixed - prefill) / (args.fixed - 1)
+                row.update(fixed_len=args.fixed, fixed_wall_s=fixed, prefill_s=prefill, ms_per_step_fixed=ms)
+                log(f"vLLM {fmt} batch {batch}: fixed {args.fixed} tokens {fixed:.2f}s = {ms:.2f} ms/step, "
+                    f"prefill {prefill:.3f}s")
+            if batch in args.batches:
+                lengths = lengths_for(batch, args.mean, args.sigma, args.cap)
+                wall, outs = timed(llm, prompts, [sp(L) for L in lengths], lora)
+                got = [len(o.outputs[0].token_ids) for o in outs]
+                assert got == lengths, (got[:8], lengths[:8])
+                mean = sum(lengths) / batch
+                row.update(mean_length=mean, max_length=max(lengths), lengths_sha=hash_lengths(lengths),
+                           realistic_wall_s=wall)
+                if "ms_per_step_fixed" in row:
+                    row["ratio_to_mean_length"] = wall / (mean * row["ms_per_step_fixed"] / 1e3)
+                log(f"vLLM {fmt} batch {batch}: realistic {wall:.2f}s (mean {mean:.0f}, max {max(lengths)})")
+            rows.append(row)
         del llm
         writer.cleanup()
         free()
@@ -123,7 +132,7 @@ def main() -> None:
     (out / f"vllm_lengths_{tag}.json").write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))
     if rows:
         with open(out / f"vllm_lengths_{tag}.csv", "w", newline="") as f:
-            w = csv.DictWriter(f, fieldnames=list(rows[0]))
+            w = csv.DictWriter(f, fieldnames=list(dict.fromkeys(k for r in rows for k in r)))
             w.writeheader()
             w.writerows(rows)
     log(f"wrote {out}")

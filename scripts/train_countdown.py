@@ -66,6 +66,9 @@ def parse_args(argv=None):
     p.add_argument("--max-new-tokens", type=int, default=48, help="completion budget of the evaluations")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="auto")
+    p.add_argument("--time-budget", type=float, default=None,
+                   help="seconds of training after which it stops early (the cosine schedule still spans --steps)")
+    p.add_argument("--shard-mb", type=int, default=14, help="largest safetensors shard written (MB)")
     p.add_argument("--curve", default=None, help="also write the training curve here (JSON lines; it is in OUT/train_report.json)")
     p.add_argument("--smoke", action="store_true", help="a tiny model and a few steps (CPU tests)")
     args = p.parse_args(argv)
@@ -113,7 +116,7 @@ def evaluate(model, tok, rows, max_new_tokens: int, samples: int = 1, temperatur
     from qerl_kit.tasks.countdown import countdown_prompt, countdown_reward
 
     res = evaluate_rows(model, tok, rows, countdown_reward, samples=samples, temperature=temperature, top_p=1.0,
-                        max_new_tokens=max_new_tokens, batch_size=64, prompt_fn=countdown_prompt)
+                        max_new_tokens=max_new_tokens, batch_size=256, prompt_fn=countdown_prompt)
     return {"accuracy": res.accuracy, "pass_at_k": res.pass_at_k, "samples": samples,
             "by_level": {k: v["accuracy"] for k, v in res.by("level").items()}}
 
@@ -142,6 +145,7 @@ def main(argv=None) -> dict:
     print(f"device {device}, {n_params / 1e6:.1f} M parameters, {len(train_rows)} train problems", flush=True)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.98), weight_decay=0.01)
     curve = []
+    stopped_at = args.steps
     for step in range(1, args.steps + 1):
         warm = min(1.0, step / args.warmup)
         cos = 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, step / args.steps)))
@@ -156,17 +160,22 @@ def main(argv=None) -> dict:
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
-        if step % args.eval_every == 0 or step == args.steps:
+        out_of_time = args.time_budget is not None and time.perf_counter() - t0 > args.time_budget
+        if step % args.eval_every == 0 or step == args.steps or out_of_time:
             model.eval()
             acc = evaluate(model, tok, eval_rows, args.max_new_tokens)["accuracy"]
             curve.append({"step": step, "loss": round(loss.item(), 4), "heldout_greedy_acc": round(acc, 4),
                           "elapsed_s": round(time.perf_counter() - t0, 1)})
             print(curve[-1], flush=True)
+        if out_of_time:
+            stopped_at = step
+            print(f"time budget of {args.time_budget:.0f} s spent: stopped at step {step} of {args.steps}", flush=True)
+            break
     model = model.to(torch.bfloat16).eval()
     model.generation_config = GenerationConfig(eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
                                                do_sample=False, max_new_tokens=48)
     out.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(str(out), safe_serialization=True)
+    model.save_pretrained(str(out), safe_serialization=True, max_shard_size=f"{args.shard_mb}MB")
     tok.save_pretrained(str(out))
     final_rows = cd.make_dataset("test", args.final_eval_n, seed=0)
     from qerl_kit.tiny import load_tiny
@@ -176,7 +185,7 @@ def main(argv=None) -> dict:
     n = args.max_new_tokens
     calib = {"greedy_dense": evaluate(dense, tok2, final_rows, n), "greedy_nvfp4": evaluate(quant, tok2, final_rows, n),
              "sampled_t1_nvfp4": evaluate(quant, tok2, final_rows, n, samples=args.samples, temperature=1.0)}
-    summary = {"params": n_params, "steps": args.steps, "seconds": round(time.perf_counter() - t0, 1),
+    summary = {"params": n_params, "steps": stopped_at, "seconds": round(time.perf_counter() - t0, 1),
                "device": str(device), "args": vars(args), "curve": curve, "calibration": calib}
     (out / "train_report.json").write_text(json.dumps(summary, indent=1, default=str))
     if args.curve:
