@@ -119,6 +119,7 @@ class Trainer:
             if hasattr(model, "enable_input_require_grads"):
                 model.enable_input_require_grads()
         self._ddp = distributed.wrap_ddp(model, self.dist)  # None on one process
+        self._device = next(p.device for p in trainable)  # where rollouts go before the log-prob phase
 
     # ---- the task's parts, as the loop reads them --------------------------------------------
     @property
@@ -183,11 +184,14 @@ class Trainer:
         with engine_sync(self.engine, self.model, self.aqn, step) as info:
             rollouts = self.engine.generate(prompts, self.config.rollout.group_size,
                                             self._sampling(step, round_, part.start))
+        rollouts = rollouts.to(self._device)  # vLLM returns CPU tensors; a no-op for the other engines
         if self.aqn is not None:
             metrics["aqn/sigma"], metrics["aqn/stage"] = self.aqn.sigma(step), self.aqn.stage(step)
             metrics["aqn/norms"] = info.get("aqn/norms", 0)
-        if "sync/seconds" in info:
-            metrics["time/sync"] = metrics.get("time/sync", 0.0) + info["sync/seconds"]
+        for key, name in (("sync/seconds", "time/sync"), ("sync/wake_seconds", "time/wake"),
+                          ("sync/upload_seconds", "time/upload"), ("sync/sleep_seconds", "time/sleep")):
+            if key in info:  # what a sync cost an engine with its own weights (vLLM)
+                metrics[name] = metrics.get(name, 0.0) + info[key]
         return rows, rollouts
 
     def _collect(self, step: int) -> tuple[Rollouts, torch.Tensor, dict]:

@@ -318,6 +318,7 @@ def test_sync_wakes_uploads_the_adapter_and_the_steps_noise_then_sleeps(fake_vll
         assert not engine.asleep
         out = engine.generate(Prompts.encode(Tok(), ["ab"]), 2)
     assert engine.asleep and info["aqn/norms"] == 4 and info["sync/seconds"] >= 0
+    assert all(info[f"sync/{k}_seconds"] >= 0 for k in ("wake", "upload", "sleep"))  # sleep: filled on exit
     calls = [c[0] for c in engine.llm.calls]
     assert calls == ["sleep", "wake_up", "apply_model", "reset_prefix_cache", "generate", "sleep"]
     assert engine.llm.calls[4][3] is engine.lora_request and out.prompts == ["ab", "ab"]
@@ -387,4 +388,52 @@ def test_the_trainer_drives_vllm_syncing_before_every_rollout(fake_vllm, tmp_pat
     assert requests == sorted(set(requests))  # a new adapter version for every rollout
     assert [r["aqn/norms"] for r in trainer.history] == [0, 4, 4]  # noise reached vLLM's norms from stage 1
     assert all("time/sync" in r for r in trainer.history)
+    assert all(r[k] >= 0 for r in trainer.history for k in ("time/wake", "time/upload", "time/sleep"))
+    trainer.engine.close()
+
+
+def test_a_sync_without_noise_after_a_noisy_one_puts_the_clean_norms_back(fake_vllm, tmp_path):
+    """An evaluation (sync without AQN) right after a noisy rollout must not generate with that noise."""
+    peft = _peft(train_norms=False)
+    engine = VLLMEngine(tmp_path, Tok())
+    vnorm = engine.llm.model.model.layers[1].post_attention_layernorm.weight
+    hf_norm = peft.base_model.model.model.layers[1].post_attention_layernorm.weight
+    aqn = AQN(total_steps=10, stages=10, seed=7)
+    applies = lambda: [c[0] for c in engine.llm.calls].count("apply_model")  # noqa: E731
+    with engine.sync(peft):  # clean and nothing trained: no norms to send
+        pass
+    assert applies() == 0 and not engine.noisy_norms
+    with engine.sync(peft, noise=aqn, step=5):
+        pass
+    assert engine.noisy_norms and not torch.equal(vnorm, hf_norm.to(vnorm.dtype))
+    with engine.sync(peft):  # no noise now: vLLM's norms go back to the clean ones
+        pass
+    assert applies() == 2 and not engine.noisy_norms and torch.equal(vnorm, hf_norm.to(vnorm.dtype))
+    with engine.sync(peft):  # already clean: nothing more sent
+        pass
+    assert applies() == 2
+    with engine.sync(peft, noise=aqn, step=0):  # AQN's noise-free stage sends clean norms, nothing noisy left
+        pass
+    assert applies() == 3 and not engine.noisy_norms
+    engine.close()
+
+
+def test_the_trainer_moves_engine_rollouts_to_the_policys_device(fake_vllm, tmp_path, monkeypatch):
+    """vLLM's Rollouts are CPU tensors; the trainer moves them to the policy's device before scoring them."""
+    from qerl_kit.config import from_dict
+    from qerl_kit.tasks import Task
+    from qerl_kit.trainer import Trainer
+
+    moved = []
+    original = Rollouts.to
+    monkeypatch.setattr(Rollouts, "to", lambda self, device: moved.append(torch.device(device)) or original(self, device))
+    peft = _peft(train_norms=False)
+    task = Task("fake", [{"prompt": "ab"}, {"prompt": "cd"}], [], (lambda completions, **_: [1.0] * len(completions),),
+                lambda tok, row: row["prompt"])
+    cfg = from_dict(dict(rollout=dict(batch_size=4, group_size=2, max_new_tokens=4, engine="vllm"),
+                         loss=dict(micro_batch=4), aqn=dict(enabled=False), total_steps=1, save_every=0,
+                         output_dir=str(tmp_path / "run")))
+    trainer = Trainer(peft, Tok(), task, cfg, progress="none")
+    trainer.train(1)
+    assert moved == [torch.device("cpu")]  # the device of the policy's trainable parameters
     trainer.engine.close()

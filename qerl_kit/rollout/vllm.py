@@ -187,6 +187,7 @@ class VLLMEngine(Engine):
         self.adapters = AdapterWriter(adapter_root)
         self.lora_request = None
         self.last_norm_count = 0
+        self.noisy_norms = False  # vLLM's norms hold AQN noise from the last sync (re-synced clean next time)
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # engine in this process: apply_model
         kwargs = dict(model=str(checkpoint_dir), enable_lora=True, max_lora_rank=self.max_lora_rank,
                       max_loras=1, gpu_memory_utilization=gpu_memory_utilization,
@@ -230,21 +231,28 @@ class VLLMEngine(Engine):
     @contextlib.contextmanager
     def sync(self, policy: nn.Module | None = None, *, noise=None, step: int = 0) -> Iterator[dict]:
         """Wake vLLM, send it ``policy``'s adapter and norms (with ``noise``'s AQN at ``step``), run the
-        block, then put vLLM back to sleep (with sleep mode on), so training has the memory back."""
+        block, then put vLLM back to sleep (with sleep mode on), so training has the memory back.
+
+        ``info`` holds ``aqn/norms``, ``sync/seconds`` (wake-up + upload), ``sync/wake_seconds``,
+        ``sync/upload_seconds`` and, once the block has exited, ``sync/sleep_seconds``."""
         if noise is not None and policy is None:
             raise ValueError("VLLMEngine.sync with noise needs the policy whose norms carry it")
         start = time.perf_counter()
         self.wake_up()
+        info: dict[str, Any] = {"sync/wake_seconds": time.perf_counter() - start}
         try:
-            info: dict[str, Any] = {}
             if policy is not None:
+                t0 = time.perf_counter()
                 self.sync_adapter(policy, aqn=noise, step=step)
+                info["sync/upload_seconds"] = time.perf_counter() - t0
                 if noise is not None:
                     info["aqn/norms"] = self.last_norm_count if noise.sigma(step) > 0 else 0
-            info["sync/seconds"] = time.perf_counter() - start
+            info["sync/seconds"] = time.perf_counter() - start  # wake-up + upload
             yield info
-        finally:
+        finally:  # read after the block by whoever holds ``info`` (the Trainer logs it as time/sleep)
+            t0 = time.perf_counter()
             self.sleep()
+            info["sync/sleep_seconds"] = time.perf_counter() - t0
 
     # -- weights ---------------------------------------------------------------------------------
     def sync_adapter(self, peft_model, *, aqn=None, step: int | None = None, adapter_name: str = "default"):
@@ -256,7 +264,10 @@ class VLLMEngine(Engine):
         old, self.lora_request = self.lora_request, self._LoRARequest(f"qerl-{lora_id}", lora_id, str(path))
         if old is not None:
             self._remove_lora(old.lora_int_id)
-        if aqn is not None or peft_model.peft_config[adapter_name].modules_to_save:
+        # Norms go over when they carry something (trained copies, this step's noise) and also when
+        # the last sync left noise in vLLM's: a sync without AQN (an evaluation) then puts the clean
+        # norms back instead of generating with the previous rollout's noise.
+        if aqn is not None or peft_model.peft_config[adapter_name].modules_to_save or self.noisy_norms:
             self.sync_norms(peft_model, aqn=aqn, step=step)
         if hasattr(self.llm, "reset_prefix_cache"):
             self.llm.reset_prefix_cache()
@@ -277,11 +288,13 @@ class VLLMEngine(Engine):
         if aqn is not None and step is None:
             raise ValueError("sync_norms with aqn needs the training step (for the noise schedule)")
         context = aqn.noise(hf_model, step) if aqn is not None else contextlib.nullcontext()
-        with context:  # noise is drawn around clean weights and removed from the HF model after
+        with context as perturbed:  # noise is drawn around clean weights and removed from the HF model after
             values = {n: m.weight.detach().to("cpu", copy=True) for n, m in zip(names, norms)}
+        self.noisy_norms = True  # until the copy below has landed, assume vLLM's norms are not clean
         counts = self._apply_to_model(_LoadNorms(values, expected=len(norms)))
         if any(c != len(norms) for c in counts):
             raise RuntimeError(f"vLLM workers updated {counts} norms, expected {len(norms)} each")
+        self.noisy_norms = bool(perturbed)  # nullcontext yields None; AQN yields the count it perturbed
         self.last_norm_count = len(norms)
         return len(norms)
 
