@@ -57,7 +57,7 @@ def parse_args(argv=None):
     p.add_argument("--warmup", type=int, default=200)
     p.add_argument("--layers", type=int, default=6)
     p.add_argument("--hidden", type=int, default=512)
-    p.add_argument("--pool", type=int, default=200_000, help="distinct train problems")
+    p.add_argument("--pool", type=int, default=60_000, help="distinct train problems (all ~2.9k of level 3, the rest levels 4-5)")
     p.add_argument("--miss", type=float, default=0.5, help="share of near-miss training targets")
     p.add_argument("--eval-every", type=int, default=500)
     p.add_argument("--eval-n", type=int, default=256)

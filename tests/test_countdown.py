@@ -133,3 +133,16 @@ def test_the_model_script_trains_saves_and_calibrates_in_smoke_mode(tmp_path):
     assert summary["params"] > 0
     with pytest.raises(FileExistsError, match="not empty"):
         main(["--smoke", "--out", str(out)])
+
+
+def test_a_used_up_level_ends_with_a_clear_error_or_gives_way_to_the_others(monkeypatch):
+    # level 3 has only ~2.9k distinct train problems; a small streak limit keeps the test quick
+    monkeypatch.setattr(cd, "EXHAUSTED_AFTER", 300)
+    with pytest.raises(ValueError, match=r"only \d+ distinct train problems exist at levels \(3,\)"):
+        cd.make_dataset("train", 5000, levels=(3,))
+    only3 = len({cd.problem_key(r["numbers"], r["target"]) for r in cd.make_dataset("train", 1500, levels=(3,))})
+    assert only3 == 1500
+    rows = cd.make_dataset("train", 6000, levels=(3, 4))
+    levels = [r["level"] for r in rows]
+    assert len({cd.problem_key(r["numbers"], r["target"]) for r in rows}) == 6000
+    assert 1500 < levels.count(3) < 3000 < levels.count(4)  # level 3 used up, level 4 filled the rest

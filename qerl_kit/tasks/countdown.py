@@ -272,8 +272,16 @@ def question(numbers: Sequence[int], target: int) -> str:
             "End with #### and the expression.")
 
 
+EXHAUSTED_AFTER = 5000  # draws in a row without a new problem of a level: that level is used up
+
+
 def make_dataset(split: str, n: int, seed: int = 0, levels: Sequence[int] = LEVELS) -> list[dict]:
-    """``n`` distinct problems of ``split``, cycling through ``levels``; deterministic in the arguments."""
+    """``n`` distinct problems of ``split``, cycling through ``levels``; deterministic in the arguments.
+
+    A level can run out: there are only about 1,800 distinct level-3 problems per split. A level
+    that gives no new problem in ``EXHAUSTED_AFTER`` draws in a row is used up and the cycle goes
+    on over the others (so a large training pool holds every level-3 problem and more of the
+    larger levels); when every level is used up, a ``ValueError`` says how many were found."""
     if split not in ("train", "test"):
         raise ValueError(f"countdown split {split!r}; allowed: train, test")
     if not isinstance(n, int) or n < 0:
@@ -283,18 +291,21 @@ def make_dataset(split: str, n: int, seed: int = 0, levels: Sequence[int] = LEVE
         if lv not in LEVELS:
             raise ValueError(f"countdown level {lv!r}; allowed: {LEVELS}")
     rng = random.Random(f"countdown/{split}/{seed}/{levels}")
-    rows, seen, tries = [], set(), 0
+    rows, seen = [], set()
+    live, misses, turn = list(levels), dict.fromkeys(levels, 0), 0
     while len(rows) < n:
-        tries += 1
-        if tries > 200 * n + 1000:
-            raise RuntimeError(f"countdown: could not draw {n} distinct {split} problems of levels {levels}")
-        level = levels[len(rows) % len(levels)]
+        if not live:
+            raise ValueError(f"countdown n={n}: only {len(rows)} distinct {split} problems exist at levels {levels}")
+        level = live[turn % len(live)]
         p = make_problem(rng, level)
-        if p is None:
+        key = None if p is None else problem_key(p["numbers"], p["target"])
+        if key is None or key in seen or split_of(p["numbers"], p["target"]) != split:
+            misses[level] += 1
+            if misses[level] >= EXHAUSTED_AFTER:
+                live.remove(level)
             continue
-        key = problem_key(p["numbers"], p["target"])
-        if key in seen or split_of(p["numbers"], p["target"]) != split:
-            continue
+        misses[level] = 0
+        turn += 1
         seen.add(key)
         rows.append({"prompt": question(p["numbers"], p["target"]), "answer": str(p["target"]), **p})
     return rows
