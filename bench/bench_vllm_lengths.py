@@ -35,8 +35,10 @@ def export(peft, fmt: str, root: Path) -> Path:
         from qerl_kit.export import save_nvfp4
 
         save_nvfp4(peft, path)
-    else:
-        peft.get_base_model().save_pretrained(str(path), safe_serialization=True)
+    else:  # the base's own tensor names: without peft's ``base_layer`` level and the LoRA matrices
+        base = peft.get_base_model()
+        state = {k.replace(".base_layer.", "."): v for k, v in base.state_dict().items() if ".lora_" not in k}
+        base.save_pretrained(str(path), state_dict=state, safe_serialization=True)
     return path
 
 

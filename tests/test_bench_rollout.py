@@ -62,3 +62,21 @@ def test_lora_engine_bench_smoke_writes_its_table(tmp_path):
     for row in rows:
         cells = [c.strip() for c in row.strip("|").split("|")]
         assert all(float(c) > 0 for c in cells[2:5])            # torch ops, grouped kernels, no LoRA work
+
+
+def test_vllm_bench_bf16_export_holds_the_base_under_its_own_names(tmp_path):
+    # vLLM 0.26 refused the first bf16 export: it kept peft's `base_layer` level in the names
+    import torch
+    from safetensors import safe_open
+    from transformers import AutoModelForCausalLM
+
+    from bench.bench_rollout import build, with_lora
+    from bench.bench_vllm_lengths import export
+
+    peft = with_lora(build("qwen2-tiny", "bf16", "cpu"), 4)
+    path = export(peft, "bf16", tmp_path)
+    keys = [k for f in path.glob("*.safetensors") for k in safe_open(f, "pt").keys()]
+    assert keys and not [k for k in keys if "base_layer" in k or "lora_" in k]
+    reloaded = AutoModelForCausalLM.from_pretrained(path)
+    ours = peft.get_base_model().model.layers[0].mlp.down_proj.base_layer.weight
+    assert torch.equal(reloaded.model.layers[0].mlp.down_proj.weight, ours)
