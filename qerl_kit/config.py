@@ -87,6 +87,10 @@ class RolloutConfig:
     top_k: int = _rule(0, ge=0, why="0 = off")
     # auto (StaticEngine on a GPU, transformers' generate elsewhere) | static | hf | vllm (rollout.ENGINES)
     engine: str = _rule("auto", choices=_engines)
+    # engine: vllm only. The share of the GPU vLLM may take (gpu_memory_utilization); None: planned
+    # from the model, the batch and the longest prompt (memory_plan.vllm_memory_share)
+    vllm_gpu_memory: float | None = _rule(None, gt=0, le=0.95, why="a share of the GPU's memory; vLLM "
+                                                                   "needs the training's share to stay free")
 
     def __post_init__(self):
         _validate(self)

@@ -186,3 +186,26 @@ def plan_memory(model: Any = "Qwen2.5-7B", fmt: str = "nvfp4", lora_r: int = 32,
     name = model if isinstance(model, str) else (model.get("model_type", "model") if isinstance(model, dict)
                                                  else getattr(model, "model_type", "model"))
     return MemoryPlan(str(name), parts, settings, overhead, gpu_bytes)
+
+
+VLLM_RUNTIME_BYTES = 2 << 30  # vLLM's own: CUDA graphs, activations of a step, sampler, allocator slack
+
+
+def vllm_memory_share(model: Any, gpu_bytes: int, *, fmt: str = "nvfp4", lora_r: int = 32,
+                      rollout_batch: int = 64, max_model_len: int = 1024, margin: float = 0.15) -> float:
+    """The ``gpu_memory_utilization`` a colocated vLLM engine needs for one rollout batch: its own copy
+    of the weights (``fmt``), one adapter of rank ``lora_r``, a KV cache for ``rollout_batch``
+    sequences of ``max_model_len`` tokens (vLLM stores every row's prompt: no prefix sharing counted),
+    ``VLLM_RUNTIME_BYTES``, plus ``margin``; as a share of ``gpu_bytes``, rounded up to 0.01.
+    Raises ValueError when that is more than 0.95 of the GPU (name the batch, the length and the need)."""
+    if not isinstance(gpu_bytes, int) or gpu_bytes <= 0:
+        raise ValueError(f"gpu_bytes must be a positive int; got {gpu_bytes!r}")
+    plan = plan_memory(model, fmt, lora_r, rollout_batch=rollout_batch, prompt_len=0, max_new_tokens=max_model_len)
+    keep = ("weights:", "LoRA r=", "rollout:")
+    need = sum(v for k, v in plan.parts.items() if k.startswith(keep)) + VLLM_RUNTIME_BYTES
+    share = -(-int(need * (1 + margin) * 100) // gpu_bytes) / 100
+    if share > 0.95:
+        raise ValueError(f"vLLM would need {human_bytes(int(need * (1 + margin)))} ({share:.0%} of the GPU) for "
+                         f"rollout.batch_size = {rollout_batch} x {max_model_len} tokens; lower rollout.batch_size "
+                         "or max_new_tokens, or set rollout.vllm_gpu_memory")
+    return max(share, 0.05)

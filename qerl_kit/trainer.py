@@ -49,7 +49,7 @@ from qerl_kit.config import TrainConfig, upgrade_dict
 from qerl_kit.logprobs import batched_logprobs, completion_logprobs
 from qerl_kit.optim import lr_lambda, make_optimizer
 from qerl_kit.rollout.base import engine_sync
-from qerl_kit.rollout.registry import make_engine
+from qerl_kit.rollout.registry import engine_options, make_engine
 from qerl_kit.rollout.types import Rollouts, SamplingParams
 from qerl_kit.sampling_filters import KeptGroups, accumulate_groups, overlong_penalty
 from qerl_kit.scoring import score_rollouts
@@ -88,7 +88,8 @@ class Trainer:
             raise ValueError("the model has no trainable parameters; attach LoRA first "
                              "(qerl_kit.lora.attach_lora)")
         self.model, self.tokenizer, self.config, self.task = model, tokenizer, config, task
-        self.engine = engine if engine is not None else make_engine(config.rollout.engine, model, tokenizer)
+        self.engine = engine if engine is not None else make_engine(
+            config.rollout.engine, model, tokenizer, **engine_options(config.rollout, model, tokenizer, task, config.model.lora_r))
         self.progress = progress
         self.dist = distributed.Context.detect()  # world 1 unless launched by torchrun & co
         distributed.check_config(config, self.dist.world)

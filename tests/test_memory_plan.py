@@ -80,3 +80,17 @@ def test_errors_name_the_problem():
         plan_memory("Qwen2.5-7B", optimizer="sgd")
     with pytest.raises(ValueError, match="GPU's memory"):
         plan_memory("Qwen2.5-7B").fits()
+
+
+def test_vllm_memory_share_counts_weights_adapter_kv_and_runtime():
+    from qerl_kit.memory_plan import VLLM_RUNTIME_BYTES, plan_memory, vllm_memory_share
+
+    gpu = 141 * 10**9
+    plan = plan_memory("Qwen2.5-7B", "nvfp4", 32, rollout_batch=64, prompt_len=0, max_new_tokens=1024)
+    need = sum(v for k, v in plan.parts.items() if k.startswith(("weights:", "LoRA r=", "rollout:")))
+    share = vllm_memory_share("Qwen2.5-7B", gpu, rollout_batch=64, max_model_len=1024)
+    assert share * gpu >= (need + VLLM_RUNTIME_BYTES) * 1.15 > (share - 0.01) * gpu  # rounded up to 0.01
+    assert vllm_memory_share("Qwen2.5-7B", gpu, rollout_batch=256, max_model_len=1024) > share
+    assert vllm_memory_share("qwen2-tiny", gpu, rollout_batch=4, max_model_len=64) == 0.05  # the floor
+    with pytest.raises(ValueError, match="rollout.batch_size = 4096 x 8192 tokens"):
+        vllm_memory_share("Qwen2.5-32B", gpu, rollout_batch=4096, max_model_len=8192)

@@ -127,6 +127,8 @@ def fake_vllm(monkeypatch):
     for name, mod in (("vllm", vllm), ("vllm.lora", lora), ("vllm.lora.request", request)):
         monkeypatch.setitem(sys.modules, name, mod)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    # an 80 GiB GPU for the memory planner (the Trainer sizes vLLM's share from it)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: types.SimpleNamespace(total_memory=80 << 30))
     monkeypatch.setenv(ENV, "restored-after-the-test")
     monkeypatch.delenv(ENV)
     return vllm
@@ -379,6 +381,8 @@ def test_the_trainer_drives_vllm_syncing_before_every_rollout(fake_vllm, tmp_pat
                          output_dir=str(tmp_path / "run")))
     trainer = Trainer(peft, Tok(), task, cfg, progress="none")
     assert isinstance(trainer.engine, VLLMEngine)
+    kwargs = trainer.engine.llm.kwargs  # sized for this run: 2-character prompts + 4 new tokens, in 64s
+    assert kwargs["max_model_len"] == 64 and 0.05 <= kwargs["gpu_memory_utilization"] <= 0.1
     trainer.train(3)
     calls = [c[0] for c in trainer.engine.llm.calls]
     generates = [i for i, c in enumerate(calls) if c == "generate"]
@@ -437,3 +441,19 @@ def test_the_trainer_moves_engine_rollouts_to_the_policys_device(fake_vllm, tmp_
     trainer.train(1)
     assert moved == [torch.device("cpu")]  # the device of the policy's trainable parameters
     trainer.engine.close()
+
+
+def test_the_rollout_config_sets_vllms_memory_share(fake_vllm, tmp_path):
+    from qerl_kit.config import ConfigError, from_dict
+    from qerl_kit.rollout.registry import engine_options
+    from qerl_kit.tasks import Task
+
+    task = Task("fake", [{"prompt": "x" * 100}, {"prompt": "ab"}], [{"prompt": "y" * 130}],
+                (lambda completions, **_: [0.0] * len(completions),), lambda tok, row: row["prompt"])
+    cfg = from_dict(dict(rollout=dict(batch_size=4, group_size=2, max_new_tokens=60, engine="vllm",
+                                      vllm_gpu_memory=0.4)))
+    assert engine_options(cfg.rollout, _peft(), Tok(), task, 4) == {"max_model_len": 192, "gpu_memory_utilization": 0.4}
+    hf = from_dict(dict(rollout=dict(batch_size=4, group_size=2, engine="hf")))
+    assert engine_options(hf.rollout, _peft(), Tok(), task, 4) == {}
+    with pytest.raises(ConfigError, match="rollout.vllm_gpu_memory"):
+        from_dict(dict(rollout=dict(vllm_gpu_memory=0.99)))

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-__all__ = ["ENGINES", "register_engine", "make_engine", "engine_names", "resolve_engine"]
+__all__ = ["ENGINES", "register_engine", "make_engine", "engine_names", "resolve_engine", "engine_options"]
 
 
 def _hf(policy, tokenizer, **kwargs):
@@ -67,3 +67,28 @@ def resolve_engine(name: str, policy) -> str:
 def make_engine(name: str, policy, tokenizer, **kwargs):
     """The rollout engine ``name`` (``auto``, ``hf``, ``static``, ``vllm`` or a registered one) on ``policy``."""
     return ENGINES[resolve_engine(name, policy)](policy, tokenizer, **kwargs)
+
+
+def engine_options(rollout, policy, tokenizer, task, lora_r: int, sample: int = 2000) -> dict:
+    """The keyword arguments the Trainer gives ``make_engine`` for ``rollout`` (a RolloutConfig).
+    For vLLM: ``max_model_len`` = the longest prompt of the task (its first ``sample`` train and eval
+    rows, as the task formats them) + ``max_new_tokens``, and ``gpu_memory_utilization`` =
+    ``rollout.vllm_gpu_memory`` or the share the memory planner gives for that length and
+    ``rollout.batch_size`` (``memory_plan.vllm_memory_share``). Nothing for the other engines."""
+    if resolve_engine(rollout.engine, policy) != "vllm":
+        return {}
+    import torch
+
+    rows = list(task.train[:sample]) + list(task.eval[:sample])
+    longest = max(len(tokenizer(task.prompt_fn(tokenizer, r), add_special_tokens=False)["input_ids"]) for r in rows)
+    max_len = -(-(longest + rollout.max_new_tokens) // 64) * 64
+    share = rollout.vllm_gpu_memory
+    if share is None:
+        from qerl_kit.memory_plan import vllm_memory_share
+
+        if not torch.cuda.is_available():  # VLLMEngine refuses to start without one, with its own message
+            return {"max_model_len": max_len}
+        config = getattr(policy, "config", None)
+        share = vllm_memory_share(config, torch.cuda.get_device_properties(0).total_memory, lora_r=lora_r,
+                                  rollout_batch=rollout.batch_size, max_model_len=max_len)
+    return {"max_model_len": max_len, "gpu_memory_utilization": share}

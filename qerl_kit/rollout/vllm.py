@@ -16,9 +16,10 @@ directory first; ``make_engine("vllm", policy, tokenizer)`` (``rollout.engine: v
   count asserted (the official code matched transformers' class names and never hit vLLM's own).
 * ``sleep()`` / ``wake_up()`` (or ``with engine.awake():``) free vLLM's memory while training.
 
-Targets vLLM >= 0.10.1 (``CompressedTensorsW4A16Fp4`` + Marlin on Hopper, ``logprobs_mode`` from
-0.10.2 is used when present). Not exercised by CI: vLLM cannot run on our machines; tests cover
-everything around it with a fake ``vllm`` module (see docs/export-vllm.md).
+Run on vLLM 0.26.0 (``tests/test_vllm_gpu.py`` on an H200, which is what ``qerl_kit[vllm]`` pins);
+written for vLLM >= 0.10.1 (``CompressedTensorsW4A16Fp4`` + Marlin on Hopper, ``logprobs_mode``
+from 0.10.2 used when present). CI has no vLLM: there ``tests/test_vllm_backend.py`` covers
+everything around it with a fake ``vllm`` module (docs/export-vllm.md).
 """
 
 from __future__ import annotations
