@@ -5,7 +5,8 @@ and forced completion lengths (lognormal mean 300, cap 1024, seed 0), so the two
 
 One format per process (vLLM's memory is not given back inside one): ``--formats nvfp4``, then
 ``--formats bf16``. Per format (``nvfp4``: our compressed-tensors export, which vLLM runs with its Marlin FP4 kernels;
-``bf16``: ``save_pretrained`` of the same random model), one ``vllm.LLM`` with LoRA (the adapter as
+``bf16``: ``save_pretrained`` of the same random model; ``nf4``: that bf16 checkpoint quantized by vLLM
+with ``quantization="bitsandbytes"``, the QLoRA baseline), one ``vllm.LLM`` with LoRA (the adapter as
 a ``LoRARequest``, as ``qerl_kit.rollout.vllm`` sends it) and per-token log-probs on, as an RL
 rollout needs. Each request gets ``min_tokens = max_tokens = L`` and ``ignore_eos`` (its forced
 length); vLLM batches continuously, so finished rows leave the batch. Also, at ``--fixed-batches``
@@ -78,9 +79,10 @@ def main() -> None:
         if time.perf_counter() - t0 > args.budget:
             log(f"budget spent: skip {fmt}")
             continue
-        peft = with_lora(build(args.model, fmt, "cuda"), args.lora_r)
+        # nf4 = the QLoRA baseline of the paper: the bf16 checkpoint, quantized by vLLM with bitsandbytes
+        peft = with_lora(build(args.model, "bf16" if fmt == "nf4" else fmt, "cuda"), args.lora_r)
         vocab = peft.get_base_model().config.vocab_size
-        path = export(peft, fmt, root)
+        path = export(peft, "bf16" if fmt == "nf4" else fmt, root)
         writer = AdapterWriter(root)
         lora_id, lora_path = writer.write(peft)
         del peft
@@ -89,6 +91,8 @@ def main() -> None:
         kwargs = dict(model=str(path), gpu_memory_utilization=0.6, max_model_len=args.prompt + args.cap + 16,
                       max_num_seqs=max(args.batches + args.fixed_batches), skip_tokenizer_init=True, dtype="bfloat16", seed=0,
                       logprobs_mode="processed_logprobs")
+        if fmt == "nf4":  # needs the bitsandbytes package next to vLLM
+            kwargs["quantization"] = "bitsandbytes"
         try:
             llm = LLM(enable_lora=True, max_lora_rank=args.lora_r, max_loras=1, **kwargs)
             lora = LoRARequest("bench", lora_id, str(lora_path))
