@@ -418,6 +418,20 @@ def plot_summary(summary, y: Sequence[str] = ("initial_entropy", "final_accuracy
 
 
 # ---- command line ------------------------------------------------------------------------------
+def _task_budget(dataset: str) -> int:
+    """The completion budget of a registered task (countdown 96; GSM8K, MATH-500 512); 512 for a
+    .jsonl path or a task that names none (real tasks reason longer than the tiny arithmetic)."""
+    from qerl_kit.config import DataConfig
+    from qerl_kit.tasks import make_task
+
+    if dataset.endswith(".jsonl"):
+        return 512
+    try:  # generated tasks build in milliseconds; a data file that is missing here fails in run_grid, loudly
+        return make_task(DataConfig(dataset=dataset, train_size=1, eval_size=1)).max_new_tokens or 512
+    except (ImportError, OSError):
+        return 512
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     import argparse
     import platform
@@ -446,7 +460,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         torch.set_num_threads(int(os.environ.get("QERL_THREADS", "1")))
     kw = {k: getattr(budget, k) if getattr(args, k) is None else getattr(args, k)
           for k in ("steps", "batch_size", "group_size", "eval_size")}
-    kw["max_new_tokens"] = budget.max_new_tokens if args.dataset == "arith" else 512  # real tasks reason longer
+    kw["max_new_tokens"] = budget.max_new_tokens if args.dataset == "arith" else _task_budget(args.dataset)
     from qerl_kit.export import RefusedToOverwrite
 
     try:

@@ -355,3 +355,11 @@ def test_grid_made_before_the_marker_and_the_parallel_merge_dir_still_resume(tmp
     (legacy / ".qerl_grid.json").unlink()  # as made by an older qerl_kit
     ex.run_grid(["nvfp4-lora", "bf16-lora"], [0], output_dir=legacy, log=lambda s: None, **TINY)
     assert trained == [("nvfp4-lora", 0), ("bf16-lora", 0)]
+
+
+def test_the_cli_gives_each_task_its_own_completion_budget():
+    from qerl_kit.experiments import _task_budget
+
+    assert _task_budget("countdown") == 96  # the task's own (qerl_kit.tasks.registry)
+    assert _task_budget("arith") == 64
+    assert _task_budget("my_problems.jsonl") == 512
