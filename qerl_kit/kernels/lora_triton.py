@@ -15,13 +15,19 @@ Both read the adapters where peft keeps them, so an optimizer's in-place update 
 graphs captured earlier, and both round as the torch path does: ``t`` to the adapters' dtype and
 then to y's, ``y`` once after the add (float32 accumulation throughout). ``lora_apply_ref_`` is
 that torch path; ``lora_apply_`` falls back to it for what the kernels do not take (more than
-three adapters in a group, a rank over 128, mixed adapter dtypes, or no Triton). Tests:
-tests/test_engine_fused.py (the grouped-LoRA tests, against ``lora_apply_ref_``).
+three adapters in a group, a rank over 128, mixed adapter dtypes, or no Triton).
+
+The two halves are separate calls too: ``lora_shrink(x, As) -> LoraPartials`` and
+``lora_expand_(y, LoraDelta(partials, Bs, offsets, scales))``; a ``LoraDelta`` can instead be
+handed to the kernel that reads y next, which adds it itself (``qerl_kit.kernels.lora_fused``).
+Tests: tests/test_engine_fused.py (the grouped-LoRA tests, against ``lora_apply_ref_``) and
+tests/test_lora_fused.py.
 """
 
 from __future__ import annotations
 
 import importlib.util
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -146,32 +152,113 @@ def kernels_take(y: Tensor, x: Tensor, As: list[Tensor], Bs: list[Tensor]) -> bo
             and x.dim() == 2 and x.stride(1) == 1 and y.stride(1) == 1)
 
 
-def lora_apply_(y: Tensor, x: Tensor, As: list[Tensor], Bs: list[Tensor], offsets: list[int],
-                scales: list[float]) -> Tensor:
-    """``lora_apply_ref_`` in two launches where ``kernels_take`` says so; y is updated in place."""
-    if not kernels_take(y, x, As, Bs):
-        return lora_apply_ref_(y, x, As, Bs, offsets, scales)
-    m, k, n_ad = x.shape[0], x.shape[1], len(As)
-    if m == 0:
-        return y
+@dataclass
+class LoraPartials:
+    """The shrink's output: ``x @ [A_1; ...; A_n]^T`` as float32 partial sums over chunks of K.
+
+    ``p`` [splits, M, sum(ranks)]: adapter i's columns start at ``cols[i]``; summed in split order
+    and rounded to ``a_like``'s dtype (the adapters'), they are ``t_i = x @ A_i^T`` as peft has it."""
+
+    p: Tensor
+    ranks: list[int]
+    a_like: Tensor  # one of the adapters' A (only its dtype is read)
+
+    @property
+    def splits(self) -> int:
+        return self.p.shape[0]
+
+    @property
+    def cols(self) -> list[int]:
+        return [sum(self.ranks[:i]) for i in range(len(self.ranks))]
+
+
+@dataclass
+class LoraDelta:
+    """A projection group's expand, not yet applied: ``y[:, offsets[i]:offsets[i] + B_i.shape[0]] +=
+    scales[i] * t_i @ B_i^T`` for the group's output y. ``lora_expand_`` applies it to y; the fused
+    consumers (``qerl_kit.kernels.lora_fused``) apply it while they read y, with the same roundings."""
+
+    part: LoraPartials
+    Bs: list[Tensor]
+    offsets: list[int]
+    scales: list[float]
+
+    @property
+    def block_r(self) -> int:
+        return max(16, triton.next_power_of_2(max(self.part.ranks)))
+
+    def kernel_args(self) -> tuple:
+        """(p, a_like, Bs, B row strides, widths, offsets, ranks, first columns of t, scales, M, RT),
+        the per-adapter values as tuples of MAX_ADAPTERS (padded), as the fused consumers take them."""
+        pad = lambda v, fill: tuple(v) + (fill,) * (MAX_ADAPTERS - len(v))  # noqa: E731
+        part = self.part
+        return (part.p, part.a_like, pad(self.Bs, self.Bs[0]), pad([b.stride(0) for b in self.Bs], 0),
+                pad([b.shape[0] for b in self.Bs], 0), pad(self.offsets, 0), pad(part.ranks, 0),
+                pad(part.cols, 0), pad([float(s) for s in self.scales], 0.0), part.p.shape[1], part.p.shape[2])
+
+
+def lora_shrink(x: Tensor, As: list[Tensor]) -> LoraPartials:
+    """The shrink launch of ``lora_apply_`` alone (for what ``kernels_take`` takes)."""
+    m, k = x.shape
     ranks = [a.shape[0] for a in As]
-    pad = lambda v, fill: list(v) + [fill] * (MAX_ADAPTERS - len(v))  # noqa: E731
-    cols = pad([sum(ranks[:i]) for i in range(n_ad)], 0)  # each adapter's first column of t
-    As3, Bs3 = pad(As, As[0]), pad(Bs, Bs[0])
-    r3, n3 = pad(ranks, 0), pad([b.shape[0] for b in Bs], 0)
+    rt = sum(ranks)
     block_m, block_k = 16, 256
     m_blocks = triton.cdiv(m, block_m)
     steps = triton.cdiv(k, block_k)
     chunk = block_k * triton.cdiv(steps, MAX_SPLITS)  # K in at most MAX_SPLITS chunks of 256 * j
     splits = triton.cdiv(k, chunk)
-    rt = sum(ranks)
-    partials = torch.empty((splits, m, rt), dtype=torch.float32, device=y.device)
-    _shrink_kernel[(triton.cdiv(max(ranks), 16), n_ad, splits * m_blocks)](
-        x, partials, *As3, m, k, x.stride(0), rt, *[a.stride(0) for a in As3], *r3, cols[1], cols[2],
-        chunk, m_blocks, IEEE=As[0].dtype == torch.float32, INTERPRET=interpreting(), BLOCK_M=block_m, BLOCK_R=16, BLOCK_K=block_k)
-    _expand_kernel[(triton.cdiv(max(n3), 64), n_ad, m_blocks)](
-        y, partials, As[0], *Bs3, m, rt, y.stride(0), *[b.stride(0) for b in Bs3], *n3,
-        *pad(offsets, 0), *r3, cols[1], cols[2], *[float(s) for s in pad(scales, 0.0)], SPLITS=splits,
-        IEEE=y.dtype == torch.float32, INTERPRET=interpreting(), BLOCK_M=block_m, BLOCK_N=64,
-        BLOCK_R=max(16, triton.next_power_of_2(max(ranks))))
+    partials = torch.empty((splits, m, rt), dtype=torch.float32, device=x.device)
+    part = LoraPartials(partials, ranks, As[0])
+    if m == 0:
+        return part
+    pad = lambda v, fill: list(v) + [fill] * (MAX_ADAPTERS - len(v))  # noqa: E731
+    cols, As3 = pad(part.cols, 0), pad(As, As[0])
+    _shrink_kernel[(triton.cdiv(max(ranks), 16), len(As), splits * m_blocks)](
+        x, partials, *As3, m, k, x.stride(0), rt, *[a.stride(0) for a in As3], *pad(ranks, 0), cols[1], cols[2],
+        chunk, m_blocks, IEEE=As[0].dtype == torch.float32, INTERPRET=interpreting(), BLOCK_M=block_m, BLOCK_R=16,
+        BLOCK_K=block_k)
+    return part
+
+
+def lora_expand_ref_(y: Tensor, lora: LoraDelta) -> Tensor:
+    """``lora_expand_`` in torch ops (what the kernel does not take), from the same partials."""
+    part = lora.part
+    t = part.p.sum(0).to(part.a_like.dtype).to(y.dtype).float()
+    for B, off, s, c, r in zip(lora.Bs, lora.offsets, lora.scales, part.cols, part.ranks):
+        cols = slice(off, off + B.shape[0])
+        y[:, cols] = (y[:, cols].float() + s * (t[:, c:c + r] @ B.to(y.dtype).float().t())).to(y.dtype)
     return y
+
+
+def lora_expand_(y: Tensor, lora: LoraDelta) -> Tensor:
+    """Apply a pending expand to y in place (the expand launch of ``lora_apply_``)."""
+    part, Bs = lora.part, lora.Bs
+    floats = (torch.bfloat16, torch.float16, torch.float32)
+    if not (HAS_TRITON and (y.is_cuda or (interpreting() and y.device.type == "cpu")) and y.dtype in floats
+            and y.dim() == 2 and y.stride(1) == 1 and len({b.dtype for b in Bs}) == 1 and Bs[0].dtype in floats
+            and all(b.stride(1) == 1 for b in Bs) and 1 <= len(Bs) <= MAX_ADAPTERS):
+        return lora_expand_ref_(y, lora)
+    m, n_ad = part.p.shape[1], len(Bs)
+    if m == 0:
+        return y
+    pad = lambda v, fill: list(v) + [fill] * (MAX_ADAPTERS - len(v))  # noqa: E731
+    ranks, cols = part.ranks, pad(part.cols, 0)
+    r3, n3, Bs3 = pad(ranks, 0), pad([b.shape[0] for b in Bs], 0), pad(Bs, Bs[0])
+    block_m = 16
+    _expand_kernel[(triton.cdiv(max(n3), 64), n_ad, triton.cdiv(m, block_m))](
+        y, part.p, part.a_like, *Bs3, m, part.p.shape[2], y.stride(0), *[b.stride(0) for b in Bs3], *n3,
+        *pad(lora.offsets, 0), *r3, cols[1], cols[2], *[float(s) for s in pad(lora.scales, 0.0)],
+        SPLITS=part.splits, IEEE=y.dtype == torch.float32, INTERPRET=interpreting(), BLOCK_M=block_m, BLOCK_N=64,
+        BLOCK_R=lora.block_r)
+    return y
+
+
+def lora_apply_(y: Tensor, x: Tensor, As: list[Tensor], Bs: list[Tensor], offsets: list[int],
+                scales: list[float]) -> Tensor:
+    """``lora_apply_ref_`` in two launches (``lora_shrink``, ``lora_expand_``) where ``kernels_take``
+    says so; y is updated in place."""
+    if not kernels_take(y, x, As, Bs):
+        return lora_apply_ref_(y, x, As, Bs, offsets, scales)
+    if x.shape[0] == 0:
+        return y
+    return lora_expand_(y, LoraDelta(lora_shrink(x, As), Bs, offsets, scales))
