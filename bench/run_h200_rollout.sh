@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Issue #25/#26/#28 device runs on one H200, in the order one vLLM hold takes them (the vLLM parts
 # travel in three calls: DEVELOPERS.md). Each part writes under $OUT and prints a short tail.
-#   bash bench/run_h200_rollout.sh countdown   # #28: Countdown model calibration (3 configs at once) + 32B fixed lengths
+#   bash bench/run_h200_rollout.sh countdown   # #28: Countdown model calibration (3 configs at once; ~5 min)
+#   bash bench/run_h200_rollout.sh engine32b   # #25: 32B fixed lengths (1/8/64/256, groups of 8)
 #   bash bench/run_h200_rollout.sh engine7b    # #25: 7B fixed lengths (1/8/64/256, groups of 8) + realistic lengths
 #   bash bench/run_h200_rollout.sh vllm FMT    # #25/#26: vLLM 0.26 (after .vllm/p3/install.sh's exports), FMT nvfp4|bf16
 set -uo pipefail
@@ -41,13 +42,15 @@ if rep:
 PY
   tar -C /tmp/cd -czf "$OUT/cd/logs.tgz" $(cd /tmp/cd && ls log_*.txt)
   tail -3 /tmp/cd/log_*.txt
-  python3 -m bench.bench_rollout --parts rollout --models Qwen2.5-32B --nvfp4-only --variants engine-bf16 engine-nvfp4 \
+  ;;
+engine32b)
+  python3 -m bench.bench_rollout --parts rollout --models Qwen2.5-32B --nvfp4-only --variants engine-bf16 engine-nvfp4 engine-nvfp4-lorafused \
     --batches 1 8 64 256 --n 8 --budget 250 --out "$OUT/r32" > /tmp/r32_log.txt 2>&1
   grep -v Warning /tmp/r32_log.txt | tail -14
   ;;
 engine7b)
-  python3 -m bench.bench_rollout --parts rollout --models Qwen2.5-7B --nvfp4-only --variants engine-bf16 engine-nvfp4 \
-    --batches 1 8 64 256 --n 8 --budget 200 --out "$OUT/r7" > /tmp/r7_log.txt 2>&1
+  python3 -m bench.bench_rollout --parts rollout --models Qwen2.5-7B --nvfp4-only --variants engine-bf16 engine-nvfp4 engine-nvfp4-lorafused \
+    --batches 1 8 64 256 --n 8 --budget 260 --out "$OUT/r7" > /tmp/r7_log.txt 2>&1
   grep -v Warning /tmp/r7_log.txt | tail -12
   python3 -m bench.bench_live_rows --models Qwen2.5-7B --formats nvfp4 bf16 --batches 64 256 --budget 220 \
     --out "$OUT/live" > "$OUT/live_log.txt" 2>&1
