@@ -31,7 +31,7 @@ import torch
 from torch import Tensor
 
 from qerl_kit.kernels import engine_fused as ef
-from qerl_kit.kernels.lora_triton import HAS_TRITON, LoraDelta, lora_expand_
+from qerl_kit.kernels.lora_triton import FLOATS, HAS_TRITON, LoraDelta, lora_expand_
 
 if HAS_TRITON:
     import triton
@@ -203,7 +203,7 @@ if HAS_TRITON:
 
 def fused_takes(y_like: Tensor, lora: LoraDelta, rows: int) -> bool:
     """Whether a fused consumer can add ``lora`` to its input (of y_like's dtype and device, ``rows`` rows)."""
-    floats = (torch.bfloat16, torch.float16, torch.float32)
+    floats = FLOATS
     Bs = lora.Bs
     if not (ef.fused_available(y_like) and y_like.dtype in floats and 1 <= len(Bs) <= 3
             and len({b.dtype for b in Bs}) == 1 and Bs[0].dtype in floats and all(b.stride(1) == 1 for b in Bs)

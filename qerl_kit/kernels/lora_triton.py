@@ -36,6 +36,12 @@ HAS_TRITON = importlib.util.find_spec("triton") is not None
 MAX_ADAPTERS = 3  # q/k/v
 MAX_RANK = 128
 MAX_SPLITS = 32  # K chunks of the shrink, summed (unrolled) by every expand program
+FLOATS = (torch.bfloat16, torch.float16, torch.float32)  # the dtypes the kernels take
+
+
+def _pad(v, fill) -> list:
+    """A per-adapter list padded to MAX_ADAPTERS with ``fill`` (the kernels take three of each)."""
+    return list(v) + [fill] * (MAX_ADAPTERS - len(v))
 
 if HAS_TRITON:
     import triton
@@ -145,7 +151,7 @@ def kernels_take(y: Tensor, x: Tensor, As: list[Tensor], Bs: list[Tensor]) -> bo
     """Whether the two Triton launches take this call (the rest runs ``lora_apply_ref_``)."""
     if not HAS_TRITON or not (y.is_cuda or (interpreting() and y.device.type == "cpu")):
         return False
-    floats = (torch.bfloat16, torch.float16, torch.float32)
+    floats = FLOATS
     return (1 <= len(As) <= MAX_ADAPTERS and len({a.dtype for a in As}) == 1 and len({b.dtype for b in Bs}) == 1
             and As[0].dtype in floats and Bs[0].dtype in floats and x.dtype in floats and y.dtype in floats
             and all(a.shape[0] <= MAX_RANK and a.stride(1) == 1 for a in As) and all(b.stride(1) == 1 for b in Bs)
@@ -190,7 +196,7 @@ class LoraDelta:
     def kernel_args(self) -> tuple:
         """(p, a_like, Bs, B row strides, widths, offsets, ranks, first columns of t, scales, M, RT),
         the per-adapter values as tuples of MAX_ADAPTERS (padded), as the fused consumers take them."""
-        pad = lambda v, fill: tuple(v) + (fill,) * (MAX_ADAPTERS - len(v))  # noqa: E731
+        pad = lambda v, fill: tuple(_pad(v, fill))  # noqa: E731 - tuples: Triton's tuple arguments
         part = self.part
         return (part.p, part.a_like, pad(self.Bs, self.Bs[0]), pad([b.stride(0) for b in self.Bs], 0),
                 pad([b.shape[0] for b in self.Bs], 0), pad(self.offsets, 0), pad(part.ranks, 0),
@@ -211,7 +217,7 @@ def lora_shrink(x: Tensor, As: list[Tensor]) -> LoraPartials:
     part = LoraPartials(partials, ranks, As[0])
     if m == 0:
         return part
-    pad = lambda v, fill: list(v) + [fill] * (MAX_ADAPTERS - len(v))  # noqa: E731
+    pad = _pad
     cols, As3 = pad(part.cols, 0), pad(As, As[0])
     _shrink_kernel[(triton.cdiv(max(ranks), 16), len(As), splits * m_blocks)](
         x, partials, *As3, m, k, x.stride(0), rt, *[a.stride(0) for a in As3], *pad(ranks, 0), cols[1], cols[2],
@@ -233,7 +239,7 @@ def lora_expand_ref_(y: Tensor, lora: LoraDelta) -> Tensor:
 def lora_expand_(y: Tensor, lora: LoraDelta) -> Tensor:
     """Apply a pending expand to y in place (the expand launch of ``lora_apply_``)."""
     part, Bs = lora.part, lora.Bs
-    floats = (torch.bfloat16, torch.float16, torch.float32)
+    floats = FLOATS
     if not (HAS_TRITON and (y.is_cuda or (interpreting() and y.device.type == "cpu")) and y.dtype in floats
             and y.dim() == 2 and y.stride(1) == 1 and len({b.dtype for b in Bs}) == 1 and Bs[0].dtype in floats
             and all(b.stride(1) == 1 for b in Bs) and 1 <= len(Bs) <= MAX_ADAPTERS):
@@ -241,7 +247,7 @@ def lora_expand_(y: Tensor, lora: LoraDelta) -> Tensor:
     m, n_ad = part.p.shape[1], len(Bs)
     if m == 0:
         return y
-    pad = lambda v, fill: list(v) + [fill] * (MAX_ADAPTERS - len(v))  # noqa: E731
+    pad = _pad
     ranks, cols = part.ranks, pad(part.cols, 0)
     r3, n3, Bs3 = pad(ranks, 0), pad([b.shape[0] for b in Bs], 0), pad(Bs, Bs[0])
     block_m = 16
