@@ -412,56 +412,6 @@ def _case(rows, preset, variant, batch, fn, wb, model, args, bw):
         free()
 
 
-def part_step(args, device, results):
-    """One GRPO step (8 prompts x group 8, prompt 256, 512 new tokens at fixed length)."""
-    from bench.bench_ddp import IdTokenizer  # prompts are whitespace-separated token ids
-
-    from qerl_kit.config import preset as cfg_preset
-    from qerl_kit.tasks import Task
-    from qerl_kit.trainer import Trainer
-
-    rows = results.setdefault("step", [])
-    vocab = 512 if args.smoke else 152064
-    g = torch.Generator().manual_seed(0)
-
-    def reward(completions, **_):
-        return torch.rand(len(completions), generator=g).tolist()
-
-    for spec in args.step_cases:
-        preset, fmt = spec.split(":")
-        ckpt = preset in args.checkpointing
-        if time.perf_counter() - T0 > args.budget:
-            log(f"budget spent: skip step {spec}")
-            continue
-        try:
-            peft = with_lora(build(preset, fmt, device), args.lora_r)
-            data = [{"prompt": " ".join(map(str, p)), "answer": "0"}
-                    for p in random_prompts(64, args.prompt, vocab, seed=3)]
-            cfg = cfg_preset("tiny-cpu", total_steps=10, save_every=0, output_dir=str(Path(args.out) / "step_run"),
-                             model=dict(gradient_checkpointing=ckpt),
-                             rollout=dict(batch_size=64, group_size=8, max_new_tokens=args.new),
-                             loss=dict(micro_batch=args.micro_batch), aqn=dict(enabled=fmt == "nvfp4"))
-            engine = StaticEngine(peft, IdTokenizer(), ignore_eos=True, keep_cache=preset not in args.checkpointing)
-            task = Task("random-ids", data, [], (reward,), lambda tok, row: row["prompt"])
-            trainer = Trainer(peft, IdTokenizer(), task, cfg, engine=engine, progress="none")
-            steps = 1 if ckpt else 2  # big models: one step (its peak includes graph capture)
-            for i in range(steps):
-                if torch.cuda.is_available():
-                    torch.cuda.reset_peak_memory_stats()
-                m = trainer.train_step()
-                peak = torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else float("nan")
-                log(f"step {spec} #{i}: {m['time/step']:.1f}s (rollout {m['time/rollout']:.1f}, logprob "
-                    f"{m['time/logprob']:.1f}, update {m['time/update']:.1f}), peak {peak:.1f} GiB")
-            rows.append(dict(model=preset, format=fmt, checkpointing=ckpt, keep_cache=engine.keep_cache,
-                             steps_timed=1, step_index=steps - 1, time_step=m["time/step"],
-                             time_rollout=m["time/rollout"], time_logprob=m["time/logprob"],
-                             time_update=m["time/update"], peak_gib=peak, micro_batch=args.micro_batch))
-            del trainer, engine, peft
-        except Exception as err:  # noqa: BLE001
-            log(f"step {spec} failed: {err!r}\n{traceback.format_exc()}")
-        free()
-
-
 # -- output -------------------------------------------------------------------------------------
 def write(results: dict, out: Path, log: bool = True) -> None:
     out.mkdir(parents=True, exist_ok=True)
@@ -534,7 +484,9 @@ def main() -> None:
                 part_check(args, device, results)
             elif part == "rollout":
                 part_rollout(args, device, results, bw)
-            elif part == "step":
+            elif part == "step":  # bench.bench_grpo_engines builds on this module's helpers
+                from bench.bench_grpo_engines import part_step
+
                 part_step(args, device, results)
         except Exception as err:  # noqa: BLE001
             log(f"part {part} failed: {err!r}\n{traceback.format_exc()}")

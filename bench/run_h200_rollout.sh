@@ -3,8 +3,12 @@
 # travel in three calls: DEVELOPERS.md). Each part writes under $OUT and prints a short tail.
 #   bash bench/run_h200_rollout.sh countdown   # #28: Countdown model calibration (3 configs at once; ~5 min)
 #   bash bench/run_h200_rollout.sh engine32b   # #25: 32B fixed lengths (1/8/64/256, groups of 8)
-#   bash bench/run_h200_rollout.sh engine7b    # #25: 7B fixed lengths (1/8/64/256, groups of 8) + realistic lengths
-#   bash bench/run_h200_rollout.sh vllm FMT    # #25/#26: vLLM 0.26 (after .vllm/p3/install.sh's exports), FMT nvfp4|bf16
+#   bash bench/run_h200_rollout.sh engine7b    # #25: compiled LoRA-fusion tests, then 7B fixed lengths (1/8/64/256,
+#                                              #      groups of 8), LoRA expands separate vs fused (the A/B)
+#   bash bench/run_h200_rollout.sh live7b      # #25: 7B realistic lengths (live-row compaction)
+#   bash bench/run_h200_rollout.sh vllm FMT    # #25/#26: vLLM 0.26 (after .vllm/p3/install.sh's exports), FMT nvfp4|bf16|nf4
+#                                              #      (nf4: bitsandbytes from .vllm/bnb/*.whl, carried)
+#   bash bench/run_h200_rollout.sh grpo FMT    # #26: one whole GRPO step on StaticEngine and on vLLM, FMT nvfp4|bf16
 set -uo pipefail
 part="${1:?part}"
 OUT="${OUT:?set OUT}"
@@ -44,22 +48,38 @@ PY
   tail -3 /tmp/cd/log_*.txt
   ;;
 engine32b)
-  python3 -m bench.bench_rollout --parts rollout --models Qwen2.5-32B --nvfp4-only --variants engine-bf16 engine-nvfp4 engine-nvfp4-lorafused \
-    --batches 1 8 64 256 --n 8 --budget 250 --out "$OUT/r32" > /tmp/r32_log.txt 2>&1
+  timeout 330 python3 -m bench.bench_rollout --parts rollout --models Qwen2.5-32B --nvfp4-only --variants engine-bf16 engine-nvfp4 engine-nvfp4-lorafused \
+    --batches 1 8 64 256 --n 8 --budget 230 --out "$OUT/r32" > /tmp/r32_log.txt 2>&1
+  cp /tmp/r32_log.txt "$OUT/r32/stdout_log.txt"
   grep -v Warning /tmp/r32_log.txt | tail -14
   ;;
 engine7b)
-  python3 -m bench.bench_rollout --parts rollout --models Qwen2.5-7B --nvfp4-only --variants engine-bf16 engine-nvfp4 engine-nvfp4-lorafused \
-    --batches 1 8 64 256 --n 8 --budget 260 --out "$OUT/r7" > /tmp/r7_log.txt 2>&1
-  grep -v Warning /tmp/r7_log.txt | tail -12
+  # the fused kernels compiled (CPU CI runs them in Triton's interpreter only)
+  timeout 150 python3 -m pytest tests/test_lora_fused.py tests/test_engine_fused.py -q -x -p no:cacheprovider \
+    > "$OUT/gpu_tests_log.txt" 2>&1; echo "fused-kernel tests rc=$?"; tail -3 "$OUT/gpu_tests_log.txt"
+  timeout 360 python3 -m bench.bench_rollout --parts rollout --models Qwen2.5-7B --nvfp4-only \
+    --variants engine-bf16 engine-bf16-lorafused engine-nvfp4 engine-nvfp4-lorafused \
+    --batches 1 8 64 256 --n 8 --budget 300 --out "$OUT/r7" > /tmp/r7_log.txt 2>&1
+  cp /tmp/r7_log.txt "$OUT/r7/stdout_log.txt"
+  grep -v Warning /tmp/r7_log.txt | grep -E "ms/step|failed|Error" | tail -20
+  ;;
+live7b)
   python3 -m bench.bench_live_rows --models Qwen2.5-7B --formats nvfp4 bf16 --batches 64 256 --budget 220 \
     --out "$OUT/live" > "$OUT/live_log.txt" 2>&1
   tail -6 "$OUT/live_log.txt"
   ;;
 vllm)
   fmt="${2:?format}"
-  python3 -m bench.bench_vllm_lengths --formats "$fmt" --budget 300 --out "$OUT/vllm" > "$OUT/vllm_${fmt}_log.txt" 2>&1
+  if [ "$fmt" = nf4 ]; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/bnb .vllm/bnb/*.whl && export PYTHONPATH="/tmp/bnb:$PYTHONPATH"
+  fi
+  timeout 330 python3 -m bench.bench_vllm_lengths --formats "$fmt" --budget 260 --out "$OUT/vllm" > "$OUT/vllm_${fmt}_log.txt" 2>&1
   grep -E "vLLM|Error|error" "$OUT/vllm_${fmt}_log.txt" | tail -20
+  ;;
+grpo)
+  fmt="${2:?format}"
+  timeout 320 python3 -m bench.bench_grpo_engines --formats "$fmt" --out "$OUT/grpo" > "$OUT/grpo_${fmt}_log.txt" 2>&1
+  grep -E "step #|adapter|failed|Error" "$OUT/grpo_${fmt}_log.txt" | tail -20
   ;;
 *) echo "unknown part $part" >&2; exit 2 ;;
 esac

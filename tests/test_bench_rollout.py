@@ -80,3 +80,16 @@ def test_vllm_bench_bf16_export_holds_the_base_under_its_own_names(tmp_path):
     reloaded = AutoModelForCausalLM.from_pretrained(path)
     ours = peft.get_base_model().model.layers[0].mlp.down_proj.base_layer.weight
     assert torch.equal(reloaded.model.layers[0].mlp.down_proj.weight, ours)
+
+
+def test_grpo_engines_bench_smoke_times_whole_steps(tmp_path):
+    # the StaticEngine half on the CPU (vLLM's half needs the GPU: tests/test_vllm_gpu.py covers the engine)
+    proc = subprocess.run([sys.executable, "-m", "bench.bench_grpo_engines", "--smoke", "--engines", "static",
+                           "--out", str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    rows = json.loads((tmp_path / "grpo_engines_nvfp4.json").read_text())["rows"]
+    assert [(r["engine"], r["step_index"]) for r in rows] == [("static", 1)] and "error" not in rows[0]
+    r = rows[0]
+    assert r["time_rollout"] > 0 and r["time_logprob"] > 0 and r["time_update"] > 0
+    assert r["time_step"] >= r["time_rollout"] + r["time_logprob"] + r["time_update"] - 1e-6

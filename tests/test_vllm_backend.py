@@ -239,6 +239,20 @@ def test_llm_is_built_on_the_checkpoint_with_lora_and_sleep_mode(fake_vllm, tmp_
     old.close()
 
 
+def test_without_vllms_tokenizer_the_engine_decodes_and_ignore_eos_reaches_vllm(fake_vllm, tmp_path):
+    class DecodingTok(Tok):
+        def batch_decode(self, rows, skip_special_tokens=True):
+            return ["-".join(map(str, r)) for r in rows]
+
+    engine = VLLMEngine(tmp_path, DecodingTok(), skip_tokenizer_init=True, ignore_eos=True)
+    assert engine.llm.kwargs["skip_tokenizer_init"] is True
+    out = engine.generate(["ab"], n=2, sampling=SamplingParams(max_new_tokens=4))
+    params = engine.llm.calls[-1][2]
+    assert params.kwargs["detokenize"] is False and params.kwargs["ignore_eos"] is True
+    # completion 0 stopped on EOS (dropped from the text), completion 1 ran to the length
+    assert out.texts == ["10-20", "10-21-30-31"]
+
+
 def test_sync_generate_and_sleep_sequence(fake_vllm, tmp_path):
     peft = _peft(train_norms=False)
     engine = VLLMEngine(tmp_path, Tok())

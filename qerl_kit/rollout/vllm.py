@@ -36,7 +36,7 @@ from typing import Any, Iterator, Sequence
 import torch
 from torch import nn
 
-from qerl_kit.rollout.base import Engine
+from qerl_kit.rollout.base import Engine, decode_completions
 from qerl_kit.rollout.types import Generation, Prompts, SamplingParams, as_prompts, check_n
 
 __all__ = ["VLLMEngine", "AdapterWriter", "vllm_norm_names", "hf_norm_names", "resolve_norms",
@@ -172,7 +172,7 @@ class VLLMEngine(Engine):
                  max_lora_rank: int = 64, enable_sleep_mode: bool = True, max_model_len: int | None = None,
                  seed: int = 0, dtype: str = "bfloat16", logprobs_mode: str | None = "processed_logprobs",
                  stop_token_ids: Sequence[int] | None = None, add_special_tokens: bool = False,
-                 adapter_root: str | Path | None = None, name_map=None, **llm_kwargs):
+                 adapter_root: str | Path | None = None, name_map=None, ignore_eos: bool = False, **llm_kwargs):
         vllm = import_vllm()
         require_cuda()
         from vllm.lora.request import LoRARequest
@@ -183,6 +183,10 @@ class VLLMEngine(Engine):
         eos, pad = getattr(tokenizer, "eos_token_id", None), getattr(tokenizer, "pad_token_id", None)
         self.pad_token_id = int(pad if pad is not None else (eos if eos is not None else 0))
         self.stop_token_ids = list(stop_token_ids or [])
+        self.ignore_eos = ignore_eos  # benchmarks: every row runs to max_new_tokens (as StaticEngine's)
+        # ``skip_tokenizer_init=True``: vLLM starts without a tokenizer (a checkpoint without one, or a
+        # tokenizer vLLM cannot load); the completions are then decoded here with ``tokenizer``
+        self.decode_here = bool(llm_kwargs.get("skip_tokenizer_init", False))
         self.name_map = name_map or (lambda name: name)  # HF-side clean name -> vLLM module name
         self.enable_sleep_mode, self.asleep = enable_sleep_mode, False
         self.adapters = AdapterWriter(adapter_root)
@@ -332,10 +336,13 @@ class VLLMEngine(Engine):
         if self.asleep:
             raise RuntimeError("the vLLM engine is asleep; call wake_up() (or generate inside `with engine.sync(...)`"
                                " / `with engine.awake():`)")
+        extra = dict(ignore_eos=True) if self.ignore_eos else {}
+        if self.decode_here:
+            extra["detokenize"] = False
         params = self._vllm.SamplingParams(
             n=n, max_tokens=sampling.max_new_tokens, temperature=sampling.temperature, top_p=sampling.top_p,
             top_k=sampling.top_k or -1, seed=sampling.seed, logprobs=0, skip_special_tokens=True,
-            stop_token_ids=self.stop_token_ids or None)
+            stop_token_ids=self.stop_token_ids or None, **extra)
         outputs = self.llm.generate([{"prompt_token_ids": list(p)} for p in prompts.ids], params,
                                     lora_request=self.lora_request, use_tqdm=False)
         p_ids, c_ids, logprobs, stopped, texts = [], [], [], [], []
@@ -349,7 +356,10 @@ class VLLMEngine(Engine):
                 logprobs.append([float(lp[t].logprob) for lp, t in zip(c.logprobs, toks)])
                 stopped.append(c.finish_reason == "stop")
                 texts.append(c.text)
-        return Generation.from_lists(p_ids, c_ids, logprobs, stopped, self.pad_token_id), texts
+        gen = Generation.from_lists(p_ids, c_ids, logprobs, stopped, self.pad_token_id)
+        if self.decode_here:  # vLLM has no tokenizer: its texts are empty
+            texts = decode_completions(self.tokenizer, gen.completion_ids, gen.completion_mask, gen.stopped)
+        return gen, texts
 
     def generate_ids(self, prompts: Prompts | Sequence[Sequence[int]], n: int = 1,
                      sampling: SamplingParams | None = None) -> Generation:
