@@ -7,7 +7,7 @@
 #                                              #      groups of 8), LoRA expands separate vs fused (the A/B)
 #   bash bench/run_h200_rollout.sh live7b      # #25: 7B realistic lengths (live-row compaction)
 #   bash bench/run_h200_rollout.sh vllm FMT    # #25/#26: vLLM 0.26 (after .vllm/p3/install.sh's exports), FMT nvfp4|bf16|nf4
-#                                              #      (nf4: bitsandbytes from .vllm/bnb/*.whl, carried)
+#                                              #      (nf4: bitsandbytes from .vllm/uns/slim.tgz or .vllm/bnb/*.whl, carried)
 #   bash bench/run_h200_rollout.sh grpo FMT    # #26: one whole GRPO step on StaticEngine and on vLLM, FMT nvfp4|bf16
 set -uo pipefail
 part="${1:?part}"
@@ -70,7 +70,9 @@ live7b)
   ;;
 vllm)
   fmt="${2:?format}"
-  if [ "$fmt" = nf4 ]; then
+  if [ "$fmt" = nf4 ] && [ -f .vllm/uns/slim.tgz ]; then  # an unpacked install folder that holds bitsandbytes
+    tar -xzf .vllm/uns/slim.tgz -C /tmp && export PYTHONPATH="/tmp/slim:$PYTHONPATH"
+  elif [ "$fmt" = nf4 ]; then
     python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/bnb .vllm/bnb/*.whl && export PYTHONPATH="/tmp/bnb:$PYTHONPATH"
   fi
   timeout 330 python3 -m bench.bench_vllm_lengths --formats "$fmt" --budget 260 --out "$OUT/vllm" > "$OUT/vllm_${fmt}_log.txt" 2>&1
@@ -78,7 +80,7 @@ vllm)
   ;;
 grpo)
   fmt="${2:?format}"
-  timeout 320 python3 -m bench.bench_grpo_engines --formats "$fmt" --out "$OUT/grpo" > "$OUT/grpo_${fmt}_log.txt" 2>&1
+  timeout 330 python3 -m bench.bench_grpo_engines --formats "$fmt" --out "$OUT/grpo" > "$OUT/grpo_${fmt}_log.txt" 2>&1
   grep -E "step #|adapter|failed|Error" "$OUT/grpo_${fmt}_log.txt" | tail -20
   ;;
 *) echo "unknown part $part" >&2; exit 2 ;;
