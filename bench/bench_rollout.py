@@ -174,9 +174,6 @@ def random_prompts(batch: int, length: int, vocab: int, seed: int = 0) -> list[l
 # An engine variant's StaticEngine options: "-sdpa" is the attention path before the split-KV
 # kernel (every row holds its copy of the prompt's keys, scaled_dot_product_attention over them).
 OLD_ATTENTION = dict(shared_prefix=False, attention="sdpa")
-# "-lorafused": each LoRA expand done by the kernel that reads the projection's output
-# (StaticEngine(lora_fusion=True), opt-in until measured); the plain variants launch it separately.
-FUSED_LORA = dict(lora_fusion=True)
 
 
 def engine_run(model, prompts, new: int, repeats: int = 1, n: int = 1, **engine_kw) -> dict:
@@ -291,7 +288,7 @@ def part_rollout(args, device, results, bw):
         todo = lambda v, b: v in variants and (preset, v, b) not in done  # noqa: E731
         vocab = 512 if args.smoke else 152064
         # 1) the bf16 model: transformers and our engine, both with LoRA
-        if any(v in variants for v in ("hf-bf16", "engine-bf16", "engine-bf16-sdpa", "engine-bf16-lorafused", "hf-nf4")):
+        if any(v in variants for v in ("hf-bf16", "engine-bf16", "engine-bf16-sdpa", "hf-nf4")):
             if time.perf_counter() - T0 > args.budget:
                 log(f"budget spent: skip {preset} bf16")
             else:
@@ -308,8 +305,6 @@ def part_rollout(args, device, results, bw):
                         for variant, fn in (("engine-bf16", lambda: engine_run(peft, prompts, args.new, n=n)),
                                             ("engine-bf16-sdpa", lambda: engine_run(peft, prompts, args.new, n=n,
                                                                                     **OLD_ATTENTION)),
-                                            ("engine-bf16-lorafused", lambda: engine_run(peft, prompts, args.new, n=n,
-                                                                                     **FUSED_LORA)),
                                             ("hf-bf16", lambda: hf_run(peft, dense, args.new, args.hf_tokens))):
                             if todo(variant, batch):
                                 _case(rows, preset, variant, batch, fn, wb, peft, args, bw)
@@ -328,7 +323,7 @@ def part_rollout(args, device, results, bw):
                     log(f"{preset} bf16/nf4 failed: {err!r}\n{traceback.format_exc()}")
                 free()
         # 2) NVFP4 + LoRA on our engine, with and without AQN
-        if not any(v in variants for v in ("engine-nvfp4", "engine-nvfp4-sdpa", "engine-nvfp4-lorafused", "engine-nvfp4-ours",
+        if not any(v in variants for v in ("engine-nvfp4", "engine-nvfp4-sdpa", "engine-nvfp4-ours",
                                            "engine-nvfp4-aqn")):
             continue
         if time.perf_counter() - T0 > args.budget:
@@ -351,9 +346,6 @@ def part_rollout(args, device, results, bw):
                 if todo("engine-nvfp4-sdpa", batch):
                     _case(rows, preset, "engine-nvfp4-sdpa", batch,
                           lambda: engine_run(peft, prompts, args.new, n=n, **OLD_ATTENTION), wb, peft, args, bw)
-                if todo("engine-nvfp4-lorafused", batch):
-                    _case(rows, preset, "engine-nvfp4-lorafused", batch,
-                          lambda: engine_run(peft, prompts, args.new, n=n, **FUSED_LORA), wb, peft, args, bw)
                 if todo("engine-nvfp4-ours", batch):  # the routing table without humming-kernels
                     def run_ours():
                         from qerl_kit.kernels import set_backend

@@ -3,8 +3,7 @@
 # travel in three calls: DEVELOPERS.md). Each part writes under $OUT and prints a short tail.
 #   bash bench/run_h200_rollout.sh countdown   # #28: Countdown model calibration (3 configs at once; ~5 min)
 #   bash bench/run_h200_rollout.sh engine32b   # #25: 32B fixed lengths (1/8/64/256, groups of 8)
-#   bash bench/run_h200_rollout.sh engine7b    # #25: compiled LoRA-fusion tests, then 7B fixed lengths (1/8/64/256,
-#                                              #      groups of 8), LoRA expands separate vs fused (the A/B)
+#   bash bench/run_h200_rollout.sh engine7b    # #25: compiled engine-kernel tests, then 7B fixed lengths (1/8/64/256, groups of 8)
 #   bash bench/run_h200_rollout.sh live7b      # #25: 7B realistic lengths (live-row compaction)
 #   bash bench/run_h200_rollout.sh vllm FMT    # #25/#26: vLLM 0.26 (after .vllm/p3/install.sh's exports), FMT nvfp4|bf16|nf4
 #                                              #      (nf4: bitsandbytes from .vllm/uns/slim.tgz or .vllm/bnb/*.whl, carried)
@@ -48,17 +47,17 @@ PY
   tail -3 /tmp/cd/log_*.txt
   ;;
 engine32b)
-  timeout 330 python3 -m bench.bench_rollout --parts rollout --models Qwen2.5-32B --nvfp4-only --variants engine-bf16 engine-nvfp4 engine-nvfp4-lorafused \
+  timeout 330 python3 -m bench.bench_rollout --parts rollout --models Qwen2.5-32B --nvfp4-only --variants engine-bf16 engine-nvfp4 \
     --batches 1 8 64 256 --n 8 --budget 230 --out "$OUT/r32" > /tmp/r32_log.txt 2>&1
   cp /tmp/r32_log.txt "$OUT/r32/stdout_log.txt"
   grep -v Warning /tmp/r32_log.txt | tail -14
   ;;
 engine7b)
   # the fused kernels compiled (CPU CI runs them in Triton's interpreter only)
-  timeout 150 python3 -m pytest tests/test_lora_fused.py tests/test_engine_fused.py -q -x -p no:cacheprovider \
-    > "$OUT/gpu_tests_log.txt" 2>&1; echo "fused-kernel tests rc=$?"; tail -3 "$OUT/gpu_tests_log.txt"
+  timeout 150 python3 -m pytest tests/test_engine_fused.py -q -x -p no:cacheprovider \
+    > "$OUT/gpu_tests_log.txt" 2>&1; echo "engine-kernel tests rc=$?"; tail -3 "$OUT/gpu_tests_log.txt"
   timeout 360 python3 -m bench.bench_rollout --parts rollout --models Qwen2.5-7B --nvfp4-only \
-    --variants engine-bf16 engine-bf16-lorafused engine-nvfp4 engine-nvfp4-lorafused \
+    --variants engine-bf16 engine-nvfp4 \
     --batches 1 8 64 256 --n 8 --budget 300 --out "$OUT/r7" > /tmp/r7_log.txt 2>&1
   cp /tmp/r7_log.txt "$OUT/r7/stdout_log.txt"
   grep -v Warning /tmp/r7_log.txt | grep -E "ms/step|failed|Error" | tail -20

@@ -14,9 +14,7 @@ launches whatever the number of adapters in it:
   then ``y[:, q] += s * t[:, :r] @ B_q^T`` for every projection into the fused output, as two
   Triton launches per group (``qerl_kit.kernels.lora_triton``; the torch version was a
   concatenation, a matmul and one ``addmm`` per projection: five kernels for q/k/v). Captured
-  CUDA graphs therefore never go stale when the adapter trains. With ``lora_fusion=True`` (opt-in
-  until it is measured on a GPU) the second launch, the expand, is done by the kernel that reads
-  the group's output next (``qerl_kit.kernels.lora_fused``): 14 launches per layer instead of 18.
+  CUDA graphs therefore never go stale when the adapter trains.
 * Elementwise chains are ``qerl_kit.kernels.engine_fused`` kernels (residual add + RMSNorm, RoPE +
   cache write, SiLU x up); attention is ``qerl_kit.kernels.decode_attention`` (split-KV, the
   prompt's keys shared by its rows) with the grouped query heads laid out as
@@ -36,8 +34,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from qerl_kit.kernels.decode_attention import decode_attention
-from qerl_kit.kernels.lora_fused import add_rmsnorm, rope_to_cache, silu_mul  # engine_fused's, + lora=
-from qerl_kit.kernels.lora_triton import LoraDelta, kernels_take, lora_apply_, lora_shrink
+from qerl_kit.kernels.engine_fused import add_rmsnorm, rope_to_cache, silu_mul
+from qerl_kit.kernels.lora_triton import lora_apply_
 
 
 @dataclass
@@ -125,22 +123,16 @@ class _Group:
         owner.__dict__[key] = fused  # a plain attribute: not a buffer, not in any state dict
         return fused
 
-    def __call__(self, x: Tensor, defer: bool = False) -> tuple[Tensor, LoraDelta | None]:
-        """(y, None) with the LoRA added to y; ``defer``: (y without it, its pending expand) where the
-        grouped kernels take it, for the kernel that reads y next to add (``lora_fused``)."""
+    def __call__(self, x: Tensor) -> Tensor:
         if self.kind == "nvfp4":
             from qerl_kit import kernels
 
             y = kernels.nvfp4_linear(x, self.packed, self.scales, self.global_scale, self.bias)
         else:
             y = F.linear(x, self.weight, self.bias)
-        if not self.lora_idx:
-            return y, None
-        As, Bs, offsets, scales = self.lora_args
-        if defer and x.shape[0] and kernels_take(y, x, As, Bs):
-            return y, LoraDelta(lora_shrink(x, As), Bs, offsets, scales)
-        lora_apply_(y, x, *self.lora_args)
-        return y, None
+        if self.lora_idx:
+            lora_apply_(y, x, *self.lora_args)
+        return y
 
 
 def _eps(norm: nn.Module) -> float:
@@ -167,16 +159,10 @@ class _LayerPlan:
 
 
 class FusedPlan:
-    """Per-layer fused groups for a ``Decoder``; ``decode`` has the same contract as its own.
+    """Per-layer fused groups for a ``Decoder``; ``decode`` has the same contract as its own."""
 
-    ``lora_fusion``: each group's LoRA expand is done by the kernel that reads the group's output
-    (q/k/v: RoPE + cache write; o and down: the next residual add + RMSNorm; gate/up: SiLU x up),
-    4 launches fewer per layer; False launches it separately (``lora_apply_``), the A/B baseline.
-    Same results either way (``qerl_kit.kernels.lora_fused``); a graph captures the path set then."""
-
-    def __init__(self, decoder, lora_fusion: bool = False):
+    def __init__(self, decoder):
         self.dec = decoder
-        self.lora_fusion = lora_fusion
         self.layers = [_LayerPlan(layer, i) for i, layer in enumerate(decoder.layers)]
         self.final_eps = _eps(decoder.norm)
         # The fused NVFP4 weights' GEMM kernels compile now (humming-kernels: 13-15 s per new shape,
@@ -189,9 +175,9 @@ class FusedPlan:
                                    groups[0].packed.device)
 
     @classmethod
-    def build(cls, decoder, lora_fusion: bool = False) -> tuple["FusedPlan | None", str]:
+    def build(cls, decoder) -> tuple["FusedPlan | None", str]:
         try:
-            return cls(decoder, lora_fusion), "fused"
+            return cls(decoder), "fused"
         except (ValueError, AttributeError) as err:
             return None, f"generic decode path ({err})"
 
@@ -204,22 +190,20 @@ class FusedPlan:
         cos, sin = cos[:, 0], sin[:, 0]
         P = cache.prefix_len  # slot >= P: the rows' own cache columns start at P
         h = None
-        fuse = self.lora_fusion
-        pending, lora = x, None  # what the next add_rmsnorm adds to the residual stream (+ down's LoRA)
+        pending = x  # what the next add_rmsnorm adds to the residual stream
         for i, lp in enumerate(self.layers):
-            xn, h = add_rmsnorm(pending, h, dec.layers[i].input_layernorm.weight, lp.eps1, lora=lora)
-            qkv, lora = lp.qkv(xn, defer=fuse and lp.q_norm is None)  # q/k norms read q and k with LoRA
+            xn, h = add_rmsnorm(pending, h, dec.layers[i].input_layernorm.weight, lp.eps1)
+            qkv = lp.qkv(xn)
             q = qkv[:, :nq].view(R, H, D)
             k = qkv[:, nq:nq + nk].view(R, KVH, D)
             v = qkv[:, nq + nk:].view(R, KVH, D)
             if lp.q_norm is not None:
                 q, k = lp.q_norm(q), lp.k_norm(k)
-            q = rope_to_cache(q, k, v, cos, sin, cache.k[i], cache.v[i], slot, offset=P, lora=lora)
+            q = rope_to_cache(q, k, v, cos, sin, cache.k[i], cache.v[i], slot, offset=P)
             o = decode_attention(q.view(R, KVH, H // KVH, D), cache.k[i], cache.v[i], key_bias, length,
                                  dec.scaling, cache.prefix(i), impl=dec.attention)
-            o, lora = lp.o(o.reshape(R, nq), defer=fuse)
-            xn, h = add_rmsnorm(o, h, dec.layers[i].post_attention_layernorm.weight, lp.eps2, lora=lora)
-            gate_up, lora = lp.gate_up(xn, defer=fuse)
-            pending, lora = lp.down(silu_mul(gate_up, lora=lora), defer=fuse)
-        xn, _ = add_rmsnorm(pending, h, dec.norm.weight, self.final_eps, lora=lora)
+            o = lp.o(o.reshape(R, nq))
+            xn, h = add_rmsnorm(o, h, dec.layers[i].post_attention_layernorm.weight, lp.eps2)
+            pending = lp.down(silu_mul(lp.gate_up(xn)))
+        xn, _ = add_rmsnorm(pending, h, dec.norm.weight, self.final_eps)
         return dec.lm_head(xn).float()

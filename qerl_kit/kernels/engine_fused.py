@@ -13,9 +13,6 @@ replace the elementwise chains; the matmuls stay NVFP4 kernels / cuBLAS:
   ``slot - offset`` (``slot`` a device tensor); returns the rotated q, contiguous.
 * ``silu_mul(gate_up)``: ``silu(gate) * up`` for gate/up concatenated along the last dimension.
 
-``qerl_kit.kernels.lora_fused`` has the same three with a projection's pending low-rank expand
-added to their input first (the engine's fused step calls those).
-
 ``fused_available(x)`` says whether the Triton versions run for ``x`` (CUDA, or the CPU under
 ``TRITON_INTERPRET=1``); otherwise the references run, which is what the engine does on the CPU.
 Tests: tests/test_engine_fused.py (each kernel against its reference, and whole fused steps).
@@ -181,7 +178,6 @@ def rope_to_cache(q: Tensor, k: Tensor, v: Tensor, cos: Tensor, sin: Tensor, k_c
 
 
 def silu_mul(gate_up: Tensor, use_triton: bool | None = None) -> Tensor:
-    """silu(gate) * up of gate_up [R, 2N]."""
     if not (fused_available(gate_up) if use_triton is None else use_triton):
         return silu_mul_ref(gate_up)
     R, N2 = gate_up.shape

@@ -18,10 +18,10 @@ that torch path; ``lora_apply_`` falls back to it for what the kernels do not ta
 three adapters in a group, a rank over 128, mixed adapter dtypes, or no Triton).
 
 The two halves are separate calls too: ``lora_shrink(x, As) -> LoraPartials`` and
-``lora_expand_(y, LoraDelta(partials, Bs, offsets, scales))``; a ``LoraDelta`` can instead be
-handed to the kernel that reads y next, which adds it itself (``qerl_kit.kernels.lora_fused``).
-Tests: tests/test_engine_fused.py (the grouped-LoRA tests, against ``lora_apply_ref_``) and
-tests/test_lora_fused.py.
+``lora_expand_(y, LoraDelta(partials, Bs, offsets, scales))``. (Handing the ``LoraDelta`` to the
+kernel that reads y next instead, which adds it itself, was built and measured slower on the H200:
+lab/proto_lora_fused.py, lab/README.md.) Tests: tests/test_engine_fused.py (the grouped-LoRA
+tests, against ``lora_apply_ref_``).
 """
 
 from __future__ import annotations
@@ -181,8 +181,7 @@ class LoraPartials:
 @dataclass
 class LoraDelta:
     """A projection group's expand, not yet applied: ``y[:, offsets[i]:offsets[i] + B_i.shape[0]] +=
-    scales[i] * t_i @ B_i^T`` for the group's output y. ``lora_expand_`` applies it to y; the fused
-    consumers (``qerl_kit.kernels.lora_fused``) apply it while they read y, with the same roundings."""
+    scales[i] * t_i @ B_i^T`` for the group's output y. ``lora_expand_`` applies it to y."""
 
     part: LoraPartials
     Bs: list[Tensor]

@@ -119,10 +119,6 @@ class StaticEngine(ModelEngine):
     GPU, its reference on the CPU), ``triton``, ``torch`` or ``sdpa`` (PyTorch's
     ``scaled_dot_product_attention``, the kernel's A/B baseline); see
     ``qerl_kit.kernels.decode_attention``.
-    ``lora_fusion``: in the fused step, each projection group's LoRA expand is done by the kernel
-    that reads the group's output (4 launches fewer per layer). Off by default until it has been
-    measured on a GPU (tested on the CPU's Triton interpreter only); False launches each expand
-    separately. See ``qerl_kit.engine.fast.FusedPlan``.
     """
 
     def __init__(self, model: torch.nn.Module, tokenizer: Any = None, *, cuda_graphs: bool = True,
@@ -130,7 +126,7 @@ class StaticEngine(ModelEngine):
                  max_prefill_tokens: int = 16384, sync_every: int = 32,
                  stop_token_ids: Sequence[int] | None = None, add_special_tokens: bool = False,
                  ignore_eos: bool = False, keep_cache: bool = True, fused: bool = True, compact: bool = True,
-                 shared_prefix: bool = True, attention: str = "auto", lora_fusion: bool = False):
+                 shared_prefix: bool = True, attention: str = "auto"):
         for name, value in (("length_bucket", length_bucket), ("prompt_bucket", prompt_bucket),
                             ("max_prefill_tokens", max_prefill_tokens), ("sync_every", sync_every)):
             if not isinstance(value, int) or value < 1:
@@ -142,9 +138,6 @@ class StaticEngine(ModelEngine):
             raise ValueError("attention='sdpa' reads the plain cache layout: it needs shared_prefix=False")
         self.decoder = Decoder(model, fused=fused)
         self.decoder.set_attention(attention)
-        self.lora_fusion = lora_fusion
-        if self.decoder.plan is not None:
-            self.decoder.plan.lora_fusion = lora_fusion
         self.shared_prefix = shared_prefix
         self.cuda_graphs, self.max_rows = cuda_graphs, max_rows
         self.length_bucket, self.prompt_bucket = length_bucket, prompt_bucket
