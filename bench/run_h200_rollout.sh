@@ -8,6 +8,8 @@
 #   bash bench/run_h200_rollout.sh vllm FMT    # #25/#26: vLLM 0.26 (after .vllm/p3/install.sh's exports), FMT nvfp4|bf16|nf4
 #                                              #      (nf4: bitsandbytes from .vllm/uns/slim.tgz or .vllm/bnb/*.whl, carried)
 #   bash bench/run_h200_rollout.sh grpo FMT    # #26: one whole GRPO step on StaticEngine and on vLLM, FMT nvfp4|bf16
+#   bash bench/run_h200_rollout.sh unsloth     # #26: Unsloth's own GRPO rollout path (bench/probe_unsloth.py), after
+#                                              #      the vLLM exports; carry .vllm/uns (bench/make_unsloth_carry.sh)
 set -uo pipefail
 part="${1:?part}"
 OUT="${OUT:?set OUT}"
@@ -81,6 +83,11 @@ grpo)
   fmt="${2:?format}"
   timeout 330 python3 -m bench.bench_grpo_engines --formats "$fmt" --out "$OUT/grpo" > "$OUT/grpo_${fmt}_log.txt" 2>&1
   grep -E "step #|adapter|failed|Error" "$OUT/grpo_${fmt}_log.txt" | tail -20
+  ;;
+unsloth)
+  tar -xzf .vllm/uns/slim.tgz -C /tmp && export PYTHONPATH="/tmp/slim:$PYTHONPATH"
+  TMPDIR=/dev/shm timeout 420 python3 -m bench.probe_unsloth --out "$OUT/unsloth" --budget 330 > "$OUT/unsloth_log.txt" 2>&1
+  grep "^\[probe\]" "$OUT/unsloth_log.txt" | tail -20
   ;;
 *) echo "unknown part $part" >&2; exit 2 ;;
 esac
