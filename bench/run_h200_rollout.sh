@@ -2,6 +2,9 @@
 # Issue #25/#26/#28 device runs on one H200, in the order one vLLM hold takes them (the vLLM parts
 # travel in three calls: DEVELOPERS.md). Each part writes under $OUT and prints a short tail.
 #   bash bench/run_h200_rollout.sh countdown   # #28: Countdown model calibration (3 configs at once; ~5 min)
+#   bash bench/run_h200_rollout.sh cdgrid [MODEL] [LIMIT_S] [STEPS] [LR]  # #28: the grid on Countdown (7 configs x 5
+#                                              #      seeds; MODEL default: the one countdown chose in this hold);
+#                                              #      resumable: again in the hold, or carry .vllm/cdgrid/parts.tgz
 #   bash bench/run_h200_rollout.sh engine32b   # #25: 32B fixed lengths (1/8/64/256, groups of 8)
 #   bash bench/run_h200_rollout.sh engine7b    # #25: compiled engine-kernel tests, then 7B fixed lengths (1/8/64/256, groups of 8)
 #   bash bench/run_h200_rollout.sh live7b      # #25: 7B realistic lengths (live-row compaction)
@@ -43,10 +46,20 @@ def score(r):  # greedy (NVFP4) in 10-40% and the largest pass@8 - greedy gap; o
 if rep:
     best = max(rep, key=lambda k: score(rep[k]))
     print("chosen", best)
+    (pathlib.Path("/tmp/cd") / "chosen_path").write_text(f"/tmp/cd/{best}")  # for cdgrid, later in the hold
     subprocess.run(f"tar -C /tmp/cd -cf /tmp/cd/model.tar {best} && split -b 15m /tmp/cd/model.tar {out}/model.tar.part_", shell=True, check=True)
 PY
   tar -C /tmp/cd -czf "$OUT/cd/logs.tgz" $(cd /tmp/cd && ls log_*.txt)
   tail -3 /tmp/cd/log_*.txt
+  ;;
+cdgrid)
+  model="${2:-$(cat /tmp/cd/chosen_path 2>/dev/null)}"
+  [ -n "$model" ] || { echo "cdgrid: no model (run the countdown part first, or name one)" >&2; exit 2; }
+  [ -d /tmp/cdgrid ] || [ ! -f .vllm/cdgrid/parts.tgz ] || tar -xzf .vllm/cdgrid/parts.tgz -C /tmp  # earlier holds' runs
+  bash scripts/grid_parallel.sh /tmp/cdgrid full "${3:-480}" --device cuda --model "$model" --dataset countdown \
+    --steps "${4:-150}" --lr "${5:-2e-3}" > /tmp/cdgrid_log.txt 2>&1
+  echo "grid rc=$?"; tail -12 /tmp/cdgrid_log.txt
+  tar -C /tmp -czf "$OUT/cdgrid_parts.tgz" cdgrid
   ;;
 engine32b)
   timeout 330 python3 -m bench.bench_rollout --parts rollout --models Qwen2.5-32B --nvfp4-only --variants engine-bf16 engine-nvfp4 \

@@ -445,6 +445,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--seeds", nargs="+", type=int, help="default: the grid's")
     for opt in ("--steps", "--batch-size", "--group-size", "--eval-size"):
         p.add_argument(opt, type=int, help="default: the grid's budget")
+    p.add_argument("--lr", type=float, default=TINY_LR,
+                   help="the 4-bit configurations' learning rate (bf16 gets half, its control this one); "
+                        f"default {TINY_LR:g}, the tiny model's")
     p.add_argument("--device", default="auto", help="auto, cpu or cuda")
     p.add_argument("--model", default="tiny", help="tiny or a local Hugging Face directory")
     p.add_argument("--dataset", default="arith")
@@ -465,7 +468,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     try:
         _GridDir.inspect(args.out, allow_docs=args.allow_docs).check(*CLI_OUTPUTS)  # before any training
-        metrics, summary = run_grid(args.configs or names, args.seeds or budget.seeds, output_dir=args.out,
+        if not args.lr > 0:
+            raise ValueError(f"--lr must be > 0; got {args.lr}")
+        configs = resolve_configs(args.configs or names, base_lr=args.lr)
+        metrics, summary = run_grid(configs, args.seeds or budget.seeds, output_dir=args.out,
                                     device=args.device, model=args.model, dataset=args.dataset,
                                     allow_docs=args.allow_docs, **kw)
         grid = _GridDir.inspect(args.out, allow_docs=args.allow_docs)

@@ -363,3 +363,18 @@ def test_the_cli_gives_each_task_its_own_completion_budget():
     assert _task_budget("countdown") == 96  # the task's own (qerl_kit.tasks.registry)
     assert _task_budget("arith") == 64
     assert _task_budget("my_problems.jsonl") == 512
+
+
+def test_cli_lr_sets_the_grids_learning_rates(tmp_path, monkeypatch):
+    seen = {}
+
+    def fake_run_grid(configs, seeds, **kw):  # what the CLI hands the grid, without training
+        seen.update({c.name: c.lr for c in configs})
+        raise ValueError("stop here")
+
+    monkeypatch.setattr(ex, "run_grid", fake_run_grid)
+    with pytest.raises(SystemExit):
+        ex.main(["--grid", "smoke", "--lr", "4e-4", "--out", str(tmp_path / "g")])
+    assert seen == {"nvfp4-lora": 4e-4, "bf16-lora": 4e-4 * ex.BF16_LR_RATIO}
+    with pytest.raises(SystemExit):
+        ex.main(["--grid", "smoke", "--lr", "-1", "--out", str(tmp_path / "h")])
