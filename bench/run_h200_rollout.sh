@@ -8,7 +8,9 @@
 #   bash bench/run_h200_rollout.sh engine32b   # #25: 32B fixed lengths (1/8/64/256, groups of 8)
 #   bash bench/run_h200_rollout.sh engine7b    # #25: compiled engine-kernel tests, then 7B fixed lengths (1/8/64/256, groups of 8)
 #   bash bench/run_h200_rollout.sh live7b      # #25: 7B realistic lengths (live-row compaction)
-#   bash bench/run_h200_rollout.sh vllm FMT    # #25/#26: vLLM 0.26 (after .vllm/p3/install.sh's exports), FMT nvfp4|bf16|nf4
+#   bash bench/run_h200_rollout.sh vllm FMT [ARGS]  # #25/#26: vLLM 0.26 (after .vllm/p3/install.sh's exports), FMT
+#                                              #      nvfp4|bf16|nf4; ARGS go to bench_vllm_lengths (e.g. --fixed-batches
+#                                              #      with no value: the realistic-length runs only)
 #                                              #      (nf4: bitsandbytes from .vllm/uns/slim.tgz or .vllm/bnb/*.whl, carried)
 #   bash bench/run_h200_rollout.sh grpo FMT    # #26: one whole GRPO step on StaticEngine and on vLLM, FMT nvfp4|bf16
 #   bash bench/run_h200_rollout.sh unsloth     # #26: Unsloth's own GRPO rollout path (bench/probe_unsloth.py), after
@@ -61,8 +63,9 @@ cdgrid)
   echo "grid rc=$?"; tail -12 /tmp/cdgrid_log.txt
   tar -C /tmp -czf "$OUT/cdgrid_parts.tgz" cdgrid
   ;;
-engine32b)
-  timeout 330 python3 -m bench.bench_rollout --parts rollout --models Qwen2.5-32B --nvfp4-only --variants engine-bf16 engine-nvfp4 \
+engine32b)  # [VARIANTS]: default both; bf16 was measured on 2026-12-02 (same_day_h200_2026-12-02b.md)
+  read -r -a variants <<< "${2:-engine-bf16 engine-nvfp4}"
+  timeout 330 python3 -m bench.bench_rollout --parts rollout --models Qwen2.5-32B --nvfp4-only --variants "${variants[@]}" \
     --batches 1 8 64 256 --n 8 --budget 230 --out "$OUT/r32" > /tmp/r32_log.txt 2>&1
   cp /tmp/r32_log.txt "$OUT/r32/stdout_log.txt"
   grep -v Warning /tmp/r32_log.txt | tail -14
@@ -89,7 +92,7 @@ vllm)
   elif [ "$fmt" = nf4 ]; then
     python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/bnb .vllm/bnb/*.whl && export PYTHONPATH="/tmp/bnb:$PYTHONPATH"
   fi
-  timeout 330 python3 -m bench.bench_vllm_lengths --formats "$fmt" --budget 260 --out "$OUT/vllm" > "$OUT/vllm_${fmt}_log.txt" 2>&1
+  timeout 330 python3 -m bench.bench_vllm_lengths --formats "$fmt" --budget 260 --out "$OUT/vllm" "${@:3}" > "$OUT/vllm_${fmt}_log.txt" 2>&1
   grep -E "vLLM|Error|error" "$OUT/vllm_${fmt}_log.txt" | tail -20
   ;;
 grpo)
