@@ -60,6 +60,12 @@ def _cmd_train(args: argparse.Namespace) -> int:
     cfg = load_config(args.config) if args.config else preset(args.preset)
     if args.output_dir:
         cfg = cfg.replace(output_dir=args.output_dir)
+    if args.engine:  # the config's own rule says which names are allowed
+        try:
+            cfg = cfg.replace(rollout={"engine": args.engine})
+        except ValueError as err:
+            print(f"qerl train: --engine {args.engine}: {err}", file=sys.stderr)
+            return 2
     latest = None if args.fresh else ckpt.latest_checkpoint(cfg.output_dir)
     if main:  # the first line says which run this is
         if latest is not None:
@@ -162,6 +168,8 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--steps", type=int, default=None, help="steps to run now (default: to total_steps)")
     train.add_argument("--output-dir", help="where checkpoints and metrics.jsonl go (overrides the config; "
                                             "default: the config's output_dir, runs/train)")
+    train.add_argument("--engine", help="the rollout engine, overriding the config's rollout.engine: auto, static, "
+                                        "hf or vllm (vllm needs a CUDA GPU and `pip install 'qerl_kit[vllm]'`)")
     train.add_argument("--fresh", action="store_true",
                        help="start a new run instead of resuming; a run already in the output directory moves to "
                             "OUTPUT_DIR/previous-runs/ (nothing is deleted)")

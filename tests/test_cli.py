@@ -51,3 +51,16 @@ def test_train_and_eval_help(capsys):
             build_parser().parse_args([cmd, "--help"])
         out = capsys.readouterr().out
         assert all(flag in out for flag in flags), cmd
+
+
+def test_train_engine_flag_overrides_the_config_and_refuses_unknown_names(tmp_path, capsys):
+    out = tmp_path / "run"
+    cfg = tmp_path / "run.yaml"
+    cfg.write_text(f"preset: tiny-cpu\ntotal_steps: 3\nsave_every: 1\noutput_dir: {out}\n"
+                   "rollout: {batch_size: 8, group_size: 4, max_new_tokens: 16, engine: static}\n"
+                   "data: {eval_size: 8, train_size: 100}\naqn: {stages: 3}\n")
+    assert main(["train", "--config", str(cfg), "--engine", "nope", "--no-widgets"]) == 2
+    err = capsys.readouterr().err
+    assert "--engine nope" in err and "'vllm'" in err and not out.exists()  # nothing written
+    assert main(["train", "--config", str(cfg), "--engine", "hf", "--steps", "1", "--no-widgets"]) == 0
+    assert "engine: hf" in (out / "config.yaml").read_text()
