@@ -131,6 +131,9 @@ def test_the_model_script_trains_saves_and_calibrates_in_smoke_mode(tmp_path):
     report = json.loads((out / "train_report.json").read_text())
     assert report["steps"] == 6 and set(report["calibration"]) == {"greedy_dense", "greedy_nvfp4", "sampled_t1_nvfp4"}
     assert summary["params"] > 0
+    assert [c["step"] for c in report["curve"]] == [3, 6]
+    early = main(["--smoke", "--out", str(tmp_path / "early"), "--stop-at-acc", "0"])
+    assert early["steps"] == 3 and [c["step"] for c in early["curve"]] == [3]  # the first evaluation stops it
     with pytest.raises(FileExistsError, match="not empty"):
         main(["--smoke", "--out", str(out)])
 
