@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import tempfile
 import time
@@ -203,6 +204,7 @@ def main() -> None:
         del peft
         free()
     write()
+    shutil.rmtree(root, ignore_errors=True)  # the exports and run directories this bench made (GBs)
     log(f"wrote {out}")
 
 

@@ -20,6 +20,7 @@ import argparse
 import csv
 import json
 import os
+import shutil
 import tempfile
 import time
 from pathlib import Path
@@ -136,6 +137,7 @@ def main() -> None:
             rows.append(row)
         del llm
         writer.cleanup()
+        shutil.rmtree(path, ignore_errors=True)  # our own export (5-15 GB): the machine's disk is shared by the calls
         free()
     meta = dict(date=time.strftime("%Y-%m-%d"), device=torch.cuda.get_device_name(), torch=torch.__version__,
                 vllm=vllm.__version__, args=vars(args))
