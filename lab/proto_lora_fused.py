@@ -32,7 +32,7 @@ import torch
 from torch import Tensor
 
 from qerl_kit.kernels import engine_fused as ef
-from qerl_kit.kernels.lora_triton import FLOATS, HAS_TRITON, LoraDelta, lora_expand_
+from qerl_kit.kernels.lora_triton import FLOATS, HAS_TRITON, LoraDelta, _pad, lora_expand_
 
 if HAS_TRITON:
     import triton
@@ -202,6 +202,16 @@ if HAS_TRITON:
                  (act.to(tl.float32) * u.to(tl.float32)).to(g.dtype), mask=mask)
 
 
+def _kernel_args(lora: LoraDelta) -> tuple:
+    """(p, a_like, Bs, B row strides, widths, offsets, ranks, first columns of t, scales, M, RT),
+    the per-adapter values as tuples of MAX_ADAPTERS (padded), as the fused consumers take them."""
+    pad = lambda v, fill: tuple(_pad(v, fill))  # noqa: E731 - tuples: Triton's tuple arguments
+    part = lora.part
+    return (part.p, part.a_like, pad(lora.Bs, lora.Bs[0]), pad([b.stride(0) for b in lora.Bs], 0),
+            pad([b.shape[0] for b in lora.Bs], 0), pad(lora.offsets, 0), pad(part.ranks, 0),
+            pad(part.cols, 0), pad([float(s) for s in lora.scales], 0.0), part.p.shape[1], part.p.shape[2])
+
+
 def fused_takes(y_like: Tensor, lora: LoraDelta, rows: int) -> bool:
     """Whether a fused consumer can add ``lora`` to its input (of y_like's dtype and device, ``rows`` rows)."""
     floats = FLOATS
@@ -232,7 +242,7 @@ def add_rmsnorm_lora(x: Tensor, residual: Tensor | None, weight: Tensor, eps: fl
         block = triton.next_power_of_2(N)
         rc = min(16, max(2, 16384 // block))  # B tiles [block, rc]: 64 values a thread at 8 warps
         _add_rmsnorm_lora_kernel[(R,)](x, r, weight, out, h, N, x.stride(0), r.stride(0), out.stride(0), h.stride(0),
-                                       eps, *lora.kernel_args(), HAS_RES=residual is not None, N_AD=len(lora.Bs),
+                                       eps, *_kernel_args(lora), HAS_RES=residual is not None, N_AD=len(lora.Bs),
                                        SPLITS=lora.part.splits, BLOCK_R=lora.block_r, RC=rc, BLOCK=block, num_warps=8)
     return out, h
 
@@ -255,7 +265,7 @@ def rope_to_cache_lora(q: Tensor, k: Tensor, v: Tensor, cos: Tensor, sin: Tensor
         _rope_lora_kernel[(triton.cdiv(R, block_m), H + kvh)](
             q, k, v, cos, sin, q_out, k_cache, v_cache, slot, R, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
             v.stride(0), v.stride(1), cos.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-            H, kvh, offset, *lora.kernel_args(), **_meta(lora, q.dtype), D=D, BLOCK_M=block_m, num_warps=4,
+            H, kvh, offset, *_kernel_args(lora), **_meta(lora, q.dtype), D=D, BLOCK_M=block_m, num_warps=4,
             enable_fp_fusion=False)  # the rotation's roundings, as rope_to_cache
     return q_out
 
@@ -270,7 +280,7 @@ def silu_mul_lora(gate_up: Tensor, lora: LoraDelta, use_triton: bool | None = No
     if R:
         block_m, block_n = 16, 64
         _silu_mul_lora_kernel[(triton.cdiv(N, block_n), triton.cdiv(R, block_m))](
-            gate_up, out, R, N, gate_up.stride(0), out.stride(0), *lora.kernel_args(), **_meta(lora, gate_up.dtype),
+            gate_up, out, R, N, gate_up.stride(0), out.stride(0), *_kernel_args(lora), **_meta(lora, gate_up.dtype),
             BLOCK_M=block_m, BLOCK_N=block_n, num_warps=4)
     return out
 

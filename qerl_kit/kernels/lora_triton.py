@@ -192,15 +192,6 @@ class LoraDelta:
     def block_r(self) -> int:
         return max(16, triton.next_power_of_2(max(self.part.ranks)))
 
-    def kernel_args(self) -> tuple:
-        """(p, a_like, Bs, B row strides, widths, offsets, ranks, first columns of t, scales, M, RT),
-        the per-adapter values as tuples of MAX_ADAPTERS (padded), as the fused consumers take them."""
-        pad = lambda v, fill: tuple(_pad(v, fill))  # noqa: E731 - tuples: Triton's tuple arguments
-        part = self.part
-        return (part.p, part.a_like, pad(self.Bs, self.Bs[0]), pad([b.stride(0) for b in self.Bs], 0),
-                pad([b.shape[0] for b in self.Bs], 0), pad(self.offsets, 0), pad(part.ranks, 0),
-                pad(part.cols, 0), pad([float(s) for s in self.scales], 0.0), part.p.shape[1], part.p.shape[2])
-
 
 def lora_shrink(x: Tensor, As: list[Tensor]) -> LoraPartials:
     """The shrink launch of ``lora_apply_`` alone (for what ``kernels_take`` takes)."""
