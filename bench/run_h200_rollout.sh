@@ -5,7 +5,7 @@
 #   bash bench/run_h200_rollout.sh cdgrid [MODEL] [LIMIT_S] [STEPS] [LR]  # #28: the grid on Countdown (7 configs x 5
 #                                              #      seeds; MODEL default: the one countdown chose in this hold);
 #                                              #      resumable: again in the hold, or carry .vllm/cdgrid/parts.tgz
-#   bash bench/run_h200_rollout.sh engine32b   # #25: 32B fixed lengths (1/8/64/256, groups of 8)
+#   bash bench/run_h200_rollout.sh engine32b ["VARIANTS"]  # #25: 32B fixed lengths (1/8/64/256, groups of 8); e.g. "engine-nvfp4"
 #   bash bench/run_h200_rollout.sh engine7b    # #25: compiled engine-kernel tests, then 7B fixed lengths (1/8/64/256, groups of 8)
 #   bash bench/run_h200_rollout.sh live7b      # #25: 7B realistic lengths (live-row compaction)
 #   bash bench/run_h200_rollout.sh vllm FMT [ARGS]  # #25/#26: vLLM 0.26 (after .vllm/p3/install.sh's exports), FMT
