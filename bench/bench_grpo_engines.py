@@ -30,6 +30,7 @@ from pathlib import Path
 
 import torch
 
+from bench.bench_ddp import IdTokenizer  # prompts are whitespace-separated token ids
 from bench.bench_rollout import T0, build, free, log, random_prompts, with_lora
 from bench.bench_rollout import sync as sync_device
 from qerl_kit.rollout import SamplingParams, StaticEngine
@@ -48,8 +49,6 @@ def random_reward(seed: int = 0):
 def step_trainer(peft, engine, args, out_dir: Path, *, checkpointing: bool = False, aqn: bool = False, vocab: int):
     """A Trainer for one GRPO step per call on random-id prompts: 8 prompts x group 8, prompt
     ``args.prompt``, ``args.new`` new tokens (the engine runs every row to the end: ``ignore_eos``)."""
-    from bench.bench_ddp import IdTokenizer  # prompts are whitespace-separated token ids
-
     from qerl_kit.config import preset as cfg_preset
     from qerl_kit.tasks import Task
     from qerl_kit.trainer import Trainer
@@ -86,8 +85,6 @@ def run_steps(trainer, steps: int, label: str) -> tuple[dict, float]:
 
 def part_step(args, device, results):
     """One GRPO step (8 prompts x group 8, prompt 256, 512 new tokens at fixed length), StaticEngine."""
-    from bench.bench_ddp import IdTokenizer
-
     rows = results.setdefault("step", [])
     vocab = 512 if args.smoke else 152064
     for spec in args.step_cases:
@@ -101,9 +98,10 @@ def part_step(args, device, results):
             engine = StaticEngine(peft, IdTokenizer(), ignore_eos=True, keep_cache=not ckpt)
             trainer = step_trainer(peft, engine, args, Path(args.out) / "step_run", checkpointing=ckpt,
                                    aqn=fmt == "nvfp4", vocab=vocab)
-            m, peak = run_steps(trainer, 1 if ckpt else 2, f"step {spec}")  # big models: one (its peak has capture)
+            steps = 1 if ckpt else 2  # big models: one step (its peak includes graph capture)
+            m, peak = run_steps(trainer, steps, f"step {spec}")
             rows.append(dict(model=preset, format=fmt, checkpointing=ckpt, keep_cache=engine.keep_cache,
-                             steps_timed=1, step_index=1 - ckpt, peak_gib=peak, micro_batch=args.micro_batch,
+                             steps_timed=1, step_index=steps - 1, peak_gib=peak, micro_batch=args.micro_batch,
                              **step_row(m)))
             del trainer, engine, peft
         except Exception as err:  # noqa: BLE001
@@ -132,7 +130,6 @@ def adapter_load_seconds(engine, peft, prompt: list[int], repeats: int = 3) -> d
 
 
 def vllm_engine(peft, fmt: str, args, root: Path):
-    from bench.bench_ddp import IdTokenizer
     from bench.bench_vllm_lengths import export
     from qerl_kit.rollout.vllm import VLLMEngine
 
@@ -178,8 +175,6 @@ def main() -> None:
             row = dict(model=args.model, format=fmt, engine=name, prompt=args.prompt, new=args.new, group=8, batch=64)
             try:
                 if name == "static":
-                    from bench.bench_ddp import IdTokenizer
-
                     engine = StaticEngine(peft, IdTokenizer(), ignore_eos=True)
                 else:
                     import vllm
