@@ -445,9 +445,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--seeds", nargs="+", type=int, help="default: the grid's")
     for opt in ("--steps", "--batch-size", "--group-size", "--eval-size"):
         p.add_argument(opt, type=int, help="default: the grid's budget")
-    p.add_argument("--lr", type=float, default=TINY_LR,
+    p.add_argument("--lr", type=float, default=None,
                    help="the 4-bit configurations' learning rate (bf16 gets half, its control this one); "
-                        f"default {TINY_LR:g}, the tiny model's")
+                        f"default {TINY_LR:g} for the tiny model, the paper's {PAPER_LR:g} for any other")
     p.add_argument("--device", default="auto", help="auto, cpu or cuda")
     p.add_argument("--model", default="tiny", help="tiny or a local Hugging Face directory")
     p.add_argument("--dataset", default="arith")
@@ -468,9 +468,11 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     try:
         _GridDir.inspect(args.out, allow_docs=args.allow_docs).check(*CLI_OUTPUTS)  # before any training
-        if not args.lr > 0:
-            raise ValueError(f"--lr must be > 0; got {args.lr}")
-        configs = resolve_configs(args.configs or names, base_lr=args.lr)
+        configs = args.configs or names  # names: run_grid picks the learning rate by model
+        if args.lr is not None:
+            if not args.lr > 0:
+                raise ValueError(f"--lr must be > 0; got {args.lr}")
+            configs = resolve_configs(configs, base_lr=args.lr)
         metrics, summary = run_grid(configs, args.seeds or budget.seeds, output_dir=args.out,
                                     device=args.device, model=args.model, dataset=args.dataset,
                                     allow_docs=args.allow_docs, **kw)

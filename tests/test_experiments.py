@@ -369,12 +369,16 @@ def test_cli_lr_sets_the_grids_learning_rates(tmp_path, monkeypatch):
     seen = {}
 
     def fake_run_grid(configs, seeds, **kw):  # what the CLI hands the grid, without training
-        seen.update({c.name: c.lr for c in configs})
+        seen.clear()
+        seen.update({c.name: c.lr for c in ex.resolve_configs(configs, ex.PAPER_LR)})
         raise ValueError("stop here")
 
     monkeypatch.setattr(ex, "run_grid", fake_run_grid)
     with pytest.raises(SystemExit):
         ex.main(["--grid", "smoke", "--lr", "4e-4", "--out", str(tmp_path / "g")])
     assert seen == {"nvfp4-lora": 4e-4, "bf16-lora": 4e-4 * ex.BF16_LR_RATIO}
+    with pytest.raises(SystemExit):  # no --lr: names, so run_grid keeps its rule (a local model: the paper's lr)
+        ex.main(["--grid", "smoke", "--model", "some/dir", "--out", str(tmp_path / "p")])
+    assert seen == {"nvfp4-lora": ex.PAPER_LR, "bf16-lora": ex.PAPER_LR * ex.BF16_LR_RATIO}
     with pytest.raises(SystemExit):
         ex.main(["--grid", "smoke", "--lr", "-1", "--out", str(tmp_path / "h")])
