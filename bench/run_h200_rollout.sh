@@ -60,7 +60,7 @@ cdgrid)
   [ -n "$model" ] || { echo "cdgrid: no model (run the countdown part first, or name one)" >&2; exit 2; }
   [ -d /tmp/cdgrid ] || [ ! -f .vllm/cdgrid/parts.tgz ] || tar -xzf .vllm/cdgrid/parts.tgz -C /tmp  # earlier holds' runs
   bash scripts/grid_parallel.sh /tmp/cdgrid full "${3:-480}" --device cuda --model "$model" --dataset countdown \
-    --steps "${4:-150}" --lr "${5:-2e-3}" > /tmp/cdgrid_log.txt 2>&1
+    --steps "${4:-150}" --lr "${5:-2e-3}" --eval-every 25 > /tmp/cdgrid_log.txt 2>&1
   echo "grid rc=$?"; tail -12 /tmp/cdgrid_log.txt
   tar -C /tmp -czf "$OUT/cdgrid_parts.tgz" cdgrid
   ;;

@@ -50,7 +50,7 @@ TINY_LR = PRESETS["tiny-cpu"]["optim"]["lr"]  # 2e-3: the tiny task's 4-bit lr; 
 FORMATS = ("none", "nf4", "mxfp4", "nvfp4")
 METRIC_COLUMNS = ("reward", "accuracy", "entropy", "rollout_nll", "reward_std", "frac_reward_zero_std",
                   "completions/mean_length", "clip_ratio/region_mean", "aqn/sigma", "lr", "grad_norm",
-                  "update/skipped", "time/step")
+                  "update/skipped", "time/step", "eval/accuracy")
 
 
 @dataclass(frozen=True)
@@ -107,6 +107,7 @@ class Budget:
     eval_size: int  # held-out problems, greedy
     seeds: tuple[int, ...]
     max_new_tokens: int = 64
+    eval_every: int = 0  # held-out greedy accuracy every this many steps too (0: at the start and end only)
 
 
 # name -> (configuration names, budget). "reduced" fits a 2-core CPU (seven configs x 3 seeds in
@@ -185,8 +186,9 @@ class _RecordingEngine:
 
 
 def run_one(gc: GridConfig, seed: int, cfg, data, device: torch.device, base_cache: dict,
-            progress: str = "none") -> tuple[list[dict], dict]:
-    """Train one (config, seed); returns (per-step rows, summary). ``data`` = the Task (make_task(cfg.data))."""
+            progress: str = "none", eval_every: int = 0) -> tuple[list[dict], dict]:
+    """Train one (config, seed); returns (per-step rows, summary). ``data`` = the Task (make_task(cfg.data)).
+    ``eval_every`` > 0 also records held-out greedy accuracy every that many steps (``eval/accuracy``)."""
     from qerl_kit.build import build_policy
     from qerl_kit.rollout import make_engine
     from qerl_kit.trainer import Trainer
@@ -208,10 +210,13 @@ def run_one(gc: GridConfig, seed: int, cfg, data, device: torch.device, base_cac
 
     def record(row: dict) -> None:  # the row is the dict kept in trainer.history
         row["rollout_nll"] = sum(engine.nll) / len(engine.nll) if engine.nll else float("nan")
-        engine.nll.clear()
+        if eval_every and row["step"] % eval_every == 0:  # greedy, seeded: the training RNG is untouched
+            row["eval/accuracy"] = trainer.evaluate(batch_size=64).accuracy
+        engine.nll.clear()  # after the evaluation too: its greedy tokens are not the rollout's
 
     trainer.train(callback=record)
-    final = trainer.evaluate(batch_size=64).accuracy
+    last_row = trainer.history[-1] if trainer.history else {}
+    final = last_row["eval/accuracy"] if "eval/accuracy" in last_row else trainer.evaluate(batch_size=64).accuracy
     wall = time.perf_counter() - start
     rows = [{"config": gc.name, "label": gc.label, "seed": seed, "step": int(r["step"]),
              **{m: float(r.get(m, 0.0 if m == "aqn/sigma" else math.nan)) for m in METRIC_COLUMNS}}
@@ -219,7 +224,8 @@ def run_one(gc: GridConfig, seed: int, cfg, data, device: torch.device, base_cac
     last = rows[-min(5, len(rows)):]
     summary = {"config": gc.name, "label": gc.label, "seed": seed, "format": gc.format, "aqn": gc.aqn, "lr": gc.lr,
                "steps": cfg.total_steps, "batch_size": cfg.rollout.batch_size, "group_size": cfg.rollout.group_size,
-               "eval_size": len(heldout), "max_new_tokens": cfg.rollout.max_new_tokens, "model": cfg.model.name,
+               "eval_size": len(heldout), "max_new_tokens": cfg.rollout.max_new_tokens, "eval_every": eval_every,
+               "model": cfg.model.name,
                "dataset": cfg.data.dataset, "base_accuracy": base_cache[key], "final_accuracy": final,
                "initial_entropy": rows[0]["entropy"], "mean_entropy": _mean(r["entropy"] for r in rows),
                "initial_rollout_nll": rows[0]["rollout_nll"], "mean_rollout_nll": _mean(r["rollout_nll"] for r in rows),
@@ -244,7 +250,7 @@ def run_grid(configs: Sequence[GridConfig | str], seeds: Sequence[int], *, steps
              group_size: int = 8, eval_size: int = 200, max_new_tokens: int = 64,
              output_dir: str | os.PathLike = "runs/experiments", device: str = "auto", model: str = "tiny",
              dataset: str = "arith", progress: str = "none", log: Callable[[str], None] = print,
-             allow_docs: bool = False):
+             allow_docs: bool = False, eval_every: int = 0):
     """Train every (config, seed); returns ``(metrics, summary)`` DataFrames, also written as
     ``output_dir/metrics.csv`` and ``output_dir/summary.csv``.
 
@@ -263,7 +269,10 @@ def run_grid(configs: Sequence[GridConfig | str], seeds: Sequence[int], *, steps
 
     base_lr = TINY_LR if model == "tiny" else PAPER_LR
     configs, seeds, dev = resolve_configs(configs, base_lr), _check_seeds(seeds), _device(device)
-    budget = Budget(steps, batch_size, group_size, eval_size, tuple(seeds), max_new_tokens)
+    if not isinstance(eval_every, int) or eval_every < 0:
+        raise ValueError(f"eval_every must be an int >= 0 (0: held-out accuracy at the start and end only); "
+                         f"got {eval_every!r}")
+    budget = Budget(steps, batch_size, group_size, eval_size, tuple(seeds), max_new_tokens, eval_every)
     out = Path(output_dir)
     runs = out / "runs"
     plan = [(gc, s, train_config(gc, s, budget, model=model, dataset=dataset,  # validates all before training
@@ -283,7 +292,8 @@ def run_grid(configs: Sequence[GridConfig | str], seeds: Sequence[int], *, steps
             summary = pd.read_csv(done).iloc[0].to_dict()
             want = dict(format=gc.format, aqn=gc.aqn, lr=gc.lr, steps=steps, batch_size=batch_size,
                         group_size=group_size, eval_size=eval_size, max_new_tokens=max_new_tokens, model=model,
-                        dataset=dataset)
+                        dataset=dataset, eval_every=eval_every)
+            summary.setdefault("eval_every", 0)  # runs recorded before eval_every existed evaluated start and end only
             diff = {k: (summary.get(k), v) for k, v in want.items() if not _same(summary.get(k), v)}
             if diff:
                 raise ValueError(f"{done} was recorded with other settings (recorded, asked): {diff}; "
@@ -297,7 +307,7 @@ def run_grid(configs: Sequence[GridConfig | str], seeds: Sequence[int], *, steps
         work = Path(cfg.output_dir)  # runs/.work/<run>: the trainer's scratch directory, the grid's own
         shutil.rmtree(work, ignore_errors=True)  # a crashed run's partial metrics.jsonl
         log(f"[{i}/{len(plan)}] {gc.name} seed {seed}: training {steps} steps ({gc.label}, lr {gc.lr:g}) ...")
-        rows, summary = run_one(gc, seed, cfg, data, dev, base_cache, progress=progress)
+        rows, summary = run_one(gc, seed, cfg, data, dev, base_cache, progress=progress, eval_every=eval_every)
         shutil.rmtree(work, ignore_errors=True)
         frame = pd.DataFrame(rows)
         frame.to_csv(grid.claim(f"runs/{stem.name}_metrics.csv"), index=False)
@@ -443,7 +453,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                    help="configurations and budget: reduced (CPU), full (GPU), smoke")
     p.add_argument("--configs", nargs="+", help="a subset of the grid's configurations, by name")
     p.add_argument("--seeds", nargs="+", type=int, help="default: the grid's")
-    for opt in ("--steps", "--batch-size", "--group-size", "--eval-size"):
+    for opt in ("--steps", "--batch-size", "--group-size", "--eval-size", "--eval-every"):
         p.add_argument(opt, type=int, help="default: the grid's budget")
     p.add_argument("--lr", type=float, default=None,
                    help="the 4-bit configurations' learning rate (bf16 gets half, its control this one); "
@@ -462,7 +472,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if dev.type == "cpu":  # one thread: the tiny model gains nothing from more, and they fight (demo.py)
         torch.set_num_threads(int(os.environ.get("QERL_THREADS", "1")))
     kw = {k: getattr(budget, k) if getattr(args, k) is None else getattr(args, k)
-          for k in ("steps", "batch_size", "group_size", "eval_size")}
+          for k in ("steps", "batch_size", "group_size", "eval_size", "eval_every")}
     kw["max_new_tokens"] = budget.max_new_tokens if args.dataset == "arith" else _task_budget(args.dataset)
     from qerl_kit.export import RefusedToOverwrite
 

@@ -155,6 +155,25 @@ def test_resume_skips_finished_runs_and_trains_only_new_ones(tiny_grid, monkeypa
         ex.run_grid(["nvfp4-lora"], [0], output_dir=out, log=lambda s: None, **{**TINY, "steps": 3})
 
 
+def test_eval_every_records_held_out_accuracy_without_touching_training(tiny_grid, tmp_path):
+    _, metrics, _ = tiny_grid
+    m, summary = ex.run_grid(["nvfp4-lora"], [0], output_dir=tmp_path, device="cpu", log=lambda s: None,
+                             eval_every=1, **TINY)
+    acc = m["eval/accuracy"]
+    assert acc.notna().all() and acc.between(0, 1).all()
+    assert summary["final_accuracy"].item() == acc.iloc[-1] and summary["eval_every"].item() == 1
+    # the evaluations are greedy and seeded: the same training as the run without them, step by step,
+    # and their tokens are not counted in the rollout NLL
+    same = metrics[metrics.config == "nvfp4-lora"].reset_index(drop=True)
+    assert same["eval/accuracy"].isna().all()
+    for col in ("reward", "entropy", "rollout_nll", "grad_norm"):
+        assert m[col].tolist() == pytest.approx(same[col].tolist(), rel=1e-6), col
+    with pytest.raises(ValueError, match=r"other settings.*'eval_every': \(1, 2\)"):
+        ex.run_grid(["nvfp4-lora"], [0], output_dir=tmp_path, log=lambda s: None, eval_every=2, **TINY)
+    with pytest.raises(ValueError, match="eval_every must be an int >= 0"):
+        ex.run_grid(["nvfp4-lora"], [0], output_dir=tmp_path / "x", log=lambda s: None, eval_every=-1, **TINY)
+
+
 def test_views_table_and_plots(tiny_grid):
     import matplotlib.figure
 
@@ -215,15 +234,15 @@ def test_parallel_script_trains_one_process_per_config_then_merges(tmp_path):
 # ---- never destroy a user's files ---------------------------------------------------------------
 def _fake_run_one(trained):
     """A stand-in for ``run_one`` that trains nothing: (rows, summary) shaped like the real ones."""
-    def fake(gc, seed, cfg, data, device, base_cache, progress="none"):
+    def fake(gc, seed, cfg, data, device, base_cache, progress="none", eval_every=0):
         trained.append((gc.name, seed))
         rows = [{"config": gc.name, "label": gc.label, "seed": seed, "step": s,
                  **{m: 0.5 if m != "aqn/sigma" else 0.0 for m in ex.METRIC_COLUMNS}} for s in (1, 2)]
         summary = {"config": gc.name, "label": gc.label, "seed": seed, "format": gc.format, "aqn": gc.aqn,
                    "lr": gc.lr, "steps": cfg.total_steps, "batch_size": cfg.rollout.batch_size,
                    "group_size": cfg.rollout.group_size, "eval_size": cfg.data.eval_size,
-                   "max_new_tokens": cfg.rollout.max_new_tokens, "model": cfg.model.name,
-                   "dataset": cfg.data.dataset, "base_accuracy": 0.25, "final_accuracy": 0.5,
+                   "max_new_tokens": cfg.rollout.max_new_tokens, "eval_every": eval_every,
+                   "model": cfg.model.name, "dataset": cfg.data.dataset, "base_accuracy": 0.25, "final_accuracy": 0.5,
                    "initial_entropy": 0.5, "mean_entropy": 0.5, "initial_rollout_nll": 0.5,
                    "mean_rollout_nll": 0.5, "initial_reward": 0.5, "mean_reward": 0.5, "final_reward": 0.5,
                    "wall_seconds": 1.0, "seconds_per_step": 0.5, "device": "cpu", "threads": 1, "torch": "x"}
