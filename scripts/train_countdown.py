@@ -70,6 +70,9 @@ def parse_args(argv=None):
     p.add_argument("--time-budget", type=float, default=None,
                    help="seconds of training (after the pool is built) after which it stops early; the cosine "
                         "schedule still spans --steps")
+    p.add_argument("--stop-at-step", type=int, default=None,
+                   help="stop after this step (evaluating there), the cosine schedule still spanning --steps: "
+                        "replays a run that a --time-budget stopped (its train_report.json names the step)")
     p.add_argument("--stop-at-acc", type=float, default=None,
                    help="stop at the first evaluation whose held-out greedy accuracy reaches this (e.g. 0.3: "
                         "the calibration band is 10-40%%, and more training only overshoots it)")
@@ -82,6 +85,8 @@ def parse_args(argv=None):
         args.eval_every, args.eval_n, args.final_eval_n, args.samples, args.max_new_tokens = 3, 3, 3, 2, 6
     if not 0.0 <= args.miss <= 1.0:
         p.error(f"--miss must be in [0, 1]; got {args.miss}")
+    if args.stop_at_step is not None and not 1 <= args.stop_at_step <= args.steps:
+        p.error(f"--stop-at-step must be in [1, --steps={args.steps}]; got {args.stop_at_step}")
     if args.stop_at_acc is not None and not 0.0 <= args.stop_at_acc <= 1.0:
         p.error(f"--stop-at-acc must be in [0, 1]; got {args.stop_at_acc}")
     return args
@@ -169,6 +174,7 @@ def main(argv=None) -> dict:
         opt.step()
         opt.zero_grad(set_to_none=True)
         out_of_time = args.time_budget is not None and time.perf_counter() - t_train > args.time_budget
+        out_of_time = out_of_time or step == args.stop_at_step
         reached = False
         if step % args.eval_every == 0 or step == args.steps or out_of_time:
             model.eval()
@@ -184,7 +190,8 @@ def main(argv=None) -> dict:
             break
         if out_of_time:
             stopped_at = step
-            print(f"time budget of {args.time_budget:.0f} s spent: stopped at step {step} of {args.steps}", flush=True)
+            why = f"--stop-at-step {step}" if step == args.stop_at_step else f"time budget of {args.time_budget:.0f} s spent"
+            print(f"{why}: stopped at step {step} of {args.steps}", flush=True)
             break
     model = model.to(torch.bfloat16).eval()
     model.generation_config = GenerationConfig(eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,

@@ -134,6 +134,11 @@ def test_the_model_script_trains_saves_and_calibrates_in_smoke_mode(tmp_path):
     assert [c["step"] for c in report["curve"]] == [3, 6]
     early = main(["--smoke", "--out", str(tmp_path / "early"), "--stop-at-acc", "0"])
     assert early["steps"] == 3 and [c["step"] for c in early["curve"]] == [3]  # the first evaluation stops it
+    replay = main(["--smoke", "--out", str(tmp_path / "replay"), "--stop-at-step", "4"])
+    assert replay["steps"] == 4 and [c["step"] for c in json.loads(
+        (tmp_path / "replay" / "train_report.json").read_text())["curve"]] == [3, 4]
+    with pytest.raises(SystemExit):
+        main(["--smoke", "--out", str(tmp_path / "bad"), "--stop-at-step", "7"])  # past --steps (6)
     with pytest.raises(FileExistsError, match="not empty"):
         main(["--smoke", "--out", str(out)])
 
