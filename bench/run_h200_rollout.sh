@@ -5,6 +5,9 @@
 #   bash bench/run_h200_rollout.sh cdgrid [MODEL] [LIMIT_S] [STEPS] [LR]  # #28: the grid on Countdown (7 configs x 5
 #                                              #      seeds; MODEL default: the one countdown chose in this hold);
 #                                              #      resumable: again in the hold, or carry .vllm/cdgrid/parts.tgz
+#   bash bench/run_h200_rollout.sh cdsweep [LIMIT_S] [STEPS] ["LRS"]  # #28: lr sweep on Countdown, bf16 and NVFP4 at
+#                                              #      the same lr (default 2.5e-4 5e-4 1e-3), seeds 0 1, one process
+#                                              #      per (lr, format); MODEL as for cdgrid
 #   bash bench/run_h200_rollout.sh engine32b ["VARIANTS"]  # #25: 32B fixed lengths (1/8/64/256, groups of 8); e.g. "engine-nvfp4"
 #   bash bench/run_h200_rollout.sh engine7b    # #25: compiled engine-kernel tests, then 7B fixed lengths (1/8/64/256, groups of 8)
 #   bash bench/run_h200_rollout.sh live7b      # #25: 7B realistic lengths (live-row compaction)
@@ -21,6 +24,13 @@ OUT="${OUT:?set OUT}"
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/h19 .whl/h19/*.whl .whl/common/*.whl 2>/dev/null
 export PYTHONPATH="/tmp/h19:${PYTHONPATH:-}:$PWD" HUMMING_CACHE_DIR=/tmp/hc HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.used,memory.total,clocks.sm --format=csv,noheader
+cd_model() {  # the Countdown model: this hold's countdown part, else the one carried in .vllm/cd (model.tar.part_*)
+  if [ -f /tmp/cd/chosen_path ]; then cat /tmp/cd/chosen_path; return; fi
+  if ls .vllm/cd/model.tar.part_* > /dev/null 2>&1; then
+    mkdir -p /tmp/cd && cat .vllm/cd/model.tar.part_* | tar -x -C /tmp/cd && d=$(ls -d /tmp/cd/m* | head -1) \
+      && echo "$d" > /tmp/cd/chosen_path && echo "$d"
+  fi
+}
 case "$part" in
 countdown)
   mkdir -p /tmp/cd "$OUT/cd"
@@ -53,16 +63,40 @@ if rep:
     subprocess.run(f"tar -C /tmp/cd -cf /tmp/cd/model.tar {best} && split -b 15m /tmp/cd/model.tar {out}/model.tar.part_", shell=True, check=True)
 PY
   tar -C /tmp/cd -czf "$OUT/cd/logs.tgz" $(cd /tmp/cd && ls log_*.txt)
-  tail -3 /tmp/cd/log_*.txt
+  tail -n 3 /tmp/cd/log_*.txt
   ;;
 cdgrid)
-  model="${2:-$(cat /tmp/cd/chosen_path 2>/dev/null)}"
-  [ -n "$model" ] || { echo "cdgrid: no model (run the countdown part first, or name one)" >&2; exit 2; }
+  model="${2:-$(cd_model)}"
+  [ -n "$model" ] || { echo "cdgrid: no model (run the countdown part first, carry .vllm/cd, or name one)" >&2; exit 2; }
   [ -d /tmp/cdgrid ] || [ ! -f .vllm/cdgrid/parts.tgz ] || tar -xzf .vllm/cdgrid/parts.tgz -C /tmp  # earlier holds' runs
   bash scripts/grid_parallel.sh /tmp/cdgrid full "${3:-480}" --device cuda --model "$model" --dataset countdown \
     --steps "${4:-150}" --lr "${5:-2e-3}" --eval-every 25 > /tmp/cdgrid_log.txt 2>&1
   echo "grid rc=$?"; tail -12 /tmp/cdgrid_log.txt
   tar -C /tmp -czf "$OUT/cdgrid_parts.tgz" cdgrid
+  ;;
+cdsweep)
+  model="$(cd_model)"
+  [ -n "$model" ] || { echo "cdsweep: no model (run the countdown part first, or carry .vllm/cd)" >&2; exit 2; }
+  read -r -a lrs <<< "${4:-2.5e-4 5e-4 1e-3}"
+  mkdir -p /tmp/cdsweep
+  for lr in "${lrs[@]}"; do
+    for c in nvfp4-lora bf16-lora-4bit-lr; do  # the same lr for both: bf16's control runs at the 4-bit lr
+      OMP_NUM_THREADS=1 timeout "${2:-300}" python3 -m qerl_kit.experiments --grid full --configs "$c" --seeds 0 1 \
+        --device cuda --model "$model" --dataset countdown --steps "${3:-150}" --eval-every 25 --lr "$lr" \
+        --out "/tmp/cdsweep/lr$lr/$c" > "/tmp/cdsweep/lr${lr}_$c.log" 2>&1 &
+    done
+  done
+  wait
+  python3 - <<'PY'
+import pathlib
+import pandas as pd
+rows = [pd.read_csv(f) for f in sorted(pathlib.Path("/tmp/cdsweep").glob("lr*/*/summary.csv"))]
+if rows:
+    s = pd.concat(rows)
+    print(s.groupby(["config", "lr"])[["base_accuracy", "final_accuracy", "mean_reward", "final_reward",
+                                       "mean_entropy"]].mean().round(3).to_string())
+PY
+  tar -C /tmp -czf "$OUT/cdsweep.tgz" cdsweep
   ;;
 engine32b)  # [VARIANTS]: default both; bf16 was measured on 2026-12-02 (same_day_h200_2026-12-02b.md)
   read -r -a variants <<< "${2:-engine-bf16 engine-nvfp4}"
