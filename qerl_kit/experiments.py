@@ -376,7 +376,8 @@ def plot_curves(metrics, y: Sequence[str] = ("reward", "entropy"), *, errorbar=(
                 title: str | None = None):
     """One panel per metric against step, a line per configuration and a band over seeds
     (``errorbar``: seaborn's, e.g. ("ci", 95) or "sd"); ``smooth`` > 1 averages each run over a
-    trailing window of that many steps before the bands are computed."""
+    trailing window of that many steps before the bands are computed. A sparse metric (recorded at
+    some steps only, such as ``eval/accuracy``) is drawn at its own steps, with markers, never smoothed."""
     import seaborn as sns
 
     from qerl_kit.plots import _plt
@@ -385,17 +386,20 @@ def plot_curves(metrics, y: Sequence[str] = ("reward", "entropy"), *, errorbar=(
     if missing or len(metrics) == 0:
         raise ValueError(f"metrics has no rows or lacks {missing}; columns: {list(metrics.columns)}")
     plt, df = _plt(), metrics.copy()
+    sparse = {m for m in y if df[m].isna().any()}
     if smooth > 1:
-        for m in y:
+        for m in set(y) - sparse:
             df[m] = df.groupby(["config", "seed"])[m].transform(lambda s: s.rolling(smooth, min_periods=1).mean())
     order = _order(df)
     dashes = {label: (4, 2) if "AQN" in label else "" for label in order}  # AQN runs dashed: they can overlap
     sns.set_theme(style="whitegrid")
-    fig, axes = plt.subplots(1, len(y), figsize=(5.2 * len(y), 3.8), squeeze=False)
+    fig, axes = plt.subplots(1, len(y), figsize=((5.2 if len(y) <= 3 else 4.4) * len(y), 3.8), squeeze=False)
     for ax, m in zip(axes[0], y):
-        sns.lineplot(data=df, x="step", y=m, hue="label", hue_order=order, style="label", style_order=order,
-                     dashes=dashes, errorbar=errorbar, seed=0, ax=ax, linewidth=1.4)  # seed: same bootstrap
-        ax.set_title(m + (f" ({smooth}-step mean)" if smooth > 1 else ""))
+        # seed=0: the same bootstrap bands on every call
+        sns.lineplot(data=df.dropna(subset=[m]), x="step", y=m, hue="label", hue_order=order, style="label",
+                     style_order=order, dashes=dashes, errorbar=errorbar, seed=0, ax=ax, linewidth=1.4,
+                     marker="o" if m in sparse else None, markersize=4)
+        ax.set_title(m + (f" ({smooth}-step mean)" if smooth > 1 and m not in sparse else ""))
         ax.set_ylabel("")
         ax.get_legend().remove()
     axes[0][-1].legend(*axes[0][-1].get_legend_handles_labels(), fontsize=8, loc="upper left",
@@ -405,6 +409,15 @@ def plot_curves(metrics, y: Sequence[str] = ("reward", "entropy"), *, errorbar=(
     fig.suptitle(title or f"mean over {seeds} seed(s), band: {band}")
     fig.tight_layout()
     return fig
+
+
+def curve_metrics(metrics) -> tuple[str, ...]:
+    """The panels of the command line's smoothed figure: reward, entropy, rollout NLL, completion
+    length, and held-out accuracy where the grid recorded it during training (``eval_every``)."""
+    extra = ("completions/mean_length",) if "completions/mean_length" in metrics.columns else ()
+    if "eval/accuracy" in metrics.columns and metrics["eval/accuracy"].notna().any():
+        extra += ("eval/accuracy",)
+    return ("reward", "entropy", "rollout_nll") + extra
 
 
 def plot_summary(summary, y: Sequence[str] = ("initial_entropy", "final_accuracy", "mean_reward")):
@@ -492,8 +505,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         p.error(str(err))
     out = Path(args.out)
     plot_curves(metrics).savefig(grid.claim("curves.png"), dpi=110)
-    plot_curves(metrics, ("reward", "entropy", "rollout_nll"), smooth=5).savefig(grid.claim("curves_smoothed.png"),
-                                                                                 dpi=110)
+    plot_curves(metrics, curve_metrics(metrics), smooth=5).savefig(grid.claim("curves_smoothed.png"), dpi=110)
     plot_summary(summary).savefig(grid.claim("summary.png"), dpi=110)
     table = markdown_table(summary_table(summary))
     grid.claim("table.md").write_text(table + "\n")

@@ -190,6 +190,14 @@ def test_views_table_and_plots(tiny_grid):
     assert len(ex.plot_summary(summary).axes) == 3
     with pytest.raises(ValueError, match="lacks"):
         ex.plot_curves(metrics, ("nope",))
+    # a sparse metric (held-out accuracy at step 2 only) is drawn at its own steps and never smoothed
+    sparse = metrics.assign(**{"eval/accuracy": metrics["step"].map({1: math.nan, 2: 0.75})})
+    assert ex.curve_metrics(metrics) == ("reward", "entropy", "rollout_nll", "completions/mean_length")
+    assert ex.curve_metrics(sparse)[-1] == "eval/accuracy"
+    fig = ex.plot_curves(sparse, ("reward", "eval/accuracy"), smooth=5)
+    assert [a.get_title() for a in fig.axes] == ["reward (5-step mean)", "eval/accuracy"]
+    drawn = [line for line in fig.axes[1].get_lines() if len(line.get_xdata())]
+    assert drawn and all(list(line.get_xdata()) == [2] and list(line.get_ydata()) == [0.75] for line in drawn)
     with pytest.raises(ValueError, match="empty"):
         ex.summary_table(summary.iloc[:0])
 
