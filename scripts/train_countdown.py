@@ -176,9 +176,9 @@ def main(argv=None) -> dict:
         opt.step()
         opt.zero_grad(set_to_none=True)
         out_of_time = args.time_budget is not None and time.perf_counter() - t_train > args.time_budget
-        out_of_time = out_of_time or step == args.stop_at_step
+        stop_here = out_of_time or step == args.stop_at_step  # either way: evaluate at this step, then stop
         reached = False
-        if step % args.eval_every == 0 or step == args.steps or out_of_time:
+        if step % args.eval_every == 0 or step == args.steps or stop_here:
             model.eval()
             acc = evaluate(model, tok, eval_rows, args.max_new_tokens)["accuracy"]
             curve.append({"step": step, "loss": round(loss.item(), 4), "heldout_greedy_acc": round(acc, 4),
@@ -190,9 +190,9 @@ def main(argv=None) -> dict:
             print(f"held-out greedy accuracy {acc:.1%} reached --stop-at-acc {args.stop_at_acc:.0%}: stopped at "
                   f"step {step} of {args.steps}", flush=True)
             break
-        if out_of_time:
+        if stop_here:
             stopped_at = step
-            why = f"--stop-at-step {step}" if step == args.stop_at_step else f"time budget of {args.time_budget:.0f} s spent"
+            why = f"time budget of {args.time_budget:.0f} s spent" if out_of_time else f"--stop-at-step {step}"
             print(f"{why}: stopped at step {step} of {args.steps}", flush=True)
             break
     model = model.to(torch.bfloat16).eval()
