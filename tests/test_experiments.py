@@ -409,3 +409,17 @@ def test_cli_lr_sets_the_grids_learning_rates(tmp_path, monkeypatch):
     assert seen == {"nvfp4-lora": ex.PAPER_LR, "bf16-lora": ex.PAPER_LR * ex.BF16_LR_RATIO}
     with pytest.raises(SystemExit):
         ex.main(["--grid", "smoke", "--lr", "-1", "--out", str(tmp_path / "h")])
+
+
+def test_cli_eval_every_reaches_the_grid(tmp_path, monkeypatch):
+    seen = []
+
+    def fake_run_grid(configs, seeds, **kw):  # what the CLI hands the grid, without training
+        seen.append(kw["eval_every"])
+        raise ValueError("stop here")
+
+    monkeypatch.setattr(ex, "run_grid", fake_run_grid)
+    for argv, want in ((["--eval-every", "25"], 25), ([], ex.GRIDS["smoke"][1].eval_every)):
+        with pytest.raises(SystemExit):
+            ex.main(["--grid", "smoke", "--out", str(tmp_path / f"g{want}"), *argv])
+    assert seen == [25, 0]
