@@ -2,12 +2,15 @@
 # Issue #25/#26/#28 device runs on one H200, in the order one vLLM hold takes them (the vLLM parts
 # travel in three calls: DEVELOPERS.md). Each part writes under $OUT and prints a short tail.
 #   bash bench/run_h200_rollout.sh countdown   # #28: Countdown model calibration (3 configs at once; ~5 min)
+#   bash bench/run_h200_rollout.sh cdtrain     # #28: the shipped calibration alone (--miss 0.0, step 747; ~2 min),
+#                                              #      its shards' sha256 checked against the committed ones
 #   bash bench/run_h200_rollout.sh cdgrid [MODEL] [LIMIT_S] [STEPS] [LR]  # #28: the grid on Countdown (7 configs x 5
-#                                              #      seeds; MODEL default: the one countdown chose in this hold);
+#                                              #      seeds, two processes per config; MODEL default: this hold's
+#                                              #      countdown/cdtrain model; LR "best": cdsweep's choice);
 #                                              #      resumable: again in the hold, or carry .vllm/cdgrid/parts.tgz
 #   bash bench/run_h200_rollout.sh cdsweep [LIMIT_S] [STEPS] ["LRS"]  # #28: lr sweep on Countdown, bf16 and NVFP4 at
 #                                              #      the same lr (default 2.5e-4 5e-4 1e-3), seeds 0 1, one process
-#                                              #      per (lr, format); MODEL as for cdgrid
+#                                              #      per (lr, format, seed); picks the 4-bit lr (/tmp/cd/best_lr)
 #   bash bench/run_h200_rollout.sh engine32b ["VARIANTS"]  # #25: 32B fixed lengths (1/8/64/256, groups of 8); e.g. "engine-nvfp4"
 #   bash bench/run_h200_rollout.sh engine7b    # #25: compiled engine-kernel tests, then 7B fixed lengths (1/8/64/256, groups of 8)
 #   bash bench/run_h200_rollout.sh live7b      # #25: 7B realistic lengths (live-row compaction)
@@ -65,14 +68,28 @@ PY
   tar -C /tmp/cd -czf "$OUT/cd/logs.tgz" $(cd /tmp/cd && ls log_*.txt)
   tail -n 3 /tmp/cd/log_*.txt
   ;;
+cdtrain)
+  mkdir -p /tmp/cd "$OUT/cd"
+  python3 scripts/train_countdown.py --device cuda --out /tmp/cd/m0.0 --miss 0.0 --stop-at-step 747 \
+    --eval-every 300 --final-eval-n 300 > /tmp/cd/log_m0.0.txt 2>&1 || { tail -5 /tmp/cd/log_m0.0.txt; exit 1; }
+  echo /tmp/cd/m0.0 > /tmp/cd/chosen_path
+  grep -E "accuracy|stopped" /tmp/cd/log_m0.0.txt; cp /tmp/cd/log_m0.0.txt /tmp/cd/m0.0/train_report.json "$OUT/cd/"
+  (cd /tmp/cd/m0.0 && sha256sum *.safetensors) > "$OUT/cd/model_sha256.txt"
+  diff <(awk '{print $1}' docs/results/experiments-countdown/calibration/model_sha256.txt | sort) \
+       <(awk '{print $1}' "$OUT/cd/model_sha256.txt" | sort) > /dev/null \
+    && echo "shards: identical to the committed sha256" || echo "shards: differ from the committed sha256"
+  tar -C /tmp/cd -cf /tmp/cd/model.tar m0.0 && split -b 15m /tmp/cd/model.tar "$OUT/cd/model.tar.part_"
+  ;;
 cdgrid)
   model="${2:-$(cd_model)}"
   [ -n "$model" ] || { echo "cdgrid: no model (run the countdown part first, carry .vllm/cd, or name one)" >&2; exit 2; }
-  [ -d /tmp/cdgrid ] || [ ! -f .vllm/cdgrid/parts.tgz ] || tar -xzf .vllm/cdgrid/parts.tgz -C /tmp  # earlier holds' runs
-  bash scripts/grid_parallel.sh /tmp/cdgrid full "${3:-480}" --device cuda --model "$model" --dataset countdown \
-    --steps "${4:-150}" --lr "${5:-2e-3}" --eval-every 25 > /tmp/cdgrid_log.txt 2>&1
-  echo "grid rc=$?"; tail -12 /tmp/cdgrid_log.txt
-  tar -C /tmp -czf "$OUT/cdgrid_parts.tgz" cdgrid
+  lr="${5:-2e-3}"; [ "$lr" != best ] || lr=$(cat /tmp/cd/best_lr) || exit 2
+  dir="cdgrid-s${4:-150}-lr$lr"  # one directory per setting: a grid never mixes steps or lrs
+  [ -d "/tmp/$dir" ] || [ ! -f .vllm/cdgrid/parts.tgz ] || tar -xzf .vllm/cdgrid/parts.tgz -C /tmp  # earlier holds' runs
+  SEED_GROUPS="0,1,2 3,4" bash scripts/grid_parallel.sh "/tmp/$dir" full "${3:-480}" --device cuda --model "$model" \
+    --dataset countdown --steps "${4:-150}" --lr "$lr" --eval-every 25 > /tmp/cdgrid_log.txt 2>&1
+  echo "grid $dir rc=$?"; tail -12 /tmp/cdgrid_log.txt
+  tar -C /tmp -czf "$OUT/cdgrid_parts.tgz" "$dir"
   ;;
 cdsweep)
   model="$(cd_model)"
@@ -81,20 +98,30 @@ cdsweep)
   mkdir -p /tmp/cdsweep
   for lr in "${lrs[@]}"; do
     for c in nvfp4-lora bf16-lora-4bit-lr; do  # the same lr for both: bf16's control runs at the 4-bit lr
-      OMP_NUM_THREADS=1 timeout "${2:-300}" python3 -m qerl_kit.experiments --grid full --configs "$c" --seeds 0 1 \
-        --device cuda --model "$model" --dataset countdown --steps "${3:-150}" --eval-every 25 --lr "$lr" \
-        --out "/tmp/cdsweep/lr$lr/$c" > "/tmp/cdsweep/lr${lr}_$c.log" 2>&1 &
+      for seed in 0 1; do
+        OMP_NUM_THREADS=1 timeout "${2:-300}" python3 -m qerl_kit.experiments --grid full --configs "$c" --seeds $seed \
+          --device cuda --model "$model" --dataset countdown --steps "${3:-150}" --eval-every 25 --lr "$lr" \
+          --out "/tmp/cdsweep/lr$lr/$c-s$seed" > "/tmp/cdsweep/lr${lr}_$c-s$seed.log" 2>&1 &
+      done
     done
   done
   wait
   python3 - <<'PY'
 import pathlib
 import pandas as pd
-rows = [pd.read_csv(f) for f in sorted(pathlib.Path("/tmp/cdsweep").glob("lr*/*/summary.csv"))]
-if rows:
-    s = pd.concat(rows)
-    print(s.groupby(["config", "lr"])[["base_accuracy", "final_accuracy", "mean_reward", "final_reward",
-                                       "mean_entropy"]].mean().round(3).to_string())
+root = pathlib.Path("/tmp/cdsweep")
+s = pd.concat([pd.read_csv(f) for f in sorted(root.glob("lr*/*/summary.csv"))])
+m = pd.concat([pd.read_csv(f) for f in sorted(root.glob("lr*/*/metrics.csv"))])
+ev = m.dropna(subset=["eval/accuracy"])
+# the choice: NVFP4-LoRA's held-out accuracy averaged over its evaluations after the start (area under
+# the curve: rewards learning early and staying there), mean over seeds; ties go to the smaller lr
+auc = ev[ev.config == "nvfp4-lora"].groupby(["lr", "seed"])["eval/accuracy"].mean().groupby("lr").mean()
+print(s.groupby(["config", "lr"])[["base_accuracy", "final_accuracy", "mean_reward", "final_reward",
+                                   "mean_entropy"]].mean().round(3).to_string())
+print("NVFP4 held-out accuracy, mean over evaluations:", auc.round(4).to_dict())
+best = auc[auc == auc.max()].index.min()
+print("best lr", best)
+(pathlib.Path("/tmp/cd") / "best_lr").write_text(f"{best:g}")
 PY
   tar -C /tmp -czf "$OUT/cdsweep.tgz" cdsweep
   ;;

@@ -10,7 +10,11 @@
 # when every run has finished, their CSVs go to OUT_DIR/runs/ and one more
 # `python -m qerl_kit.experiments --out OUT_DIR` (which then trains nothing) writes the merged
 # metrics.csv, summary.csv, table.md, figures and command.json. LIMIT_S (0 = none) stops the
-# processes after that many seconds; run the script again to continue.
+# processes after that many seconds; run the script again to continue. SEED_GROUPS (e.g. "0,1,2 3,4")
+# splits each configuration's seeds over that many processes (OUT_DIR/parts/<config>-s<seeds>/), for
+# machines with more cores than configurations (the groups should cover the grid's seeds, or those of
+# a --seeds among the arguments, which the merge then reads); empty (the default): one process per
+# configuration.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT_DIR="${1:?usage: grid_parallel.sh OUT_DIR [GRID] [LIMIT_S] [args ...]}"
@@ -21,12 +25,16 @@ PY="${PYTHON:-python3}"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 CONFIGS=$("$PY" -c "from qerl_kit.experiments import GRIDS; print(' '.join(GRIDS['$GRID'][0]))") || exit 1
 mkdir -p "$OUT_DIR/parts" "$OUT_DIR/runs"
+read -r -a groups <<< "${SEED_GROUPS:-}"
 pids=()
 for c in $CONFIGS; do
   if [ "$LIMIT" -gt 0 ]; then t=(timeout "$LIMIT"); else t=(); fi
-  "${t[@]}" "$PY" -m qerl_kit.experiments --grid "$GRID" --configs "$c" --out "$OUT_DIR/parts/$c" "$@" \
-    >> "$OUT_DIR/parts/$c.log" 2>&1 &
-  pids+=("$!")
+  for g in "${groups[@]:-all}"; do
+    if [ "$g" = all ]; then name="$c"; seeds=(); else name="$c-s${g//,/_}"; seeds=(--seeds ${g//,/ }); fi
+    "${t[@]}" "$PY" -m qerl_kit.experiments --grid "$GRID" --configs "$c" --out "$OUT_DIR/parts/$name" "$@" "${seeds[@]}" \
+      >> "$OUT_DIR/parts/$name.log" 2>&1 &
+    pids+=("$!")
+  done
 done
 failed=0
 for pid in "${pids[@]}"; do wait "$pid" || failed=$((failed + 1)); done  # 0 only once all its runs finished

@@ -239,6 +239,27 @@ def test_parallel_script_trains_one_process_per_config_then_merges(tmp_path):
     assert "training" not in (out / "merge.log").read_text()  # the merge only read the runs back
 
 
+@pytest.mark.slow
+def test_parallel_script_splits_seeds_over_processes_with_seed_groups(tmp_path):
+    # SEED_GROUPS="0 1": each configuration's two seeds train in two processes, one seed each
+    root = Path(__file__).resolve().parents[1]
+    out = tmp_path / "grid"
+    env = {**os.environ, "PYTHON": sys.executable, "QERL_THREADS": "1", "SEED_GROUPS": "0 1"}
+    script = root / "scripts" / "grid_parallel.sh"
+    done = subprocess.run(["bash", str(script), str(out), "smoke", "0", "--device", "cpu", "--seeds", "0", "1"],
+                          cwd=root, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    assert "finished runs: 4; configurations not finished: 0" in done.stdout
+    for name in ("nvfp4-lora", "bf16-lora"):
+        for seed in (0, 1):
+            runs = out / "parts" / f"{name}-s{seed}" / "runs"
+            assert sorted(p.name for p in runs.glob("*_summary.csv")) == [f"{name}_seed{seed}_summary.csv"]
+    summary = pd.read_csv(out / "summary.csv")
+    assert sorted(zip(summary.config, summary.seed)) == [("bf16-lora", 0), ("bf16-lora", 1),
+                                                        ("nvfp4-lora", 0), ("nvfp4-lora", 1)]
+    assert "training" not in (out / "merge.log").read_text()
+
+
 # ---- never destroy a user's files ---------------------------------------------------------------
 def _fake_run_one(trained):
     """A stand-in for ``run_one`` that trains nothing: (rows, summary) shaped like the real ones."""
