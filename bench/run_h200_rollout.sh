@@ -7,7 +7,9 @@
 #   bash bench/run_h200_rollout.sh cdgrid [MODEL] [LIMIT_S] [STEPS] [LR]  # #28: the grid on Countdown (7 configs x 5
 #                                              #      seeds, two processes per config; MODEL default: this hold's
 #                                              #      countdown/cdtrain model; LR "best": cdsweep's choice);
-#                                              #      resumable: again in the hold, or carry .vllm/cdgrid/parts.tgz
+#                                              #      resumable: again in the hold, or carry .vllm/cdgrid/parts.tgz;
+#                                              #      CD_CONFIGS="bf16-lora nvfp4-lora" runs only those (directory
+#                                              #      cdgrid-s<STEPS>-lr<LR>-sub), SEED_GROUPS overrides "0,1,2 3,4"
 #   bash bench/run_h200_rollout.sh cdsweep [LIMIT_S] [STEPS] ["LRS"]  # #28: lr sweep on Countdown, bf16 and NVFP4 at
 #                                              #      the same lr (default 2.5e-4 5e-4 1e-3), seeds 0 1, one process
 #                                              #      per (lr, format, seed); picks the 4-bit lr (/tmp/cd/best_lr)
@@ -85,8 +87,9 @@ cdgrid)
   [ -n "$model" ] || { echo "cdgrid: no model (run the countdown part first, carry .vllm/cd, or name one)" >&2; exit 2; }
   lr="${5:-2e-3}"; [ "$lr" != best ] || lr=$(cat /tmp/cd/best_lr) || exit 2
   dir="cdgrid-s${4:-150}-lr$lr"  # one directory per setting: a grid never mixes steps or lrs
+  [ -z "${CD_CONFIGS:-}" ] || dir="$dir-sub"  # a subset of the configurations (a longer run of a few)
   [ -d "/tmp/$dir" ] || [ ! -f .vllm/cdgrid/parts.tgz ] || tar -xzf .vllm/cdgrid/parts.tgz -C /tmp  # earlier holds' runs
-  SEED_GROUPS="0,1,2 3,4" bash scripts/grid_parallel.sh "/tmp/$dir" full "${3:-480}" --device cuda --model "$model" \
+  GRID_CONFIGS="${CD_CONFIGS:-}" SEED_GROUPS="${SEED_GROUPS:-0,1,2 3,4}" bash scripts/grid_parallel.sh "/tmp/$dir" full "${3:-480}" --device cuda --model "$model" \
     --dataset countdown --steps "${4:-150}" --lr "$lr" --eval-every 25 > /tmp/cdgrid_log.txt 2>&1
   echo "grid $dir rc=$?"; tail -12 /tmp/cdgrid_log.txt
   tar -C /tmp -czf "$OUT/cdgrid_parts.tgz" "$dir"

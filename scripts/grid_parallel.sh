@@ -14,7 +14,8 @@
 # splits each configuration's seeds over that many processes (OUT_DIR/parts/<config>-s<seeds>/), for
 # machines with more cores than configurations (the groups should cover the grid's seeds, or those of
 # a --seeds among the arguments, which the merge then reads); empty (the default): one process per
-# configuration.
+# configuration. GRID_CONFIGS (e.g. "bf16-lora nvfp4-lora") trains and merges only those of GRID's
+# configurations (a longer run of a few); empty (the default): all of them.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT_DIR="${1:?usage: grid_parallel.sh OUT_DIR [GRID] [LIMIT_S] [args ...]}"
@@ -23,7 +24,8 @@ LIMIT="${3:-0}"
 shift $(( $# < 3 ? $# : 3 ))
 PY="${PYTHON:-python3}"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
-CONFIGS=$("$PY" -c "from qerl_kit.experiments import GRIDS; print(' '.join(GRIDS['$GRID'][0]))") || exit 1
+CONFIGS="${GRID_CONFIGS:-}"
+[ -n "$CONFIGS" ] || CONFIGS=$("$PY" -c "from qerl_kit.experiments import GRIDS; print(' '.join(GRIDS['$GRID'][0]))") || exit 1
 mkdir -p "$OUT_DIR/parts" "$OUT_DIR/runs"
 read -r -a groups <<< "${SEED_GROUPS:-}"
 pids=()
@@ -45,4 +47,4 @@ if [ "$failed" -gt 0 ]; then
   echo "not all runs finished (stopped by LIMIT_S or failed, see OUT_DIR/parts/*.log): run this again to continue" >&2
   exit 3
 fi
-"$PY" -m qerl_kit.experiments --grid "$GRID" --out "$OUT_DIR" "$@" 2>&1 | tee "$OUT_DIR/merge.log"
+"$PY" -m qerl_kit.experiments --grid "$GRID" --configs $CONFIGS --out "$OUT_DIR" "$@" 2>&1 | tee "$OUT_DIR/merge.log"

@@ -260,6 +260,23 @@ def test_parallel_script_splits_seeds_over_processes_with_seed_groups(tmp_path):
     assert "training" not in (out / "merge.log").read_text()
 
 
+@pytest.mark.slow
+def test_parallel_script_trains_and_merges_only_grid_configs(tmp_path):
+    # GRID_CONFIGS="nvfp4-lora": a longer run of a subset; the other configuration never trains,
+    # and the merge writes a grid of that subset alone (it would refuse a missing run otherwise)
+    root = Path(__file__).resolve().parents[1]
+    out = tmp_path / "grid"
+    env = {**os.environ, "PYTHON": sys.executable, "QERL_THREADS": "1", "GRID_CONFIGS": "nvfp4-lora"}
+    script = root / "scripts" / "grid_parallel.sh"
+    done = subprocess.run(["bash", str(script), str(out), "smoke", "0", "--device", "cpu"],
+                          cwd=root, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    assert "finished runs: 1; configurations not finished: 0" in done.stdout
+    assert sorted(p.name for p in (out / "parts").iterdir() if p.is_dir()) == ["nvfp4-lora"]
+    assert sorted(pd.read_csv(out / "summary.csv").config) == ["nvfp4-lora"]
+    assert json.loads((out / "command.json").read_text())["resolved"]["configs"] == ["nvfp4-lora"]
+
+
 # ---- never destroy a user's files ---------------------------------------------------------------
 def _fake_run_one(trained):
     """A stand-in for ``run_one`` that trains nothing: (rows, summary) shaped like the real ones."""
