@@ -220,16 +220,22 @@ def test_cli_reports_bad_input(capsys):
         ex.main(["--grid", "huge"])
 
 
+def _grid_parallel(tmp_path, *args, **env):
+    """scripts/grid_parallel.sh on the smoke grid, on the CPU, into tmp_path/grid: (OUT_DIR, the
+    finished process), after checking that it exited 0."""
+    root = Path(__file__).resolve().parents[1]
+    out = tmp_path / "grid"
+    env = {**os.environ, "PYTHON": sys.executable, "QERL_THREADS": "1", **env}
+    done = subprocess.run(["bash", str(root / "scripts" / "grid_parallel.sh"), str(out), "smoke", "0",
+                           "--device", "cpu", *args], cwd=root, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    return out, done
+
+
 @pytest.mark.slow
 def test_parallel_script_trains_one_process_per_config_then_merges(tmp_path):
     # scripts/grid_parallel.sh made the committed GPU grid; on the CPU the smoke grid's two configs
-    root = Path(__file__).resolve().parents[1]
-    out = tmp_path / "grid"
-    env = {**os.environ, "PYTHON": sys.executable, "QERL_THREADS": "1"}
-    script = root / "scripts" / "grid_parallel.sh"
-    done = subprocess.run(["bash", str(script), str(out), "smoke", "0", "--device", "cpu"],
-                          cwd=root, env=env, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    out, done = _grid_parallel(tmp_path)
     assert "finished runs: 2; configurations not finished: 0" in done.stdout
     for name in ("nvfp4-lora", "bf16-lora"):
         assert (out / "parts" / name / "runs" / f"{name}_seed0_summary.csv").is_file()  # its own process
@@ -242,13 +248,7 @@ def test_parallel_script_trains_one_process_per_config_then_merges(tmp_path):
 @pytest.mark.slow
 def test_parallel_script_splits_seeds_over_processes_with_seed_groups(tmp_path):
     # SEED_GROUPS="0 1": each configuration's two seeds train in two processes, one seed each
-    root = Path(__file__).resolve().parents[1]
-    out = tmp_path / "grid"
-    env = {**os.environ, "PYTHON": sys.executable, "QERL_THREADS": "1", "SEED_GROUPS": "0 1"}
-    script = root / "scripts" / "grid_parallel.sh"
-    done = subprocess.run(["bash", str(script), str(out), "smoke", "0", "--device", "cpu", "--seeds", "0", "1"],
-                          cwd=root, env=env, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    out, done = _grid_parallel(tmp_path, "--seeds", "0", "1", SEED_GROUPS="0 1")
     assert "finished runs: 4; configurations not finished: 0" in done.stdout
     for name in ("nvfp4-lora", "bf16-lora"):
         for seed in (0, 1):
@@ -264,13 +264,7 @@ def test_parallel_script_splits_seeds_over_processes_with_seed_groups(tmp_path):
 def test_parallel_script_trains_and_merges_only_grid_configs(tmp_path):
     # GRID_CONFIGS="nvfp4-lora": a longer run of a subset; the other configuration never trains,
     # and the merge writes a grid of that subset alone (it would refuse a missing run otherwise)
-    root = Path(__file__).resolve().parents[1]
-    out = tmp_path / "grid"
-    env = {**os.environ, "PYTHON": sys.executable, "QERL_THREADS": "1", "GRID_CONFIGS": "nvfp4-lora"}
-    script = root / "scripts" / "grid_parallel.sh"
-    done = subprocess.run(["bash", str(script), str(out), "smoke", "0", "--device", "cpu"],
-                          cwd=root, env=env, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    out, done = _grid_parallel(tmp_path, GRID_CONFIGS="nvfp4-lora")
     assert "finished runs: 1; configurations not finished: 0" in done.stdout
     assert sorted(p.name for p in (out / "parts").iterdir() if p.is_dir()) == ["nvfp4-lora"]
     assert sorted(pd.read_csv(out / "summary.csv").config) == ["nvfp4-lora"]
