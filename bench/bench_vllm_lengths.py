@@ -12,6 +12,14 @@ rollout needs. Each request gets ``min_tokens = max_tokens = L`` and ``ignore_eo
 length); vLLM batches continuously, so finished rows leave the batch. Also, at ``--fixed-batches``
 (issue #25's 1, 8, 64, 256), a fixed-length run (every row ``--fixed`` = 512 tokens, and 1 token
 for the prefill; best of ``--repeats``) for vLLM's ms per decode step at that batch.
+
+At 32B (fixed lengths only, as issue #25 asks):
+
+    python -m bench.bench_vllm_lengths --model Qwen2.5-32B --formats nvfp4 --batches --gpu-util 0.6
+    python -m bench.bench_vllm_lengths --model Qwen2.5-32B --formats bf16 --batches --dummy-weights --gpu-util 0.93
+
+(``--dummy-weights``: vLLM's own random weights, as no 61 GiB checkpoint fits on the machine's disk;
+0.93: 61 GiB of weights leave room for 256 rows of 768 tokens only then.)
 """
 
 from __future__ import annotations
@@ -31,9 +39,18 @@ from bench.bench_live_rows import add_length_args, hash_lengths, lengths_for
 from bench.bench_rollout import build, free, log, random_prompts, with_lora
 
 
-def export(peft, fmt: str, root: Path) -> Path:
+def export(peft, fmt: str, root: Path, weights: bool = True) -> Path:
+    """The checkpoint vLLM loads: ``nvfp4`` our compressed-tensors export, ``bf16`` the base as saved.
+    ``weights=False`` (bf16 only) writes the config alone, for vLLM's ``load_format="dummy"``:
+    a 32B bf16 checkpoint (61 GiB) does not fit next to the rest on the H200 machine's 64 GiB disk,
+    and the weights are random either way."""
     path = Path(tempfile.mkdtemp(prefix=f"vllm-{fmt}-", dir=root))
-    if fmt == "nvfp4":
+    if not weights:
+        if fmt != "bf16":
+            raise ValueError(f"weights=False is for fmt='bf16' (vLLM's dummy loader fills every tensor with "
+                             f"uniform noise, which is no NVFP4 checkpoint); got fmt={fmt!r}")
+        peft.get_base_model().config.save_pretrained(str(path))
+    elif fmt == "nvfp4":
         from qerl_kit.export import save_nvfp4
 
         save_nvfp4(peft, path)
@@ -58,16 +75,24 @@ def main() -> None:
     ap.add_argument("--out", default=os.environ.get("OUT", "bench/results/vllm_lengths"))
     ap.add_argument("--model", default="Qwen2.5-7B")
     ap.add_argument("--formats", nargs="+", default=["nvfp4"])
-    ap.add_argument("--batches", nargs="+", type=int, default=[64, 256], help="batches of the realistic-lengths runs")
+    ap.add_argument("--batches", nargs="*", type=int, default=[64, 256], help="batches of the realistic-lengths runs "
+                    "(none: fixed lengths only)")
     ap.add_argument("--fixed-batches", nargs="*", type=int, default=[1, 8, 64, 256])
     add_length_args(ap)
     ap.add_argument("--fixed", type=int, default=512)
     ap.add_argument("--repeats", type=int, default=2, help="fixed-length runs per batch (the best is kept)")
     ap.add_argument("--lora-r", type=int, default=32)
     ap.add_argument("--budget", type=float, default=400.0)
+    ap.add_argument("--gpu-util", type=float, default=0.6, help="vLLM's gpu_memory_utilization")
+    ap.add_argument("--dummy-weights", action="store_true", help="bf16 only: vLLM's load_format='dummy' "
+                    "(random weights, no checkpoint written; for 32B)")
     ap.add_argument("--prefix-caching", action="store_true", help="vLLM's prefix caching on (off by default: "
                     "runs repeat their prompts)")
     args = ap.parse_args()
+    if not args.batches and not args.fixed_batches:
+        ap.error("--batches and --fixed-batches are both empty: nothing to measure")
+    if args.dummy_weights and set(args.formats) != {"bf16"}:
+        ap.error(f"--dummy-weights is for --formats bf16 alone; got --formats {' '.join(args.formats)}")
     import vllm
     from vllm import LLM, SamplingParams
     from vllm.lora.request import LoRARequest
@@ -85,20 +110,24 @@ def main() -> None:
         # nf4 = the QLoRA baseline of the paper: the bf16 checkpoint, quantized by vLLM with bitsandbytes
         peft = with_lora(build(args.model, "bf16" if fmt == "nf4" else fmt, "cuda"), args.lora_r)
         vocab = peft.get_base_model().config.vocab_size
-        path = export(peft, "bf16" if fmt == "nf4" else fmt, root)
+        path = export(peft, "bf16" if fmt == "nf4" else fmt, root, weights=not args.dummy_weights)
         writer = AdapterWriter(root)
         lora_id, lora_path = writer.write(peft)
         del peft
         free()
         t = time.perf_counter()
+        # room for the longest request: the cap of the realistic runs, the fixed length of the others
+        max_len = args.prompt + max(args.cap if args.batches else 0, args.fixed if args.fixed_batches else 0) + 16
         # prefix caching off: the fixed-length runs and the realistic run send the same prompts, and a
         # cached prompt would take vLLM's prefill out of its wall time (ours always pays it)
-        kwargs = dict(model=str(path), gpu_memory_utilization=0.6, max_model_len=args.prompt + args.cap + 16,
+        kwargs = dict(model=str(path), gpu_memory_utilization=args.gpu_util, max_model_len=max_len,
                       enable_prefix_caching=args.prefix_caching,
                       max_num_seqs=max(args.batches + args.fixed_batches), skip_tokenizer_init=True, dtype="bfloat16", seed=0,
                       logprobs_mode="processed_logprobs")
         if fmt == "nf4":  # needs the bitsandbytes package next to vLLM
             kwargs["quantization"] = "bitsandbytes"
+        if args.dummy_weights:
+            kwargs["load_format"] = "dummy"
         try:
             llm = LLM(enable_lora=True, max_lora_rank=args.lora_r, max_loras=1, **kwargs)
             lora = LoRARequest("bench", lora_id, str(lora_path))
@@ -115,7 +144,7 @@ def main() -> None:
                 continue
             prompts = random_prompts(batch, args.prompt, vocab)
             row = dict(engine=f"vllm-{vllm.__version__}", model=args.model, format=fmt, lora=lora is not None,
-                       batch=batch, prompt=args.prompt)
+                       batch=batch, prompt=args.prompt, dummy_weights=args.dummy_weights)
             if batch in args.fixed_batches:
                 prefill = min(timed(llm, prompts, [sp(1)] * batch, lora)[0] for _ in range(args.repeats))
                 fixed = min(timed(llm, prompts, [sp(args.fixed)] * batch, lora)[0] for _ in range(args.repeats))

@@ -18,7 +18,10 @@
 #   bash bench/run_h200_rollout.sh live7b      # #25: 7B realistic lengths (live-row compaction)
 #   bash bench/run_h200_rollout.sh vllm FMT [ARGS]  # #25/#26: vLLM 0.26 (after .vllm/p3/install.sh's exports), FMT
 #                                              #      nvfp4|bf16|nf4; ARGS go to bench_vllm_lengths (e.g. --fixed-batches
-#                                              #      with no value: the realistic-length runs only)
+#                                              #      with no value: the realistic-length runs only; at 32B:
+#                                              #      VLLM_TIMEOUT=560 ... vllm nvfp4 --model Qwen2.5-32B --batches
+#                                              #      --budget 500 --out $OUT/vllm32b, and for bf16 add
+#                                              #      --dummy-weights --gpu-util 0.93: bench_vllm_lengths' docstring)
 #                                              #      (nf4: bitsandbytes from .vllm/uns/slim.tgz or .vllm/bnb/*.whl, carried)
 #   bash bench/run_h200_rollout.sh grpo FMT    # #26: one whole GRPO step on StaticEngine and on vLLM, FMT nvfp4|bf16
 #   bash bench/run_h200_rollout.sh unsloth     # #26: Unsloth's own GRPO rollout path (bench/probe_unsloth.py), after
@@ -157,8 +160,9 @@ vllm)
   elif [ "$fmt" = nf4 ]; then
     python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/bnb .vllm/bnb/*.whl && export PYTHONPATH="/tmp/bnb:$PYTHONPATH"
   fi
-  timeout 330 python3 -m bench.bench_vllm_lengths --formats "$fmt" --budget 260 --out "$OUT/vllm" "${@:3}" > "$OUT/vllm_${fmt}_log.txt" 2>&1
-  grep -E "vLLM|Error|error" "$OUT/vllm_${fmt}_log.txt" | tail -20
+  timeout "${VLLM_TIMEOUT:-330}" python3 -m bench.bench_vllm_lengths --formats "$fmt" --budget 260 --out "$OUT/vllm" "${@:3}" \
+    > "$OUT/vllm_${fmt}_log.txt" 2>&1
+  grep -E "vLLM|Error|error|Maximum concurrency" "$OUT/vllm_${fmt}_log.txt" | tail -20
   ;;
 grpo)
   fmt="${2:?format}"

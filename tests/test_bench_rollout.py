@@ -82,6 +82,23 @@ def test_vllm_bench_bf16_export_holds_the_base_under_its_own_names(tmp_path):
     assert torch.equal(reloaded.model.layers[0].mlp.down_proj.weight, ours)
 
 
+def test_vllm_bench_dummy_export_writes_the_config_alone(tmp_path):
+    # the 32B bf16 run: vLLM's load_format="dummy" needs the config only (61 GiB would not fit)
+    import pytest
+    from transformers import AutoConfig
+
+    from bench.bench_rollout import build, with_lora
+    from bench.bench_vllm_lengths import export
+
+    peft = with_lora(build("qwen2-tiny", "bf16", "cpu"), 4)
+    path = export(peft, "bf16", tmp_path, weights=False)
+    assert sorted(p.name for p in path.iterdir()) == ["config.json"]
+    config = AutoConfig.from_pretrained(path)
+    assert (config.hidden_size, config.num_hidden_layers) == (peft.config.hidden_size, peft.config.num_hidden_layers)
+    with pytest.raises(ValueError, match="fmt='nvfp4'"):
+        export(peft, "nvfp4", tmp_path, weights=False)
+
+
 def test_grpo_engines_bench_smoke_times_whole_steps(tmp_path):
     # the StaticEngine half on the CPU (vLLM's half needs the GPU: tests/test_vllm_gpu.py covers the engine)
     proc = subprocess.run([sys.executable, "-m", "bench.bench_grpo_engines", "--smoke", "--engines", "static",
