@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Issue #25/#26/#28 device runs on one H200, in the order one vLLM hold takes them (the vLLM parts
-# travel in three calls: DEVELOPERS.md). Each part writes under $OUT and prints a short tail.
+# travel in three calls: DEVELOPERS.md; since the tracked files passed ~13 MB, re-cut them first with
+# `bash bench/vllm_carry.sh`, which prints each call's carry). Each part writes under $OUT and prints
+# a short tail.
 #   bash bench/run_h200_rollout.sh countdown   # #28: Countdown model calibration (3 configs at once; ~5 min)
 #   bash bench/run_h200_rollout.sh cdtrain     # #28: the shipped calibration alone (--miss 0.0, step 747; ~2 min),
 #                                              #      its shards' sha256 checked against the committed ones
@@ -131,7 +133,7 @@ print("best lr", best)
 PY
   tar -C /tmp -czf "$OUT/cdsweep.tgz" cdsweep
   ;;
-engine32b)  # [VARIANTS]: default both; bf16 was measured on 2026-12-02 (same_day_h200_2026-12-02b.md)
+engine32b)  # [VARIANTS]: default both; bf16 ran on 2026-12-02, NVFP4 on 2026-12-03 (same_day_h200_2026-12-0{2b,3}.md)
   read -r -a variants <<< "${2:-engine-bf16 engine-nvfp4}"
   timeout 330 python3 -m bench.bench_rollout --parts rollout --models Qwen2.5-32B --nvfp4-only --variants "${variants[@]}" \
     --batches 1 8 64 256 --n 8 --budget 230 --out "$OUT/r32" > /tmp/r32_log.txt 2>&1
