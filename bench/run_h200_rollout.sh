@@ -26,6 +26,8 @@
 #                                              #      --dummy-weights --gpu-util 0.93: bench_vllm_lengths' docstring)
 #                                              #      (nf4: bitsandbytes from .vllm/uns/slim.tgz or .vllm/bnb/*.whl, carried)
 #   bash bench/run_h200_rollout.sh grpo FMT    # #26: one whole GRPO step on StaticEngine and on vLLM, FMT nvfp4|bf16
+#   bash bench/run_h200_rollout.sh nb05        # #26: notebook 05 on the GPU with vLLM, after the exports; the Jupyter
+#                                              #      stack from bench/make_notebook_carry.sh (.whl/nb, ~40 MB, its own call)
 #   bash bench/run_h200_rollout.sh unsloth     # #26: Unsloth's own GRPO rollout path (bench/probe_unsloth.py), after
 #                                              #      the vLLM exports; carry .vllm/uns (bench/make_unsloth_carry.sh)
 #
@@ -33,7 +35,7 @@
 # bench/vllm_carry.sh ride in calls 1-3, one call straight after the other):
 #   1. ENGINE_TESTS=0 BATCHES="8 64 256" ... engine7b      2. ... live7b
 #   3. (install) ... vllm nvfp4 --fixed-batches 8 64 256   4. ... vllm bf16 --fixed-batches 8 64 256
-#   5. ... grpo nvfp4; ... grpo bf16
+#   5. ... grpo nvfp4; ... grpo bf16                      6. (carry .whl) ... nb05
 set -uo pipefail
 part="${1:?part}"
 OUT="${OUT:?set OUT}"
@@ -179,6 +181,11 @@ grpo)
   fmt="${2:?format}"
   timeout 330 python3 -m bench.bench_grpo_engines --formats "$fmt" --out "$OUT/grpo" > "$OUT/grpo_${fmt}_log.txt" 2>&1
   grep -E "step #|adapter|failed|Error" "$OUT/grpo_${fmt}_log.txt" | tail -20
+  ;;
+nb05)  # notebook 05 (its rollout.engine: vllm cells too), after the vLLM exports; carry .whl with .whl/nb in it
+  python3 -m bench.install_missing_wheels .whl/nb --target /tmp/nbsite && export PYTHONPATH="/tmp/nbsite:$PYTHONPATH"
+  timeout "${NB_TIMEOUT:-500}" python3 scripts/execute_notebooks.py notebooks/05_gpu_real_model.ipynb --out "$OUT/nb05" \
+    > "$OUT/nb05_log.txt" 2>&1; echo "notebook 05 rc=$?"; tail -20 "$OUT/nb05_log.txt"
   ;;
 unsloth)
   tar -xzf .vllm/uns/slim.tgz -C /tmp && export PYTHONPATH="/tmp/slim:$PYTHONPATH"
