@@ -104,6 +104,8 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     t0, rows = time.perf_counter(), []
     root = Path(tempfile.mkdtemp(prefix="bench-vllm-"))
+    # room for the longest request: the cap of the realistic runs, the fixed length of the others
+    max_len = args.prompt + max(args.cap if args.batches else 0, args.fixed if args.fixed_batches else 0) + 16
     for fmt in args.formats:
         if time.perf_counter() - t0 > args.budget:
             log(f"budget spent: skip {fmt}")
@@ -117,8 +119,6 @@ def main() -> None:
         del peft
         free()
         t = time.perf_counter()
-        # room for the longest request: the cap of the realistic runs, the fixed length of the others
-        max_len = args.prompt + max(args.cap if args.batches else 0, args.fixed if args.fixed_batches else 0) + 16
         # prefix caching off: the fixed-length runs and the realistic run send the same prompts, and a
         # cached prompt would take vLLM's prefill out of its wall time (ours always pays it)
         kwargs = dict(model=str(path), gpu_memory_utilization=args.gpu_util, max_model_len=max_len,

@@ -8,13 +8,19 @@ from bench.install_missing_wheels import import_names, main, missing
 
 
 def _wheel(folder, name, files, top_level=None):
+    """A wheel pip can install: ``files`` (paths, or {path: text}) plus its METADATA, WHEEL and RECORD."""
+    files = dict.fromkeys(files, "") if not isinstance(files, dict) else files
+    dist = f"{name}-1.0.dist-info"
+    meta = {f"{dist}/METADATA": f"Metadata-Version: 2.1\nName: {name}\nVersion: 1.0\n",
+            f"{dist}/WHEEL": "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n"}
+    if top_level is not None:
+        meta[f"{dist}/top_level.txt"] = "\n".join(top_level) + "\n"
+    entries = {**files, **meta}
+    entries[f"{dist}/RECORD"] = "".join(f"{f},,\n" for f in [*entries, f"{dist}/RECORD"])
     path = folder / f"{name}-1.0-py3-none-any.whl"
     with zipfile.ZipFile(path, "w") as zf:
-        for f in files:
-            zf.writestr(f, "")
-        if top_level is not None:
-            zf.writestr(f"{name}-1.0.dist-info/top_level.txt", "\n".join(top_level) + "\n")
-        zf.writestr(f"{name}-1.0.dist-info/RECORD", "")
+        for f, text in entries.items():
+            zf.writestr(f, text)
     return path
 
 
@@ -53,18 +59,10 @@ def test_a_missing_wheel_is_really_installed_into_the_target(tmp_path):
     import sys
 
     name = "qerl_carried_demo"
-    wheel = tmp_path / "wheels" / f"{name}-1.0-py3-none-any.whl"
-    wheel.parent.mkdir()
-    dist = f"{name}-1.0.dist-info"
-    with zipfile.ZipFile(wheel, "w") as zf:
-        zf.writestr(f"{name}/__init__.py", "VALUE = 41 + 1\n")
-        zf.writestr(f"{dist}/METADATA", f"Metadata-Version: 2.1\nName: {name}\nVersion: 1.0\n")
-        zf.writestr(f"{dist}/WHEEL", "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n")
-        zf.writestr(f"{dist}/top_level.txt", f"{name}\n")
-        zf.writestr(f"{dist}/RECORD", f"{name}/__init__.py,,\n{dist}/METADATA,,\n{dist}/WHEEL,,\n"
-                                      f"{dist}/top_level.txt,,\n{dist}/RECORD,,\n")
+    (tmp_path / "wheels").mkdir()
+    _wheel(tmp_path / "wheels", name, {f"{name}/__init__.py": "VALUE = 41 + 1\n"}, top_level=[name])
     site = tmp_path / "site"
-    assert main([str(wheel.parent), "--target", str(site)]) == 0
+    assert main([str(tmp_path / "wheels"), "--target", str(site)]) == 0
     got = subprocess.run([sys.executable, "-c", f"import {name}; print({name}.VALUE)"], capture_output=True,
                          text=True, env={"PYTHONPATH": str(site)})
     assert got.stdout.strip() == "42", got.stderr
