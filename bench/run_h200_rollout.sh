@@ -36,6 +36,9 @@
 #   1. ENGINE_TESTS=0 BATCHES="8 64 256" ... engine7b      2. ... live7b
 #   3. (install) ... vllm nvfp4 --fixed-batches 8 64 256   4. ... vllm bf16 --fixed-batches 8 64 256
 #   5. ... grpo nvfp4; ... grpo bf16                      6. (carry .whl) ... nb05
+# Ran 2026-12-03 (bench/results/same_day_h200_2026-12-03b.md): calls 1-4 took 160 / 195 / 235 / 207 s
+# of wall; the machine went back before call 5 because more than 30 s passed between two calls, so
+# have every next command ready. A fresh hold needs the three vLLM calls again (cp only: seconds).
 set -uo pipefail
 part="${1:?part}"
 OUT="${OUT:?set OUT}"
