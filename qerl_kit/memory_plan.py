@@ -20,8 +20,11 @@ from the model's shape alone (``qerl_kit.models.PRESETS`` or any transformers co
 
 Rollouts and updates run one after the other, so the peak is weights + LoRA state + the larger of
 the KV cache and the activations, plus ``overhead`` (CUDA context, allocator slack; 10% by default).
-These are estimates to choose settings with, not measurements: compare with
-``torch.cuda.max_memory_allocated()`` after a step (notebook 05 does).
+These are estimates to choose settings with, not measurements and not an upper bound: compare
+with ``torch.cuda.max_memory_allocated()`` after a step (notebook 05 does). Not counted: the
+repacked copy of the 4-bit weights that humming-kernels keeps (docs/kernels.md) and fixed
+per-process buffers; on an H200 a 7B GRPO step peaked 1.1x above its plan and the tiny model 4x
+(bench/results/same_day_h200_2026-12-03b.md).
 """
 
 from __future__ import annotations
