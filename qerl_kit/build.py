@@ -1,14 +1,12 @@
 """From a config to the policy: the base model (quantized) with LoRA, and its tokenizer.
 
 ``build_policy(ModelConfig, device=, dtype=)`` loads the base (the shipped tiny model, or a local
-Hugging Face directory), moves it to ``device`` in compute dtype ``dtype``, quantizes it to the
+Hugging Face directory, a ``.gguf`` file or a hub id), moves it to ``device`` in compute dtype ``dtype``, quantizes it to the
 configured format there, and attaches LoRA. The task (rows, rewards, prompts) comes from
 ``qerl_kit.tasks.make_task(DataConfig)``.
 """
 
 from __future__ import annotations
-
-from pathlib import Path
 
 import torch
 
@@ -20,9 +18,7 @@ __all__ = ["load_base", "build_policy"]
 def load_base(cfg: ModelConfig, *, device: str | torch.device | None = None, dtype: torch.dtype | None = None):
     """(model, tokenizer) for ``cfg.name``, not yet quantized, on ``device`` (default: the CPU) in
     ``dtype`` (default: float32 for the tiny model, the checkpoint's own dtype otherwise)."""
-    from transformers import AutoTokenizer
-
-    from qerl_kit.models import PRESETS, load_model
+    from qerl_kit.models import PRESETS, load_pretrained
 
     if cfg.name == "tiny":
         from qerl_kit.tiny import load_tiny
@@ -30,17 +26,8 @@ def load_base(cfg: ModelConfig, *, device: str | torch.device | None = None, dty
         return load_tiny(dtype=dtype or torch.float32, device=device or "cpu")
     if cfg.name in PRESETS:
         raise ValueError(f"model.name {cfg.name!r} is an architecture preset with random weights and no tokenizer; "
-                         "train with 'tiny' or a local Hugging Face model directory")
-    if not Path(cfg.name).exists():
-        raise FileNotFoundError(
-            f"model {cfg.name!r} is not a local directory; download it first (e.g. "
-            f"`huggingface-cli download {cfg.name} --local-dir models/{Path(cfg.name).name}`) "
-            "and point model.name at that directory")
-    model = load_model(cfg.name, dtype=dtype or "auto", trust_remote_code=cfg.trust_remote_code)
-    if device is not None:
-        model = model.to(device)
-    tokenizer = AutoTokenizer.from_pretrained(cfg.name, trust_remote_code=cfg.trust_remote_code)
-    return model.eval(), tokenizer
+                         "train with 'tiny', a local Hugging Face model directory or a .gguf file")
+    return load_pretrained(cfg.name, dtype=dtype or "auto", device=device, trust_remote_code=cfg.trust_remote_code)
 
 
 def build_policy(cfg: ModelConfig, *, device: str | torch.device | None = None, dtype: torch.dtype | None = None,

@@ -18,21 +18,23 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 def _cmd_quantize(args: argparse.Namespace) -> int:
     import torch
 
-    from qerl_kit.models import PRESETS, build_model, load_model
+    from qerl_kit.models import PRESETS, build_model, load_pretrained
     from qerl_kit.quantize import memory_report, quantize_model
 
     if args.out and args.format != "nvfp4":
         print(f"qerl quantize: --out writes a compressed-tensors NVFP4 checkpoint; --format "
               f"{args.format} cannot be exported (use --format nvfp4)", file=sys.stderr)
         return 2
+    source = None if args.model in PRESETS or _is_gguf(args.model) else args.model  # a directory to copy files from
     if args.out:  # refuse an unsafe --out before minutes of loading and quantizing
         from qerl_kit.export import check_export_dirs
 
-        check_export_dirs(args.out, source_dir=None if args.model in PRESETS else args.model)
+        check_export_dirs(args.out, source_dir=source)
+    tokenizer = None
     if args.model in PRESETS:
         model = build_model(args.model, dtype=torch.bfloat16)
     else:
-        model = load_model(args.model, trust_remote_code=args.trust_remote_code)
+        model, tokenizer = load_pretrained(args.model, trust_remote_code=args.trust_remote_code)
     report = quantize_model(model, fmt=args.format, skip=tuple(args.skip))
     print(report)
     print()
@@ -40,8 +42,7 @@ def _cmd_quantize(args: argparse.Namespace) -> int:
     if args.out:
         from qerl_kit.export import save_nvfp4
 
-        source = None if args.model in PRESETS else args.model
-        save_nvfp4(model, args.out, source_dir=source, max_shard_size=args.shard_size)
+        save_nvfp4(model, args.out, tokenizer=tokenizer, source_dir=source, max_shard_size=args.shard_size)
         print(f"\nwrote an NVFP4 (compressed-tensors nvfp4-pack-quantized) checkpoint to {args.out}; "
               f"serve it with: vllm serve {args.out}")
     return 0
@@ -66,7 +67,31 @@ def _cmd_train(args: argparse.Namespace) -> int:
         except ValueError as err:
             print(f"qerl train: --engine {args.engine}: {err}", file=sys.stderr)
             return 2
+    if args.model:
+        cfg = cfg.replace(model={"name": args.model})
     latest = None if args.fresh else ckpt.latest_checkpoint(cfg.output_dir)
+    if args.steps is not None and args.steps < 1:
+        print(f"qerl train: --steps {args.steps}: must be >= 1", file=sys.stderr)
+        return 2
+    if (not args.config and latest is None and args.steps is not None and args.steps < cfg.total_steps
+            and not args.keep_schedule):
+        # a short run of a long preset would spend itself in warm-up and the first AQN stage
+        stages = min(cfg.aqn.stages, args.steps)
+        if cfg.aqn.enabled and stages < 3:
+            if main:
+                print(f"qerl train: --steps {args.steps} is shorter than AQN's 3 stages; the schedule keeps "
+                      f"total_steps {cfg.total_steps}, so this run ends early in it")
+        else:
+            if main:
+                print(f"qerl train: --steps {args.steps} on a new run of preset {args.preset!r}: the lr schedule "
+                      f"and AQN stages span {args.steps} steps instead of its total_steps {cfg.total_steps} "
+                      f"(--keep-schedule keeps {cfg.total_steps})")
+            cfg = cfg.replace(total_steps=args.steps, aqn={"stages": stages})
+    if cfg.model.name not in ("tiny",):
+        from qerl_kit.models import PRESETS, check_model_source
+
+        if cfg.model.name not in PRESETS:
+            check_model_source(cfg.model.name)  # before the task's data and minutes of loading
     if main:  # the first line says which run this is
         if latest is not None:
             print(f"qerl train: resuming the run in {cfg.output_dir} from step {latest.name.split('-')[1]} ({latest})")
@@ -105,23 +130,66 @@ def torch_cuda_available() -> bool:
     return torch.cuda.is_available()
 
 
+def _is_gguf(name: str) -> bool:
+    from qerl_kit.gguf_model import is_gguf_path
+
+    return is_gguf_path(name)
+
+
+def _eval_device(name: str) -> str:
+    import torch
+
+    if name == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(f"--device {name}: no CUDA device is available here (use --device cpu or auto)")
+    return name
+
+
 def _cmd_eval(args: argparse.Namespace) -> int:
+    import time
+
+    import torch
+
     from qerl_kit.build import load_base
     from qerl_kit.config import DataConfig, ModelConfig
-    from qerl_kit.lora import load_lora
     from qerl_kit.quantize import quantize_model
+    from qerl_kit.rollout.registry import make_engine
     from qerl_kit.tasks import make_task
 
+    if args.limit is not None and args.limit < 1:
+        print(f"qerl eval: --limit {args.limit}: must be >= 1 (the number of problems to score)", file=sys.stderr)
+        return 2
+    device = _eval_device(args.device)
     mcfg = ModelConfig(name=args.model, format=args.format, trust_remote_code=args.trust_remote_code)
-    model, tokenizer = load_base(mcfg)
+    if args.model != "tiny":
+        from qerl_kit.models import check_model_source
+
+        check_model_source(args.model)  # a bad path fails before the data and the model load
+    task = make_task(DataConfig(dataset=args.dataset, eval_size=args.limit or 10**9))
+    rows = task.eval[:args.limit] if args.limit else task.eval  # the first --limit rows
+    t0 = time.perf_counter()
+    dtype = torch.bfloat16 if device.startswith("cuda") and args.model != "tiny" else None
+    model, tokenizer = load_base(mcfg, device=device, dtype=dtype)
     if args.format != "none":
         quantize_model(model, fmt=args.format)
     if args.adapter:
+        from qerl_kit.lora import load_lora
+
         model = load_lora(model, args.adapter)  # the adapter is applied (the official eval forgot)
-    task = make_task(DataConfig(dataset=args.dataset, eval_size=args.limit))
-    result = task.evaluate(model, tokenizer, samples=args.samples, temperature=args.temperature, top_p=args.top_p,
-                           max_new_tokens=args.max_new_tokens)
+    load_s = time.perf_counter() - t0
+    engine = make_engine(args.engine, model, tokenizer)
+    max_new = args.max_new_tokens or task.max_new_tokens or 256
+    print(f"qerl eval: {len(rows)} {task.name} problems, {max_new} new tokens, {device}, engine "
+          f"{type(engine).__name__}, model loaded and quantized in {load_s:.1f} s", flush=True)
+    result = task.evaluate(model, tokenizer, rows=rows, engine=engine, samples=args.samples, temperature=args.temperature,
+                           top_p=args.top_p, max_new_tokens=max_new, batch_size=args.batch_size)
     print(result)
+    print(result.speed_line())
+    if args.out:
+        result.save(args.out, meta={"model": args.model, "format": args.format, "dataset": args.dataset,
+                                    "device": device, "engine": type(engine).__name__, "adapter": args.adapter})
+        print(f"wrote {args.out}")
     return 0
 
 
@@ -131,7 +199,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     demo = sub.add_parser("demo", help="run the tiny-model QeRL demo on this machine (CPU is fine)")
     demo.add_argument("--model", default="tiny",
-                      help="'tiny' (the shipped model) or a local HF model directory")
+                      help="'tiny' (the shipped model), a local HF model directory, a .gguf file or a hub id")
     demo.add_argument("--dataset", default="arith",
                       help="arith (the synthetic task), gsm8k, math500 or a GSM8K-style .jsonl")
     demo.add_argument("--steps", type=int, default=None, help="GRPO steps (default: the tiny-cpu preset's)")
@@ -146,7 +214,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.set_defaults(func=_cmd_demo)
 
     quant = sub.add_parser("quantize", help="quantize a model and print the per-layer report")
-    quant.add_argument("model", help="a preset name or a local HF model directory")
+    quant.add_argument("model", help="a preset name, a local HF model directory, a .gguf file or a hub id")
     quant.add_argument("--format", default="nvfp4", choices=["nvfp4", "mxfp4", "nf4"],
                        help="the 4-bit weight format")
     quant.add_argument("--skip", nargs="*", default=["lm_head"],
@@ -165,7 +233,13 @@ def build_parser() -> argparse.ArgumentParser:
                                         "(model, data, rollout, loss, optim, aqn) overriding it")
     train.add_argument("--preset", default="tiny-cpu", help="a named preset when no --config is given "
                                                             "(tiny-cpu, paper-gsm8k, paper-bigmath)")
-    train.add_argument("--steps", type=int, default=None, help="steps to run now (default: to total_steps)")
+    train.add_argument("--steps", type=int, default=None,
+                       help="steps to run now (default: to total_steps); on a new run of a --preset with fewer "
+                            "steps than its total_steps, the lr schedule and AQN stages are fitted to these steps")
+    train.add_argument("--keep-schedule", action="store_true",
+                       help="with --steps on a new run of a preset: keep its total_steps for the schedule")
+    train.add_argument("--model", help="the base model, overriding model.name: 'tiny', a local HF directory, a .gguf "
+                                       "file or a hub id")
     train.add_argument("--output-dir", help="where checkpoints and metrics.jsonl go (overrides the config; "
                                             "default: the config's output_dir, runs/train)")
     train.add_argument("--engine", help="the rollout engine, overriding the config's rollout.engine: auto, static, "
@@ -181,16 +255,25 @@ def build_parser() -> argparse.ArgumentParser:
     train.set_defaults(func=_cmd_train)
 
     ev = sub.add_parser("eval", help="pass@1 of a (quantized) model with an optional LoRA adapter")
-    ev.add_argument("--model", default="tiny", help="'tiny' or a local HF model directory")
+    ev.add_argument("--model", default="tiny", help="'tiny', a local HF model directory, a .gguf file or a hub id "
+                                                    "(when online)")
     ev.add_argument("--format", default="nvfp4", choices=["nvfp4", "mxfp4", "nf4", "none"],
                     help="quantize the base to this format first (none: keep it dense)")
     ev.add_argument("--adapter", help="a peft adapter directory (e.g. runs/train/checkpoint-60)")
-    ev.add_argument("--dataset", default="arith", help="arith, gsm8k, math500 or a GSM8K-style .jsonl")
-    ev.add_argument("--limit", type=int, default=200, help="number of held-out problems")
+    ev.add_argument("--dataset", default="arith", help="arith, gsm8k, math500 (local JSON Lines: $QERL_DATA, ./data "
+                                                       "or ../shared/data) or a GSM8K-style .jsonl")
+    ev.add_argument("--limit", type=int, default=None, help="score the first N problems (default: all)")
+    ev.add_argument("--device", default="auto", help="auto (a CUDA GPU when there is one), cpu, cuda or cuda:N")
+    ev.add_argument("--engine", default="auto", help="rollout engine: auto (static on a GPU, hf on the CPU), "
+                                                     "static, hf or vllm")
+    ev.add_argument("--batch-size", type=int, default=None,
+                    help="problems per engine call (default: all of them; the engine batches rows itself)")
     ev.add_argument("--samples", type=int, default=1, help="samples per problem (pass@1 is averaged)")
     ev.add_argument("--temperature", type=float, default=0.0, help="0 is greedy; the paper used 0.6")
     ev.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling (the paper used 0.95)")
-    ev.add_argument("--max-new-tokens", type=int, default=256, help="completion length limit")
+    ev.add_argument("--max-new-tokens", type=int, default=None,
+                    help="completion length limit (default: the task's: gsm8k 512, math500 1024, arith 64)")
+    ev.add_argument("--out", help="also write the result (summary and every completion) to this .json file")
     ev.add_argument("--trust-remote-code", action="store_true", help="allow a model's own code (off by default)")
     ev.set_defaults(func=_cmd_eval)
     return parser
@@ -198,11 +281,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     from qerl_kit.checkpoint import CheckpointError
+    from qerl_kit.gguf_model import GGUFError
 
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
     except (FileExistsError, CheckpointError) as err:  # a refusal that protects the user's files or run
+        print(f"qerl {args.command}: {err}", file=sys.stderr)
+        return 2
+    except (FileNotFoundError, GGUFError) as err:  # a model or data path that is not there or not usable
         print(f"qerl {args.command}: {err}", file=sys.stderr)
         return 2
 

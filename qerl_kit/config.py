@@ -279,13 +279,15 @@ PRESETS: dict[str, dict[str, Any]] = {
         optim=dict(lr=2e-3, max_grad_norm=1.0),
         aqn=dict(enabled=True, sigma_start=1e-2, sigma_end=5e-4, stages=10),
         total_steps=30, save_every=10, eval_every=0),
-    # Paper Table 4, GSM8K with GRPO (batch 128 = 16 prompts x G 8, mu = 4, lr 1e-5, r 32).
+    # Paper Table 4, GSM8K with GRPO (batch 128 = 16 prompts x G 8, mu = 4, lr 1e-5, r 32). The paper's
+    # AdamW-8bit is optim.optimizer: adamw8bit (needs bitsandbytes); the presets use torch's AdamW,
+    # which runs everywhere (a LoRA adapter's optimizer state is small either way).
     "paper-gsm8k": dict(
         model=dict(name="Qwen/Qwen2.5-7B-Instruct", format="nvfp4", lora_r=32, gradient_checkpointing=True),
         data=dict(dataset="gsm8k", eval_size=1319),
         rollout=dict(batch_size=128, group_size=8, max_new_tokens=4096, temperature=1.0),
         loss=dict(loss="grpo", eps_low=0.2, eps_high=0.2, mu=4, micro_batch=8),
-        optim=dict(lr=1e-5, optimizer="adamw8bit", schedule="cosine", warmup_ratio=0.1, max_grad_norm=0.2),
+        optim=dict(lr=1e-5, schedule="cosine", warmup_ratio=0.1, max_grad_norm=0.2),
         aqn=dict(enabled=True, sigma_start=1e-2, sigma_end=5e-4, stages=10),
         total_steps=600, save_every=50),
     # Paper Table 4, BigMath with DAPO (G 16, mu 1, clip-higher 0.28, response 8192).
@@ -295,9 +297,20 @@ PRESETS: dict[str, dict[str, Any]] = {
         rollout=dict(batch_size=128, group_size=16, max_new_tokens=8192, temperature=1.0),
         loss=dict(loss="dapo", eps_low=0.2, eps_high=0.28, mu=1, micro_batch=4),
         filters=dict(dynamic_sampling=True),
-        optim=dict(lr=1e-5, optimizer="adamw8bit", schedule="cosine", warmup_ratio=0.1, max_grad_norm=0.2),
+        optim=dict(lr=1e-5, schedule="cosine", warmup_ratio=0.1, max_grad_norm=0.2),
         aqn=dict(enabled=True, sigma_start=1e-2, sigma_end=5e-4, stages=10),
         total_steps=1000, save_every=50),
+    # A real model on one GPU (issue #42's study): the 0.5B GGUF that ../shared/tools/fetch-real-model
+    # puts in ~/.cache/qerl-models, GSM8K from the data folder, 8 prompts x 8 samples of 256 tokens,
+    # one update per batch; a step is a few seconds on an H200 (docs/real-models.md).
+    "real-gsm8k": dict(
+        model=dict(name="~/.cache/qerl-models/qwen2.5-coder-0.5b-instruct.gguf", format="nvfp4", lora_r=16),
+        data=dict(dataset="gsm8k", eval_size=1319),
+        rollout=dict(batch_size=64, group_size=8, max_new_tokens=256, temperature=1.0),
+        loss=dict(loss="grpo", eps_low=0.2, eps_high=0.28, mu=1, micro_batch=16),
+        optim=dict(lr=5e-5, schedule="constant", max_grad_norm=1.0),
+        aqn=dict(enabled=True, sigma_start=1e-2, sigma_end=5e-4, stages=5),
+        total_steps=100, save_every=10),
 }
 
 

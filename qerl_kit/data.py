@@ -1,8 +1,10 @@
 """Load GSM8K / MATH-500 problems and build prompts.
 
-- ``load_gsm8k(path_or_split)`` / ``load_math500(path_or_split)`` read local JSON Lines files (the
-  layout of the project's ``shared/data``) or, given a split name such as ``"test"``, fall back to
-  Hugging Face ``datasets`` (``openai/gsm8k`` "main", ``HuggingFaceH4/MATH-500``; imported lazily).
+- ``load_gsm8k(path_or_split)`` / ``load_math500(path_or_split)`` read local JSON Lines files: a
+  path, or a split name such as ``"test"``, found as ``gsm8k_test.jsonl`` in the data folder
+  (``$QERL_DATA``, else ``./data``, else ``../shared/data``: ``find_data_file``). Never the hub
+  at run time unless asked: ``source="hub"`` reads Hugging Face ``datasets`` (``openai/gsm8k``
+  "main", ``HuggingFaceH4/MATH-500``; imported lazily).
 - Each row is a plain dict with ``prompt`` (the question text), ``answer`` (the gold final answer)
   and the original columns. For GSM8K the original ``answer`` column (the worked solution ending in
   ``#### N``) is kept as ``solution`` and ``answer`` becomes the number ``N`` (thousands separators
@@ -28,7 +30,8 @@ from typing import Any, Iterable
 from .rewards import parse_number
 
 __all__ = [
-    "load_gsm8k", "load_math500", "read_jsonl", "build_prompt", "build_messages",
+    "load_gsm8k", "load_math500", "read_jsonl", "build_prompt", "build_messages", "data_dirs", "find_data_file",
+    "DATA_ENV",
     "GSM8K_SUFFIX", "MATH_SUFFIX",
 ]
 
@@ -94,14 +97,49 @@ def _looks_like_path(s: str) -> bool:
     return os.sep in s or "/" in s or s.endswith((".jsonl", ".json")) or s.startswith(".")
 
 
-def _load(kind: str, path_or_split: str | os.PathLike, convert, limit: int | None) -> list[dict]:
+DATA_ENV = "QERL_DATA"
+# Where a split name (``load_gsm8k("test")``, ``data.dataset: gsm8k``) is looked up, in order:
+# $QERL_DATA, ./data, ../shared/data (this project's layout), each relative to the working directory.
+DEFAULT_DATA_DIRS = ("data", "../shared/data")
+FILE_NAMES = {"gsm8k": "gsm8k_{split}.jsonl", "math500": "math500_{split}.jsonl"}
+
+
+def data_dirs() -> list[Path]:
+    """The folders searched for ``<task>_<split>.jsonl`` (``$QERL_DATA`` alone when it is set)."""
+    env = os.environ.get(DATA_ENV)
+    if env:
+        return [Path(env).expanduser()]
+    return [Path(d) for d in DEFAULT_DATA_DIRS]
+
+
+def find_data_file(kind: str, split: str) -> Path:
+    """The local JSON Lines file of ``kind``'s ``split`` (``gsm8k_test.jsonl`` ...), or a
+    FileNotFoundError naming every folder searched and how to point at one. Never the hub."""
+    name = FILE_NAMES[kind].format(split=split)
+    searched = data_dirs()
+    for folder in searched:
+        if (folder / name).is_file():
+            return folder / name
+    where = ", ".join(str(f.resolve()) for f in searched)
+    raise FileNotFoundError(
+        f"{kind} split {split!r}: no {name} in {where}. Put the JSON Lines files in ./data, or set "
+        f"{DATA_ENV}=/path/to/folder (this project's copies: ../shared/data), or pass a .jsonl path; "
+        f"to fetch from the Hugging Face Hub explicitly, use load_{kind}({split!r}, source='hub')")
+
+
+def _load(kind: str, path_or_split: str | os.PathLike, convert, limit: int | None, source: str = "local") -> list[dict]:
+    if source not in ("local", "hub"):
+        raise ValueError(f"source must be 'local' or 'hub'; got {source!r}")
     p = Path(path_or_split)
-    if p.is_file():
-        rows: Iterable[tuple[str, Any]] = ((f"{p}:{n}", r) for n, r in read_jsonl(p))
+    if source == "hub":
+        rows: Iterable[tuple[str, Any]] = _from_hub(kind, str(path_or_split))
+    elif p.is_file():
+        rows = ((f"{p}:{n}", r) for n, r in read_jsonl(p))
     elif isinstance(path_or_split, os.PathLike) or _looks_like_path(str(path_or_split)):
         raise FileNotFoundError(f"{kind}: no such file: {path_or_split}")
     else:
-        rows = _from_hub(kind, str(path_or_split))
+        f = find_data_file(kind, str(path_or_split))
+        rows = ((f"{f}:{n}", r) for n, r in read_jsonl(f))
     out = []
     for where, row in rows:
         if limit is not None and len(out) >= limit:
@@ -114,22 +152,26 @@ def _from_hub(kind: str, split: str) -> Iterable[tuple[str, Any]]:
     try:
         import datasets
     except ImportError as e:
-        raise ImportError(f"{kind}: {split!r} is not a local file, and loading the split from the "
-                          "Hugging Face Hub needs the `datasets` package: `pip install datasets` "
-                          "(or pass the path of a local .jsonl file)") from e
+        raise ImportError(f"{kind}: loading split {split!r} from the Hugging Face Hub needs the `datasets` "
+                          "package: `pip install datasets` (or pass the path of a local .jsonl file)") from e
     name, config = _HF_SOURCES[kind]
     ds = datasets.load_dataset(name, config, split=split) if config else datasets.load_dataset(name, split=split)
     return ((f"{name}[{split}] row {i + 1}", dict(r)) for i, r in enumerate(ds))
 
 
-def load_gsm8k(path_or_split: str | os.PathLike = "test", *, limit: int | None = None) -> list[dict]:
-    """GSM8K rows ``{prompt, answer, question, solution}`` from a JSONL file or an HF split name."""
-    return _load("gsm8k", path_or_split, _gsm8k_row, limit)
+def load_gsm8k(path_or_split: str | os.PathLike = "test", *, limit: int | None = None,
+               source: str = "local") -> list[dict]:
+    """GSM8K rows ``{prompt, answer, question, solution}`` from a JSONL file or a split name
+    (``gsm8k_<split>.jsonl`` in the data folder, ``find_data_file``); ``source="hub"`` reads the
+    split from the Hugging Face Hub instead (needs ``datasets`` and a network)."""
+    return _load("gsm8k", path_or_split, _gsm8k_row, limit, source)
 
 
-def load_math500(path_or_split: str | os.PathLike = "test", *, limit: int | None = None) -> list[dict]:
-    """MATH-500 rows ``{prompt, answer, problem, solution, subject, level, unique_id}``."""
-    return _load("math500", path_or_split, _math500_row, limit)
+def load_math500(path_or_split: str | os.PathLike = "test", *, limit: int | None = None,
+                 source: str = "local") -> list[dict]:
+    """MATH-500 rows ``{prompt, answer, problem, solution, subject, level, unique_id}``, found as
+    ``load_gsm8k``'s (``math500_<split>.jsonl``)."""
+    return _load("math500", path_or_split, _math500_row, limit, source)
 
 
 def build_messages(question: str, system_prompt: str | None = None,

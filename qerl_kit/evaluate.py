@@ -16,7 +16,9 @@ table in a notebook.
   ``completions`` (texts), ``completion_ids`` (lists of ids, stop token included) and every other
   dataset column as a list aligned with the completions (``answer=[...]``).
 * Problems are sent to the engine ``batch_size`` at a time (each becomes ``batch_size * samples``
-  sequences); chunk i is seeded with ``seed + i``.
+  sequences); chunk i is seeded with ``seed + i``. The default (None) sends every problem in one
+  call to an engine that batches rows itself and drops finished ones (``batches_rows``: the
+  StaticEngine, vLLM), and ``HF_BATCH`` at a time to transformers' generate.
 * ``pass_at_k`` is the share of problems with a correct sample among the ``samples``; ``by(column)``
   splits accuracy and pass@k by a dataset column (the arithmetic task's ``level``).
 """
@@ -35,6 +37,7 @@ from qerl_kit.table import html_table, text_table
 __all__ = ["evaluate", "EvalResult", "CORRECT_THRESHOLD"]
 
 CORRECT_THRESHOLD = 1.0  # a completion is correct iff its reward is >= this
+HF_BATCH = 32  # problems per call for an engine without its own row batching (transformers' generate pads them all)
 
 
 def _is_correct(score: float | None) -> bool:
@@ -78,6 +81,36 @@ class EvalResult:
         return (f"accuracy {self.accuracy:.4f} (pass@1, {self.samples} sample(s) per problem, {mode}) "
                 f"on {self.num_problems} problems; mean completion length {self.mean_length:.1f} tokens")
 
+    @property
+    def truncation_rate(self) -> float:
+        """Share of completions that hit the length limit (no stop token)."""
+        reasons = [r for p in self.per_problem for r in p.get("finish_reasons", [])]
+        return sum(r == "length" for r in reasons) / len(reasons) if reasons else 0.0
+
+    def speed_line(self) -> str:
+        tps = self.stats.get("rollout/tokens_per_s")
+        secs = self.stats.get("rollout/seconds")
+        speed = f"{tps:,.0f} generated tokens/s over {secs:.1f} s" if tps and secs else "no timing from the engine"
+        return f"truncated {self.truncation_rate:.1%} of completions; {speed}"
+
+    def to_dict(self) -> dict:
+        return {"accuracy": self.accuracy, "pass_at_k": self.pass_at_k, "samples": self.samples,
+                "num_problems": self.num_problems, "mean_length": self.mean_length,
+                "truncation_rate": self.truncation_rate, "temperature": self.temperature, "stats": dict(self.stats),
+                "per_problem": self.per_problem}
+
+    def save(self, path, meta: dict | None = None) -> None:
+        """Write the summary, ``meta`` and every completion as JSON (a temporary file renamed into place)."""
+        import json
+        import os
+        from pathlib import Path
+
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(path.name + ".partial")
+        tmp.write_text(json.dumps({"meta": meta or {}, **self.to_dict()}, indent=1, default=str), encoding="utf-8")
+        os.replace(tmp, path)
+
     def example_rows(self, k: int = 3, limit: int = 80) -> list[dict]:
         return [{"#": p["index"], "prompt": _short(p["prompt"], limit), "answer": _short(p["answer"], 20),
                  "completion": _short(p["completions"][0], limit) if p["completions"] else "",
@@ -102,7 +135,7 @@ class EvalResult:
 
 def evaluate(model: Any, tokenizer: Any, dataset: Iterable[dict], reward_fn: Callable[..., list],
              *, samples: int = 1, temperature: float = 0.6, top_p: float = 0.95,
-             max_new_tokens: int = 512, batch_size: int = 16, engine: RolloutEngine | None = None,
+             max_new_tokens: int = 512, batch_size: int | None = None, engine: RolloutEngine | None = None,
              prompt_fn: Callable[[Any, dict], str] | None = None, seed: int | None = 0) -> EvalResult:
     """pass@1 of ``model`` (adapter applied, if any) on ``dataset`` rows with a ``prompt`` column.
 
@@ -121,8 +154,8 @@ def evaluate(model: Any, tokenizer: Any, dataset: Iterable[dict], reward_fn: Cal
                          f"{sorted(rows[missing[0]])})")
     if not isinstance(samples, int) or samples < 1:
         raise ValueError(f"samples must be an int >= 1; got {samples!r}")
-    if not isinstance(batch_size, int) or batch_size < 1:
-        raise ValueError(f"batch_size must be an int >= 1; got {batch_size!r}")
+    if batch_size is not None and (not isinstance(batch_size, int) or batch_size < 1):
+        raise ValueError(f"batch_size must be None (all problems at once) or an int >= 1; got {batch_size!r}")
     if temperature == 0 and samples > 1:
         warnings.warn(f"temperature=0 is greedy: the {samples} samples would be identical; sampling once",
                       stacklevel=2)
@@ -135,6 +168,8 @@ def evaluate(model: Any, tokenizer: Any, dataset: Iterable[dict], reward_fn: Cal
         engine = HFEngine(model, tokenizer)
     if prompt_fn is None:
         from qerl_kit.data import chat_prompt as prompt_fn
+    if batch_size is None:  # one engine call: the engine batches rows itself and compacts finished ones
+        batch_size = len(rows) if getattr(engine, "batches_rows", False) else HF_BATCH
     columns = [k for k in dict.fromkeys(k for r in rows for k in r) if k != "prompt"]
     per_problem: list[dict] = []
     stats: dict[str, float] = {}

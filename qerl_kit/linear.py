@@ -8,7 +8,8 @@ a weight outlives a call, and the base never receives a gradient.
 
 MXFP4 and NF4 layers run the plain-PyTorch path; NVFP4 layers go through ``qerl_kit.kernels``,
 whose routing table picks humming-kernels or our kernels on CUDA and the same reference elsewhere.
-A forward that needs no gradient (rollouts, evaluation) skips autograd's bookkeeping.
+A forward that needs no gradient (rollouts, evaluation) skips autograd's bookkeeping. On the CPU,
+generation dequantizes each weight once per call, not once per token (``qerl_kit.dense_cache``).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from qerl_kit import kernels, mxfp4, nf4, nvfp4
+from qerl_kit.dense_cache import cached
 
 
 class _FrozenQuantMatmul(torch.autograd.Function):
@@ -28,7 +30,8 @@ class _FrozenQuantMatmul(torch.autograd.Function):
     def forward(ctx, x: torch.Tensor, layer: "QuantLinear") -> torch.Tensor:
         ctx.layer = layer
         bias = None if layer.bias is None else layer.bias.to(x.dtype)
-        return F.linear(x, layer.dequantized_weight(x.dtype), bias)
+        tensors = tuple(getattr(layer, name) for name in layer._tensor_fields)
+        return F.linear(x, cached(tensors, x.dtype, lambda: layer.dequantized_weight(x.dtype)), bias)
 
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor):

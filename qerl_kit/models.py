@@ -2,12 +2,15 @@
 
 ``build_model("qwen2-tiny")`` builds a randomly initialised Hugging Face causal LM from a preset;
 the real-architecture presets (``"Qwen2.5-7B"`` ...) carry the published shapes so that speed and
-memory can be measured without downloading weights. ``load_model(path_or_name)`` loads a saved
-model through ``AutoModelForCausalLM.from_pretrained`` with ``trust_remote_code`` off.
+memory can be measured without downloading weights. ``load_pretrained(source)`` loads a real
+model and its tokenizer from a local Hugging Face directory, a llama.cpp ``.gguf`` file or a hub id
+(when online), remote code off; ``check_model_source`` says which, or why not, before anything slow.
 """
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -61,8 +64,74 @@ def build_model(name: str, seed: int = 0, dtype: torch.dtype = torch.float32,
     return model.eval()
 
 
+def _offline() -> bool:
+    return os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def describe_sources() -> str:
+    return ("a local Hugging Face model directory, a llama.cpp .gguf file, or a hub id such as "
+            "'Qwen/Qwen2.5-0.5B-Instruct' (when online)")
+
+
+def check_model_source(name: str | os.PathLike) -> str:
+    """Where ``name`` loads from: "gguf", "dir" or "hub"; a clear error (naming ``name`` and what is
+    accepted) for a missing path, a file that is not .gguf, or a hub id while offline. Cheap: call it
+    before anything slow (the task's data, a quantization) so a typo fails first."""
+    from qerl_kit.gguf_model import inspect_gguf, is_gguf_path
+
+    text = str(name)
+    path = Path(text).expanduser()
+    if is_gguf_path(text):
+        inspect_gguf(path)  # exists, is GGUF, not truncated, an architecture we run
+        return "gguf"
+    if path.is_dir():
+        if not (path / "config.json").exists():
+            raise FileNotFoundError(f"model {text!r}: the directory has no config.json; expected "
+                                    f"{describe_sources()}")
+        return "dir"
+    if path.exists():
+        raise ValueError(f"model {text!r} is a file but not a .gguf file; expected {describe_sources()}")
+    looks_local = text.startswith((".", "/", "~")) or text.count("/") > 1 or os.sep in text.replace("/", "")
+    if looks_local or _offline():
+        why = "no such file or directory" + ("" if looks_local else " (and the hub is off: HF_HUB_OFFLINE is set)")
+        raise FileNotFoundError(f"model {text!r}: {why}; expected {describe_sources()}")
+    return "hub"
+
+
+def load_pretrained(name: str | os.PathLike, *, dtype: torch.dtype | str = "auto",
+                    device: str | torch.device | None = None, trust_remote_code: bool = False):
+    """``(model, tokenizer)`` from a local HF directory, a ``.gguf`` file (``qerl_kit.gguf_model``:
+    dequantized to bf16 unless ``dtype`` says otherwise) or a hub id (when online), in eval mode,
+    on ``device`` (default: the CPU). Remote code stays off unless asked for."""
+    from transformers import AutoTokenizer
+
+    kind = check_model_source(name)
+    if kind == "gguf":
+        from qerl_kit.gguf_model import load_gguf
+
+        return load_gguf(Path(str(name)).expanduser(), dtype=torch.bfloat16 if dtype == "auto" else dtype,
+                         device=device)
+    source = str(Path(str(name)).expanduser()) if kind == "dir" else str(name)
+    try:
+        model = load_model(source, dtype=dtype, trust_remote_code=trust_remote_code)
+        tokenizer = AutoTokenizer.from_pretrained(source, trust_remote_code=trust_remote_code)
+    except OSError as e:
+        raise OSError(f"model {str(name)!r} could not be loaded ({e}); expected {describe_sources()}") from e
+    from qerl_kit.gguf_model import add_turn_end
+
+    add_turn_end(model, tokenizer)
+    if device is not None:
+        model = model.to(device)
+    return model.eval(), tokenizer
+
+
 def load_model(path: str, dtype: torch.dtype | str = "auto", trust_remote_code: bool = False, **kwargs):
-    """``AutoModelForCausalLM.from_pretrained`` with safetensors only and remote code off by default."""
+    """A causal LM from a local HF directory or hub id (``from_pretrained`` with safetensors only and
+    remote code off by default) or from a ``.gguf`` file (``qerl_kit.gguf_model.load_gguf``)."""
+    from qerl_kit.gguf_model import is_gguf_path, load_gguf
+
+    if is_gguf_path(path):
+        return load_gguf(path, dtype=torch.bfloat16 if dtype == "auto" else dtype)[0]
     from transformers import AutoModelForCausalLM
 
     return AutoModelForCausalLM.from_pretrained(path, dtype=dtype, use_safetensors=True,

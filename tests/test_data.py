@@ -102,15 +102,45 @@ def test_missing_file_is_file_not_found(tmp_path):
         load_math500("data/nope.jsonl")
 
 
-# ----------------------------------------------------------------------------- Hugging Face fallback
+# ----------------------------------------------------------------------------- split names: local files, hub on request
 
-def test_split_name_without_datasets_package(monkeypatch):
+def test_split_name_reads_the_data_folder_never_the_hub(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "datasets", None)  # any hub access would fail loudly
+    (tmp_path / "gsm8k_test.jsonl").write_text('{"question": "q1", "answer": "a\\n#### 1,600"}\n'
+                                               '{"question": "q2", "answer": "b\\n#### 6"}\n')
+    (tmp_path / "math500_test.jsonl").write_text('{"problem": "p", "answer": "\\\\frac{1}{2}"}\n')
+    monkeypatch.setenv("QERL_DATA", str(tmp_path))
+    rows = load_gsm8k("test", limit=1)
+    assert [(r["prompt"], r["answer"]) for r in rows] == [("q1", "1600")]
+    assert load_math500("test")[0]["answer"] == "\\frac{1}{2}"
+    assert rows[0] and str(tmp_path) in str(__import__("qerl_kit.data", fromlist=["x"]).find_data_file("gsm8k", "test"))
+
+
+def test_a_missing_split_names_the_folders_and_the_variable(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "datasets", None)
+    monkeypatch.setenv("QERL_DATA", str(tmp_path))
+    with pytest.raises(FileNotFoundError, match=r"gsm8k_train\.jsonl.*QERL_DATA") as err:
+        load_gsm8k("train")
+    assert str(tmp_path.resolve()) in str(err.value) and "source='hub'" in str(err.value)
+
+
+def test_default_folders_without_the_variable(tmp_path, monkeypatch):
+    monkeypatch.delenv("QERL_DATA", raising=False)
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "gsm8k_test.jsonl").write_text('{"question": "q", "answer": "#### 3"}\n')
+    assert load_gsm8k("test")[0]["answer"] == "3"
+
+
+def test_hub_only_when_asked_and_without_datasets_it_says_so(monkeypatch):
     monkeypatch.setitem(sys.modules, "datasets", None)
     with pytest.raises(ImportError, match="pip install datasets"):
-        load_gsm8k("test")
+        load_gsm8k("test", source="hub")
+    with pytest.raises(ValueError, match="source must be"):
+        load_gsm8k("test", source="web")
 
 
-def test_split_name_uses_datasets_when_available(monkeypatch):
+def test_hub_source_uses_datasets(monkeypatch):
     calls = []
 
     def load_dataset(name, *args, split):
@@ -120,11 +150,11 @@ def test_split_name_uses_datasets_when_available(monkeypatch):
         return [{"problem": "p", "solution": "\\boxed{1}", "answer": "1"}, {"problem": "p2", "answer": ""}]
 
     monkeypatch.setitem(sys.modules, "datasets", types.SimpleNamespace(load_dataset=load_dataset))
-    rows = load_gsm8k("train", limit=1)
+    rows = load_gsm8k("train", limit=1, source="hub")
     assert [r["answer"] for r in rows] == ["5"] and rows[0]["prompt"] == "q1"
     assert calls[0] == ("openai/gsm8k", ("main",), "train")
     with pytest.raises(ValueError, match=r"HuggingFaceH4/MATH-500\[test\] row 2: field 'answer' is empty"):
-        load_math500("test")
+        load_math500("test", source="hub")
 
 
 # ----------------------------------------------------------------------------- prompts

@@ -62,7 +62,15 @@ def test_demo_train_and_eval_prompt_the_tiny_model_the_same_way(monkeypatch, tmp
     train_task, _ = _captured_task(monkeypatch, lambda: main(["train", "--preset", "tiny-cpu", "--output-dir",
                                                               str(tmp_path / "t"), "--no-widgets"]))
     evaluated = {}
-    monkeypatch.setattr(Task, "evaluate", lambda self, model, tok, **kw: evaluated.setdefault("task", self).name)
+    from qerl_kit.evaluate import EvalResult
+
+    def fake_evaluate(self, model, tok, rows=None, **kw):
+        evaluated.setdefault("task", self)
+        return EvalResult(accuracy=0.0, per_problem=[{"index": 0, "prompt": "p", "answer": "1", "completions": ["c"],
+                                                       "pass_rate": 0.0, "finish_reasons": ["stop"]}],
+                          samples=1, mean_length=1.0)
+
+    monkeypatch.setattr(Task, "evaluate", fake_evaluate)
     assert main(["eval", "--limit", "4"]) == 0
     row = demo_task.eval[0]
     assert demo_task.prompt(tok, row) == train_task.prompt(tok, row) == evaluated["task"].prompt(tok, row)
@@ -70,9 +78,10 @@ def test_demo_train_and_eval_prompt_the_tiny_model_the_same_way(monkeypatch, tmp
 
 
 @pytest.mark.skipif(not (DATA / "gsm8k_test.jsonl").is_file(), reason=f"shared data {DATA} not found")
-def test_a_jsonl_task_uses_gsm8k_prompts_and_its_last_rows_as_eval():
+def test_a_jsonl_task_uses_gsm8k_prompts_and_its_first_rows_as_eval():
     task = make_task(DataConfig(dataset=str(DATA / "gsm8k_test.jsonl"), eval_size=5))
-    assert task.name == "gsm8k_test" and len(task.eval) == 5 and task.eval == task.train[-5:]
+    assert task.name == "gsm8k_test" and len(task.eval) == 5 and task.eval == task.train[:5]
+    assert task.eval[0]["prompt"].startswith("Janet")  # the file's first problem
     assert task.prompt(None, task.eval[0]).endswith("\nAnswer:") and GSM8K_SUFFIX in task.prompt(None, task.eval[0])
     with pytest.raises(FileNotFoundError, match="no such file"):
         make_task(DataConfig(dataset="missing.jsonl"))

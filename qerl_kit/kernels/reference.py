@@ -19,12 +19,15 @@ import torch
 import torch.nn.functional as F
 
 from qerl_kit import nvfp4
+from qerl_kit.dense_cache import cached
 
 
 def dequantize(packed: torch.Tensor, scales: torch.Tensor, global_scale: torch.Tensor,
                dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
-    """Dense W [N, K] from the three NVFP4 tensors."""
-    return nvfp4.dequantize(nvfp4.NVFP4Tensor(packed, scales, global_scale), dtype)
+    """Dense W [N, K] from the three NVFP4 tensors (once per generation call on the CPU:
+    ``qerl_kit.dense_cache``)."""
+    return cached((packed, scales, global_scale), dtype,
+                  lambda: nvfp4.dequantize(nvfp4.NVFP4Tensor(packed, scales, global_scale), dtype))
 
 
 def nvfp4_linear_ref(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor,

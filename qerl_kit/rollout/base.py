@@ -133,11 +133,16 @@ def check_context(prompt_ids: Sequence[Sequence[int]], max_new_tokens: int, mode
 
 @contextlib.contextmanager
 def inference(model: torch.nn.Module):
-    """Eval mode and no_grad; restores every module's own train/eval flag afterwards."""
+    """Eval mode and no_grad; restores every module's own train/eval flag afterwards. On the CPU,
+    4-bit weights are dequantized once for the whole block (``qerl_kit.dense_cache``)."""
+    from qerl_kit.dense_cache import dense_weight_cache
+
     modes = [(m, m.training) for m in model.modules()]
+    first = next(model.parameters(), None)
+    on_cpu = first is None or first.device.type == "cpu"
     model.eval()
     try:
-        with torch.no_grad():
+        with torch.no_grad(), dense_weight_cache(enabled=on_cpu):
             yield
     finally:
         for module, training in modes:
@@ -169,12 +174,35 @@ def _as_ids(value: Any) -> list[int]:
 def special_ids(tokenizer: Any, model: torch.nn.Module | None,
                 stop_token_ids: Sequence[int] | None = None) -> tuple[int | None, list[int]]:
     """(pad id, stop ids) for an engine: pad = the tokenizer's pad, else its first EOS (None if it
-    has neither); stop ids = tokenizer EOS + the model's ``generation_config`` EOS + extra ids."""
+    has neither); stop ids = tokenizer EOS + the model's ``generation_config`` EOS + the chat
+    template's turn end (``chat_stop_ids``) + extra ids."""
     eos = _as_ids(getattr(tokenizer, "eos_token_id", None))
     pad = getattr(tokenizer, "pad_token_id", None)
     config_eos = _as_ids(getattr(getattr(model, "generation_config", None), "eos_token_id", None))
-    stop = list(dict.fromkeys(eos + config_eos + _as_ids(stop_token_ids)))
+    stop = list(dict.fromkeys(eos + config_eos + chat_stop_ids(tokenizer) + _as_ids(stop_token_ids)))
     return (int(pad) if pad is not None else (eos[0] if eos else None)), stop
+
+
+def chat_stop_ids(tokenizer: Any) -> list[int]:
+    """The special token that ends an assistant turn in the tokenizer's chat template (``<|im_end|>``
+    in Qwen's ChatML, ``<|eot_id|>`` in Llama 3), as a one-element list; [] without a template or
+    when the turn ends in plain text. Read off the template itself: an assistant message is
+    rendered and the first token after its content is taken if it is a special token."""
+    if tokenizer is None or getattr(tokenizer, "chat_template", None) is None:
+        return []
+    marker = "qerl-turn-marker"
+    try:
+        text = tokenizer.apply_chat_template([{"role": "user", "content": "q"}, {"role": "assistant", "content": marker}],
+                                             tokenize=False)
+    except Exception:  # noqa: BLE001 - a template that cannot render this pair has no turn end to read
+        return []
+    if not isinstance(text, str) or marker not in text:
+        return []
+    tail = text.split(marker, 1)[1]
+    ids = tokenizer(tail, add_special_tokens=False)["input_ids"] if tail else []
+    special = set(getattr(tokenizer, "all_special_ids", []) or [])
+    special |= {int(i) for i in (getattr(tokenizer, "added_tokens_decoder", None) or {})}
+    return [int(ids[0])] if ids and int(ids[0]) in special else []
 
 
 def stop_mask(completion: Tensor, stop_token_ids: Sequence[int]) -> tuple[Tensor, Tensor]:

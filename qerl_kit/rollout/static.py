@@ -43,6 +43,7 @@ depend on seed, prompts, rows and device.
 
 from __future__ import annotations
 
+import gc
 import time
 import warnings
 from dataclasses import dataclass, field
@@ -93,6 +94,18 @@ class _State:
         self.views[rows].forced = self.forced
         return self.views[rows]
 
+    def release(self) -> None:
+        """Drop this state's graphs and views now. A view points back at its root (``root``), so a
+        dropped state is a reference cycle that only Python's cyclic GC frees, at a moment of its
+        choosing; when that moment fell inside a later graph capture, destroying the old graphs
+        there invalidated the capture (Trainer.evaluate() after 11-13 GRPO steps, issue #42)."""
+        for view in self.views.values():
+            view.graphs.clear()
+            view.root = None
+        self.views.clear()
+        self.graphs.clear()
+        self.pool = None
+
     def snapshot(self) -> dict[str, Tensor]:
         return {k: getattr(self, k).clone() for k in ("tok", "pos", "slot", "step", "done", "key_bias")}
 
@@ -120,6 +133,8 @@ class StaticEngine(ModelEngine):
     ``scaled_dot_product_attention``, the kernel's A/B baseline); see
     ``qerl_kit.kernels.decode_attention``.
     """
+
+    batches_rows = True  # evaluate() may send every problem in one call (rows are batched and compacted here)
 
     def __init__(self, model: torch.nn.Module, tokenizer: Any = None, *, cuda_graphs: bool = True,
                  max_rows: int | None = None, length_bucket: int = 128, prompt_bucket: int = 64,
@@ -154,9 +169,15 @@ class StaticEngine(ModelEngine):
 
     def reset(self) -> None:
         """Drop the cache and every captured graph (after swapping parameter objects, not values)."""
-        self._state = None
+        self._drop_state()
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
+
+    def _drop_state(self) -> None:
+        """Free the cache and its graphs now, outside any capture (``_State.release``)."""
+        if self._state is not None:
+            self._state[1].release()
+        self._state = None
 
     # -- the public interface (generate: ModelEngine's, on top of generate_ids) ---------------
     def generate_ids(self, prompts: Prompts | Sequence[Sequence[int]], n: int = 1,
@@ -198,7 +219,7 @@ class StaticEngine(ModelEngine):
         key = (rows, n, width, new)
         if self._state is not None and self._state[0] == key:
             return self._state[1]
-        self._state = None  # free the old cache (and its graphs) before allocating the new one
+        self._drop_state()  # free the old cache (and its graphs) before allocating the new one
         dev = self.device
         stop = torch.tensor(self.stop_token_ids or [-1], dtype=torch.long, device=dev)
         prompts = rows // n if self.shared_prefix else 0
@@ -265,8 +286,16 @@ class StaticEngine(ModelEngine):
             if owner.pool is None:
                 owner.pool = torch.cuda.graph_pool_handle()
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=owner.pool):
-                self._step(st, length, sampling, ignore_eos)
+            # No cyclic GC while capturing: a finalizer it runs (another object's CUDA graph or
+            # memory) would make a CUDA call that capture forbids and invalidate this capture.
+            gc_was_on = gc.isenabled()
+            gc.disable()
+            try:
+                with torch.cuda.graph(graph, pool=owner.pool):
+                    self._step(st, length, sampling, ignore_eos)
+            finally:
+                if gc_was_on:
+                    gc.enable()
             st.load(snap)  # capture runs nothing, but be explicit about the state replay starts from
             st.graphs[key] = graph
         graph.replay()

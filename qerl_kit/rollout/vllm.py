@@ -168,6 +168,8 @@ class AdapterWriter:
 class VLLMEngine(Engine):
     """``vllm.LLM`` on an exported NVFP4 checkpoint; ``generate`` fills ``qerl_kit.rollout.Rollouts``."""
 
+    batches_rows = True  # evaluate() may send every problem in one call (rows are batched and compacted here)
+
     def __init__(self, checkpoint_dir: str | Path, tokenizer, *, gpu_memory_utilization: float = 0.3,
                  max_lora_rank: int = 64, enable_sleep_mode: bool = True, max_model_len: int | None = None,
                  seed: int = 0, dtype: str = "bfloat16", logprobs_mode: str | None = "processed_logprobs",

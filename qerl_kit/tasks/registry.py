@@ -9,10 +9,19 @@
 * ``countdown``: reach a target from 3-5 given numbers with + - * / (``qerl_kit.tasks.countdown``:
   a task that needs search), generated from ``seed`` with disjoint splits, scored exactly by
   ``countdown_reward`` plus a small ``format_reward``;
-* ``gsm8k``: GSM8K's train and test splits (``qerl_kit.data.load_gsm8k``), ``gsm8k_reward``;
-* ``math500``: MATH-500 (train = eval, for quick checks), ``math_reward``;
-* and a path to a GSM8K-style ``.jsonl`` file (held-out rows: ``data.eval_dataset`` or its last
-  ``eval_size`` rows).
+* ``gsm8k``: GSM8K's train and test splits, read from ``gsm8k_train.jsonl`` / ``gsm8k_test.jsonl``
+  in the data folder (``qerl_kit.data.find_data_file``: ``$QERL_DATA``, ``./data``,
+  ``../shared/data``; never the hub), the first ``eval_size`` test rows held out, ``gsm8k_reward``,
+  512 new tokens;
+* ``math500``: MATH-500 from ``math500_test.jsonl`` (train = eval, for quick checks),
+  ``math_reward``, MATH's ``\\boxed{}`` instruction (``math_prompt``), 1024 new tokens;
+* and a path to a GSM8K-style ``.jsonl`` file (held-out rows: ``data.eval_dataset``'s or the
+  file's first ``eval_size`` rows).
+
+Prompts: the model's chat template with no system message of ours (so the template's own
+default applies: Qwen2.5's "You are Qwen, created by Alibaba Cloud. You are a helpful
+assistant."), the question, and the task's instruction suffix (``qerl_kit.data.GSM8K_SUFFIX``:
+final answer after "####"; ``MATH_SUFFIX``: in ``\\boxed{}``), as the official QeRL/verl recipes.
 
 A new task is one ``register_task("mine", factory)`` call (docs/architecture.md).
 """
@@ -24,7 +33,7 @@ from typing import Any, Callable
 
 from qerl_kit.tasks.task import Task, chat_prompt
 
-__all__ = ["TASKS", "register_task", "make_task", "task_names", "arith_prompt"]
+__all__ = ["TASKS", "register_task", "make_task", "task_names", "arith_prompt", "math_prompt"]
 
 
 def arith_prompt(tokenizer: Any, row: dict) -> str:
@@ -52,20 +61,32 @@ def _countdown(cfg, seed: int) -> Task:
                 max_new_tokens=96, info={"seed": seed, "train_size": cfg.train_size, "eval_size": cfg.eval_size})
 
 
+def math_prompt(tokenizer: Any, row: dict) -> str:
+    """A MATH problem's prompt: the chat-templated problem with MATH's instruction suffix
+    (``\\boxed{}``, which ``math_reward`` reads)."""
+    from qerl_kit.data import MATH_SUFFIX
+
+    return chat_prompt(tokenizer, row, suffix=MATH_SUFFIX)
+
+
 def _gsm8k(cfg, seed: int) -> Task:
     from qerl_kit import rewards
-    from qerl_kit.data import load_gsm8k
+    from qerl_kit.data import find_data_file, load_gsm8k
 
-    return Task("gsm8k", load_gsm8k("train"), load_gsm8k("test")[:cfg.eval_size], (rewards.gsm8k_reward,),
-                chat_prompt, max_new_tokens=512)
+    files = {split: find_data_file("gsm8k", split) for split in ("train", "test")}  # both, before reading either
+    return Task("gsm8k", load_gsm8k(files["train"]), load_gsm8k(files["test"], limit=cfg.eval_size),
+                (rewards.gsm8k_reward,), chat_prompt, max_new_tokens=512,
+                info={split: str(f) for split, f in files.items()})
 
 
 def _math500(cfg, seed: int) -> Task:
     from qerl_kit import rewards
-    from qerl_kit.data import load_math500
+    from qerl_kit.data import find_data_file, load_math500
 
-    rows = load_math500("test")
-    return Task("math500", rows, rows[:cfg.eval_size], (rewards.math_reward,), chat_prompt, max_new_tokens=512)
+    path = find_data_file("math500", "test")
+    rows = load_math500(path)
+    return Task("math500", rows, rows[:cfg.eval_size], (rewards.math_reward,), math_prompt, max_new_tokens=1024,
+                info={"test": str(path)})
 
 
 def _jsonl(cfg, seed: int) -> Task:
@@ -76,8 +97,8 @@ def _jsonl(cfg, seed: int) -> Task:
     if not path.exists():
         raise FileNotFoundError(f"data.dataset {cfg.dataset!r}: no such file")
     train = load_gsm8k(str(path))
-    evals = load_gsm8k(cfg.eval_dataset) if cfg.eval_dataset else train[-cfg.eval_size:]
-    return Task(path.stem, train, evals[:cfg.eval_size], (rewards.gsm8k_reward,), chat_prompt,
+    evals = load_gsm8k(cfg.eval_dataset, limit=cfg.eval_size) if cfg.eval_dataset else train[:cfg.eval_size]
+    return Task(path.stem, train, evals, (rewards.gsm8k_reward,), chat_prompt, max_new_tokens=512,
                 info={"path": str(path)})
 
 
