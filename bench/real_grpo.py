@@ -145,10 +145,11 @@ def report(out: str) -> str:
         peak = max((f["peak_gib_train"] for f in finals), default=float("nan"))
         plan = finals[0]["plan_gib"] if finals else "n/a"
         plan_s = f"{plan:.2f}" if isinstance(plan, float) else str(plan)[:30]
+        seeds_acc = ", ".join(format(f["accuracy"], ".3f") for f in finals)
         lines.append(f"| {name} | {len(rs)} | {steps} | {rf[0]:.3f} ± {rf[1]:.3f} | {rl[0]:.3f} ± {rl[1]:.3f} | "
                      f"{ef[0]:.3f} ± {ef[1]:.3f} | {el[0]:.3f} ± {el[1]:.3f} | {ll[0]:.0f} | {t[0]:.1f} "
                      f"({tr[0]:.1f} + {t[0] - tr[0]:.1f}) | {acc[0]:.4f} ± {acc[1]:.4f} "
-                     f"({', '.join(f'{f['accuracy']:.3f}' for f in finals)}) | {peak:.1f} / {plan_s} |")
+                     f"({seeds_acc}) | {peak:.1f} / {plan_s} |")
         curves[name] = {key: [_band([h["hist"][i][key] for h in rs if i < len(h["hist"]) and key in h["hist"][i]])
                               for i in range(steps)] for key in ("reward", "entropy", "completions/mean_length")}
     text = "\n".join(lines) + "\n"

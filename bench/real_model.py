@@ -68,7 +68,8 @@ def _load(path: str, fmt: str, device: str):
     return model, tok
 
 
-def evaluate_formats(path: str, out: str, formats, tasks, pass_k: int, limit: int | None) -> list[dict]:
+def evaluate_formats(path: str, out: str, formats, tasks, pass_k: int, limit: int | None,
+                     only_pass_k: bool = False) -> list[dict]:
     from qerl_kit.config import DataConfig
     from qerl_kit.rollout.static import StaticEngine
     from qerl_kit.tasks import make_task
@@ -79,10 +80,10 @@ def evaluate_formats(path: str, out: str, formats, tasks, pass_k: int, limit: in
     for fmt in formats:
         torch.cuda.empty_cache() if device == "cuda" else None
         model, tok = _load(path, fmt, device)
-        engine = StaticEngine(model, tok)
+        engine = StaticEngine(model, tok, max_rows=int(os.environ.get("QERL_EVAL_MAX_ROWS", 2048)))
         for name in tasks:
             task = make_task(DataConfig(dataset=name, eval_size=limit or 10**9))
-            modes = [("greedy", dict(samples=1, temperature=0.0))]
+            modes = [] if only_pass_k else [("greedy", dict(samples=1, temperature=0.0))]
             if pass_k > 1:
                 modes.append((f"pass{pass_k}", dict(samples=pass_k, temperature=0.6, top_p=0.95)))
             for mode, kw in modes:
@@ -101,6 +102,7 @@ def evaluate_formats(path: str, out: str, formats, tasks, pass_k: int, limit: in
                 first = [{k: p[k] for k in ("index", "answer", "scores", "lengths")} | {"completion": p["completions"][0]}
                          for p in res.per_problem[:20]]
                 Path(out, f"{fmt}_{name}_{mode}.json").write_text(json.dumps({**row, "first": first}, indent=1))
+                _table(rows, Path(out, "summary.md"), quiet=True)  # kept current: a timed-out call keeps its rows
                 print(json.dumps({k: row[k] for k in ("format", "task", "mode", "accuracy", "pass_at_k",
                                                       "mean_length", "truncation_rate", "tokens_per_s", "wall_s")}),
                       flush=True)
@@ -109,7 +111,7 @@ def evaluate_formats(path: str, out: str, formats, tasks, pass_k: int, limit: in
     return rows
 
 
-def _table(rows: list[dict], path: Path) -> None:
+def _table(rows: list[dict], path: Path, quiet: bool = False) -> None:
     lines = ["| format | task | mode | n | accuracy | pass@k | mean length | truncated | tok/s | wall s | peak GiB |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
@@ -118,7 +120,8 @@ def _table(rows: list[dict], path: Path) -> None:
                      f"{(r['tokens_per_s'] or 0):,.0f} | {r['wall_s']:.1f} | "
                      f"{'' if r['peak_gib'] is None else format(r['peak_gib'], '.2f')} |")
     path.write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    if not quiet:
+        print("\n".join(lines))
 
 
 def regress(path: str, out: str, steps: int) -> dict:
@@ -169,11 +172,11 @@ def _gc_in_capture(engine, tok, fixed: bool) -> str:
         static._State.release = lambda self: None  # the old teardown: drop the reference, leave the cycle
     old_step = engine._step
     try:
+        engine.max_rows = None  # stop_after needs every row in one batch
         prompts = [[int(t) for t in tok(f"Count to {i}:", add_special_tokens=False)["input_ids"]] for i in range(12)]
         # rows stop at different lengths, so compaction makes views (the cycle) and graphs on them
         engine.generate_ids(prompts, 2, SamplingParams(max_new_tokens=200, temperature=1.0, seed=1),
                             stop_after=[5 + 13 * (i % 12) for i in range(24)])
-        engine.max_rows = None
 
         def step_with_gc(*args, **kwargs):
             if torch.cuda.is_current_stream_capturing():
@@ -204,6 +207,7 @@ def main(argv=None) -> int:
     e.add_argument("--formats", nargs="+", default=list(FORMATS), choices=FORMATS)
     e.add_argument("--tasks", nargs="+", default=list(TASK_LENGTH), choices=list(TASK_LENGTH))
     e.add_argument("--pass-k", type=int, default=1)
+    e.add_argument("--only-pass-k", action="store_true", help="skip the greedy runs")
     e.add_argument("--limit", type=int, default=None)
     e.add_argument("--max-new-tokens", type=int, default=None, help="override the tasks' lengths (smoke tests)")
     r = sub.add_parser("regress")
@@ -216,7 +220,7 @@ def main(argv=None) -> int:
     elif a.cmd == "eval":
         if a.max_new_tokens:
             TASK_LENGTH.update({k: a.max_new_tokens for k in TASK_LENGTH})
-        evaluate_formats(a.model, a.out, a.formats, a.tasks, a.pass_k, a.limit)
+        evaluate_formats(a.model, a.out, a.formats, a.tasks, a.pass_k, a.limit, a.only_pass_k)
     else:
         regress(a.model, a.out, a.steps)
     return 0

@@ -37,14 +37,15 @@ setup)
   python3 -m bench.real_model convert /tmp/model.gguf /tmp/m05 2>&1 | grep -v "it/s\]" ;;
 eval)
   tag="${EVAL_TAG:-eval}"  # $OUT returns at most 8 files: the JSONs travel as one archive
-  python3 -m bench.real_model eval /tmp/m05 --out "/tmp/$tag" "$@" 2>&1 | grep -v "it/s\]"
+  timeout "${LIMIT_S:-560}" python3 -m bench.real_model eval /tmp/m05 --out "/tmp/$tag" "$@" 2>&1 | grep -v "it/s\]"
   cp "/tmp/$tag/summary.md" "$OUT/$tag-summary.md"; tar czf "$OUT/$tag.tgz" -C /tmp "$tag" ;;
 regress)
-  python3 -m bench.real_model regress /tmp/m05 --out /tmp/regress "$@" 2>&1 | grep -v "it/s\]"
+  timeout "${LIMIT_S:-560}" python3 -m bench.real_model regress /tmp/m05 --out /tmp/regress "$@" 2>&1 | grep -v "it/s\]"
   cp /tmp/regress/regress.json "$OUT/" ;;
 grpo)
   mkdir -p /tmp/grpo
-  python3 -m bench.real_grpo run /tmp/m05 --out /tmp/grpo "$@" 2>&1 | grep -v "it/s\]"
+  timeout "${LIMIT_S:-540}" python3 -m bench.real_grpo run /tmp/m05 --out /tmp/grpo "$@" 2>&1 | grep -v "it/s\]"
+  python3 -m bench.real_grpo report /tmp/grpo
   mkdir -p "$OUT/grpo" && cp /tmp/grpo/study.md /tmp/grpo/curves.json "$OUT/grpo/" 2>/dev/null
   (cd /tmp/grpo && tar czf "$OUT/grpo/runs.tgz" --exclude='checkpoint-*' */metrics.jsonl */final.json */log.txt 2>/dev/null) ;;
 *) echo "unknown part $part" >&2; exit 2 ;;

@@ -16,9 +16,10 @@ table in a notebook.
   ``completions`` (texts), ``completion_ids`` (lists of ids, stop token included) and every other
   dataset column as a list aligned with the completions (``answer=[...]``).
 * Problems are sent to the engine ``batch_size`` at a time (each becomes ``batch_size * samples``
-  sequences); chunk i is seeded with ``seed + i``. The default (None) sends every problem in one
-  call to an engine that batches rows itself and drops finished ones (``batches_rows``: the
-  StaticEngine, vLLM), and ``HF_BATCH`` at a time to transformers' generate.
+  sequences); chunk i is seeded with ``seed + i``. The default (None) sends ``EVAL_ROWS // samples``
+  problems per call to an engine that batches rows itself and drops finished ones (``batches_rows``:
+  the StaticEngine, vLLM; all 1319 GSM8K test problems in one call when greedy), and ``HF_BATCH``
+  at a time to transformers' generate.
 * ``pass_at_k`` is the share of problems with a correct sample among the ``samples``; ``by(column)``
   splits accuracy and pass@k by a dataset column (the arithmetic task's ``level``).
 """
@@ -38,6 +39,10 @@ __all__ = ["evaluate", "EvalResult", "CORRECT_THRESHOLD"]
 
 CORRECT_THRESHOLD = 1.0  # a completion is correct iff its reward is >= this
 HF_BATCH = 32  # problems per call for an engine without its own row batching (transformers' generate pads them all)
+# rows (problems x samples) per call for the StaticEngine / vLLM: every GSM8K test problem greedily in one
+# call; 8 samples of all 1319 (10,552 rows) in one call ran out of an H200's memory (a 0.5B model's
+# CUDA-graph pools alone took 63 GiB: each live-row count captures its own graphs)
+EVAL_ROWS = 2048
 
 
 def _is_correct(score: float | None) -> bool:
@@ -168,8 +173,8 @@ def evaluate(model: Any, tokenizer: Any, dataset: Iterable[dict], reward_fn: Cal
         engine = HFEngine(model, tokenizer)
     if prompt_fn is None:
         from qerl_kit.data import chat_prompt as prompt_fn
-    if batch_size is None:  # one engine call: the engine batches rows itself and compacts finished ones
-        batch_size = len(rows) if getattr(engine, "batches_rows", False) else HF_BATCH
+    if batch_size is None:  # few engine calls: the engine batches rows itself and compacts finished ones
+        batch_size = max(1, EVAL_ROWS // samples) if getattr(engine, "batches_rows", False) else HF_BATCH
     columns = [k for k in dict.fromkeys(k for r in rows for k in r) if k != "prompt"]
     per_problem: list[dict] = []
     stats: dict[str, float] = {}
