@@ -6,7 +6,8 @@ Q4_K/Q5_0/Q6_K/Q8_0 blocks dequantized by ``transformers`` through the ``gguf`` 
 file's tokenizer and chat template, and its head tied or untied as in the file (tied when the file
 has no ``output.weight``). qerl_kit then quantizes it to its own format like any other model.
 
-Before anything heavy, ``inspect_gguf`` reads the header and refuses, naming the file:
+Before anything heavy, ``check_gguf_header`` (milliseconds) and then ``inspect_gguf`` (the whole
+header and tensor table, seconds) refuse, naming the file:
 a missing path, a file that is not GGUF (magic bytes), a truncated or damaged file (a tensor ends
 past the end of the file, or the header does not parse), and an architecture the rollout engine and
 the quantizer were not built for (``SUPPORTED_ARCHITECTURES``).
@@ -23,7 +24,8 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["GGUFError", "GGUFInfo", "SUPPORTED_ARCHITECTURES", "inspect_gguf", "load_gguf", "is_gguf_path"]
+__all__ = ["GGUFError", "GGUFInfo", "SUPPORTED_ARCHITECTURES", "check_gguf_header", "inspect_gguf", "load_gguf",
+           "is_gguf_path"]
 
 # Architectures whose transformers classes qerl_kit's engine, quantizer and AQN were built and
 # tested on (qerl_kit.models presets); transformers reads more, which we would not run correctly.
@@ -49,6 +51,62 @@ class GGUFInfo:
 def is_gguf_path(name: str | os.PathLike) -> bool:
     """Whether ``name`` is meant as a GGUF file (its suffix), existing or not."""
     return str(name).lower().endswith(".gguf")
+
+
+# GGUF value types (gguf-py's GGUFValueType): fixed sizes of the scalar ones; 8 = string, 9 = array
+_SCALAR_SIZES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
+
+
+def check_gguf_header(path: str | os.PathLike) -> str:
+    """The file's architecture, read from its first key/value pairs in milliseconds (a full
+    ``inspect_gguf`` parses the whole vocabulary: seconds); the same errors as ``inspect_gguf`` for a
+    missing file, a file that is not GGUF and an unsupported architecture. Truncation inside the
+    tensor data is found by ``inspect_gguf`` when the model loads."""
+    import struct
+
+    path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"GGUF file {str(path)!r} does not exist")
+    if not path.is_file():
+        raise GGUFError(f"{str(path)!r} is not a file; a GGUF model is one .gguf file")
+    with open(path, "rb") as f:
+        def take(n: int) -> bytes:
+            data = f.read(n)
+            if len(data) != n:
+                raise GGUFError(f"{str(path)!r}: truncated or damaged GGUF file (its header ends early)")
+            return data
+
+        magic = f.read(4)
+        if magic != _MAGIC:
+            raise GGUFError(f"{str(path)!r} is not a GGUF file (it starts with {magic!r}, not {_MAGIC!r})")
+        _version, _tensors, kv_count = struct.unpack("<IQQ", take(20))
+
+        def skip(kind: int) -> None:
+            if kind in _SCALAR_SIZES:
+                take(_SCALAR_SIZES[kind])
+            elif kind == 8:
+                take(struct.unpack("<Q", take(8))[0])
+            elif kind == 9:
+                inner, count = struct.unpack("<IQ", take(12))
+                if inner in _SCALAR_SIZES:
+                    take(_SCALAR_SIZES[inner] * count)
+                else:
+                    for _ in range(count):
+                        skip(inner)
+            else:
+                raise GGUFError(f"{str(path)!r}: damaged GGUF header (value type {kind})")
+
+        for _ in range(min(kv_count, 64)):  # general.architecture comes first in llama.cpp's files
+            key = take(struct.unpack("<Q", take(8))[0]).decode("utf-8", "replace")
+            kind = struct.unpack("<I", take(4))[0]
+            if key == "general.architecture" and kind == 8:
+                arch = take(struct.unpack("<Q", take(8))[0]).decode("utf-8", "replace")
+                if arch not in SUPPORTED_ARCHITECTURES:
+                    raise GGUFError(f"{str(path)!r}: architecture {arch!r} is not supported; qerl_kit runs "
+                                    f"{', '.join(SUPPORTED_ARCHITECTURES)}")
+                return arch
+            skip(kind)
+    raise GGUFError(f"{str(path)!r}: the GGUF header names no general.architecture")
 
 
 def inspect_gguf(path: str | os.PathLike) -> GGUFInfo:

@@ -77,12 +77,12 @@ def check_model_source(name: str | os.PathLike) -> str:
     """Where ``name`` loads from: "gguf", "dir" or "hub"; a clear error (naming ``name`` and what is
     accepted) for a missing path, a file that is not .gguf, or a hub id while offline. Cheap: call it
     before anything slow (the task's data, a quantization) so a typo fails first."""
-    from qerl_kit.gguf_model import inspect_gguf, is_gguf_path
+    from qerl_kit.gguf_model import check_gguf_header, is_gguf_path
 
     text = str(name)
     path = Path(text).expanduser()
     if is_gguf_path(text):
-        inspect_gguf(path)  # exists, is GGUF, not truncated, an architecture we run
+        check_gguf_header(path)  # exists, is GGUF, an architecture we run (truncation: when it loads)
         return "gguf"
     if path.is_dir():
         if not (path / "config.json").exists():
