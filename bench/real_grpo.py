@@ -1,7 +1,7 @@
 """Issue #42's GRPO study on a real model: the paper's four bases, several seeds, in parallel on one GPU.
 
     python -m bench.real_grpo run MODEL --out OUT [--configs ...] [--seeds 0 1 2] [--steps 30] [--parallel 12]
-    python -m bench.real_grpo report OUT
+    python -m bench.real_grpo report OUT [--plot]
 
 Each (configuration, seed) is one process (``worker``) running the ``real-gsm8k`` preset
 (qerl_kit/config.py: 8 prompts x 8 samples of 256 tokens on GSM8K train, GRPO, mu 1, LoRA r 16)
@@ -159,6 +159,35 @@ def report(out: str) -> str:
     return text
 
 
+def plot(out: str, path: str | None = None) -> str:
+    """Reward, entropy and completion length per step, one line per configuration with its 95% band
+    across seeds (from curves.json), saved as a PNG next to it (or at ``path``)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    curves = json.loads(Path(out, "curves.json").read_text())
+    keys = (("reward", "reward (train batch)"), ("entropy", "entropy (nats/token)"),
+            ("completions/mean_length", "completion length (tokens)"))
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4))
+    for ax, (key, label) in zip(axes, keys):
+        for name, c in curves.items():
+            mean = [m for m, _ in c[key]]
+            half = [h for _, h in c[key]]
+            steps = range(1, len(mean) + 1)
+            ax.plot(steps, mean, label=name)
+            ax.fill_between(steps, [m - h for m, h in zip(mean, half)], [m + h for m, h in zip(mean, half)], alpha=0.15)
+        ax.set_xlabel("step")
+        ax.set_title(label)
+    axes[0].legend(fontsize=8)
+    fig.suptitle("GRPO on Qwen2.5-Coder-0.5B-Instruct, GSM8K train: mean of 3 seeds, 95% band")
+    fig.tight_layout()
+    target = path or str(Path(out, "curves.png"))
+    fig.savefig(target, dpi=90)
+    return target
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -177,6 +206,7 @@ def main(argv=None) -> int:
     w.add_argument("run_dir")
     rep = sub.add_parser("report")
     rep.add_argument("out")
+    rep.add_argument("--plot", action="store_true", help="also draw curves.png from curves.json")
     a = p.parse_args(argv)
     if a.cmd == "run":
         run(a.model, a.out, a.configs, a.seeds, a.steps, a.parallel)
@@ -184,7 +214,10 @@ def main(argv=None) -> int:
     elif a.cmd == "worker":
         worker(a.model, a.config, a.seed, a.steps, a.run_dir)
     else:
-        report(a.out)
+        if (Path(a.out) / "metrics.jsonl").exists() or any(Path(a.out).glob("*/metrics.jsonl")):
+            report(a.out)
+        if a.plot:
+            print(plot(a.out))
     return 0
 
 
