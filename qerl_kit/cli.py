@@ -160,7 +160,11 @@ def _cmd_eval(args: argparse.Namespace) -> int:
     if args.limit is not None and args.limit < 1:
         print(f"qerl eval: --limit {args.limit}: must be >= 1 (the number of problems to score)", file=sys.stderr)
         return 2
-    device = _eval_device(args.device)
+    try:
+        device = _eval_device(args.device)
+    except ValueError as err:
+        print(f"qerl eval: {err}", file=sys.stderr)
+        return 2
     mcfg = ModelConfig(name=args.model, format=args.format, trust_remote_code=args.trust_remote_code)
     if args.model != "tiny":
         from qerl_kit.models import check_model_source
