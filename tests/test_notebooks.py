@@ -18,7 +18,7 @@ import pytest
 
 NOTEBOOKS = Path(__file__).resolve().parents[1] / "notebooks"
 NAMES = ["01_nvfp4_quantization.ipynb", "02_lora_on_4bit.ipynb", "03_aqn_exploration.ipynb",
-         "04_grpo_loop.ipynb", "05_gpu_real_model.ipynb", "06_paper_claims.ipynb"]
+         "04_grpo_loop.ipynb", "05_gpu_real_model.ipynb", "06_paper_claims.ipynb", "07_real_model.ipynb"]
 MAX_COMMITTED_BYTES = 300_000
 
 
