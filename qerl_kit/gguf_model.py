@@ -6,8 +6,8 @@ Q4_K/Q5_0/Q6_K/Q8_0 blocks dequantized by ``transformers`` through the ``gguf`` 
 file's tokenizer and chat template, and its head tied or untied as in the file (tied when the file
 has no ``output.weight``). qerl_kit then quantizes it to its own format like any other model.
 
-Before anything heavy, ``check_gguf_header`` (milliseconds) and then ``inspect_gguf`` (the whole
-header and tensor table, seconds) refuse, naming the file:
+Before anything heavy, ``check_gguf_header`` (the first header fields, milliseconds) and then
+``inspect_gguf`` (the whole header and tensor table, under a second) refuse, naming the file:
 a missing path, a file that is not GGUF (magic bytes), a truncated or damaged file (a tensor ends
 past the end of the file, or the header does not parse), and an architecture the rollout engine and
 the quantizer were not built for (``SUPPORTED_ARCHITECTURES``).
@@ -55,105 +55,108 @@ def is_gguf_path(name: str | os.PathLike) -> bool:
 
 # GGUF value types (gguf-py's GGUFValueType): fixed sizes of the scalar ones; 8 = string, 9 = array
 _SCALAR_SIZES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
+_SCALAR_FORMATS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
+_WANTED = ("general.architecture", "general.name", "general.alignment")
 
 
 def check_gguf_header(path: str | os.PathLike) -> str:
-    """The file's architecture, read from its first key/value pairs in milliseconds (a full
-    ``inspect_gguf`` parses the whole vocabulary: seconds); the same errors as ``inspect_gguf`` for a
-    missing file, a file that is not GGUF and an unsupported architecture. Truncation inside the
-    tensor data is found by ``inspect_gguf`` when the model loads."""
-    import struct
-
-    path = Path(path)
-    if not path.exists():
-        raise FileNotFoundError(f"GGUF file {str(path)!r} does not exist")
-    if not path.is_file():
-        raise GGUFError(f"{str(path)!r} is not a file; a GGUF model is one .gguf file")
-    with open(path, "rb") as f:
-        def take(n: int) -> bytes:
-            data = f.read(n)
-            if len(data) != n:
-                raise GGUFError(f"{str(path)!r}: truncated or damaged GGUF file (its header ends early)")
-            return data
-
-        magic = f.read(4)
-        if magic != _MAGIC:
-            raise GGUFError(f"{str(path)!r} is not a GGUF file (it starts with {magic!r}, not {_MAGIC!r})")
-        _version, _tensors, kv_count = struct.unpack("<IQQ", take(20))
-
-        def skip(kind: int) -> None:
-            if kind in _SCALAR_SIZES:
-                take(_SCALAR_SIZES[kind])
-            elif kind == 8:
-                take(struct.unpack("<Q", take(8))[0])
-            elif kind == 9:
-                inner, count = struct.unpack("<IQ", take(12))
-                if inner in _SCALAR_SIZES:
-                    take(_SCALAR_SIZES[inner] * count)
-                else:
-                    for _ in range(count):
-                        skip(inner)
-            else:
-                raise GGUFError(f"{str(path)!r}: damaged GGUF header (value type {kind})")
-
-        for _ in range(min(kv_count, 64)):  # general.architecture comes first in llama.cpp's files
-            key = take(struct.unpack("<Q", take(8))[0]).decode("utf-8", "replace")
-            kind = struct.unpack("<I", take(4))[0]
-            if key == "general.architecture" and kind == 8:
-                arch = take(struct.unpack("<Q", take(8))[0]).decode("utf-8", "replace")
-                if arch not in SUPPORTED_ARCHITECTURES:
-                    raise GGUFError(f"{str(path)!r}: architecture {arch!r} is not supported; qerl_kit runs "
-                                    f"{', '.join(SUPPORTED_ARCHITECTURES)}")
-                return arch
-            skip(kind)
-    raise GGUFError(f"{str(path)!r}: the GGUF header names no general.architecture")
+    """The file's architecture, read from its first key/value pairs in milliseconds; the errors of
+    ``inspect_gguf`` for a missing file, a file that is not GGUF and an unsupported architecture
+    (truncation inside the tensor data is found by ``inspect_gguf`` when the model loads)."""
+    return _scan(Path(path), full=False)
 
 
 def inspect_gguf(path: str | os.PathLike) -> GGUFInfo:
-    """The header of a GGUF file, checked (see the module docstring); ``GGUFError`` names the file."""
-    path = Path(path)
+    """The whole header and tensor table of a GGUF file, checked (see the module docstring): a
+    fraction of a second, skipping the vocabulary instead of decoding it; ``GGUFError`` names the file."""
+    return _scan(Path(path), full=True)
+
+
+def _scan(path: Path, full: bool):
+    import struct
+
     if not path.exists():
         raise FileNotFoundError(f"GGUF file {str(path)!r} does not exist")
     if not path.is_file():
         raise GGUFError(f"{str(path)!r} is not a file; a GGUF model is one .gguf file")
     size = path.stat().st_size
+    damaged = f"{str(path)!r}: truncated or damaged GGUF file"
     with open(path, "rb") as f:
+        def take(n: int) -> bytes:
+            data = f.read(n)
+            if len(data) != n:
+                raise GGUFError(f"{damaged} (its header ends at byte {f.tell():,}; copy it again and check its sha256)")
+            return data
+
+        def unpack(fmt: str):
+            return struct.unpack("<" + fmt, take(struct.calcsize("<" + fmt)))[0]
+
+        def skip(n: int) -> None:
+            if f.tell() + n > size:
+                raise GGUFError(f"{damaged} (its header runs past the end of the file)")
+            f.seek(n, 1)
+
+        def value(kind: int, keep: bool):
+            if kind in _SCALAR_FORMATS:
+                return unpack(_SCALAR_FORMATS[kind]) if keep else skip(_SCALAR_SIZES[kind])
+            if kind == 8:
+                n = unpack("Q")
+                return take(n).decode("utf-8", "replace") if keep else skip(n)
+            if kind == 9:
+                inner, count = unpack("I"), unpack("Q")
+                if inner in _SCALAR_SIZES:
+                    return skip(_SCALAR_SIZES[inner] * count)
+                for _ in range(count):
+                    value(inner, False)
+                return None
+            raise GGUFError(f"{damaged} (value type {kind})")
+
         magic = f.read(4)
-    if magic != _MAGIC:
-        raise GGUFError(f"{str(path)!r} is not a GGUF file (it starts with {magic!r}, not {_MAGIC!r})")
-    try:
+        if magic != _MAGIC:
+            raise GGUFError(f"{str(path)!r} is not a GGUF file (it starts with {magic!r}, not {_MAGIC!r})")
+        _version, n_tensors, n_kv = unpack("I"), unpack("Q"), unpack("Q")
+        meta: dict = {}
+        for _ in range(n_kv):
+            key = take(unpack("Q")).decode("utf-8", "replace")
+            kind = unpack("I")
+            meta[key] = value(kind, key in _WANTED)
+            if key == "general.architecture":
+                _check_architecture(path, meta[key])
+                if not full:
+                    return meta[key]
+        if "general.architecture" not in meta:
+            raise GGUFError(f"{str(path)!r}: the GGUF header names no general.architecture")
         import gguf
-    except ImportError as e:  # a declared dependency; only a broken install gets here
-        raise ImportError("reading .gguf files needs the `gguf` package: `pip install gguf`") from e
-    try:
-        reader = gguf.GGUFReader(str(path))
-    except Exception as e:  # noqa: BLE001 - the reader raises many kinds on a damaged header
-        raise GGUFError(f"{str(path)!r}: truncated or damaged GGUF file ({type(e).__name__}: {e})"[:500]) from None
-    end = max((int(t.data_offset) + int(t.n_bytes) for t in reader.tensors), default=0)
-    if end > size:
-        raise GGUFError(f"{str(path)!r}: truncated GGUF file: its tensors end at byte {end:,} but the file has "
-                        f"{size:,} bytes (copy it again and check its sha256)")
-    arch = _field(reader, "general.architecture")
+
+        tensors, types, end = [], {}, 0
+        for _ in range(n_tensors):
+            name = take(unpack("Q")).decode("utf-8", "replace")
+            dims = [unpack("Q") for _ in range(unpack("I"))]
+            kind, offset = unpack("I"), unpack("Q")
+            try:
+                qtype = gguf.GGMLQuantizationType(kind)
+                block, type_size = gguf.GGML_QUANT_SIZES[qtype]
+            except (ValueError, KeyError):
+                raise GGUFError(f"{damaged} (tensor {name!r} has unknown type {kind})") from None
+            elements = 1
+            for d in dims:
+                elements *= d
+            tensors.append(name)
+            types[qtype.name] = types.get(qtype.name, 0) + 1
+            end = max(end, offset + elements // block * type_size)
+        align = meta.get("general.alignment") or 32
+        data_start = -(-f.tell() // align) * align
+    if data_start + end > size:
+        raise GGUFError(f"{str(path)!r}: truncated GGUF file: its tensors end at byte {data_start + end:,} but the "
+                        f"file has {size:,} bytes (copy it again and check its sha256)")
+    return GGUFInfo(path=path, architecture=meta["general.architecture"], name=str(meta.get("general.name") or path.stem),
+                    tensors=len(tensors), tied_head="output.weight" not in tensors, tensor_types=types, size_bytes=size)
+
+
+def _check_architecture(path: Path, arch) -> None:
     if arch not in SUPPORTED_ARCHITECTURES:
         raise GGUFError(f"{str(path)!r}: architecture {arch!r} is not supported; qerl_kit runs "
                         f"{', '.join(SUPPORTED_ARCHITECTURES)}")
-    names = {t.name for t in reader.tensors}
-    types: dict[str, int] = {}
-    for t in reader.tensors:
-        types[t.tensor_type.name] = types.get(t.tensor_type.name, 0) + 1
-    return GGUFInfo(path=path, architecture=arch, name=str(_field(reader, "general.name", default=path.stem)),
-                    tensors=len(names), tied_head="output.weight" not in names, tensor_types=types,
-                    size_bytes=size)
-
-
-def _field(reader, key: str, default=None):
-    field = reader.fields.get(key)
-    if field is None:
-        if default is not None:
-            return default
-        raise GGUFError(f"{reader.data.filename if hasattr(reader.data, 'filename') else 'GGUF file'}: "
-                        f"header has no {key!r}")
-    return field.contents()
 
 
 def load_gguf(path: str | os.PathLike, dtype: torch.dtype = torch.bfloat16, device: str | torch.device | None = None):
