@@ -173,7 +173,7 @@ def _cmd_eval(args: argparse.Namespace) -> int:
     task = make_task(DataConfig(dataset=args.dataset, eval_size=args.limit or 10**9))
     rows = task.eval[:args.limit] if args.limit else task.eval  # the first --limit rows
     t0 = time.perf_counter()
-    dtype = torch.bfloat16 if device.startswith("cuda") and args.model != "tiny" else None  # CPU: load_pretrained's
+    dtype = torch.bfloat16 if device.startswith("cuda") and args.model != "tiny" else None
     model, tokenizer = load_base(mcfg, device=device, dtype=dtype)
     if args.format != "none":
         quantize_model(model, fmt=args.format)

@@ -149,11 +149,10 @@ def test_tiny_gguf_round_trips_logits_tokenizer_and_template(tiny_file, tiny_tok
 def test_tiny_gguf_loads_through_qerl_kit_models(tiny_file, tiny_tok, batch):
     source, path = tiny_file
     assert check_model_source(str(path)) == "gguf"
-    model, tok = load_pretrained(str(path))  # dtype "auto" on the CPU: float32 (bf16 on a GPU)
-    assert model.dtype == torch.float32 and model.gguf_info.path == path
+    model, tok = load_pretrained(str(path))  # dtype "auto": bf16
+    assert model.dtype == torch.bfloat16 and model.gguf_info.path == path
     assert tok(SAMPLE)["input_ids"] == tiny_tok(SAMPLE)["input_ids"]
-    bf16, _ = load_pretrained(str(path), dtype=torch.bfloat16)
-    torch.testing.assert_close(bf16.model.embed_tokens.weight, source.model.embed_tokens.weight.bfloat16())
+    torch.testing.assert_close(model.model.embed_tokens.weight, source.model.embed_tokens.weight.bfloat16())
     model32, _ = load_pretrained(str(path), dtype=torch.float32)
     torch.testing.assert_close(logits(model32, batch), logits(source, batch), rtol=1e-5, atol=1e-5)
     plain = load_model(str(path), dtype=torch.float32)

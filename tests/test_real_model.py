@@ -2,18 +2,17 @@
 
 The file comes from the project's fetch tool (``../shared/tools/fetch-real-model``, ~10 s, checked by
 size and sha256), or ``$QERL_REAL_MODEL``; without either the tests are skipped and say why. One load
-(float32, the CPU's fast dtype) serves every test; the whole module takes about two minutes on two
-cores. What they check:
+(bf16) serves every test; the whole module takes about two minutes on two cores. What they check:
 
 * the loaded model is the file's: Qwen2, 24 layers, an untied head (the file has ``output.weight``),
   ``<|im_end|>`` among the stop ids, GGUF block types as fetched;
-* the base (the file dequantized; float32 compute on the CPU, where the H200 ran bf16) and its NVFP4
-  quantization answer GSM8K test problems 1 and 16 as the H200's bf16 did: teacher-forced on the H200's
+* the bf16 base (the file dequantized) and its NVFP4 quantization answer GSM8K test problems 1 and
+  16 as they did on the H200: teacher-forced on the H200's
   greedy bf16 completion (bench/results/real_model_h200_2026-12-04/eval_greedy), the CPU model's
   greedy next token agrees on most positions, and, continued greedily from 80% of that completion,
   it reaches the gold answer (scored by the task's own reward).
 Generating all ~200-310 tokens of each answer would take several minutes per format on a 2-core
-CPU (a decode step reads every weight: ~0.3 s for the float32 0.5B); the continuation keeps the
+CPU (a decode step reads every weight: ~0.1-0.2 s for the 0.5B); the continuation keeps the
 check on generation itself while fitting CI.
 """
 
@@ -66,7 +65,7 @@ def real():
     threads = torch.get_num_threads()
     torch.set_num_threads(max(2, threads))
     try:
-        yield load_pretrained(str(_model_path()))  # float32 on the CPU
+        yield load_pretrained(str(_model_path()))  # bf16
     finally:
         torch.set_num_threads(threads)
 
@@ -79,7 +78,7 @@ def test_the_loaded_model_is_the_files(real):
     assert info.architecture == "qwen2" and info.tensors == 291 and not info.tied_head
     assert {"Q4_K", "Q5_0", "Q6_K", "Q8_0"} <= set(info.tensor_types)
     assert type(model).__name__ == "Qwen2ForCausalLM" and model.config.num_hidden_layers == 24
-    assert model.dtype == torch.float32  # a GGUF on the CPU: float32, the CPU's fast dtype
+    assert model.dtype == torch.bfloat16
     assert model.lm_head.weight.data_ptr() != model.model.embed_tokens.weight.data_ptr()
     im_end = tok.convert_tokens_to_ids("<|im_end|>")
     assert im_end in special_ids(tok, model)[1]
@@ -96,7 +95,7 @@ def test_it_answers_gsm8k_problems_as_on_the_h200(real, fmt):
     from qerl_kit.rollout.types import SamplingParams
     from qerl_kit.tasks import make_task
 
-    if fmt == "nvfp4":  # the bf16 base's weights quantized (float32 activations on the CPU)
+    if fmt == "nvfp4":  # the bf16 base quantized
         model = copy.deepcopy(model)
         quantize_model(model, fmt="nvfp4")
     task = make_task(DataConfig(dataset="gsm8k", eval_size=20))

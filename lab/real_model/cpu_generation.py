@@ -1,6 +1,6 @@
 """CPU generation on the real 0.5B (issue #42): does a 4-bit model still dequantize every layer at
 every token? Times greedy decoding of GSM8K test problems 1, 10 and 16 on the StaticEngine with the
-dense base (float32, as ``load_pretrained`` gives a GGUF on the CPU) and with NVFP4, with and without
+dense base (bf16, as ``load_pretrained`` gives a GGUF) and with NVFP4, with and without
 the dense-weight cache (``qerl_kit.dense_cache``), and checks that the cache changes no token.
 
     QERL_DATA=../shared/data python -m lab.real_model.cpu_generation [MODEL] [--tokens 32] [--save]
@@ -40,18 +40,19 @@ def main() -> None:
     from qerl_kit.tasks import make_task
 
     task = make_task(DataConfig(dataset="gsm8k", eval_size=20))
-    out = {"machine": platform.machine(), "threads": torch.get_num_threads(), "torch": torch.__version__,
+    out = {"machine": platform.machine(), "threads": torch.get_num_threads(), "torch": torch.__version__, "model": a.model,
            "date": time.strftime("%Y-%m-%d"), "new_tokens": a.tokens, "problems": [1, 10, 16], "cases": {}}
     t0 = time.perf_counter()
     dense, tok = load_pretrained(a.model)
     out["load_s"] = time.perf_counter() - t0
+    out["dtype"] = str(dense.dtype).replace("torch.", "")
     prompts = task.encode(tok, [task.eval[i] for i in (1, 10, 16)])
     nvfp4 = copy.deepcopy(dense)
     quantize_model(nvfp4, fmt="nvfp4")
     sampling = SamplingParams(max_new_tokens=a.tokens, temperature=0.0)
     real_cache = dense_cache.dense_weight_cache
     ids = {}
-    for case, model, cache in (("dense float32", dense, True), ("nvfp4, cache", nvfp4, True),
+    for case, model, cache in (("dense", dense, True), ("nvfp4, cache", nvfp4, True),
                                ("nvfp4, no cache", nvfp4, False)):
         if not cache:  # the old behaviour: every layer dequantized at every call
             dense_cache.dense_weight_cache = lambda enabled=True: contextlib.nullcontext()
