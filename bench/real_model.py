@@ -101,7 +101,10 @@ def evaluate_formats(path: str, out: str, formats, tasks, pass_k: int, limit: in
                 rows.append(row)
                 first = [{k: p[k] for k in ("index", "answer", "scores", "lengths")} | {"completion": p["completions"][0]}
                          for p in res.per_problem[:20]]
-                Path(out, f"{fmt}_{name}_{mode}.json").write_text(json.dumps({**row, "first": first}, indent=1))
+                # every problem's pass rate, in test order: paired comparisons between formats
+                rates = [p["pass_rate"] for p in res.per_problem]
+                Path(out, f"{fmt}_{name}_{mode}.json").write_text(json.dumps({**row, "pass_rates": rates,
+                                                                             "first": first}, indent=1))
                 _table(rows, Path(out, "summary.md"), quiet=True)  # kept current: a timed-out call keeps its rows
                 print(json.dumps({k: row[k] for k in ("format", "task", "mode", "accuracy", "pass_at_k",
                                                       "mean_length", "truncation_rate", "tokens_per_s", "wall_s")}),
