@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
@@ -25,7 +26,8 @@ def _cmd_quantize(args: argparse.Namespace) -> int:
         print(f"qerl quantize: --out writes a compressed-tensors NVFP4 checkpoint; --format "
               f"{args.format} cannot be exported (use --format nvfp4)", file=sys.stderr)
         return 2
-    source = None if args.model in PRESETS or _is_gguf(args.model) else args.model  # a directory to copy files from
+    # the model directory whose tokenizer files the export copies (none for a preset, a .gguf or a hub id)
+    source = args.model if args.model not in PRESETS and Path(args.model).expanduser().is_dir() else None
     if args.out:  # refuse an unsafe --out before minutes of loading and quantizing
         from qerl_kit.export import check_export_dirs
 
@@ -87,11 +89,10 @@ def _cmd_train(args: argparse.Namespace) -> int:
                       f"and AQN stages span {args.steps} steps instead of its total_steps {cfg.total_steps} "
                       f"(--keep-schedule keeps {cfg.total_steps})")
             cfg = cfg.replace(total_steps=args.steps, aqn={"stages": stages})
-    if cfg.model.name not in ("tiny",):
-        from qerl_kit.models import PRESETS, check_model_source
+    from qerl_kit.models import PRESETS, check_model_source
 
-        if cfg.model.name not in PRESETS:
-            check_model_source(cfg.model.name)  # before the task's data and minutes of loading
+    if cfg.model.name != "tiny" and cfg.model.name not in PRESETS:
+        check_model_source(cfg.model.name)  # before the task's data and minutes of loading
     if main:  # the first line says which run this is
         if latest is not None:
             print(f"qerl train: resuming the run in {cfg.output_dir} from step {latest.name.split('-')[1]} ({latest})")
@@ -128,12 +129,6 @@ def torch_cuda_available() -> bool:
     import torch
 
     return torch.cuda.is_available()
-
-
-def _is_gguf(name: str) -> bool:
-    from qerl_kit.gguf_model import is_gguf_path
-
-    return is_gguf_path(name)
 
 
 def _eval_device(name: str) -> str:

@@ -288,3 +288,19 @@ def test_real_qwen_gguf_tokenizer_stops_at_im_end():
     assert tok.convert_ids_to_tokens(im_end) == "<|im_end|>"
     assert chat_stop_ids(tok) == [im_end]
     assert im_end in special_ids(tok, None)[1]
+
+
+def test_quantize_command_exports_a_gguf_with_its_tokenizer(tiny_file, tiny_tok, tmp_path, capsys):
+    """`qerl quantize model.gguf --out DIR`: no source directory to copy from, so the loaded
+    tokenizer and chat template are written into the export."""
+    from qerl_kit.cli import main
+
+    _, path = tiny_file
+    out = tmp_path / "export"
+    assert main(["quantize", str(path), "--out", str(out)]) == 0
+    config = json.loads((out / "config.json").read_text())
+    assert config["quantization_config"]["format"] == "nvfp4-pack-quantized"
+    exported = AutoTokenizer.from_pretrained(str(out))
+    assert exported(SAMPLE)["input_ids"] == tiny_tok(SAMPLE)["input_ids"]
+    assert exported.chat_template == tiny_tok.chat_template
+    assert "wrote an NVFP4" in capsys.readouterr().out
