@@ -1,0 +1,16 @@
+"""The adversarial suite: inputs a new user tried that went wrong (issue "Nothing silently wrong").
+
+One test per case of ``../shared/reference/qa-cases-2026-12-03.md`` (named ``test_case_NN_...`` after
+its row) and per behaviour the issue names, grouped by the class of check they exercise:
+
+- ``test_inputs.py``: values checked where they enter (sampling, seeds, steps, lr, AQN sigmas, LoRA
+  targets, skip lists, token ids, layer inputs), the same check for YAML, CLI, Python and widgets;
+- ``test_nonfinite.py``: NaN/inf stopped at their source (weights, rewards, losses, gradients) and
+  divergence said in the log;
+- ``test_files.py``: checkpoints, adapters, run directories, exports (checked loaders, locks,
+  permissions, disk full, interrupted writes);
+- ``test_configs_data.py``: configs, JSON Lines, model sources, the MATH reward's time budget and
+  the widgets' agreement with the trainer.
+
+Every test here failed on main before the issue's fixes (fe1b96e).
+"""
