@@ -16,7 +16,6 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from qerl_kit import divergence
 from qerl_kit.grpo import combine_rewards, group_advantages
 from qerl_kit.scoring import score_rollouts
 from qerl_kit.tasks import Task
@@ -211,6 +210,8 @@ def _rows(rewards, entropies):
 
 
 def test_the_divergence_rule_on_case_82s_numbers_and_its_non_cases():
+    from qerl_kit import divergence
+
     rows = _rows([0.469, 0.0, 0.0, 0.0], [0.021, 2.06, 2.3, 2.2])
     msg = divergence.divergence_warning(rows[:2])
     assert msg.startswith("step 2: training is diverging: reward fell from 0.469 to 0 while entropy rose from 0.021 "
