@@ -50,6 +50,7 @@ from typing import Callable, Sequence
 
 import torch
 
+from .finite import NonFiniteError
 from .sampling_filters import KeptGroups, accumulate_groups, filter_groups, overlong_penalty
 
 __all__ = [
@@ -70,13 +71,16 @@ def combine_rewards(
     weights: Sequence[float] | None = None,    # [F], default all 1
     *,
     unscorable: str = "zero",                  # "zero" | "nan": value of a row where all are None
+    names: Sequence[str] | None = None,        # [F] the functions' names, for the error below
 ) -> torch.Tensor:                             # [B] float32
     """Weighted sum over reward functions with nansum semantics: None (or NaN) = not applicable.
 
     ``per_fn[k][i]`` is function k's reward for completion i. A completion for which every function
     returned None gets 0 (``unscorable="zero"``) or NaN (``"nan"``, TRL's current behaviour:
     ``group_advantages`` then leaves it out of the group mean/std and gives it advantage 0). Either
-    way a ``UserWarning`` names the rows.
+    way a ``UserWarning`` names the rows. A reward that is ±inf, or a weighted sum beyond float32's
+    range (two functions returning 1e308), raises ``NonFiniteError`` naming the completion and each
+    function's score: it would otherwise zero the group's advantages silently.
     """
     if unscorable not in ("zero", "nan"):
         raise ValueError(f"unscorable must be 'zero' or 'nan', got {unscorable!r}")
@@ -86,15 +90,16 @@ def combine_rewards(
     if len(lengths) != 1:
         raise ValueError(f"every reward function must score the same completions; got list lengths {sorted(lengths)}")
     table = torch.tensor(
-        [[math.nan if v is None else float(v) for v in col] for col in per_fn], dtype=torch.float32
-    )  # [F, B]
+        [[math.nan if v is None else float(v) for v in col] for col in per_fn], dtype=torch.float64
+    )  # [F, B]; float64, so a sum that leaves float32's range is seen before it becomes inf
     if weights is None:
         w = torch.ones(len(per_fn))
     else:
-        w = torch.as_tensor(weights, dtype=torch.float32).flatten()
+        w = torch.as_tensor(weights, dtype=torch.float64).flatten()
         if w.numel() != len(per_fn):
             raise ValueError(f"got {w.numel()} weights for {len(per_fn)} reward functions")
     total = (w[:, None] * table).nansum(dim=0)  # [B]
+    _check_combined(total, table, names)
     none_rows = torch.isnan(table).all(dim=0)   # [B]
     if bool(none_rows.any()):
         idx = none_rows.nonzero().flatten().tolist()
@@ -105,7 +110,21 @@ def combine_rewards(
             stacklevel=2,
         )
         total[none_rows] = fill
-    return total
+    return total.float()
+
+
+def _check_combined(total: torch.Tensor, table: torch.Tensor, names: Sequence[str] | None) -> None:
+    """Every combined reward finite within float32's range (where advantages are computed)."""
+    bad = ~(total.abs() <= torch.finfo(torch.float32).max)
+    bad &= ~torch.isnan(table).all(dim=0)  # a row no function scored is handled (and said) below
+    if not bool(bad.any()):
+        return
+    i = int(bad.nonzero()[0])
+    names = list(names) if names is not None else [f"reward function {k}" for k in range(table.shape[0])]
+    parts = ", ".join(f"{n}={table[k, i].item():.6g}" for k, n in enumerate(names))
+    raise NonFiniteError(f"the combined reward of completion {i} is {total[i].item():.6g} ({parts}): rewards must be "
+                         f"finite and their weighted sum within float32's range (|r| <= 3.4e38); scale the reward "
+                         "function(s) down")
 
 
 def _nanstd(x: torch.Tensor, dim: int | None = None, keepdim: bool = False) -> torch.Tensor:
@@ -131,7 +150,7 @@ def _grouped(rewards: torch.Tensor, group_size: int) -> torch.Tensor:  # [B] -> 
             f"{rewards.numel()} rewards do not split into groups of {group_size}: rewards must hold "
             "whole groups, laid out group-contiguously (prompt 0's G samples first)"
         )
-    return rewards.float().view(-1, int(group_size))
+    return rewards.double().view(-1, int(group_size))  # float64: large rewards' squares do not overflow
 
 
 def group_advantages(
@@ -150,12 +169,15 @@ def group_advantages(
     if scale not in SCALES:
         raise ValueError(f"scale must be one of {SCALES}, got {scale!r}")
     r = _grouped(rewards, group_size)                        # [N, G]
+    if bool(torch.isinf(r).any()):  # r - mean would be NaN, then 0: the group's signal lost silently
+        i = int(torch.isinf(r).flatten().nonzero()[0])
+        raise NonFiniteError(f"reward {i} is {r.flatten()[i].item()}; rewards must be finite (None/NaN = unscorable)")
     adv = r - torch.nanmean(r, dim=1, keepdim=True)          # [N, G]
     if scale == "group":
         adv = adv / (_nanstd(r, dim=1, keepdim=True) + eps)
     elif scale == "batch":
         adv = adv / (_nanstd(r) + eps)
-    adv = adv.flatten()
+    adv = adv.flatten().float()
     return torch.where(torch.isnan(adv), torch.zeros_like(adv), adv)
 
 

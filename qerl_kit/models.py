@@ -5,6 +5,8 @@ the real-architecture presets (``"Qwen2.5-7B"`` ...) carry the published shapes 
 memory can be measured without downloading weights. ``load_pretrained(source)`` loads a real
 model and its tokenizer from a local Hugging Face directory, a llama.cpp ``.gguf`` file or a hub id
 (when online), remote code off; ``check_model_source`` says which, or why not, before anything slow.
+Every load checks the weights are finite (``qerl_kit.finite.check_weights``: names the tensor and
+the source).
 """
 
 from __future__ import annotations
@@ -14,6 +16,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+from qerl_kit.finite import check_weights
 
 # Shapes from the models' published config.json files.
 _QWEN25 = dict(arch="qwen2", vocab_size=152064, rope_theta=1000000.0, rms_norm_eps=1e-6,
@@ -110,8 +114,10 @@ def load_pretrained(name: str | os.PathLike, *, dtype: torch.dtype | str = "auto
     if kind == "gguf":
         from qerl_kit.gguf_model import load_gguf
 
-        return load_gguf(Path(str(name)).expanduser(), dtype=torch.bfloat16 if dtype == "auto" else dtype,
-                         device=device)
+        model, tokenizer = load_gguf(Path(str(name)).expanduser(), dtype=torch.bfloat16 if dtype == "auto" else dtype,
+                                     device=device)
+        check_weights(model, str(name))  # NaN/inf weights: named here, not as empty completions later
+        return model, tokenizer
     source = str(Path(str(name)).expanduser()) if kind == "dir" else str(name)
     try:
         model = load_model(source, dtype=dtype, trust_remote_code=trust_remote_code)
@@ -132,8 +138,11 @@ def load_model(path: str, dtype: torch.dtype | str = "auto", trust_remote_code: 
     from qerl_kit.gguf_model import is_gguf_path, load_gguf
 
     if is_gguf_path(path):
-        return load_gguf(path, dtype=torch.bfloat16 if dtype == "auto" else dtype)[0]
-    from transformers import AutoModelForCausalLM
+        model = load_gguf(path, dtype=torch.bfloat16 if dtype == "auto" else dtype)[0]
+    else:
+        from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(path, dtype=dtype, use_safetensors=True,
-                                                trust_remote_code=trust_remote_code, **kwargs)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, use_safetensors=True,
+                                                     trust_remote_code=trust_remote_code, **kwargs)
+    check_weights(model, str(path))  # every format, "none" included (the quantizer checks only what it converts)
+    return model

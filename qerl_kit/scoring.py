@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from qerl_kit import grpo
+from qerl_kit.finite import finite_score, short
 
 __all__ = ["checked_scores", "score_rollouts"]
 
@@ -32,10 +33,12 @@ def checked_scores(fn, scores, n: int) -> list:
     if len(scores) != n:
         raise ValueError(f"reward function {name!r} returned {len(scores)} scores for {n} completions; "
                          "it must return exactly one per completion")
-    for s in scores:
+    for i, s in enumerate(scores):
         if s is not None and not isinstance(s, (int, float)):
-            raise TypeError(f"reward function {name!r} returned a score of type {type(s).__name__} ({s!r}); "
-                            "scores are floats, or None for 'not applicable'")
+            raise TypeError(f"reward function {name!r} returned a score of type {type(s).__name__} ({short(s)}) "
+                            f"for completion {i}; scores are floats, or None for 'not applicable'")
+        if s is not None:  # NaN, inf or an int too large: an error naming the function, never reward=inf
+            finite_score(s, f"reward function {name!r}'s score for completion {i}")
     return scores
 
 
@@ -53,7 +56,7 @@ def score_rollouts(task, rows: list[dict], rollouts, group_size: int) -> tuple[t
         name = getattr(fn, "__name__", type(fn).__name__)
         metrics[f"rewards/{name}/mean"] = vals.nanmean().item()
         metrics[f"rewards/{name}/std"] = vals[~vals.isnan()].std().item() if (~vals.isnan()).sum() > 1 else 0.0
-    rewards = grpo.combine_rewards(per_fn)
+    rewards = grpo.combine_rewards(per_fn, names=[getattr(fn, "__name__", type(fn).__name__) for fn in task.rewards])
     acc = task.accuracy
     acc_scores = per_fn[task.rewards.index(acc)] if acc in task.rewards else checked_scores(acc, acc(**kwargs), n)
     correct = torch.tensor([1.0 if (s is not None and s >= 1.0) else 0.0 for s in acc_scores])

@@ -124,6 +124,9 @@ def load_tiny(path: str | os.PathLike | None = None, quantize: str | None = None
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True,
                                                  use_safetensors=True, trust_remote_code=False)
     model = model.to(device).eval()
+    from qerl_kit.finite import check_weights
+
+    check_weights(model, path)  # ``path`` may be any directory, not only the packaged one
     if quantize:
         from qerl_kit.quantize import quantize_model
 

@@ -19,10 +19,10 @@ step is five phases:
    (``old``), the reference's (adapter disabled) when ``beta > 0``, entropy, and truncated
    importance weights between the rollout log-probs (noisy, sampled) and the clean ones;
 4. **update**: ``mu`` optimizer steps on the batch in micro-batches, the loss normalized as its
-   ``grpo.LossSpec`` says, with gradient clipping and the lr schedule (a step whose gradient norm
-   is inf/NaN is skipped and counted in ``update/skipped``, as verl does);
-5. **metrics**: TRL's names where one exists; every ``save_every`` steps a checkpoint from which
-   ``resume()`` continues exactly.
+   ``grpo.LossSpec`` says, with gradient clipping and the lr schedule (a non-finite loss stops the
+   run; a NaN/inf gradient norm skips the update, named and counted in ``update/skipped``: ``finite``);
+5. **metrics**: TRL's names where one exists, a warning when the run diverges (``divergence``);
+   every ``save_every`` steps a checkpoint (finite only) from which ``resume()`` continues exactly.
 
 Launched by ``torchrun`` (or ``accelerate launch``) the same Trainer runs data-parallel: each
 rank takes a slice of whole groups, advantages and loss normalizers are global, the adapter's
@@ -43,7 +43,7 @@ import torch
 
 from qerl_kit import checkpoint as ckpt
 from qerl_kit import distributed
-from qerl_kit import grpo, runs
+from qerl_kit import divergence, finite, grpo, runs
 from qerl_kit.aqn import AQN
 from qerl_kit.config import TrainConfig, upgrade_dict
 from qerl_kit.logprobs import batched_logprobs, completion_logprobs
@@ -98,6 +98,7 @@ class Trainer:
                        allow_increasing=config.aqn.allow_increasing) \
             if config.aqn.enabled else None
         self.optimizer = make_optimizer(trainable, config.optim)
+        self._grads = finite.GradGuard()  # NaN/inf gradient norms: skipped and named; repeated: an error
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(config.optim, config.total_steps))
         self.step = 0
         self.history: list[dict] = []
@@ -287,6 +288,7 @@ class Trainer:
         skipped, loss_sum, grad_norm = 0, 0.0, torch.tensor(0.0)
         for _ in range(lc.mu):
             loss_sum = 0.0
+            self.optimizer.zero_grad(set_to_none=True)  # here, so a step stopped by an error leaves no gradient
             for s in starts:
                 sl = slice(s, s + lc.micro_batch)
                 with distributed.no_sync(self._ddp, s != starts[-1]):  # all-reduce once, after the last
@@ -296,17 +298,11 @@ class Trainer:
                                    beta=lc.beta, ref_logp=None if prep.ref_logp is None else prep.ref_logp[sl],
                                    is_weights=None if prep.is_weights is None else prep.is_weights[sl], **normalizer)
                     loss = loss * spec.chunk_weight(logp.shape[0], n * self.dist.world)
+                    loss_sum += finite.check_loss(loss.item(), self.step + 1, sl)  # before backward: nothing updated
                     distributed.backward(loss, self.dist)
-                loss_sum += loss.item()
             params = [p for p in self.model.parameters() if p.requires_grad]
             grad_norm = torch.nn.utils.clip_grad_norm_(params, self.config.optim.max_grad_norm)
-            if torch.isfinite(grad_norm):  # the same on every rank: DDP all-reduced the gradients
-                self.optimizer.step()
-            else:  # one inf/NaN gradient would turn the adapter and Adam's moments into NaN for good
-                skipped += 1
-                warnings.warn(f"step {self.step + 1}: gradient norm is {float(grad_norm)}; optimizer step skipped "
-                              "(the adapter is unchanged; see update/skipped)", RuntimeWarning, stacklevel=3)
-            self.optimizer.zero_grad(set_to_none=True)
+            skipped += self._grads.step(self.optimizer, grad_norm, self.model, self.step + 1)  # 1: skipped
         self.scheduler.step()
         self.model.eval()
         metrics["time/update"] = time.perf_counter() - t0
@@ -352,6 +348,7 @@ class Trainer:
                     and self.dist.main:  # rank 0 evaluates; the others wait at the next step's first collective
                 row["eval/accuracy"] = self.evaluate().accuracy
             self.history.append(row)
+            divergence.note(self.history, warn=self.dist.main)  # reward collapsing, entropy exploding: row["warning"]
             if self.dist.main:
                 self._log(row)
             if self.config.save_every and self.step % self.config.save_every == 0:
@@ -419,6 +416,7 @@ class Trainer:
             self.claim_output_dir()
         path = self.output_dir / f"checkpoint-{self.step}"
         if self.dist.main:
+            finite.check_weights(self.model, path, "the adapter for", True, "the checkpoint was not written")
             state = {"step": self.step, "optimizer": self.optimizer.state_dict(),
                      "scheduler": self.scheduler.state_dict(), "rng": ckpt.rng_state(),
                      "aqn": self.aqn.state_dict() if self.aqn else None, "world_size": self.dist.world,

@@ -27,6 +27,7 @@ from typing import Any, Iterator, Protocol, Sequence, runtime_checkable
 import torch
 from torch import Tensor
 
+from qerl_kit.finite import check_logprobs
 from qerl_kit.rollout.types import Generation, Prompts, Rollouts, SamplingParams, as_prompts, check_n
 
 __all__ = ["RolloutEngine", "Engine", "ModelEngine", "engine_sync", "check_context", "inference", "seeded", "special_ids",
@@ -58,6 +59,8 @@ class Engine:
         n, sampling = check_n(n), sampling or SamplingParams()
         start = time.perf_counter()
         gen, texts = self._generate_texts(prompts, n, sampling)
+        # one reduction: NaN logits sample (greedy/Gumbel argmax) without failing; their log-prob is NaN
+        check_logprobs(gen.logprobs, gen.completion_mask, getattr(self, "model", None))
         seconds = time.perf_counter() - start
         tokens = int(gen.completion_mask.sum())
         return Rollouts.from_generation(prompts, gen, n, texts, self.pad_token_id, {

@@ -32,6 +32,7 @@ from typing import Any, Sequence
 import torch
 from torch import Tensor
 
+from qerl_kit.finite import logits_error
 from qerl_kit.rollout.base import ModelEngine, check_context, inference, seeded, special_ids, stop_mask
 from qerl_kit.rollout.types import Generation, Prompts, SamplingParams, as_prompts, check_n, pad_rows
 
@@ -170,9 +171,14 @@ class HFEngine(ModelEngine):
         recorder = _SampleAndRecord(sampling, P)
         from transformers import LogitsProcessorList
 
-        sequences = self.model.generate(input_ids=ids, attention_mask=mask,
-                                        generation_config=self._generation_config(sampling),
-                                        logits_processor=LogitsProcessorList([recorder]), **kwargs)
+        try:
+            sequences = self.model.generate(input_ids=ids, attention_mask=mask,
+                                            generation_config=self._generation_config(sampling),
+                                            logits_processor=LogitsProcessorList([recorder]), **kwargs)
+        except RuntimeError as err:  # torch.multinomial on NaN/inf probabilities: say which step and why
+            if recorder.prev is not None and not bool(torch.isfinite(recorder.prev).any(dim=-1).all()):
+                raise logits_error(self.model, len(recorder.logps)) from err
+            raise
         completion = sequences[:, P:]
         logprobs = recorder.finish(completion)
         # The first stop token ends a completion; everything after it is padding from generate.
