@@ -168,6 +168,10 @@ def _cmd_eval(args: argparse.Namespace) -> int:
         from qerl_kit.models import check_model_source
 
         check_model_source(args.model)  # a bad path fails before the data and the model load
+    if args.adapter:  # a missing adapter directory or config fails before the model loads
+        from qerl_kit.lora import lora_config_for
+
+        lora_config_for(args.adapter)
     task = make_task(DataConfig(dataset=args.dataset, eval_size=args.limit or 10**9))
     rows = task.eval[:args.limit] if args.limit else task.eval  # the first --limit rows
     t0 = time.perf_counter()
