@@ -66,7 +66,12 @@ def lock(path: str | Path) -> None:
     root.mkdir(parents=True, exist_ok=True)
     key = os.path.realpath(root)
     if key in _HELD:
-        return
+        try:  # still our lock file (the directory may have been deleted and made again since)
+            if os.path.samestat(os.fstat(_HELD[key]), os.stat(root / LOCK_FILE)):
+                return
+        except OSError:
+            pass
+        locks.release(_HELD.pop(key))
     fd = locks.try_lock(root / LOCK_FILE)
     if fd is None:
         raise RunLocked(f"{root} is in use by another live run (process {locks.holder(root / LOCK_FILE)} holds "
