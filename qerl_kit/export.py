@@ -35,11 +35,10 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from qerl_kit import ct_format
+from qerl_kit import ct_format, file_writes
 from qerl_kit.linear import NVFP4Linear, QuantLinear
 from qerl_kit.nvfp4 import NVFP4Tensor
 from qerl_kit.quantize import FUSED_GROUPS
-from qerl_kit import file_writes
 from qerl_kit.export_dirs import (_ADAPTER, _CHECKPOINT, EXPORT_MARKER, RefusedToOverwrite,  # noqa: F401
                                   _real, _staging_dir, _swap_in, _write_marker, check_export_dirs, clean_leftovers,
                                   discard_staging)
