@@ -4,14 +4,24 @@
 peft adapter; with trained norms they are inside it too) and ``trainer_state.pt``: optimizer,
 lr scheduler, step, AQN state (its RNG), the RNG states, and the metrics so far. The state is
 loaded with ``torch.load(weights_only=True)``: plain tensors and containers only, no pickled code.
-A checkpoint is written to a temporary directory and renamed, so a crash never leaves half of one.
+A checkpoint is written to a temporary directory and renamed, so a crash never leaves half of one;
+one that replaces a checkpoint of the same step (the CLI's final save) first renames the old one to
+``.old-checkpoint-<step>``, and ``latest_checkpoint`` puts it back if a crash came between the two
+renames, so the run always keeps a complete checkpoint whatever ``keep_checkpoints`` is. A full
+disk while writing is a ``file_writes.DiskFullError`` naming the path; the partial temporary
+directory is removed and the earlier checkpoints stay as they were. The weights get the mode every
+other file gets (``file_writes.match_umask``).
 Each holds the ``run.json`` of the run that wrote it (``qerl_kit.runs``): pruning removes only
 that run's older checkpoints. Loading checks what it reads: a missing, unexpected or wrongly
-shaped adapter tensor, or a truncated file, is a ``CheckpointError`` naming the checkpoint.
+shaped adapter tensor, a NaN/inf adapter value, a truncated file, or a trainer state missing a key
+or holding one of the wrong type, is a ``CheckpointError`` naming the file (and the tensor or key).
+``read_adapter`` and ``load_adapter_weights`` are the one checked loader of adapter files: resume
+and ``qerl_kit.lora.load_lora`` (``qerl eval --adapter``, ``load_nvfp4(adapter_dir=)``) use them.
 """
 
 from __future__ import annotations
 
+import json
 import random
 import re
 import shutil
@@ -19,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from qerl_kit import runs
+from qerl_kit import file_writes, runs
 
 STATE_FILE = "trainer_state.pt"
 ADAPTER_FILE = "adapter_model.safetensors"
@@ -40,7 +50,24 @@ def list_checkpoints(output_dir: str | Path) -> list[Path]:
     return [p for _, p in sorted(found)]
 
 
+def _finish_replacements(root: Path) -> None:
+    """After a crash while a checkpoint replaced one of the same step: put the old one back where the
+    new one never arrived, and delete it where the new one did (both are complete checkpoints)."""
+    if not root.is_dir():
+        return
+    for old in root.iterdir():
+        m = re.match(r"^\.old-checkpoint-(\d+)$", old.name)
+        if m and old.is_dir() and (old / STATE_FILE).is_file():
+            final = root / f"checkpoint-{m.group(1)}"
+            if final.exists():
+                shutil.rmtree(old, ignore_errors=True)
+            else:
+                old.rename(final)
+
+
 def latest_checkpoint(output_dir: str | Path) -> Path | None:
+    """The newest complete checkpoint (after finishing a replacement a crash interrupted), or None."""
+    _finish_replacements(Path(output_dir))
     ckpts = list_checkpoints(output_dir)
     return ckpts[-1] if ckpts else None
 
@@ -67,15 +94,30 @@ def save_checkpoint(output_dir: str | Path, step: int, model, state: dict, keep:
     final = root / f"checkpoint-{step}"
     if final.exists() and (runs.read_run(final) or {}).get("run_id") != run_id:
         raise CheckpointError(f"{final} exists and belongs to another run; it is left as it is")
+    _finish_replacements(root)
     tmp = root / f".tmp-checkpoint-{step}"
     shutil.rmtree(tmp, ignore_errors=True)  # a crashed write of this same checkpoint
-    tmp.mkdir()
-    model.save_pretrained(tmp)
-    torch.save(state, tmp / STATE_FILE)
-    if run_id is not None:
-        runs.write_run(tmp, run_id, "checkpoint")
-    shutil.rmtree(final, ignore_errors=True)
-    tmp.rename(final)
+    try:
+        tmp.mkdir()
+        model.save_pretrained(tmp)
+        torch.save(state, tmp / STATE_FILE)
+        if run_id is not None:
+            runs.write_run(tmp, run_id, "checkpoint")
+        file_writes.match_umask(tmp)  # safetensors writes 0600
+    except Exception as err:  # noqa: BLE001 - torch.save reports a full disk as a RuntimeError
+        full = file_writes.disk_full(err, tmp)
+        shutil.rmtree(tmp, ignore_errors=True)
+        if full is not None:
+            raise file_writes.DiskFullError(f"{full}; checkpoint-{step} was not written, the earlier "
+                                            f"checkpoints in {root} are intact") from err
+        raise
+    if final.exists():  # the same step saved again: the old one aside, the new in, the old deleted
+        old = root / f".old-checkpoint-{step}"
+        final.rename(old)
+        tmp.rename(final)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        tmp.rename(final)
     if keep > 0 and run_id is not None:
         mine = [c for c in list_checkpoints(root) if (runs.read_run(c) or {}).get("run_id") == run_id]
         for old in mine[:-keep]:
@@ -83,32 +125,87 @@ def save_checkpoint(output_dir: str | Path, step: int, model, state: dict, keep:
     return final
 
 
+def _short(value) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _is_json(kind: type):
+    def check(value) -> bool:
+        try:
+            return isinstance(json.loads(value), kind)
+        except (TypeError, ValueError):
+            return False
+    return check
+
+
+# key -> (what it must be, the check); "config" and "run_id" are optional (older checkpoints lack them)
+_STATE_KEYS = {
+    "step": ("a non-negative int", lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 0),
+    "optimizer": ("an optimizer state dict (with 'state' and 'param_groups')",
+                  lambda v: isinstance(v, dict) and isinstance(v.get("state"), dict)
+                  and isinstance(v.get("param_groups"), list)),
+    "scheduler": ("a scheduler state dict", lambda v: isinstance(v, dict)),
+    "rng": ("a dict of 'torch' (a uint8 tensor) and 'python' RNG states",
+            lambda v: isinstance(v, dict) and isinstance(v.get("torch"), torch.Tensor)
+            and v["torch"].dtype == torch.uint8 and isinstance(v.get("python"), (list, tuple))),
+    "aqn": ("a dict or None", lambda v: v is None or isinstance(v, dict)),
+    "history": ("a JSON list of metric rows", _is_json(list)),
+}
+_OPTIONAL_KEYS = {"config": ("a JSON object", _is_json(dict)), "run_id": ("a string or None",
+                                                                        lambda v: v is None or isinstance(v, str))}
+
+
+def check_state(state, path: str | Path) -> dict:
+    """``state`` if it is a trainer state with every key of the right type; else a ``CheckpointError``
+    naming ``path`` and the key."""
+    if not isinstance(state, dict):
+        raise CheckpointError(f"{path} holds a {type(state).__name__}, not a trainer state dict: the file is damaged")
+    for key in _STATE_KEYS:
+        if key not in state:
+            raise CheckpointError(f"{path} lacks the key {key!r} of a trainer state: the file is damaged")
+    for key, (allowed, ok) in {**_STATE_KEYS, **_OPTIONAL_KEYS}.items():
+        if key in state and not ok(state[key]):
+            raise CheckpointError(f"{path}: {key!r} must be {allowed}; got {_short(state[key])}: the file is damaged")
+    return state
+
+
 def load_state(checkpoint: str | Path) -> dict:
-    """The trainer state of a checkpoint; a missing or damaged file names its path."""
+    """The trainer state of a checkpoint; a missing, damaged or incomplete file names its path (and key)."""
     path = Path(checkpoint) / STATE_FILE
     try:
-        return torch.load(path, weights_only=True)
+        state = torch.load(path, weights_only=True)
     except FileNotFoundError:
         raise CheckpointError(f"{path} is missing: {checkpoint} is not a complete checkpoint") from None
     except Exception as err:  # noqa: BLE001 - truncated or corrupt: torch raises several types
         raise CheckpointError(f"{path} cannot be read ({type(err).__name__}: {str(err)[:200]}): "
                               "the file is damaged or truncated") from err
+    return check_state(state, path)
 
 
-def load_adapter_weights(model, checkpoint: str | Path) -> None:
-    """Copy a saved adapter's tensors into the already-attached adapter of ``model``, after checking
-    that the checkpoint holds exactly the model's adapter tensors, each of the model's shape."""
-    from peft import get_peft_model_state_dict, set_peft_model_state_dict
+def read_adapter(checkpoint: str | Path) -> dict[str, torch.Tensor]:
+    """The tensors of ``checkpoint/adapter_model.safetensors`` (a checkpoint or adapter directory);
+    a missing or unreadable file is a ``CheckpointError`` naming it (never a download)."""
     from safetensors.torch import load_file
 
     path = Path(checkpoint) / ADAPTER_FILE
     try:
-        weights = load_file(str(path))
+        return load_file(str(path))
     except FileNotFoundError:
-        raise CheckpointError(f"{path} is missing: {checkpoint} is not a complete checkpoint") from None
+        raise CheckpointError(f"{path} is missing: {checkpoint} is not a complete checkpoint or adapter") from None
     except Exception as err:  # noqa: BLE001 - safetensors raises its own error type on truncated files
         raise CheckpointError(f"{path} cannot be read ({type(err).__name__}: {str(err)[:200]}): "
                               "the file is damaged or truncated") from err
+
+
+def load_adapter_weights(model, checkpoint: str | Path, weights: dict | None = None) -> None:
+    """Copy a saved adapter's tensors (``weights``: already read by ``read_adapter``) into the
+    already-attached adapter of ``model``, after checking that the checkpoint holds exactly the
+    model's adapter tensors, each of the model's shape, all finite."""
+    from peft import get_peft_model_state_dict, set_peft_model_state_dict
+
+    path = Path(checkpoint) / ADAPTER_FILE
+    weights = read_adapter(checkpoint) if weights is None else weights
     expected = get_peft_model_state_dict(model)
     missing = sorted(set(expected) - set(weights))
     unexpected = sorted(set(weights) - set(expected))
@@ -124,6 +221,11 @@ def load_adapter_weights(model, checkpoint: str | Path) -> None:
             parts.append(f"{len(wrong)} of another shape (e.g. {k}: {tuple(weights[k].shape)} in the checkpoint, "
                          f"{tuple(expected[k].shape)} in the model)")
         raise CheckpointError(f"{path} does not match the model's adapter: " + "; ".join(parts))
+    bad = sorted(k for k, t in weights.items() if t.is_floating_point() and not torch.isfinite(t).all())
+    if bad:
+        n = int((~torch.isfinite(weights[bad[0]])).sum())
+        raise CheckpointError(f"{path} holds NaN or inf values in {len(bad)} of its {len(weights)} tensors (e.g. "
+                              f"{bad[0]}: {n} of {weights[bad[0]].numel()} values); such an adapter cannot be used")
     set_peft_model_state_dict(model, weights)
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import errno
 import sys
 from pathlib import Path
 
@@ -71,6 +72,8 @@ def _cmd_train(args: argparse.Namespace) -> int:
             return 2
     if args.model:
         cfg = cfg.replace(model={"name": args.model})
+    if main:  # the directory is this process's (a second live run is refused) before anything loads
+        runs.lock(cfg.output_dir)
     latest = None if args.fresh else ckpt.latest_checkpoint(cfg.output_dir)
     if args.steps is not None and args.steps < 1:
         print(f"qerl train: --steps {args.steps}: must be >= 1", file=sys.stderr)
@@ -165,6 +168,10 @@ def _cmd_eval(args: argparse.Namespace) -> int:
         from qerl_kit.models import check_model_source
 
         check_model_source(args.model)  # a bad path fails before the data and the model load
+    if args.adapter:  # a missing adapter directory or config fails before the model loads
+        from qerl_kit.lora import lora_config_for
+
+        lora_config_for(args.adapter)
     task = make_task(DataConfig(dataset=args.dataset, eval_size=args.limit or 10**9))
     rows = task.eval[:args.limit] if args.limit else task.eval  # the first --limit rows
     t0 = time.perf_counter()
@@ -291,6 +298,11 @@ def main(argv: list[str] | None = None) -> int:
     except (FileNotFoundError, GGUFError) as err:  # a model or data path that is not there or not usable
         print(f"qerl {args.command}: {err}", file=sys.stderr)
         return 2
+    except OSError as err:  # a full disk (file_writes.DiskFullError and plain ENOSPC) names the path
+        if err.errno not in (errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC)):
+            raise
+        print(f"qerl {args.command}: {err}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

@@ -24,6 +24,8 @@ from typing import Callable, Iterable, Mapping
 
 import torch
 
+from qerl_kit import file_writes
+
 FORMAT = "nvfp4-pack-quantized"
 QUANT_METHOD = "compressed-tensors"
 PACKED, SCALE, GLOBAL_SCALE = "weight_packed", "weight_scale", "weight_global_scale"
@@ -154,6 +156,7 @@ def write_safetensors(path: Path, tensors: Mapping[str, Callable[[], torch.Tenso
     weight_map = {}
     for file, names in zip(files, shards):
         save_file({name: tensors[name]() for name in names}, str(path / file), metadata=SAFETENSORS_METADATA)
+        file_writes.match_umask(path / file)  # save_file writes 0600; every other file gets the umask's mode
         weight_map.update({name: file for name in names})
     if len(files) > 1:
         write_json(path / INDEX_FILE, {"metadata": {"total_size": sum(sizes.values())},

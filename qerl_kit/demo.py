@@ -52,6 +52,7 @@ def run_demo(model: str = "tiny", dataset: str = "arith", steps: int | None = No
 
     print(f"qerl demo: a new run in {out}" + (f"; the run found there moves to {out / runs.PREVIOUS}/"
                                               if runs.run_files(out) else ""))
+    runs.lock(out)  # this process's directory (a second live run is refused) before the model loads
     torch.manual_seed(seed)
     policy, tokenizer, report = build_policy(cfg.model, seed=seed)
     if report is not None:

@@ -35,12 +35,13 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from qerl_kit import ct_format
+from qerl_kit import ct_format, file_writes
 from qerl_kit.linear import NVFP4Linear, QuantLinear
 from qerl_kit.nvfp4 import NVFP4Tensor
 from qerl_kit.quantize import FUSED_GROUPS
 from qerl_kit.export_dirs import (_ADAPTER, _CHECKPOINT, EXPORT_MARKER, RefusedToOverwrite,  # noqa: F401
-                                  _real, _staging_dir, _swap_in, _write_marker, check_export_dirs)
+                                  _real, _staging_dir, _swap_in, _write_marker, check_export_dirs, clean_leftovers,
+                                  discard_staging)
 
 __all__ = ["save_nvfp4", "load_nvfp4", "checkpoint_tensors", "check_export_dirs", "RefusedToOverwrite",
            "EXPORT_MARKER", "TOKENIZER_FILES"]
@@ -203,10 +204,12 @@ def save_nvfp4(model: nn.Module, path: str | Path, *, tokenizer=None, max_shard_
     if adapter_dir is not None and base is model:
         raise ValueError("adapter_dir was given but the model has no peft adapter to save")
     tensors, ignore = checkpoint_tensors(model, dtype)
-    check_export_dirs(path, source_dir=source_dir, adapter_dir=adapter_dir)
     targets = [(_real(path), _CHECKPOINT, "the export directory")]
     if adapter_dir is not None:
         targets.append((_real(adapter_dir), _ADAPTER, "adapter_dir"))
+    for target, kind, _ in targets:  # what a crashed export left: put back or removed
+        clean_leftovers(target, kind)
+    check_export_dirs(path, source_dir=source_dir, adapter_dir=adapter_dir)
     pending: list[tuple[Path, tuple]] = []  # (staging directory, its target), not yet in place
     try:
         ckpt = _staging_dir(targets[0][0])
@@ -223,14 +226,21 @@ def save_nvfp4(model: nn.Module, path: str | Path, *, tokenizer=None, max_shard_
             adapter = _staging_dir(targets[1][0])
             pending.append((adapter, targets[1]))
             model.save_pretrained(str(adapter))
+            file_writes.match_umask(adapter)  # safetensors writes 0600
             _write_marker(adapter, _ADAPTER)
         while pending:  # both written in full: now the renames
             staged, target = pending[0]
             _swap_in(staged, *target)
             pending.pop(0)
+    except Exception as err:  # noqa: BLE001 - a full disk shows as several error types
+        full = file_writes.disk_full(err, pending[-1][1][0] if pending else targets[0][0])
+        if full is None:
+            raise
+        raise file_writes.DiskFullError(f"{full}; nothing was exported to {path} (an earlier export there is "
+                                        "intact)") from err
     finally:
         for staged, _ in pending:  # only our own staging directories, never put in place
-            shutil.rmtree(staged, ignore_errors=True)
+            discard_staging(staged)
     return Path(path)
 
 

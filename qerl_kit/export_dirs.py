@@ -5,6 +5,14 @@ directory is written only if it does not exist, is empty, or holds an earlier ex
 marker lists every file in it; the new export is written into a sibling staging directory and
 swapped in, so a crash leaves the earlier export as it was. The source model's directory (and
 any directory nested with it) is refused. ``RefusedToOverwrite`` names the path and what to do.
+
+A crash can leave hidden siblings of the target: a staging directory ``.<name>.qerl-tmp-<id>``, and
+between the two renames of a swap the earlier export renamed aside, ``.<name>.qerl-old-<id>``, with
+no directory at the target. ``clean_leftovers`` (run by ``save_nvfp4`` before it writes) removes
+those it can prove are its own: a staging directory holds a lock file (``STAGING_LOCK``, locked while
+its export runs, so a live export's is left alone) or, once finished, an export marker listing
+exactly its files; an earlier export aside is recognised by its marker. An earlier export aside is
+renamed back to the target if the target is missing, so the next run finds it as it was.
 """
 
 from __future__ import annotations
@@ -12,15 +20,18 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import uuid
 import warnings
 from pathlib import Path
 
-from qerl_kit import ct_format
+from qerl_kit import ct_format, locks
 
 EXPORT_MARKER = ".qerl_export.json"  # written last into every export: the files that export wrote
 _MARKER_FORMAT, _MARKER_VERSION = "qerl_kit.export", 1
 _CHECKPOINT, _ADAPTER = "nvfp4-checkpoint", "peft-adapter"  # the marker's "kind"
+STAGING_LOCK = ".qerl-staging.lock"  # in a staging directory while its export is written
+_STAGING: dict[Path, int] = {}  # staging directory -> the locked descriptor of its STAGING_LOCK
 
 
 class RefusedToOverwrite(FileExistsError):
@@ -163,15 +174,71 @@ def _staging_dir(target: Path) -> Path:
         tmp = target.parent / f".{target.name}.qerl-tmp-{uuid.uuid4().hex[:12]}"
         try:
             tmp.mkdir()  # not mkdtemp: its 0700 mode would hide the checkpoint from a server's user
-            return tmp
         except FileExistsError:
             continue
+        _STAGING[tmp] = locks.try_lock(tmp / STAGING_LOCK)  # says "ours, being written" to a later run
+        return tmp
+
+
+def _release_staging(tmp: Path) -> None:
+    """Remove the staging lock of ``tmp`` (after the marker is written, or with the directory)."""
+    fd = _STAGING.pop(tmp, None)
+    with contextlib.suppress(OSError):
+        (tmp / STAGING_LOCK).unlink()
+    if fd is not None:
+        locks.release(fd)
+
+
+def discard_staging(tmp: Path) -> None:
+    """Delete an unfinished staging directory of this process."""
+    shutil.rmtree(tmp, ignore_errors=True)
+    _release_staging(tmp)
 
 
 def _write_marker(root: Path, kind: str) -> None:
-    files = [e for e in _entries(root) if not e.endswith("/")]
+    """The marker (written first, then the staging lock goes: at every moment one of them says
+    the directory is ours)."""
+    files = [e for e in _entries(root) if not e.endswith("/") and e != STAGING_LOCK]
     ct_format.write_json(root / EXPORT_MARKER, {"format": _MARKER_FORMAT, "version": _MARKER_VERSION,
                                                 "kind": kind, "files": files})
+    _release_staging(root)
+
+
+def _only_ours(root: Path, kind: str) -> list[str] | None:
+    """The files of our export in ``root`` if it holds that and nothing else, else None."""
+    try:
+        return _earlier_export(root, kind, "a leftover")
+    except RefusedToOverwrite:
+        return None
+
+
+def clean_leftovers(target: str | os.PathLike, kind: str = _CHECKPOINT) -> None:
+    """Remove (or put back) what a crashed export left beside ``target``; see the module docstring."""
+    target = _real(target)
+    if not target.parent.is_dir():
+        return
+    hidden = [p for p in target.parent.iterdir() if p.is_dir() and not p.is_symlink()]
+    olds = sorted((p for p in hidden if p.name.startswith(f".{target.name}.qerl-old-")),
+                  key=lambda p: p.stat().st_mtime, reverse=True)
+    for old in olds:  # the newest first: the one to put back if the target is missing
+        listed = _only_ours(old, kind)
+        if listed is None:
+            if not _entries(old):
+                old.rmdir()
+            continue  # not provably ours: left as it is
+        if not os.path.lexists(target):
+            os.rename(old, target)  # a crash between the swap's renames: the earlier export back in place
+        else:
+            _remove_listed(old, listed)
+    for tmp in (p for p in hidden if p.name.startswith(f".{target.name}.qerl-tmp-")):
+        if (tmp / STAGING_LOCK).is_file():
+            fd = locks.try_lock(tmp / STAGING_LOCK)
+            if fd is None:
+                continue  # a live export is writing it
+            locks.release(fd)
+            shutil.rmtree(tmp, ignore_errors=True)
+        elif not _entries(tmp) or _only_ours(tmp, kind) is not None:
+            shutil.rmtree(tmp, ignore_errors=True)  # a finished export never renamed into place
 
 
 def _remove_listed(root: Path, listed: list[str]) -> None:

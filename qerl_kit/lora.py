@@ -12,12 +12,16 @@ projections, as the official QeRL code does through peft's ``modules_to_save``).
 policy for a KL term needs no second model: ``with model.disable_adapter(): ...``.
 
 peft does not store custom-module mappings in ``adapter_config.json``; to reload an adapter onto
-a quantized model use ``load_lora(model, path)`` or pass ``config=lora_config_for(path)`` to
-``PeftModel.from_pretrained``.
+a quantized model use ``load_lora(model, path)``. It reads the files through the checked loader
+that resume uses (``qerl_kit.checkpoint.load_adapter_weights``), not ``PeftModel.from_pretrained``
+(which falls back to the Hub for a missing file and silently leaves missing tensors at their
+initial values): a missing directory or file, a truncated file, missing, extra or misshaped
+tensors, or NaN/inf values are a ``CheckpointError`` naming the path (and the tensor).
 """
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Sequence
 
 import torch
@@ -89,13 +93,40 @@ def attach_lora(model: torch.nn.Module, r: int = 32, alpha: float | None = None,
 
 
 def lora_config_for(path: str) -> LoraConfig:
-    """The saved adapter's LoraConfig, with qerl_kit's quantized layers registered."""
-    return register_quant_layers(LoraConfig.from_pretrained(path))
+    """The saved adapter's LoraConfig, with qerl_kit's quantized layers registered; a missing or
+    unreadable ``adapter_config.json`` is a ``CheckpointError`` naming it (never a Hub download)."""
+    from qerl_kit.checkpoint import CheckpointError
+
+    root = Path(path)
+    config = root / "adapter_config.json"
+    if not root.is_dir():
+        raise CheckpointError(f"adapter {path} is not a directory (a peft adapter directory holds "
+                              "adapter_config.json and adapter_model.safetensors)")
+    if not config.is_file():
+        raise CheckpointError(f"{config} is missing: {path} is not a peft adapter directory")
+    try:
+        return register_quant_layers(LoraConfig.from_pretrained(str(root)))
+    except Exception as err:  # noqa: BLE001 - bad JSON, unknown keys: peft raises several types
+        raise CheckpointError(f"{config} cannot be read as a LoRA config ({type(err).__name__}: "
+                              f"{str(err)[:200]})") from err
 
 
 def load_lora(model: torch.nn.Module, path: str, is_trainable: bool = False) -> PeftModel:
-    """Load a saved peft adapter onto a (quantized) model."""
-    return PeftModel.from_pretrained(model, path, config=lora_config_for(path), is_trainable=is_trainable)
+    """Load a saved peft adapter onto a (quantized) model, checked as a resume checks it."""
+    from qerl_kit.checkpoint import load_adapter_weights, read_adapter
+
+    config = lora_config_for(path)
+    weights = read_adapter(path)  # the file must be there and readable before the model is wrapped
+    config.inference_mode = not is_trainable  # as PeftModel.from_pretrained: a frozen adapter for inference
+    peft_model = get_peft_model(model, config)
+    try:
+        load_adapter_weights(peft_model, path, weights)
+    except Exception:
+        peft_model.unload()  # the caller's model as it was, without the refused adapter's layers
+        raise
+    if not is_trainable:
+        peft_model.eval()
+    return peft_model
 
 
 def trainable_parameters(model: torch.nn.Module) -> dict[str, int]:

@@ -3,8 +3,16 @@
 A run writes only these names into its directory: ``run.json`` (its id, the command, when it
 started), ``config.yaml``, ``metrics.jsonl``, ``checkpoint-<step>/`` (each with its own
 ``run.json``), ``.tmp-checkpoint-<step>/`` while one is written, ``config_changes.jsonl``,
-``tensorboard/``, and for ``qerl demo`` ``summary.json`` and ``curves.png``. Other files in the
+``tensorboard/``, ``.old-checkpoint-<step>/`` while a checkpoint of the same step is replaced,
+``.qerl-run.lock``, and for ``qerl demo`` ``summary.json`` and ``curves.png``. Other files in the
 directory are never touched.
+
+A directory belongs to one process: ``lock(dir)`` (called by ``claim``, and by ``qerl train`` before
+the model loads) takes an exclusive ``flock`` on ``dir/.qerl-run.lock`` for the rest of the process's
+life (``qerl_kit.locks``), so a second live process is refused at once (``RunLocked``, naming the
+directory and the holder's pid), while a crashed run's lock goes with it. Within one process the
+lock is re-entrant (a notebook may build a new Trainer on the same directory). ``lock`` first
+checks the path: a dangling symlink or a file there is refused, naming it.
 
 ``claim(dir, run_id, command)`` is called before a run writes anything:
 
@@ -21,15 +29,55 @@ directory are never touched.
 from __future__ import annotations
 
 import json
+import os
 import re
 import time
 import uuid
 from pathlib import Path
 
+from qerl_kit import locks
+
 RUN_FILE = "run.json"
 PREVIOUS = "previous-runs"
 _FILES = ("run.json", "config.yaml", "metrics.jsonl", "config_changes.jsonl", "summary.json", "curves.png")
-_DIRS = re.compile(r"^(checkpoint-\d+|\.tmp-checkpoint-\d+|tensorboard)$")
+_DIRS = re.compile(r"^(checkpoint-\d+|\.(tmp|old)-checkpoint-\d+|tensorboard)$")
+LOCK_FILE = ".qerl-run.lock"
+_HELD: dict[str, int] = {}  # real path of a run directory -> the open, locked descriptor of its lock file
+
+
+class RunLocked(FileExistsError):
+    """Another live process holds the run directory."""
+
+
+def check_output_dir(path: str | Path) -> None:
+    """Refuse an output directory that cannot be one: a dangling symlink, or a non-directory."""
+    root = Path(path)
+    if root.is_symlink() and not root.exists():
+        raise FileNotFoundError(f"output_dir {root} is a symlink to {os.readlink(root)}, which does not exist "
+                                "(a dangling link); create its target or choose another output directory")
+    if root.exists() and not root.is_dir():
+        raise FileExistsError(f"output_dir {root} exists and is not a directory; choose another output directory")
+
+
+def lock(path: str | Path) -> None:
+    """Make ``path`` this process's run directory for the rest of its life (see the module docstring)."""
+    check_output_dir(path)
+    root = Path(path)
+    root.mkdir(parents=True, exist_ok=True)
+    key = os.path.realpath(root)
+    if key in _HELD:
+        try:  # still our lock file (the directory may have been deleted and made again since)
+            if os.path.samestat(os.fstat(_HELD[key]), os.stat(root / LOCK_FILE)):
+                return
+        except OSError:
+            pass
+        locks.release(_HELD.pop(key))
+    fd = locks.try_lock(root / LOCK_FILE)
+    if fd is None:
+        raise RunLocked(f"{root} is in use by another live run (process {locks.holder(root / LOCK_FILE)} holds "
+                        f"{root / LOCK_FILE}); wait for it to finish or choose another output directory")
+    _HELD[key] = fd
+
 _CONFIG_KEYS = {"model", "rollout", "loss", "optim", "aqn"}  # a config.yaml of ours has these sections
 
 
@@ -83,7 +131,7 @@ def claim(path: str | Path, run_id: str, command: str) -> Path | None:
     """Make ``path`` this run's directory (see the module docstring); the path another run's files
     were moved to, or None."""
     root = Path(path)
-    root.mkdir(parents=True, exist_ok=True)
+    lock(root)
     info = read_run(root)
     if info is not None and info.get("run_id") == run_id:
         return None

@@ -21,7 +21,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from qerl_kit import distributed  # noqa: E402
+from qerl_kit import distributed, runs  # noqa: E402
 from qerl_kit.config import from_dict  # noqa: E402
 
 # one step each on 2 ranks vs 1: the loss variants, and their normalizers
@@ -126,7 +126,7 @@ def test_two_gloo_ranks_equal_one_process_and_resume_across_world_sizes(tmp_path
     # rank 0 alone wrote the metrics and the checkpoint
     lines = (work / "dapo" / "metrics.jsonl").read_text().splitlines()
     assert [json.loads(x)["step"] for x in lines] == [1]
-    assert sorted(p.name for p in (work / "dapo").iterdir()) == ["checkpoint-1", "metrics.jsonl", "run.json"]
+    assert sorted(p.name for p in (work / "dapo").iterdir()) == [runs.LOCK_FILE, "checkpoint-1", "metrics.jsonl", "run.json"]
     state = torch.load(work / "dapo" / "checkpoint-1" / "trainer_state.pt", weights_only=True)
     assert state["world_size"] == 2 and state["step"] == 1
     lines = (work / "from1" / "metrics.jsonl").read_text().splitlines()
