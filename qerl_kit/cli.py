@@ -279,6 +279,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     from qerl_kit.checkpoint import CheckpointError
+    from qerl_kit.data import DataError
     from qerl_kit.gguf_model import GGUFError
 
     args = build_parser().parse_args(argv)
@@ -287,7 +288,7 @@ def main(argv: list[str] | None = None) -> int:
     except (FileExistsError, CheckpointError) as err:  # a refusal that protects the user's files or run
         print(f"qerl {args.command}: {err}", file=sys.stderr)
         return 2
-    except (FileNotFoundError, GGUFError) as err:  # a model or data path that is not there or not usable
+    except (FileNotFoundError, GGUFError, DataError) as err:  # a model or data path/file not there or not usable
         print(f"qerl {args.command}: {err}", file=sys.stderr)
         return 2
 

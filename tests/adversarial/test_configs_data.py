@@ -55,11 +55,15 @@ def test_case_92_empty_yaml_section_keeps_the_presets_values(tmp_path):
 GOOD = json.dumps({"question": "1+1?", "answer": "so\n#### 2"})
 
 
-def test_case_109_non_utf8_jsonl_names_file_and_line(tmp_path):
+def test_case_109_non_utf8_jsonl_names_file_and_line(tmp_path, capsys):
     path = tmp_path / "non_utf8.jsonl"
     path.write_bytes(GOOD.encode() + b"\n" + '{"question": "caf\u00e9?", "answer": "#### 3"}'.encode("latin-1") + b"\n")
     with pytest.raises(ValueError, match=re.escape(f"{path}:2: not UTF-8") + r".*0xe9"):
         load_gsm8k(path)
+    from qerl_kit.cli import main
+
+    assert main(["eval", "--dataset", str(path)]) == 2  # one line from the CLI, before any model loads
+    assert f"qerl eval: {path}:2: not UTF-8" in capsys.readouterr().err
 
 
 def test_case_110_deep_nesting_names_file_and_line(tmp_path):
