@@ -11,7 +11,8 @@ conversational ``[{"role": "assistant", "content": ...}]`` lists. ``None`` means
   > last number) equals the gold number, compared exactly as ``fractions.Fraction``
   ("1,000" == "$1000" == "1000.0"; "0.75" == "3/4"; "0.333" != "1/3").
 - ``math_reward``: last ``\\boxed{}``/``\\fbox{}`` of the completion vs. the gold answer (a bare answer or
-  a full solution holding ``\\boxed``): normalized string equality first, then math-verify.
+  a full solution holding ``\\boxed``): normalized string equality first, then an exact number
+  comparison for a numeric gold, else math-verify.
 - ``format_reward`` / ``make_format_reward``: regex format checks (``#### N`` final line by default,
   or ``<think>...</think><answer>...</answer>``).
 
@@ -36,7 +37,10 @@ longer than ``ANSWER_TAG_MAX_CHARS`` are not answer tags (as before). ``tests/te
 times every public function on 10^5 and 10^6 character adversarial completions (docs/rewards.md,
 "Time bounds"). A custom regex given to ``make_format_reward`` is the caller's responsibility.
 
-Nothing here evaluates model text with eval/exec/sympify; only math-verify's own parser sees it.
+Model text never reaches eval/exec or sympy's ``parse_expr``: a numeric gold is compared with the number
+the box states (model arithmetic such as ``2*3+1`` is not evaluated), and for other golds the box goes to
+math-verify's LaTeX parser only (``qerl_kit.math_equiv``). ``math_reward`` scores each distinct
+(completion, gold) pair once and stops running math-verify past ``BUDGET_S`` seconds per call.
 math-verify is imported lazily (``pip install math-verify`` or the ``qerl_kit[rewards]`` extra).
 """
 
