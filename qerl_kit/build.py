@@ -18,15 +18,12 @@ __all__ = ["load_base", "build_policy"]
 def load_base(cfg: ModelConfig, *, device: str | torch.device | None = None, dtype: torch.dtype | None = None):
     """(model, tokenizer) for ``cfg.name``, not yet quantized, on ``device`` (default: the CPU) in
     ``dtype`` (default: float32 for the tiny model, the checkpoint's own dtype otherwise)."""
-    from qerl_kit.models import PRESETS, load_pretrained
+    from qerl_kit.models import BASE_NAMES, check_model_source, load_pretrained
 
-    if cfg.name == "tiny":
+    if check_model_source(cfg.name, presets=BASE_NAMES) == "preset":  # a typo or a missing path fails here
         from qerl_kit.tiny import load_tiny
 
         return load_tiny(dtype=dtype or torch.float32, device=device or "cpu")
-    if cfg.name in PRESETS:
-        raise ValueError(f"model.name {cfg.name!r} is an architecture preset with random weights and no tokenizer; "
-                         "train with 'tiny', a local Hugging Face model directory or a .gguf file")
     return load_pretrained(cfg.name, dtype=dtype or "auto", device=device, trust_remote_code=cfg.trust_remote_code)
 
 

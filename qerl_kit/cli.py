@@ -20,21 +20,22 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 def _cmd_quantize(args: argparse.Namespace) -> int:
     import torch
 
-    from qerl_kit.models import PRESETS, build_model, load_pretrained
+    from qerl_kit.models import PRESETS, build_model, check_model_source, load_pretrained
     from qerl_kit.quantize import memory_report, quantize_model
 
     if args.out and args.format != "nvfp4":
         print(f"qerl quantize: --out writes a compressed-tensors NVFP4 checkpoint; --format "
               f"{args.format} cannot be exported (use --format nvfp4)", file=sys.stderr)
         return 2
+    kind = check_model_source(args.model, presets=PRESETS)  # a missing path or a preset typo: said first
     # the model directory whose tokenizer files the export copies (none for a preset, a .gguf or a hub id)
-    source = args.model if args.model not in PRESETS and Path(args.model).expanduser().is_dir() else None
+    source = args.model if kind == "dir" else None
     if args.out:  # refuse an unsafe --out before minutes of loading and quantizing
         from qerl_kit.export import check_export_dirs
 
         check_export_dirs(args.out, source_dir=source)
     tokenizer = None
-    if args.model in PRESETS:
+    if kind == "preset":
         model = build_model(args.model, dtype=torch.bfloat16)
     else:
         model, tokenizer = load_pretrained(args.model, trust_remote_code=args.trust_remote_code)
@@ -92,10 +93,9 @@ def _cmd_train(args: argparse.Namespace) -> int:
                       f"and AQN stages span {args.steps} steps instead of its total_steps {cfg.total_steps} "
                       f"(--keep-schedule keeps {cfg.total_steps})")
             cfg = cfg.replace(total_steps=args.steps, aqn={"stages": stages})
-    from qerl_kit.models import PRESETS, check_model_source
+    from qerl_kit.models import BASE_NAMES, check_model_source
 
-    if cfg.model.name != "tiny" and cfg.model.name not in PRESETS:
-        check_model_source(cfg.model.name)  # before the task's data and minutes of loading
+    check_model_source(cfg.model.name, presets=BASE_NAMES)  # before the task's data and minutes of loading
     if main:  # the first line says which run this is
         if latest is not None:
             print(f"qerl train: resuming the run in {cfg.output_dir} from step {latest.name.split('-')[1]} ({latest})")
@@ -164,10 +164,9 @@ def _cmd_eval(args: argparse.Namespace) -> int:
         print(f"qerl eval: {err}", file=sys.stderr)
         return 2
     mcfg = ModelConfig(name=args.model, format=args.format, trust_remote_code=args.trust_remote_code)
-    if args.model != "tiny":
-        from qerl_kit.models import check_model_source
+    from qerl_kit.models import BASE_NAMES, check_model_source
 
-        check_model_source(args.model)  # a bad path fails before the data and the model load
+    check_model_source(args.model, presets=BASE_NAMES)  # a bad path fails before the data and the model load
     if args.adapter:  # a missing adapter directory or config fails before the model loads
         from qerl_kit.lora import lora_config_for
 
@@ -287,6 +286,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     from qerl_kit.checkpoint import CheckpointError
+    from qerl_kit.data import DataError
     from qerl_kit.gguf_model import GGUFError
 
     args = build_parser().parse_args(argv)
@@ -295,7 +295,7 @@ def main(argv: list[str] | None = None) -> int:
     except (FileExistsError, CheckpointError) as err:  # a refusal that protects the user's files or run
         print(f"qerl {args.command}: {err}", file=sys.stderr)
         return 2
-    except (FileNotFoundError, GGUFError) as err:  # a model or data path that is not there or not usable
+    except (FileNotFoundError, GGUFError, DataError) as err:  # a model or data path/file not there or not usable
         print(f"qerl {args.command}: {err}", file=sys.stderr)
         return 2
     except OSError as err:  # a full disk (file_writes.DiskFullError and plain ENOSPC) names the path

@@ -226,8 +226,13 @@ MOVED_KEYS = {("loss", k): ("filters", k) for k in
 
 
 def _merge(base: dict, over: dict) -> dict:
+    """``over`` on top of ``base``, section by section. An empty section (``None``: a YAML ``model:``
+    whose keys are all commented out) overrides nothing: the base's (the preset's) values stay, never
+    the dataclass defaults."""
     out = dict(base)
     for key, value in over.items():
+        if value is None and isinstance(out.get(key), Mapping):
+            continue
         if isinstance(value, Mapping) and isinstance(out.get(key), Mapping):
             out[key] = _merge(out[key], value)
         else:
@@ -333,11 +338,12 @@ def load_config(path: str | Path) -> TrainConfig:
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: a config file must be a mapping; got {data!r}")
     data = upgrade_dict(data)  # before the merge, so an old key cannot shadow the preset's new one
+    has_preset = "preset" in data
     name = data.pop("preset", None)
     try:
-        if name is None:
+        if not has_preset:
             return from_dict(data)
-        return from_dict(_merge(_preset_dict(name), data))
+        return from_dict(_merge(_preset_dict(name), data))  # an empty `preset:` is refused, not ignored
     except ConfigError as err:
         raise ConfigError(f"{path}: {err}", err.key, err.value, err.allowed) from err
     except (TypeError, ValueError) as err:

@@ -10,9 +10,11 @@
   ``#### N``) is kept as ``solution`` and ``answer`` becomes the number ``N`` (thousands separators
   removed: "#### 1,600" -> "1600"). ``datasets.Dataset.from_list(rows)`` turns the list into a
   dataset for TRL.
-- A malformed row (bad JSON, not an object, missing/empty field, GSM8K solution without a numeric
-  ``#### N``) raises ``ValueError("<file>:<line>: ...")`` with the 1-based line number; blank lines
-  are skipped.
+- A malformed row (not UTF-8, bad JSON, nesting too deep, not an object, missing/empty field, GSM8K
+  solution without a numeric ``#### N``) raises ``DataError("<file>:<line>: ...")`` (a ValueError,
+  which ``qerl`` prints as one line) with the 1-based line number; blank lines are skipped. Rows
+  whose columns differ from the first row's are refused at load (``check_columns``): a batch's
+  columns are taken from its first row.
 - ``build_prompt(tokenizer, question, ...)`` uses the tokenizer's chat template when it has one,
   else a plain ``"Question: ...\\nAnswer:"`` template; ``build_messages`` gives the conversational form.
 
@@ -30,7 +32,8 @@ from typing import Any, Iterable
 from .rewards import parse_number
 
 __all__ = [
-    "load_gsm8k", "load_math500", "read_jsonl", "build_prompt", "build_messages", "data_dirs", "find_data_file",
+    "load_gsm8k", "load_math500", "read_jsonl", "check_columns", "DataError", "build_prompt", "build_messages",
+    "data_dirs", "find_data_file",
     "DATA_ENV",
     "GSM8K_SUFFIX", "MATH_SUFFIX",
 ]
@@ -44,31 +47,64 @@ _HF_SOURCES = {
 }
 
 
+class DataError(ValueError):
+    """A data file or row that cannot be used; the message starts with where (``file:line``)."""
+
+
 def read_jsonl(path: str | os.PathLike) -> list[tuple[int, Any]]:
-    """(1-based line number, parsed JSON) for every non-blank line; ValueError names file:line."""
+    """(1-based line number, parsed JSON) for every non-blank line. Whatever makes a line unreadable
+    (not UTF-8, invalid JSON, nesting too deep for the parser, an integer too long to convert) is a
+    ValueError naming file:line."""
     out = []
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, start=1):
+    with open(path, "rb") as f:
+        for lineno, raw in enumerate(f, start=1):
+            try:
+                line = raw.decode("utf-8-sig" if lineno == 1 else "utf-8")
+            except UnicodeDecodeError as e:
+                raise DataError(f"{path}:{lineno}: not UTF-8 text (byte 0x{raw[e.start]:02x} at column "
+                                 f"{e.start + 1}); JSON Lines files are UTF-8") from None
             if not line.strip():
                 continue
             try:
                 out.append((lineno, json.loads(line)))
             except json.JSONDecodeError as e:
-                raise ValueError(f"{path}:{lineno}: invalid JSON ({e.msg})") from None
+                raise DataError(f"{path}:{lineno}: invalid JSON ({e.msg})") from None
+            except RecursionError:
+                raise DataError(f"{path}:{lineno}: JSON nested too deeply to read") from None
+            except ValueError as e:  # e.g. an integer longer than Python's int(str) digit limit
+                raise DataError(f"{path}:{lineno}: unreadable JSON ({str(e)[:200]})") from None
     return out
+
+
+def check_columns(rows: Iterable[tuple[str, dict]]) -> None:
+    """Every row has the columns of the first (reward functions get one list per column, taken
+    from a batch's first row): a row with a column more or less is a ValueError naming where it
+    is (``file:line``) and the difference, at load time rather than at a later training step."""
+    first_where, first = None, None
+    for where, row in rows:
+        if first is None:
+            first_where, first = where, set(row)
+            continue
+        cols = set(row)
+        if cols != first:
+            extra, missing = sorted(map(str, cols - first)), sorted(map(str, first - cols))
+            diff = "; ".join(part for part in (f"extra {extra}" if extra else "",
+                                               f"missing {missing}" if missing else "") if part)
+            raise DataError(f"{where}: the columns differ from the first row's ({first_where}): {diff}; "
+                             f"every row needs the same columns {sorted(map(str, first))}")
 
 
 def _field(row: Any, key: str, where: str) -> str:
     if not isinstance(row, dict):
-        raise ValueError(f"{where}: expected a JSON object, got {type(row).__name__}")
+        raise DataError(f"{where}: expected a JSON object, got {type(row).__name__}")
     if key not in row or row[key] is None:
-        raise ValueError(f"{where}: missing field {key!r} (has {sorted(row)})")
+        raise DataError(f"{where}: missing field {key!r} (has {sorted(row)})")
     value = row[key]
     if isinstance(value, bool) or not isinstance(value, (str, int, float)):
-        raise ValueError(f"{where}: field {key!r} must be a string, got {type(value).__name__}")
+        raise DataError(f"{where}: field {key!r} must be a string, got {type(value).__name__}")
     value = str(value).strip()
     if not value:
-        raise ValueError(f"{where}: field {key!r} is empty")
+        raise DataError(f"{where}: field {key!r} is empty")
     return value
 
 
@@ -76,12 +112,12 @@ def _gsm8k_row(row: Any, where: str) -> dict[str, Any]:
     question = _field(row, "question", where)
     solution = _field(row, "answer", where)
     if "####" not in solution:
-        raise ValueError(f"{where}: GSM8K solution has no '#### <answer>' line")
+        raise DataError(f"{where}: GSM8K solution has no '#### <answer>' line")
     final = solution.rsplit("####", 1)[1].strip()
     if not final:
-        raise ValueError(f"{where}: empty answer after '####'")
+        raise DataError(f"{where}: empty answer after '####'")
     if parse_number(final) is None:
-        raise ValueError(f"{where}: answer after '####' is not a number: {final!r}")
+        raise DataError(f"{where}: answer after '####' is not a number: {final!r}")
     out = {k: v for k, v in row.items() if k != "answer"}
     out.update(prompt=question, answer=final.replace(",", ""), solution=solution)
     return out
@@ -140,11 +176,13 @@ def _load(kind: str, path_or_split: str | os.PathLike, convert, limit: int | Non
     else:
         f = find_data_file(kind, str(path_or_split))
         rows = ((f"{f}:{n}", r) for n, r in read_jsonl(f))
-    out = []
+    out, wheres = [], []
     for where, row in rows:
         if limit is not None and len(out) >= limit:
             break
         out.append(convert(row, where))
+        wheres.append(where)
+    check_columns(zip(wheres, out))
     return out
 
 

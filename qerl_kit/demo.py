@@ -47,6 +47,9 @@ def run_demo(model: str = "tiny", dataset: str = "arith", steps: int | None = No
     if eval_size is not None:
         overrides["data"]["eval_size"] = eval_size
     cfg = preset("tiny-cpu", **overrides)
+    from qerl_kit.models import BASE_NAMES, check_model_source
+
+    check_model_source(model, presets=BASE_NAMES)  # a typo or a missing path fails before anything moves
     out = Path(output_dir)
     from qerl_kit import runs
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterable
 
 import torch
 
@@ -72,33 +72,66 @@ def _offline() -> bool:
     return os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on")
 
 
-def describe_sources() -> str:
-    return ("a local Hugging Face model directory, a llama.cpp .gguf file, or a hub id such as "
-            "'Qwen/Qwen2.5-0.5B-Instruct' (when online)")
+# The names ``build.load_base`` (train, eval, demo) takes besides model sources: the shipped tiny model.
+BASE_NAMES = ("tiny",)
 
 
-def check_model_source(name: str | os.PathLike) -> str:
-    """Where ``name`` loads from: "gguf", "dir" or "hub"; a clear error (naming ``name`` and what is
-    accepted) for a missing path, a file that is not .gguf, or a hub id while offline. Cheap: call it
-    before anything slow (the task's data, a quantization) so a typo fails first."""
+class ModelSourceError(FileNotFoundError, ValueError):
+    """A model name that names nothing loadable (a missing path, a mistyped preset, a file that is not
+    .gguf, a hub id that cannot be fetched). A FileNotFoundError (``qerl`` prints it as one line) and a
+    ValueError (a bad argument)."""
+
+
+def describe_sources(presets: Iterable[str] = ()) -> str:
+    names = ", ".join(repr(p) for p in presets)
+    return ((f"one of {names}, " if names else "") + "a local Hugging Face model directory, a llama.cpp .gguf "
+            "file, or a hub id such as 'Qwen/Qwen2.5-0.5B-Instruct' (when online)")
+
+
+def _short(text: str, limit: int = 300) -> str:  # a bounded repr (paths fit)
+    return repr(text if len(text) <= limit else text[:limit] + "...")
+
+
+def check_model_source(name: str | os.PathLike, presets: Iterable[str] = ()) -> str:
+    """Where ``name`` loads from: "preset" (one of ``presets``, the names the caller builds itself),
+    "gguf", "dir" or "hub"; else a ``ModelSourceError`` naming ``name`` and what is accepted, for a
+    missing path, a file that is not .gguf, a name close to a preset (a typo, never a hub lookup), an
+    architecture preset where the caller takes none, or a hub id while offline. Cheap: every command
+    that takes a model calls it before anything slow (the task's data, a quantization)."""
+    import difflib
+
     from qerl_kit.gguf_model import check_gguf_header, is_gguf_path
 
+    presets = tuple(presets)
     text = str(name)
+    shown = _short(text)
+    if text in presets:
+        return "preset"
+    if text in PRESETS:
+        raise ModelSourceError(f"model {shown} is an architecture preset with random weights and no tokenizer; "
+                               f"expected {describe_sources(presets)}")
     path = Path(text).expanduser()
     if is_gguf_path(text):
         check_gguf_header(path)  # exists, is GGUF, an architecture we run (truncation: when it loads)
         return "gguf"
     if path.is_dir():
         if not (path / "config.json").exists():
-            raise FileNotFoundError(f"model {text!r}: the directory has no config.json; expected "
-                                    f"{describe_sources()}")
+            raise ModelSourceError(f"model {shown}: the directory has no config.json; expected "
+                                   f"{describe_sources(presets)}")
         return "dir"
     if path.exists():
-        raise ValueError(f"model {text!r} is a file but not a .gguf file; expected {describe_sources()}")
-    looks_local = text.startswith((".", "/", "~")) or text.count("/") > 1 or os.sep in text.replace("/", "")
+        raise ModelSourceError(f"model {shown} is a file but not a .gguf file; expected {describe_sources(presets)}")
+    # Not here. Local, not a hub id, when it is written as a path, when its first folder exists here
+    # ("runs/nope" with runs/ present), or when it is one typo away from a name this command takes.
+    known = list(presets) + list(PRESETS)
+    close = difflib.get_close_matches(text, known, n=1, cutoff=0.75) if "/" not in text else []
+    first = text.split("/", 1)[0]
+    looks_local = (text.startswith((".", "/", "~")) or text.count("/") > 1 or os.sep in text.replace("/", "")
+                   or ("/" in text and Path(first).expanduser().is_dir()) or bool(close))
     if looks_local or _offline():
         why = "no such file or directory" + ("" if looks_local else " (and the hub is off: HF_HUB_OFFLINE is set)")
-        raise FileNotFoundError(f"model {text!r}: {why}; expected {describe_sources()}")
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        raise ModelSourceError(f"model {shown}: {why}{hint}; expected {describe_sources(presets)}")
     return "hub"
 
 
@@ -122,8 +155,9 @@ def load_pretrained(name: str | os.PathLike, *, dtype: torch.dtype | str = "auto
     try:
         model = load_model(source, dtype=dtype, trust_remote_code=trust_remote_code)
         tokenizer = AutoTokenizer.from_pretrained(source, trust_remote_code=trust_remote_code)
-    except OSError as e:
-        raise OSError(f"model {str(name)!r} could not be loaded ({e}); expected {describe_sources()}") from e
+    except OSError as e:  # a hub id that does not resolve, no network: one clear line, not a traceback
+        raise ModelSourceError(f"model {_short(str(name))} could not be loaded ({str(e)[:300]}); "
+                               f"expected {describe_sources()}") from e
     from qerl_kit.gguf_model import add_turn_end
 
     add_turn_end(model, tokenizer)

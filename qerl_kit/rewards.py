@@ -11,7 +11,8 @@ conversational ``[{"role": "assistant", "content": ...}]`` lists. ``None`` means
   > last number) equals the gold number, compared exactly as ``fractions.Fraction``
   ("1,000" == "$1000" == "1000.0"; "0.75" == "3/4"; "0.333" != "1/3").
 - ``math_reward``: last ``\\boxed{}``/``\\fbox{}`` of the completion vs. the gold answer (a bare answer or
-  a full solution holding ``\\boxed``): normalized string equality first, then math-verify.
+  a full solution holding ``\\boxed``): normalized string equality first, then an exact number
+  comparison for a numeric gold, else math-verify.
 - ``format_reward`` / ``make_format_reward``: regex format checks (``#### N`` final line by default,
   or ``<think>...</think><answer>...</answer>``).
 
@@ -36,39 +37,39 @@ longer than ``ANSWER_TAG_MAX_CHARS`` are not answer tags (as before). ``tests/te
 times every public function on 10^5 and 10^6 character adversarial completions (docs/rewards.md,
 "Time bounds"). A custom regex given to ``make_format_reward`` is the caller's responsibility.
 
-Nothing here evaluates model text with eval/exec/sympify; only math-verify's own parser sees it.
+Model text never reaches eval/exec or sympy's ``parse_expr``: a numeric gold is compared with the number
+the box states (model arithmetic such as ``2*3+1`` is not evaluated), and for other golds the box goes to
+math-verify's LaTeX parser only (``qerl_kit.math_equiv``). ``math_reward`` scores each distinct
+(completion, gold) pair once and stops running math-verify past ``BUDGET_S`` seconds per call.
 math-verify is imported lazily (``pip install math-verify`` or the ``qerl_kit[rewards]`` extra).
 """
 
 from __future__ import annotations
 
-import atexit
-import json
 import logging
 import math
-import os
 import re
-import select
-import subprocess
 import sys
-import threading
+import time
 from fractions import Fraction
 from itertools import accumulate, repeat
 from typing import Any, Callable, Sequence
 
+from qerl_kit.math_equiv import MAX_ANSWER_CHARS, PARSING_TIMEOUT, VERIFY_TIMEOUT, math_verify_equal
+
 __all__ = [
     "gsm8k_reward", "math_reward", "format_reward", "think_format_reward", "make_format_reward",
     "score_gsm8k", "score_math", "extract_gsm8k_answer", "parse_number", "last_boxed",
-    "completion_text", "FORMAT_PATTERNS", "MAX_ANSWER_CHARS", "MAX_NUMBER_CHARS", "ANSWER_TAG_MAX_CHARS",
+    "completion_text", "FORMAT_PATTERNS", "MAX_ANSWER_CHARS", "BUDGET_S", "MAX_NUMBER_CHARS", "ANSWER_TAG_MAX_CHARS",
 ]
 
 logger = logging.getLogger(__name__)
 
-MAX_ANSWER_CHARS = 1000  # longer predicted \boxed{} contents score 0.0; longer golds never reach math-verify
 MAX_NUMBER_CHARS = 4300  # parse_number: longer (cleaned) number strings are not numbers (None)
 ANSWER_TAG_MAX_CHARS = 2000  # <answer>...</answer> contents longer than this are not answer tags
-PARSING_TIMEOUT = 2      # seconds, per math-verify parse call
-VERIFY_TIMEOUT = 2       # seconds, per math-verify comparison
+# math-verify seconds one math_reward call may spend (all completions together); see math_reward
+BUDGET_S = 10.0
+_clock = time.monotonic  # a seam for tests
 RewardFn = Callable[..., "list[float | None]"]
 
 # ----------------------------------------------------------------------------- text helpers
@@ -313,150 +314,83 @@ def _gold_answer(gold: Any) -> str | None:
     return s or None
 
 
-# math-verify runs in the calling thread when that is the main thread (signal.alarm timeouts work)
-# and in a helper subprocess otherwise; the worker enforces the same timeouts in its main thread
-# and the parent adds a hard deadline on top (killing the worker if it is exceeded).
-_WORKER_SRC = r"""
-import json, sys
-from math_verify import parse, verify
-from math_verify.errors import TimeoutException
-sys.stdout.write('{"ready": true}\n'); sys.stdout.flush()
-for line in sys.stdin:
-    q = json.loads(line)
+_LHS_RE = re.compile(r"[A-Za-z]\w{0,20}+=")  # "x=" before a stated value
+_FRAC_DIGITS_RE = re.compile(r"\\frac(\d)(\d)")  # \frac12
+
+
+def _as_number(s: str) -> Fraction | None:
+    """The answer as an exact number when it states one ("7", "7.0", "\\frac{14}{2}", "\\frac12",
+    "1,000", "x=5", "30^\\circ", "50\\%"), else None: "2*3+1", "\\sqrt{49}" and "9^{9^9}" are not numbers."""
+    s = _normalize_latex(s)
+    m = _LHS_RE.match(s)
+    return parse_number(_clean_latex_number(_FRAC_DIGITS_RE.sub(r"\1/\2", s[m.end():] if m else s)))
+
+
+def _score_math(completion: Any, gold: Any, pt: int, vt: int, verify: bool) -> tuple[float | None, bool]:
+    """(score, whether math-verify was needed but not run because ``verify`` is False)."""
+    g = _gold_answer(gold)
+    if g is None:
+        return None, False
     try:
-        g = parse(q["g"], parsing_timeout=q["pt"])
-        ok = bool(g) and verify(g, parse(q["p"], parsing_timeout=q["pt"]), timeout_seconds=q["vt"])
-        out = {"gold": bool(g), "ok": bool(ok)}
-    except (Exception, TimeoutException) as e:
-        out = {"gold": True, "ok": False}
-    sys.stdout.write(json.dumps(out) + "\n"); sys.stdout.flush()
-"""
-_worker_lock = threading.Lock()
-_worker: subprocess.Popen | None = None
-_worker_state = {"broken": False, "atexit": False}
-
-
-def _kill_worker() -> None:
-    global _worker
-    if _worker is not None:
-        try:
-            _worker.kill()
-            _worker.wait(timeout=5)
-        except Exception:
-            pass
-        _worker = None
-
-
-def _readline(proc: subprocess.Popen, timeout: float) -> dict | None:
-    ready, _, _ = select.select([proc.stdout], [], [], timeout)
-    line = proc.stdout.readline() if ready else ""
-    return json.loads(line) if line else None
-
-
-def _worker_deadline(pt: int, vt: int) -> float:
-    # verify() compares up to 2x2 parsed candidates, each under its own timeout
-    return 2 * pt + 4 * vt + 5.0
-
-
-def _verify_in_worker(gold: str, pred: str, pt: int, vt: int) -> tuple[bool, bool] | None:
-    """(gold_parsed, equivalent) from the worker; None when the worker is unavailable."""
-    global _worker
-    with _worker_lock:
-        if _worker_state["broken"]:
-            return None
-        try:
-            if _worker is None or _worker.poll() is not None:
-                _worker = subprocess.Popen([sys.executable, "-c", _WORKER_SRC], stdin=subprocess.PIPE,
-                                           stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
-                if not _worker_state["atexit"]:
-                    _worker_state["atexit"] = True
-                    atexit.register(_kill_worker)
-                if _readline(_worker, 120.0) is None:
-                    _worker_state["broken"] = True
-                    raise RuntimeError("math-verify worker did not start")
-            _worker.stdin.write(json.dumps({"g": gold, "p": pred, "pt": pt, "vt": vt}) + "\n")
-            _worker.stdin.flush()
-            out = _readline(_worker, _worker_deadline(pt, vt))
-            if out is None:  # deadline passed or worker died: kill it, score 0
-                _kill_worker()
-                return True, False
-            return bool(out["gold"]), bool(out["ok"])
-        except Exception:
-            logger.warning("math-verify worker failed; falling back to string comparison", exc_info=True)
-            _kill_worker()
-            return None
-
-
-def _import_math_verify():
-    try:
-        import math_verify
-        from math_verify.errors import TimeoutException
-    except ImportError as e:
-        raise ImportError("math_reward needs math-verify: `pip install math-verify` "
-                          "(or `pip install qerl_kit[rewards]`)") from e
-    return math_verify, TimeoutException
-
-
-def _math_verify_equal(gold: str, pred: str, parsing_timeout: int = PARSING_TIMEOUT,
-                       verify_timeout: int = VERIFY_TIMEOUT) -> tuple[bool, bool] | None:
-    """math-verify on two bare answers. Returns (gold_parsed, equivalent), or None when it could not
-    run at all (worker unavailable in a non-main thread). Answers longer than ``MAX_ANSWER_CHARS``
-    are not handed to math-verify: such a gold counts as unparsed, such a prediction as not equal."""
-    if len(gold) > MAX_ANSWER_CHARS:
-        return False, False
-    if len(pred) > MAX_ANSWER_CHARS:
-        return True, False
-    mv, timeout_exc = _import_math_verify()
-    g_src, p_src = "$\\boxed{" + gold + "}$", "$\\boxed{" + pred + "}$"
-    pt, vt = max(1, math.ceil(parsing_timeout)), max(1, math.ceil(verify_timeout))
-    if os.name == "posix" and threading.current_thread() is not threading.main_thread():
-        return _verify_in_worker(g_src, p_src, pt, vt)
-    try:
-        g = mv.parse(g_src, parsing_timeout=pt)
-        if not g:
-            return False, False
-        return True, bool(mv.verify(g, mv.parse(p_src, parsing_timeout=pt), timeout_seconds=vt))
-    except (Exception, timeout_exc):  # TimeoutException is a BaseException
-        logger.debug("math-verify failed", exc_info=True)
-        return True, False
+        p = last_boxed(completion)
+        if p is None or not p.strip() or len(p) > MAX_ANSWER_CHARS:
+            return 0.0, False
+        if _normalize_latex(p) == _normalize_latex(g):
+            return 1.0, False
+        number = _as_number(g)
+        if number is not None:  # a number: the answer must state it; model arithmetic is not evaluated
+            return (1.0 if _as_number(p) == number else 0.0), False
+        if not verify:
+            return 0.0, True
+        res = math_verify_equal(g, p, pt, vt)
+    except ImportError:
+        raise
+    except Exception:
+        logger.debug("math scoring failed", exc_info=True)
+        return 0.0, False
+    if res is None:
+        return 0.0, False
+    gold_ok, equal = res
+    if not gold_ok:
+        return None, False
+    return (1.0 if equal else 0.0), False
 
 
 def score_math(completion: Any, gold: Any, *, parsing_timeout: int = PARSING_TIMEOUT,
                verify_timeout: int = VERIFY_TIMEOUT) -> float | None:
     """1.0 / 0.0 for one completion's last ``\\boxed{}`` against ``gold`` (bare answer or a solution
-    with ``\\boxed``); None when the gold has no usable answer."""
-    g = _gold_answer(gold)
-    if g is None:
-        return None
-    try:
-        p = last_boxed(completion)
-        if p is None or not p.strip() or len(p) > MAX_ANSWER_CHARS:
-            return 0.0
-        if _normalize_latex(p) == _normalize_latex(g):
-            return 1.0
-        res = _math_verify_equal(g, p, parsing_timeout, verify_timeout)
-    except ImportError:
-        raise
-    except Exception:
-        logger.debug("math scoring failed", exc_info=True)
-        return 0.0
-    if res is None:
-        return 0.0
-    gold_ok, equal = res
-    if not gold_ok:
-        return None
-    return 1.0 if equal else 0.0
+    with ``\\boxed``); None when the gold has no usable answer. A numeric gold is compared exactly
+    with the number the box states (``_as_number``); other golds go to math-verify."""
+    return _score_math(completion, gold, parsing_timeout, verify_timeout, True)[0]
 
 
 def math_reward(prompts: Sequence[Any] | None = None, completions: Sequence[Any] = (),
                 answer: Sequence[Any] | None = None, solution: Sequence[Any] | None = None,
-                **kwargs: Any) -> list[float | None]:
-    """TRL reward: last ``\\boxed{}`` vs. the ``answer`` column (else ``solution``), via math-verify."""
+                budget_s: float = BUDGET_S, **kwargs: Any) -> list[float | None]:
+    """TRL reward: last ``\\boxed{}`` vs. the ``answer`` column (else ``solution``), via math-verify.
+
+    Each distinct (completion, gold) pair is scored once. math-verify runs while the call has spent
+    less than ``budget_s`` seconds; past it, answers that would need math-verify score 0.0 and a
+    warning says how many (docs/rewards.md, "Time bounds")."""
     if answer is None and solution is None:
         raise ValueError("math_reward needs an 'answer' (bare answer) or 'solution' (with \\boxed) column")
+    if isinstance(budget_s, bool) or not isinstance(budget_s, (int, float)) or not budget_s >= 0:
+        raise ValueError(f"budget_s must be a number of seconds >= 0; got {str(budget_s)[:40]!r}")
     golds = _column("answer" if answer is not None else "solution",
                     answer if answer is not None else solution, len(completions))
-    return [score_math(c, g) for c, g in zip(completions, golds)]
+    start, seen, skipped, out = _clock(), {}, 0, []
+    for c, g in zip(completions, golds):
+        text = completion_text(c)
+        key = (text, _gold_answer(g))
+        if key not in seen:
+            seen[key], was_skipped = _score_math(text, g, PARSING_TIMEOUT, VERIFY_TIMEOUT,
+                                                 _clock() - start < budget_s)
+            skipped += was_skipped
+        out.append(seen[key])
+    if skipped:
+        logger.warning("math_reward: the per-call budget of %.3g s ran out; %d answer(s) that needed math-verify "
+                       "scored 0.0", budget_s, skipped)
+    return out
 
 
 # ----------------------------------------------------------------------------- format

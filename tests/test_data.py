@@ -87,7 +87,9 @@ def test_malformed_math500_row_names_file_and_line(tmp_path, bad, msg):
 
 
 def test_valid_small_files_and_numeric_answers(tmp_path):
-    p = _write(tmp_path, [GOOD_GSM, json.dumps({"question": "q", "answer": "x\n#### -1,250.5", "id": 7})])
+    # every row carries the same columns (a row with a column more is refused: test_configs_data.py)
+    p = _write(tmp_path, [json.dumps({**json.loads(GOOD_GSM), "id": 6}),
+                          json.dumps({"question": "q", "answer": "x\n#### -1,250.5", "id": 7})])
     rows = load_gsm8k(p)
     assert [r["answer"] for r in rows] == ["2", "-1250.5"]
     assert rows[1]["id"] == 7 and rows[1]["solution"] == "x\n#### -1,250.5"

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from qerl_kit import math_equiv as E
 from qerl_kit import rewards as R
 from qerl_kit.rewards import (
     completion_text, extract_gsm8k_answer, format_reward, gsm8k_reward, last_boxed, make_format_reward,
@@ -197,15 +198,15 @@ def test_math_reward_from_non_main_thread():
 
 def test_hung_worker_is_killed_after_deadline(monkeypatch):
     hang = "import sys, time\nsys.stdout.write('{\"ready\": true}\\n'); sys.stdout.flush()\nsys.stdin.readline(); time.sleep(600)\n"
-    R._kill_worker()
-    monkeypatch.setattr(R, "_WORKER_SRC", hang)
-    monkeypatch.setattr(R, "_worker_deadline", lambda pt, vt: 1.0)
+    E._kill_worker()
+    monkeypatch.setattr(E, "_WORKER_SRC", hang)
+    monkeypatch.setattr(E, "_worker_deadline", lambda pt, vt: 1.0)
     t = time.monotonic()
-    assert _in_thread(lambda: score_math("\\boxed{0.5}", "\\frac12")) == 0.0
+    assert _in_thread(lambda: score_math("\\boxed{2\\sqrt{2}}", "\\sqrt{8}")) == 0.0
     assert time.monotonic() - t < 20
-    assert R._worker is None  # killed; the next call starts a fresh worker
+    assert E._worker is None  # killed; the next call starts a fresh worker
     monkeypatch.undo()
-    assert _in_thread(lambda: score_math("\\boxed{0.5}", "\\frac12")) == 1.0
+    assert _in_thread(lambda: score_math("\\boxed{2\\sqrt{2}}", "\\sqrt{8}")) == 1.0
 
 
 @pytest.mark.parametrize("exc", ["timeout", RuntimeError("boom"), RecursionError()])
@@ -217,14 +218,14 @@ def test_math_verify_errors_score_zero(monkeypatch, exc):
         raise TimeoutException("slow") if exc == "timeout" else exc
 
     monkeypatch.setattr(math_verify, "verify", broken)
-    assert score_math("\\boxed{0.5}", "\\frac12") == 0.0
+    assert score_math("\\boxed{2\\sqrt{2}}", "\\sqrt{8}") == 0.0
     assert score_math("\\boxed{1/2}", "1/2") == 1.0  # string-equal: math-verify not needed
 
 
 def test_missing_math_verify_gives_clear_import_error(monkeypatch):
     monkeypatch.setitem(sys.modules, "math_verify", None)
     with pytest.raises(ImportError, match="pip install math-verify"):
-        score_math("\\boxed{0.5}", "\\frac12")
+        score_math("\\boxed{2\\sqrt{2}}", "\\sqrt{8}")
     assert score_math("\\boxed{1/2}", "1/2") == 1.0  # string-equal answers need no math-verify
 
 
@@ -317,5 +318,5 @@ def test_math500_gold_solutions_against_own_and_other_answers():
 def test_math500_math_verify_path_alone_agrees():
     # the string fast path makes the test above easy; check math-verify itself accepts every gold
     rows = _jsonl("math500_test.jsonl")
-    failures = [i for i, r in enumerate(rows) if R._math_verify_equal(r["answer"], last_boxed(r["solution"])) != (True, True)]
+    failures = [i for i, r in enumerate(rows) if E.math_verify_equal(r["answer"], last_boxed(r["solution"])) != (True, True)]
     assert failures == []

@@ -7,7 +7,8 @@ rendered the same way everywhere (``task.prompt(tokenizer, row)``) and tokenized
 (``task.encode(tokenizer, rows)`` -> ``qerl_kit.rollout.Prompts``).
 
 Rows are dicts with at least a ``prompt`` (the question) column; every other column (``answer``,
-``level``, ...) reaches the reward functions as a keyword argument, as in TRL.
+``level``, ...) reaches the reward functions as a keyword argument, as in TRL. Every row of a split
+has the same columns (``qerl_kit.data.check_columns``, checked here and when a file loads).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
-from qerl_kit.data import chat_prompt
+from qerl_kit.data import chat_prompt, check_columns
 
 __all__ = ["Task", "chat_prompt"]
 
@@ -48,6 +49,8 @@ class Task:
             missing = [i for i, row in enumerate(getattr(self, split)) if "prompt" not in row]
             if missing:
                 raise ValueError(f"task {self.name!r}: {split} rows {missing[:5]} have no 'prompt' column")
+            # one set of columns per split: a batch's columns are taken from its first row
+            check_columns((f"task {self.name!r}: {split} row {i}", row) for i, row in enumerate(getattr(self, split)))
 
     @property
     def accuracy(self) -> Callable:

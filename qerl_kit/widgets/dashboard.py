@@ -1,7 +1,10 @@
 """Training dashboard: run a Trainer in chunks with live plots, sliders and a stop button.
 
-Sliders (learning rate, AQN sigma_start, temperature) are applied to the trainer between chunks
-(``apply_controls``); the stop button sets ``trainer.stop_requested`` so the running chunk ends
+A control and the trainer value it edits never disagree. A slider moved by hand is applied to the
+trainer at once (``apply_controls``; while a chunk runs, at the chunk's end, so a step never changes
+temperature halfway). A value changed from code (``trainer.set_lr(1e-3)``, ``trainer.aqn.sigma_start
+= ...``) is read back into the sliders (``sync_controls``) when the dashboard is shown, when a chunk
+starts and after every step: a chunk never trains at a stale slider value. The stop button sets ``trainer.stop_requested`` so the running chunk ends
 after its current step (pressed while no chunk runs, it does nothing). Jupyter handles widget
 events only between cell executions, so a chunk started from the "run" button trains in a
 background thread and the notebook stays live (the button is disabled until the chunk ends); a
@@ -11,6 +14,7 @@ chunk started from code (``dash.run(steps)``) trains in the foreground, as paper
 from __future__ import annotations
 
 import html
+import math
 import threading
 import time
 
@@ -33,6 +37,7 @@ class TrainingDashboard:
         self.chunk_starts: list[int] = []  # the first step of every chunk, for the plot's boundaries
         self.status = "idle"
         self._chunk_steps, self._chunk_done = 0, 0
+        self._syncing, self._pending = False, set()  # a sync from the trainer / a hand change waiting for a chunk's end
         self.widget = self._build() if HAS_WIDGETS else None
         self._show_live()
 
@@ -48,6 +53,42 @@ class TrainingDashboard:
         if temperature is not None and temperature != t.config.rollout.temperature:
             t.config = t.config.replace(rollout={"temperature": temperature})
         self._show_live()
+
+    def sync_controls(self) -> None:
+        """Show the trainer's values on the sliders (its base lr, AQN sigma_start, temperature),
+        widening a slider's range when a value lies outside it; nothing is written back."""
+        if self.widget is None:
+            return
+        t, self._syncing = self.trainer, True
+        try:
+            lr = float(t.optimizer.param_groups[0].get("initial_lr", t.optimizer.param_groups[0]["lr"]))
+            self.lr.min, self.lr.max = min(self.lr.min, math.floor(math.log10(lr))), max(self.lr.max, math.ceil(math.log10(lr)))
+            self.lr.value = lr
+            if t.aqn is not None:
+                sigma = float(t.aqn.sigma_start)
+                if sigma not in [v for _, v in self.sigma.options]:
+                    self.sigma.options = sigma_options(SIGMA_START_GRID, sigma)
+                self.sigma.value = sigma
+            temp = float(t.config.rollout.temperature)
+            self.temp.min, self.temp.max = min(self.temp.min, temp), max(self.temp.max, temp)
+            self.temp.value = temp
+        finally:
+            self._syncing = False
+
+    def _on_control(self, change) -> None:
+        """A slider moved by hand: apply it now, or at the running chunk's end."""
+        if self._syncing:
+            return
+        self._pending.add(change["owner"])
+        if not self.running:
+            self._apply_sliders()
+
+    def _apply_sliders(self) -> None:
+        """Apply the sliders moved by hand (only those: set_lr restarts nothing, but it is not called twice)."""
+        moved, self._pending = self._pending, set()
+        self.apply_controls(self.lr.value if self.lr in moved else None,
+                            self.sigma.value if self.sigma in moved and self.trainer.aqn else None,
+                            self.temp.value if self.temp in moved else None)
 
     def live_values(self) -> dict:
         """What the trainer uses now (not what the sliders show): the optimizer's current lr, the
@@ -72,7 +113,7 @@ class TrainingDashboard:
         if steps < 1:
             raise ValueError(f"steps must be >= 1; got {steps}")
         if self.widget is not None:
-            self.apply_controls(self.lr.value, self.sigma.value if self.trainer.aqn else None, self.temp.value)
+            self.sync_controls()  # hand changes are applied already; code changes since are shown now
             self.progress.max, self.progress.value = steps, 0
             self.run_button.disabled = True
         self.trainer.stop_requested = False
@@ -112,6 +153,8 @@ class TrainingDashboard:
             self.trainer.stop_requested = False
             if self.widget is not None:
                 self.run_button.disabled = False
+                if self._pending:  # a slider moved during the chunk
+                    self._apply_sliders()
             self._draw(force=True)
 
     def _on_step(self, row: dict) -> None:
@@ -129,6 +172,8 @@ class TrainingDashboard:
 
     def _show_live(self) -> None:
         if self.widget is not None:
+            if not self._pending:
+                self.sync_controls()
             self.live_label.value = f"<code>{html.escape(self.live_text())}</code>"
 
     # -- views ----------------------------------------------------------------------------------
@@ -171,6 +216,8 @@ class TrainingDashboard:
         self.stop_button = W.Button(description="stop", icon="stop")
         self.run_button.on_click(lambda _b: self.run(self.steps.value, background=True))
         self.stop_button.on_click(lambda _b: self.stop())
+        for control in (self.lr, self.sigma, self.temp):
+            control.observe(self._on_control, names="value")
         self.progress = W.IntProgress(value=0, min=0, max=1, description="chunk")
         self.live_label = W.HTML()  # what the trainer uses: a slider may show a snapped value
         self.live_label.add_class("qerl-live-values")
@@ -183,6 +230,7 @@ class TrainingDashboard:
 
     def _ipython_display_(self):
         if self.widget is not None:
+            self.sync_controls()
             self._draw(force=True)
             show(self.widget)
         else:
