@@ -58,6 +58,10 @@ def _cmd_train(args: argparse.Namespace) -> int:
     from qerl_kit.tasks import make_task
     from qerl_kit.trainer import Trainer
 
+    from qerl_kit.config_types import check_steps
+
+    if args.steps is not None:  # the trainer's own check, before anything loads
+        check_steps("--steps", args.steps)
     launched = distributed.init()  # under torchrun / accelerate launch: one rank per process
     main = distributed.is_main()
     cfg = load_config(args.config) if args.config else preset(args.preset)
@@ -72,9 +76,6 @@ def _cmd_train(args: argparse.Namespace) -> int:
     if args.model:
         cfg = cfg.replace(model={"name": args.model})
     latest = None if args.fresh else ckpt.latest_checkpoint(cfg.output_dir)
-    if args.steps is not None and args.steps < 1:
-        print(f"qerl train: --steps {args.steps}: must be >= 1", file=sys.stderr)
-        return 2
     if (not args.config and latest is None and args.steps is not None and args.steps < cfg.total_steps
             and not args.keep_schedule):
         # a short run of a long preset would spend itself in warm-up and the first AQN stage
@@ -280,6 +281,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     from qerl_kit.checkpoint import CheckpointError
+    from qerl_kit.config_types import ConfigError
     from qerl_kit.gguf_model import GGUFError
 
     args = build_parser().parse_args(argv)
@@ -289,6 +291,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"qerl {args.command}: {err}", file=sys.stderr)
         return 2
     except (FileNotFoundError, GGUFError) as err:  # a model or data path that is not there or not usable
+        print(f"qerl {args.command}: {err}", file=sys.stderr)
+        return 2
+    except ConfigError as err:  # a value refused where it entered (a config key, --steps, --skip ...)
         print(f"qerl {args.command}: {err}", file=sys.stderr)
         return 2
 

@@ -14,6 +14,7 @@ import html
 import threading
 import time
 
+from qerl_kit.config_types import check_steps
 from qerl_kit.plots import DASHBOARD_METRICS, plot_dashboard
 from qerl_kit.table import html_table
 from qerl_kit.widgets.aqn_panel import SIGMA_START_GRID, sigma_options
@@ -69,8 +70,7 @@ class TrainingDashboard:
         chunk is already running (the button is disabled meanwhile)."""
         if self.running:
             raise RuntimeError("a chunk is already running; press stop or wait for it to end")
-        if steps < 1:
-            raise ValueError(f"steps must be >= 1; got {steps}")
+        steps = check_steps("steps", steps)  # the trainer's own check, before the controls change anything
         if self.widget is not None:
             self.apply_controls(self.lr.value, self.sigma.value if self.trainer.aqn else None, self.temp.value)
             self.progress.max, self.progress.value = steps, 0
