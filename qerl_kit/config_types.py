@@ -294,11 +294,9 @@ TEMPERATURE_RULE = _Rule(ge=TEMPERATURE_MIN, why="logits are divided by T and mu
 # AQN's noise std: finite and > 0 (nan/inf noise destroys the norms; 0 breaks the exponential decay), and
 # at most SIGMA_MAX: noise is added to RMSNorm scales of order 1, so a sigma above 10 replaces them by
 # noise (the shipped tiny model already breaks at sigma ~1; the paper uses 1e-2 .. 5e-4).
-_SIGMA_WHY = ("AQN adds noise of this std to RMSNorm scales of order 1: above 10 the scales are noise "
-              "(the paper's sigmas are 1e-2 .. 5e-4)")
-_SIGMA = _Rule(gt=0, le=SIGMA_MAX, why="a positive noise std: the schedule decays exponentially from sigma_start to "
-                                       "sigma_end, so neither can be 0 (to train without noise turn AQN off); "
-                                       + _SIGMA_WHY)
+_SIGMA_WHY = "above 10 the noise swamps RMSNorm scales of order 1; the paper uses 1e-2 .. 5e-4"
+_SIGMA = _Rule(gt=0, le=SIGMA_MAX, why="a positive noise std: 0 breaks the exponential decay from sigma_start to sigma_end, "
+                                       "so turn AQN off for no noise; " + _SIGMA_WHY)
 _SIGMA_NOW = _Rule(ge=0, le=SIGMA_MAX, why="0 = no noise; " + _SIGMA_WHY)  # one sigma applied now (a probe)
 
 
