@@ -156,6 +156,9 @@ def _cmd_eval(args: argparse.Namespace) -> int:
     if args.limit is not None and args.limit < 1:
         print(f"qerl eval: --limit {args.limit}: must be >= 1 (the number of problems to score)", file=sys.stderr)
         return 2
+    from qerl_kit.config_types import check_temperature
+
+    check_temperature("--temperature", args.temperature, greedy=True)  # SamplingParams' rule, before loading
     try:
         device = _eval_device(args.device)
     except ValueError as err:
