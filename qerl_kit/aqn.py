@@ -135,7 +135,7 @@ class AQN:
     def __post_init__(self):
         # The same rules as the config's aqn section (qerl_kit.config): typed values, finite
         # sigmas > 0, and sigma_end <= sigma_start unless allow_increasing=True.
-        from qerl_kit.config_types import check_aqn_sigmas, check_seed, check_value
+        from qerl_kit.config_types import check_aqn_sigmas, check_seed, check_value, short_repr
 
         self.stages = check_value("stages", self.stages, int)
         self.total_steps = check_value("total_steps", self.total_steps, int)
@@ -149,7 +149,7 @@ class AQN:
         if self.total_steps < self.stages:
             raise ValueError(f"total_steps ({self.total_steps}) must be at least the number of stages ({self.stages})")
         if self.resample not in ("step", "forward"):
-            raise ValueError(f"resample must be 'step' or 'forward'; got {self.resample!r}")
+            raise ValueError(f"resample must be 'step' or 'forward'; got {short_repr(self.resample)}")
         self._generator = torch.Generator().manual_seed(self.seed)
 
     def __setattr__(self, name, value):

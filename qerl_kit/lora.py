@@ -25,7 +25,7 @@ from peft import LoraConfig, PeftModel, get_peft_model
 from peft.tuners.lora.layer import Linear as PeftLoraLinear
 from peft.tuners.tuners_utils import BaseTunerLayer
 
-from qerl_kit.config_types import check_names
+from qerl_kit.config_types import check_names, check_seed
 from qerl_kit.linear import LINEAR_CLASSES, QuantLinear
 
 ALL_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -91,7 +91,7 @@ def attach_lora(model: torch.nn.Module, r: int = 32, alpha: float | None = None,
     """
     targets = ALL_PROJECTIONS if targets is None else check_targets(model, targets)
     if seed is not None:
-        torch.manual_seed(seed)
+        torch.manual_seed(check_seed("seed", seed))
     peft_model = get_peft_model(model, lora_config(r, alpha, targets, dropout, train_norms))
     dtype = dtype or _compute_dtype(model)
     for name, param in peft_model.named_parameters():
