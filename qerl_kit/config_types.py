@@ -335,17 +335,19 @@ def check_sigma(key: str, value: Any, zero: bool = False) -> float:
 
 
 def check_names(key: str, given: Any, available: Any, matches: Callable[[str, str], bool] | None = None,
-                what: str = "module", shown: Any = None) -> tuple[str, ...]:
+                what: str = "module", shown: Any = None, empty: bool = True) -> tuple[str, ...]:
     """Names that must each match something: ``given`` as a tuple of non-empty strings, every one of
     which matches at least one of ``available`` (by ``matches(name, candidate)``, default equality).
     A name that matches nothing (``lm_hed``, ``q_prj``) is an error listing the names that exist
-    (``shown``, e.g. the leaf names of ``available``'s dotted paths; default ``available``)."""
+    (``shown``, e.g. the leaf names of ``available``'s dotted paths; default ``available``). ``empty``:
+    whether no names at all is allowed."""
     if isinstance(given, str):  # one name where a list is expected: ("lm_head") is a string
         given = (given,)
     try:
         names = tuple(given)
     except TypeError:
         raise _bad(key, given, f"a list of {what} names") from None
+    _check(empty or len(names) > 0, key, given, f"a non-empty list of {what} names")
     for name in names:
         _check(isinstance(name, str) and name != "", key, given, f"a list of non-empty {what} names")
     available = sorted(set(available))

@@ -76,7 +76,7 @@ def check_targets(model: torch.nn.Module, targets) -> tuple[str, ...]:
     target that matches nothing (a typo such as ``q_prj`` trains fewer layers than asked)."""
     names = [n for n, m in model.named_modules() if isinstance(m, (torch.nn.Linear, QuantLinear))]
     return check_names("targets", targets, names, lambda t, full: full == t or full.endswith("." + t),
-                       what="linear layer", shown={n.rsplit(".", 1)[-1] for n in names})
+                       what="linear layer", shown={n.rsplit(".", 1)[-1] for n in names}, empty=False)
 
 
 def attach_lora(model: torch.nn.Module, r: int = 32, alpha: float | None = None,

@@ -122,16 +122,22 @@ def test_case_41_lora_target_matching_nothing_lists_the_layers():
         attach_lora(model, targets=("q_proj", "nonexistent_proj"))
     with pytest.raises(ConfigError, match=r"'q_prj'.*did you mean 'q_proj'"):
         attach_lora(model, targets=("q_prj",))
+    with pytest.raises(ConfigError, match=r"^targets must be a non-empty list of linear layer names"):
+        attach_lora(model, targets=())
+    with pytest.raises(ConfigError, match=r"^seed must be an int in \[0, 2\*\*63 - 1\]"):
+        attach_lora(model, targets=("q_proj",), seed=2**70)
     assert not any("lora_" in name for name, _ in model.named_modules())  # nothing was wrapped
 
 
 # ---- sampling: temperature and seed ----------------------------------------------------------------
-def test_case_44_tiny_temperature_is_refused_up_front_everywhere(tmp_path):
+def test_case_44_tiny_temperature_is_refused_up_front_everywhere(tmp_path, capsys):
     with pytest.raises(ValueError, match=r"^temperature must be 0 \(greedy\) or a finite float >= 0\.0001.*got 1e-45"):
         SamplingParams(max_new_tokens=4, temperature=1e-45)
     with pytest.raises(ConfigError, match=r"rollout\.temperature must be a finite float >= 0\.0001.*got 1e-45"):
         load_config(_yaml(tmp_path, "rollout: {temperature: 1.0e-45}\n"))
     assert SamplingParams(temperature=0).greedy and SamplingParams(temperature=1e-4).temperature == 1e-4
+    assert main(["eval", "--temperature", "1e-45", "--limit", "1"]) == 2  # before the model loads
+    assert "--temperature must be 0 (greedy) or a finite float >= 0.0001" in capsys.readouterr().err
 
 
 def test_case_45_seed_beyond_64_bits_is_refused_up_front():
