@@ -55,10 +55,9 @@ def _cmd_train(args: argparse.Namespace) -> int:
     from qerl_kit import distributed, runs
     from qerl_kit.build import build_policy
     from qerl_kit.config import load_config, preset, save_config
+    from qerl_kit.config_types import check_steps
     from qerl_kit.tasks import make_task
     from qerl_kit.trainer import Trainer
-
-    from qerl_kit.config_types import check_steps
 
     if args.steps is not None:  # the trainer's own check, before anything loads
         check_steps("--steps", args.steps)
