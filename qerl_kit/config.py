@@ -36,11 +36,12 @@ from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
-from qerl_kit.config_types import (LR_RULE, OPTIMIZERS, RESAMPLE, SCHEDULES, SEED_MAX, SEED_RULE,  # noqa: F401
-                                   STEPS_RULE, TEMPERATURE_RULE, _SIGMA, ConfigError, _bad, _check, _check_keys,
-                                   _engines, _formats, _is_modes, _losses, _rule, _scales, _section, _tasks,
-                                   _validate, check_aqn_sigmas, check_lr, check_seed, check_sigma,
-                                   check_steps, check_temperature, check_value, short_repr)
+from qerl_kit.config_types import (LR_RULE, NEW_TOKENS_RULE, OPTIMIZERS, RESAMPLE, SCHEDULES,  # noqa: F401
+                                   SEED_MAX, SEED_RULE, STEPS_RULE, TEMPERATURE_RULE, TOP_K_RULE, TOP_P_RULE,
+                                   _SIGMA, ConfigError, _bad, _check, _check_keys, _engines, _formats, _is_modes,
+                                   _losses, _rule, _scales, _section, _tasks, _validate, check_aqn_sigmas,
+                                   check_lr, check_seed, check_sigma, check_steps, check_temperature,
+                                   check_value, short_repr)
 
 
 @dataclass(frozen=True)
@@ -80,13 +81,13 @@ class RolloutConfig:
     batch_size: int = _rule(64, ge=1)  # completions per step (the paper's "train batch"), = prompts x group_size
     # G samples per prompt; group-normalized advantages need at least two samples per prompt
     group_size: int = _rule(8, ge=2, why="group-normalized advantages need at least two samples per prompt")
-    max_new_tokens: int = _rule(64, ge=1)
+    max_new_tokens: int = field(default=64, metadata={"rule": NEW_TOKENS_RULE})  # the rules SamplingParams shares
     # Rollouts sample at T and the trainer divides the logits by T: 0 (greedy, allowed in
     # SamplingParams for evaluation) gives G identical samples, zero advantages and a division by 0;
     # below 1e-4 logits / T overflow (config_types.TEMPERATURE_RULE, shared with SamplingParams)
     temperature: float = field(default=1.0, metadata={"rule": TEMPERATURE_RULE})
-    top_p: float = _rule(1.0, gt=0, le=1, why="a nucleus probability; 1 = off")
-    top_k: int = _rule(0, ge=0, why="0 = off")
+    top_p: float = field(default=1.0, metadata={"rule": TOP_P_RULE})  # in (0, 1], 1 = off
+    top_k: int = field(default=0, metadata={"rule": TOP_K_RULE})  # >= 0, 0 = off
     # auto (StaticEngine on a GPU, transformers' generate elsewhere) | static | hf | vllm (rollout.ENGINES)
     engine: str = _rule("auto", choices=_engines)
     # engine: vllm only. The share of the GPU vLLM may take (gpu_memory_utilization); None: planned

@@ -289,6 +289,9 @@ STEPS_RULE = _Rule(ge=1, why="the number of training steps to run; fewer than 1 
 LR_RULE = _Rule(gt=0, le=LR_MAX, why="0 never moves the adapter, < 0 ascends the loss; Adam moves each weight "
                                      "by about lr per step and LoRA weights are ~1e-2, so lr > 1 destroys the "
                                      "adapter in one step (the paper uses 1e-5)")
+NEW_TOKENS_RULE = _Rule(ge=1, why="tokens to generate")
+TOP_P_RULE = _Rule(gt=0, le=1, why="a nucleus probability; 1 = off")
+TOP_K_RULE = _Rule(ge=0, why="0 = off")
 TEMPERATURE_RULE = _Rule(ge=TEMPERATURE_MIN, why="logits are divided by T and must stay finite in float32; "
                                                  "below 1e-4 sampling is greedy in all but name")
 # AQN's noise std: finite and > 0 (nan/inf noise destroys the norms; 0 breaks the exponential decay), and
@@ -298,6 +301,12 @@ _SIGMA_WHY = "above 10 the noise swamps RMSNorm scales of order 1; the paper use
 _SIGMA = _Rule(gt=0, le=SIGMA_MAX, why="a positive noise std: 0 breaks the exponential decay from sigma_start to sigma_end, "
                                        "so turn AQN off for no noise; " + _SIGMA_WHY)
 _SIGMA_NOW = _Rule(ge=0, le=SIGMA_MAX, why="0 = no noise; " + _SIGMA_WHY)  # one sigma applied now (a probe)
+
+
+def check_rule(key: str, value: Any, tp: Any, rule: _Rule) -> Any:
+    """``value`` coerced to ``tp`` and checked against one of the shared rules above (``TOP_P_RULE`` ...),
+    as a config field with that rule is."""
+    return _coerce(key, value, tp, rule)
 
 
 def check_seed(key: str, value: Any, rng: bool = True) -> int:
