@@ -155,9 +155,13 @@ def _cmd_eval(args: argparse.Namespace) -> int:
     if args.limit is not None and args.limit < 1:
         print(f"qerl eval: --limit {args.limit}: must be >= 1 (the number of problems to score)", file=sys.stderr)
         return 2
-    from qerl_kit.config_types import check_temperature
+    from qerl_kit.config_types import NEW_TOKENS_RULE, TOP_P_RULE, check_rule, check_temperature
 
-    check_temperature("--temperature", args.temperature, greedy=True)  # SamplingParams' rule, before loading
+    # SamplingParams' rules, before minutes of loading
+    check_temperature("--temperature", args.temperature, greedy=True)
+    check_rule("--top-p", args.top_p, float, TOP_P_RULE)
+    if args.max_new_tokens is not None:
+        check_rule("--max-new-tokens", args.max_new_tokens, int, NEW_TOKENS_RULE)
     try:
         device = _eval_device(args.device)
     except ValueError as err:

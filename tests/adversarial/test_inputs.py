@@ -138,6 +138,8 @@ def test_case_44_tiny_temperature_is_refused_up_front_everywhere(tmp_path, capsy
     assert SamplingParams(temperature=0).greedy and SamplingParams(temperature=1e-4).temperature == 1e-4
     assert main(["eval", "--temperature", "1e-45", "--limit", "1"]) == 2  # before the model loads
     assert "--temperature must be 0 (greedy) or a finite float >= 0.0001" in capsys.readouterr().err
+    assert main(["eval", "--top-p", "1.5", "--limit", "1"]) == 2  # the other sampling parameters alike
+    assert "--top-p must be a finite float in (0, 1]" in capsys.readouterr().err
 
 
 def test_case_45_seed_beyond_64_bits_is_refused_up_front():
