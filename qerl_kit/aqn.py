@@ -32,6 +32,8 @@ Where we depart from the official code, on purpose:
 from __future__ import annotations
 
 import contextlib
+import inspect
+import itertools
 import math
 from dataclasses import dataclass, field
 
@@ -86,9 +88,10 @@ def find_noise_norms(model: nn.Module, probe_ids: torch.Tensor | None = None) ->
         if (id(module) not in target_ids and isinstance(weight, nn.Parameter) and weight.ndim == 1
                 and not list(module.children())):
             handles.append(module.register_forward_hook(norm_hook))
-    if probe_ids is None:
-        device = next(model.parameters()).device
-        probe_ids = torch.arange(1, 5, device=device).unsqueeze(0)
+    _check_probe_forward(model)
+    if probe_ids is None:  # on the model's device (a quantized layer's buffers count: it may have no parameters)
+        first = next(itertools.chain(model.parameters(), model.buffers()), None)
+        probe_ids = torch.arange(1, 5, device=first.device if first is not None else None).unsqueeze(0)
     try:
         with torch.no_grad():
             model(input_ids=probe_ids)
@@ -96,6 +99,21 @@ def find_noise_norms(model: nn.Module, probe_ids: torch.Tensor | None = None) ->
         for h in handles:
             h.remove()
     return list(found.values())
+
+
+def _check_probe_forward(model: nn.Module) -> None:
+    """The probe calls ``model(input_ids=...)`` as a causal LM is called; a module whose forward takes
+    no ``input_ids`` (an ``nn.Sequential``) is refused here, by name, not with a TypeError from inside."""
+    try:
+        params = inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):  # no signature to read: let the call itself say
+        return
+    if "input_ids" in params or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        return
+    raise ValueError(f"AQN finds the norms to perturb with a probe forward pass model(input_ids=...), as a causal "
+                     f"LM is called; {type(model).__name__}.forward takes no input_ids (its arguments: "
+                     f"{', '.join(params) or 'none'}). Apply AQN to a causal LM (a transformers model or the "
+                     f"peft model wrapping one)")
 
 
 @dataclass
@@ -117,11 +135,11 @@ class AQN:
     def __post_init__(self):
         # The same rules as the config's aqn section (qerl_kit.config): typed values, finite
         # sigmas > 0, and sigma_end <= sigma_start unless allow_increasing=True.
-        from qerl_kit.config_types import check_aqn_sigmas, check_value
+        from qerl_kit.config_types import check_aqn_sigmas, check_seed, check_value, short_repr
 
         self.stages = check_value("stages", self.stages, int)
         self.total_steps = check_value("total_steps", self.total_steps, int)
-        self.seed = check_value("seed", self.seed, int)
+        self.seed = check_seed("seed", self.seed)  # seeds a torch.Generator as it is
         if self.stages < 3:
             raise ValueError(f"AQN needs at least 3 stages (a noise-free stage 0 and a decay from "
                              f"sigma_start to sigma_end over stages 1..K-1); got stages={self.stages}")
@@ -131,8 +149,18 @@ class AQN:
         if self.total_steps < self.stages:
             raise ValueError(f"total_steps ({self.total_steps}) must be at least the number of stages ({self.stages})")
         if self.resample not in ("step", "forward"):
-            raise ValueError(f"resample must be 'step' or 'forward'; got {self.resample!r}")
+            raise ValueError(f"resample must be 'step' or 'forward'; got {short_repr(self.resample)}")
         self._generator = torch.Generator().manual_seed(self.seed)
+
+    def __setattr__(self, name, value):
+        # a sigma set after construction (a widget's slider, trainer.aqn.sigma_start = ...) obeys the
+        # same range as the constructor's (config_types.check_sigma); the order start >= end is
+        # checked where a whole schedule is set (__post_init__, AQNPanel.set)
+        if name in ("sigma_start", "sigma_end"):
+            from qerl_kit.config_types import check_sigma
+
+            value = check_sigma(name, value)
+        super().__setattr__(name, value)
 
     # ---- the schedule (pure) -------------------------------------------------------------
     def stage(self, step: int) -> int:
@@ -179,9 +207,11 @@ class AQN:
         Returns the number of norm vectors perturbed; 0 in the noise-free stage. Noise is always
         drawn around the clean weights, so calling ``apply`` twice does not accumulate noise.
         """
+        from qerl_kit.config_types import check_sigma
+
+        sigma = self.sigma(step) if sigma is None else check_sigma("sigma", sigma, zero=True)
         norms = self.norms(model)
         self.restore(model)
-        sigma = self.sigma(step) if sigma is None else float(sigma)
         if sigma == 0.0:
             return 0
         for norm in norms:

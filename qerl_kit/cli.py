@@ -57,9 +57,12 @@ def _cmd_train(args: argparse.Namespace) -> int:
     from qerl_kit import distributed, runs
     from qerl_kit.build import build_policy
     from qerl_kit.config import load_config, preset, save_config
+    from qerl_kit.config_types import check_steps
     from qerl_kit.tasks import make_task
     from qerl_kit.trainer import Trainer
 
+    if args.steps is not None:  # the trainer's own check, before anything loads
+        check_steps("--steps", args.steps)
     launched = distributed.init()  # under torchrun / accelerate launch: one rank per process
     main = distributed.is_main()
     cfg = load_config(args.config) if args.config else preset(args.preset)
@@ -76,9 +79,6 @@ def _cmd_train(args: argparse.Namespace) -> int:
     if main:  # the directory is this process's (a second live run is refused) before anything loads
         runs.lock(cfg.output_dir)
     latest = None if args.fresh else ckpt.latest_checkpoint(cfg.output_dir)
-    if args.steps is not None and args.steps < 1:
-        print(f"qerl train: --steps {args.steps}: must be >= 1", file=sys.stderr)
-        return 2
     if (not args.config and latest is None and args.steps is not None and args.steps < cfg.total_steps
             and not args.keep_schedule):
         # a short run of a long preset would spend itself in warm-up and the first AQN stage
@@ -158,6 +158,13 @@ def _cmd_eval(args: argparse.Namespace) -> int:
     if args.limit is not None and args.limit < 1:
         print(f"qerl eval: --limit {args.limit}: must be >= 1 (the number of problems to score)", file=sys.stderr)
         return 2
+    from qerl_kit.config_types import NEW_TOKENS_RULE, TOP_P_RULE, check_rule, check_temperature
+
+    # SamplingParams' rules, before minutes of loading
+    check_temperature("--temperature", args.temperature, greedy=True)
+    check_rule("--top-p", args.top_p, float, TOP_P_RULE)
+    if args.max_new_tokens is not None:
+        check_rule("--max-new-tokens", args.max_new_tokens, int, NEW_TOKENS_RULE)
     try:
         device = _eval_device(args.device)
     except ValueError as err:
@@ -287,6 +294,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     from qerl_kit.checkpoint import CheckpointError
     from qerl_kit.data import DataError
+    from qerl_kit.config_types import ConfigError
     from qerl_kit.gguf_model import GGUFError
 
     args = build_parser().parse_args(argv)
@@ -296,6 +304,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"qerl {args.command}: {err}", file=sys.stderr)
         return 2
     except (FileNotFoundError, GGUFError, DataError) as err:  # a model or data path/file not there or not usable
+        print(f"qerl {args.command}: {err}", file=sys.stderr)
+        return 2
+    except ConfigError as err:  # a value refused where it entered (a config key, --steps, --skip ...)
         print(f"qerl {args.command}: {err}", file=sys.stderr)
         return 2
     except OSError as err:  # a full disk (file_writes.DiskFullError and plain ENOSPC) names the path

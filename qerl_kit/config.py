@@ -36,9 +36,12 @@ from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
-from qerl_kit.config_types import (OPTIMIZERS, RESAMPLE, SCHEDULES, SEED_MAX, _SIGMA,  # noqa: F401
-                                   ConfigError, _bad, _check, _check_keys, _engines, _formats, _is_modes, _losses,
-                                   _rule, _scales, _section, _tasks, _validate, check_aqn_sigmas, check_value)
+from qerl_kit.config_types import (LR_RULE, NEW_TOKENS_RULE, OPTIMIZERS, RESAMPLE, SCHEDULES,  # noqa: F401
+                                   SEED_MAX, SEED_RULE, STEPS_RULE, TEMPERATURE_RULE, TOP_K_RULE, TOP_P_RULE,
+                                   _SIGMA, ConfigError, _bad, _check, _check_keys, _engines, _formats, _is_modes,
+                                   _losses, _rule, _scales, _section, _tasks, _validate, check_aqn_sigmas,
+                                   check_lr, check_seed, check_sigma, check_steps, check_temperature,
+                                   check_value, short_repr)
 
 
 @dataclass(frozen=True)
@@ -78,13 +81,13 @@ class RolloutConfig:
     batch_size: int = _rule(64, ge=1)  # completions per step (the paper's "train batch"), = prompts x group_size
     # G samples per prompt; group-normalized advantages need at least two samples per prompt
     group_size: int = _rule(8, ge=2, why="group-normalized advantages need at least two samples per prompt")
-    max_new_tokens: int = _rule(64, ge=1)
+    max_new_tokens: int = field(default=64, metadata={"rule": NEW_TOKENS_RULE})  # the rules SamplingParams shares
     # Rollouts sample at T and the trainer divides the logits by T: 0 (greedy, allowed in
-    # SamplingParams for evaluation) gives G identical samples, zero advantages and a division by 0.
-    temperature: float = _rule(1.0, gt=0, why="rollouts sample at T and the trainer divides the logits by T; "
-                                              "0 (greedy) would give identical samples and divide by 0")
-    top_p: float = _rule(1.0, gt=0, le=1, why="a nucleus probability; 1 = off")
-    top_k: int = _rule(0, ge=0, why="0 = off")
+    # SamplingParams for evaluation) gives G identical samples, zero advantages and a division by 0;
+    # below 1e-4 logits / T overflow (config_types.TEMPERATURE_RULE, shared with SamplingParams)
+    temperature: float = field(default=1.0, metadata={"rule": TEMPERATURE_RULE})
+    top_p: float = field(default=1.0, metadata={"rule": TOP_P_RULE})  # in (0, 1], 1 = off
+    top_k: int = field(default=0, metadata={"rule": TOP_K_RULE})  # >= 0, 0 = off
     # auto (StaticEngine on a GPU, transformers' generate elsewhere) | static | hf | vllm (rollout.ENGINES)
     engine: str = _rule("auto", choices=_engines)
     # engine: vllm only. The share of the GPU vLLM may take (gpu_memory_utilization); None: planned
@@ -146,7 +149,7 @@ class FilterConfig:
 @dataclass(frozen=True)
 class OptimConfig:
     _prefix = "optim"
-    lr: float = _rule(1e-5, gt=0, why="0 never moves the adapter, < 0 ascends the loss")
+    lr: float = field(default=1e-5, metadata={"rule": LR_RULE})  # in (0, 1]: the one lr rule (config_types)
     weight_decay: float = _rule(0.0, ge=0, why="negative decay grows the weights")
     # Adam's moment decays; torch.optim.AdamW refuses values outside [0, 1)
     betas: tuple[float, float] = _rule((0.9, 0.99), ge=0, lt=1, why="Adam's moment decay rates")
@@ -166,7 +169,7 @@ class OptimConfig:
 class AQNConfig:
     _prefix = "aqn"
     enabled: bool = True
-    sigma_start: float = field(default=1e-2, metadata={"rule": _SIGMA})  # finite and > 0
+    sigma_start: float = field(default=1e-2, metadata={"rule": _SIGMA})  # finite, in (0, 10]
     sigma_end: float = field(default=5e-4, metadata={"rule": _SIGMA})  # and <= sigma_start unless allow_increasing
     # a noise-free stage 0 plus a decay over stages 1..K-1 needs K >= 3 (checked only while enabled:
     # a run without AQN keeps the default and may be shorter than it)
@@ -189,10 +192,10 @@ class TrainConfig:
     filters: FilterConfig = field(default_factory=FilterConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     aqn: AQNConfig = field(default_factory=AQNConfig)
-    total_steps: int = _rule(100, ge=1)  # sets the lr schedule and AQN stages; train(steps) may stop earlier
+    total_steps: int = field(default=100, metadata={"rule": STEPS_RULE})  # sets the lr schedule and AQN stages; train(steps) may stop earlier
     # The trainer derives per-step seeds as seed * 1_000_003 + ...; [0, 2**32) keeps them inside
     # torch's 64-bit seed range (and matches numpy's seed range).
-    seed: int = _rule(0, ge=0, le=SEED_MAX)
+    seed: int = field(default=0, metadata={"rule": SEED_RULE})
     save_every: int = _rule(25, ge=0, why="0 = never")
     keep_checkpoints: int = _rule(2, ge=0, why="0 = keep all")
     eval_every: int = _rule(0, ge=0, why="0 = never during training")
@@ -336,7 +339,7 @@ def load_config(path: str | Path) -> TrainConfig:
 
     data = yaml.safe_load(Path(path).read_text()) or {}
     if not isinstance(data, dict):
-        raise ConfigError(f"{path}: a config file must be a mapping; got {data!r}")
+        raise ConfigError(f"{path}: a config file must be a mapping; got {short_repr(data)}")
     data = upgrade_dict(data)  # before the merge, so an old key cannot shadow the preset's new one
     has_preset = "preset" in data
     name = data.pop("preset", None)
@@ -360,4 +363,5 @@ def save_config(config: TrainConfig, path: str | Path) -> None:
 
 __all__ = ["TrainConfig", "ModelConfig", "DataConfig", "RolloutConfig", "LossConfig", "FilterConfig", "OptimConfig",
            "AQNConfig", "upgrade_dict", "MOVED_KEYS", "ConfigError", "PRESETS", "preset", "from_dict", "load_config", "save_config",
-           "check_value", "check_aqn_sigmas", "replace"]
+           "check_value", "check_aqn_sigmas", "check_lr", "check_seed", "check_sigma", "check_steps",
+           "check_temperature", "replace"]

@@ -11,6 +11,7 @@ import difflib
 import math
 import numbers
 import os
+import reprlib
 import typing
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
@@ -26,9 +27,40 @@ class ConfigError(ValueError):
         self.key, self.value, self.allowed = key, value, allowed
 
 
+class _ShortRepr(reprlib.Repr):
+    """reprlib's bounded repr (it never builds the full repr of a container: a YAML alias tree of 9**9
+    strings formats in microseconds), with ints too long to print shown by their size."""
+
+    def __init__(self):
+        super().__init__()
+        self.maxlevel, self.maxlist, self.maxtuple, self.maxdict, self.maxset = 3, 6, 6, 6, 6
+        self.maxfrozenset, self.maxdeque, self.maxarray = 6, 6, 6
+        self.maxstring, self.maxother, self.maxlong = 80, 80, 40
+
+    def repr_int(self, x, level):
+        if x.bit_length() > 128:  # str() of a huge int is slow (and refused past 4300 digits)
+            return f"<an int of {x.bit_length()} bits>"
+        return super().repr_int(x, level)
+
+
+_SHORT = _ShortRepr()
+REPR_LIMIT = 200
+
+
+def short_repr(value: Any, limit: int = REPR_LIMIT) -> str:
+    """``repr(value)`` cut to at most ``limit`` characters, without first building the whole repr:
+    an error message never prints (or spends time on) an unbounded value."""
+    try:
+        text = _SHORT.repr(value)
+    except Exception:  # noqa: BLE001 - a __repr__ that fails must not hide the error being reported
+        text = f"<{type(value).__name__} object>"
+    return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
 def _bad(key: str, value: Any, allowed: str, why: str = "") -> ConfigError:
-    """The one error format: ``<key> must be <allowed> (<why>); got <repr(value)>``."""
-    return ConfigError(f"{key} must be {allowed}{f' ({why})' if why else ''}; got {value!r}", key, value, allowed)
+    """The one error format: ``<key> must be <allowed> (<why>); got <short_repr(value)>``."""
+    return ConfigError(f"{key} must be {allowed}{f' ({why})' if why else ''}; got {short_repr(value)}",
+                       key, value, allowed)
 
 
 def _check(cond: bool, key: str, value: Any, allowed: str, why: str = "") -> None:
@@ -119,6 +151,8 @@ class _Rule:
 
 
 def _num(x: float) -> str:
+    if isinstance(x, int) and x >= 2**32 - 1 and (x + 1) & x == 0:  # 2**63 - 1 reads better than 9.22337e+18
+        return f"2**{x.bit_length()} - 1"
     return str(int(x)) if float(x).is_integer() and abs(x) < 1e16 else f"{x:g}"
 
 
@@ -236,9 +270,107 @@ RESAMPLE = ("step", "forward")  # qerl_kit.aqn.AQN (checked there too)
 SEED_MAX = 2**32 - 1
 
 
-# AQN's noise std: finite and > 0 (nan/inf noise destroys the norms; 0 breaks the exponential decay)
-_SIGMA = _Rule(gt=0, why="a positive noise std: the schedule decays exponentially from sigma_start to "
-                         "sigma_end, so neither can be 0; to train without noise turn AQN off")
+# ---- one check per concept: the ranges that can work, shared by every entry point ---------------------
+# The config section, SamplingParams, AQN, the trainer's controls, the CLI and the widgets all go through
+# these rules (a config field through its ``_Rule``, everything else through the ``check_*`` functions),
+# so a value is accepted or refused the same way wherever it comes from.
+RNG_SEED_MAX = 2**63 - 1  # torch.Generator.manual_seed (and vLLM's per-request seed) take a signed 64-bit int
+TEMPERATURE_MIN = 1e-4
+LR_MAX = 1.0
+SIGMA_MAX = 10.0
+
+# The config's seed stays below 2**32: the trainer derives per-step seeds from it (seed * 1_000_003 +
+# ...), which must stay inside the generators' 64-bit range (and numpy's seed range is [0, 2**32)).
+SEED_RULE = _Rule(ge=0, le=SEED_MAX, why="per-step seeds are derived from it and must stay inside the "
+                                         "generators' 64-bit range")
+# A seed handed to a generator as it is (SamplingParams, AQN): what torch's and vLLM's generators accept.
+RNG_SEED_RULE = _Rule(ge=0, le=RNG_SEED_MAX, why="a generator seed is a signed 64-bit int")
+STEPS_RULE = _Rule(ge=1, why="the number of training steps to run; fewer than 1 trains nothing")
+LR_RULE = _Rule(gt=0, le=LR_MAX, why="0 never moves the adapter, < 0 ascends the loss; Adam moves each weight "
+                                     "by about lr per step and LoRA weights are ~1e-2, so lr > 1 destroys the "
+                                     "adapter in one step (the paper uses 1e-5)")
+NEW_TOKENS_RULE = _Rule(ge=1, why="tokens to generate")
+TOP_P_RULE = _Rule(gt=0, le=1, why="a nucleus probability; 1 = off")
+TOP_K_RULE = _Rule(ge=0, why="0 = off")
+TEMPERATURE_RULE = _Rule(ge=TEMPERATURE_MIN, why="logits are divided by T and must stay finite in float32; "
+                                                 "below 1e-4 sampling is greedy in all but name")
+# AQN's noise std: finite and > 0 (nan/inf noise destroys the norms; 0 breaks the exponential decay), and
+# at most SIGMA_MAX: noise is added to RMSNorm scales of order 1, so a sigma above 10 replaces them by
+# noise (the shipped tiny model already breaks at sigma ~1; the paper uses 1e-2 .. 5e-4).
+_SIGMA_WHY = "above 10 the noise swamps RMSNorm scales of order 1; the paper uses 1e-2 .. 5e-4"
+_SIGMA = _Rule(gt=0, le=SIGMA_MAX, why="a positive noise std: 0 breaks the exponential decay from sigma_start to sigma_end, "
+                                       "so turn AQN off for no noise; " + _SIGMA_WHY)
+_SIGMA_NOW = _Rule(ge=0, le=SIGMA_MAX, why="0 = no noise; " + _SIGMA_WHY)  # one sigma applied now (a probe)
+
+
+def check_rule(key: str, value: Any, tp: Any, rule: _Rule) -> Any:
+    """``value`` coerced to ``tp`` and checked against one of the shared rules above (``TOP_P_RULE`` ...),
+    as a config field with that rule is."""
+    return _coerce(key, value, tp, rule)
+
+
+def check_seed(key: str, value: Any, rng: bool = True) -> int:
+    """A seed: an int in [0, 2**63 - 1] when it goes to a generator as it is (``rng``), in
+    [0, 2**32 - 1] for the config's seed (per-step seeds are derived from it)."""
+    return _coerce(key, value, int, RNG_SEED_RULE if rng else SEED_RULE)
+
+
+def check_steps(key: str, value: Any) -> int:
+    """A number of training steps to run: an int >= 1."""
+    return _coerce(key, value, int, STEPS_RULE)
+
+
+def check_lr(key: str, value: Any) -> float:
+    """A learning rate: a finite float in (0, 1]."""
+    return _coerce(key, value, float, LR_RULE)
+
+
+def check_temperature(key: str, value: Any, greedy: bool = False) -> float:
+    """A sampling temperature: a finite float >= 1e-4, or 0 (greedy) where ``greedy`` is allowed
+    (evaluation; rollouts for training divide by T)."""
+    if greedy:
+        t = _as_float(value)
+        if t == 0:
+            return 0.0
+        if t is None or not math.isfinite(t) or t < TEMPERATURE_MIN:
+            raise _bad(key, value, f"0 (greedy) or a finite float >= {TEMPERATURE_MIN:g}", TEMPERATURE_RULE.why)
+    return _coerce(key, value, float, TEMPERATURE_RULE)
+
+
+def check_sigma(key: str, value: Any, zero: bool = False) -> float:
+    """An AQN noise std: a finite float in (0, 10] (a schedule's sigma_start/sigma_end), or in [0, 10]
+    for one sigma applied now (``zero``: 0 = no noise)."""
+    return _coerce(key, value, float, _SIGMA_NOW if zero else _SIGMA)
+
+
+def check_names(key: str, given: Any, available: Any, matches: Callable[[str, str], bool] | None = None,
+                what: str = "module", shown: Any = None, empty: bool = True) -> tuple[str, ...]:
+    """Names that must each match something: ``given`` as a tuple of non-empty strings, every one of
+    which matches at least one of ``available`` (by ``matches(name, candidate)``, default equality).
+    A name that matches nothing (``lm_hed``, ``q_prj``) is an error listing the names that exist
+    (``shown``, e.g. the leaf names of ``available``'s dotted paths; default ``available``). ``empty``:
+    whether no names at all is allowed."""
+    if isinstance(given, str):  # one name where a list is expected: ("lm_head") is a string
+        given = (given,)
+    try:
+        names = tuple(given)
+    except TypeError:
+        raise _bad(key, given, f"a list of {what} names") from None
+    _check(empty or len(names) > 0, key, given, f"a non-empty list of {what} names")
+    for name in names:
+        _check(isinstance(name, str) and name != "", key, given, f"a list of non-empty {what} names")
+    available = sorted(set(available))
+    matches = matches or (lambda name, candidate: name == candidate)
+    missing = [n for n in names if not any(matches(n, a) for a in available)]
+    if missing:
+        listed = sorted(set(shown)) if shown is not None else available
+        close = {n: difflib.get_close_matches(n, listed, n=1) for n in missing[:5] if len(n) < 200}
+        hint = "; ".join(f"did you mean {c[0]!r} for {short_repr(n)}?" for n, c in close.items() if c)
+        shown = ", ".join(short_repr(a, 60) for a in listed[:40]) + (" ..." if len(listed) > 40 else "")
+        raise ConfigError(f"{key}: {', '.join(short_repr(n, 60) for n in missing[:5])} "
+                          f"match{'es' if len(missing) == 1 else ''} no {what}; the {what} names are: {shown}"
+                          + (f" ({hint})" if hint else ""), key, missing[0], f"names of {what}s")
+    return names
 
 
 def check_aqn_sigmas(sigma_start: Any, sigma_end: Any, allow_increasing: Any = False, *, prefix: str = "aqn.",
@@ -280,9 +412,12 @@ def _check_keys(prefix: str, given: Mapping, known: list[str]) -> None:
     bad = [k for k in given if k not in known]
     if not bad:
         return
-    dotted = [f"{prefix}.{k}" if prefix else str(k) for k in bad]
-    close = {k: m[0] for k in bad if isinstance(k, str) for m in [difflib.get_close_matches(k, known, n=1)] if m}
-    msg = (f"unknown config key{'s' if len(bad) > 1 else ''} {', '.join(repr(d) for d in dotted)}; "
+    # keys as given may be anything YAML makes (long strings, numbers): every one printed bounded
+    dotted = [(f"{prefix}.{k}" if prefix else k) if isinstance(k, str) else short_repr(k) for k in bad]
+    shown = ", ".join(short_repr(d, 80) for d in dotted[:5]) + (f" and {len(bad) - 5} more" if len(bad) > 5 else "")
+    close = {k: m[0] for k in bad[:5] if isinstance(k, str) and len(k) < 200
+             for m in [difflib.get_close_matches(k, known, n=1)] if m}
+    msg = (f"unknown config key{'s' if len(bad) > 1 else ''} {shown}; "
            f"allowed{f' in {prefix!r}' if prefix else ''}: {', '.join(repr(k) for k in known)}")
     if close:
         msg += " (did you mean " + ", ".join(f"{v!r} for {k!r}" if len(bad) > 1 else repr(v)

@@ -30,6 +30,11 @@ def run_demo(model: str = "tiny", dataset: str = "arith", steps: int | None = No
     from qerl_kit.tasks import make_task
     from qerl_kit.trainer import Trainer
 
+    from qerl_kit.config_types import check_seed, check_steps
+
+    if steps is not None:  # the checks every entry point shares, before minutes of loading
+        check_steps("steps", steps)
+    check_seed("seed", seed, rng=False)  # the config's seed (per-step seeds are derived from it)
     start = time.perf_counter()
     if not torch.cuda.is_available():
         # The tiny model's matmuls are too small to gain from intra-op threads, and extra threads

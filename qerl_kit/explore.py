@@ -26,6 +26,7 @@ from typing import Callable, Sequence
 import torch
 
 from qerl_kit.aqn import AQN
+from qerl_kit.config_types import check_sigma
 from qerl_kit.logprobs import batched_logprobs
 from qerl_kit.rollout import HFEngine, SamplingParams
 
@@ -56,9 +57,7 @@ def exploration_probe(model: torch.nn.Module, tokenizer, prompts: Sequence[str],
     sampling = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, seed=seed)
 
     def probe(sigma: float) -> dict:
-        sigma = float(sigma)
-        if sigma < 0:
-            raise ValueError(f"sigma must be >= 0; got {sigma}")
+        sigma = check_sigma("sigma", sigma, zero=True)  # AQN's one sigma range, 0 = no noise
         aqn._generator.manual_seed(seed)  # the same noise draw for the same sigma
         with aqn.noise(model, step, sigma=sigma):
             out = engine.generate(prompts, n, sampling)

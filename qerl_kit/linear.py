@@ -105,7 +105,15 @@ class QuantLinear(nn.Module):
     def quantize_weight(w: torch.Tensor, **kwargs):  # pragma: no cover - abstract
         raise NotImplementedError
 
+    def _check_input(self, x: torch.Tensor) -> None:
+        # nn.Linear refuses an integer input; the dequantize-then-matmul paths would cast the weight to
+        # the input's dtype and return integers (all zeros for int64 token ids), silently
+        if not x.is_floating_point():
+            raise TypeError(f"{type(self).__name__} takes a floating-point input, as nn.Linear does; got {x.dtype} "
+                            "(token ids go through the embedding first)")
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self._check_input(x)
         return _FrozenQuantMatmul.apply(x, self)
 
     def extra_repr(self) -> str:
@@ -125,6 +133,7 @@ class NVFP4Linear(QuantLinear):
         return nvfp4.NVFP4Tensor(self.packed, self.scales, self.global_scale)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self._check_input(x)
         if x.requires_grad and torch.is_grad_enabled():
             return _NVFP4Matmul.apply(x, self)
         return kernels.nvfp4_linear(x, self.packed, self.scales, self.global_scale, self.bias)

@@ -29,6 +29,7 @@ from peft import LoraConfig, PeftModel, get_peft_model
 from peft.tuners.lora.layer import Linear as PeftLoraLinear
 from peft.tuners.tuners_utils import BaseTunerLayer
 
+from qerl_kit.config_types import check_names, check_seed
 from qerl_kit.linear import LINEAR_CLASSES, QuantLinear
 
 ALL_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -73,17 +74,28 @@ def _compute_dtype(model: torch.nn.Module) -> torch.dtype:
     return next(model.parameters()).dtype
 
 
+def check_targets(model: torch.nn.Module, targets) -> tuple[str, ...]:
+    """``targets`` as peft matches them (a module's name, or the end of its dotted name), each one
+    naming at least one linear layer of ``model``: peft wraps what matches and silently ignores a
+    target that matches nothing (a typo such as ``q_prj`` trains fewer layers than asked)."""
+    names = [n for n, m in model.named_modules() if isinstance(m, (torch.nn.Linear, QuantLinear))]
+    return check_names("targets", targets, names, lambda t, full: full == t or full.endswith("." + t),
+                       what="linear layer", shown={n.rsplit(".", 1)[-1] for n in names}, empty=False)
+
+
 def attach_lora(model: torch.nn.Module, r: int = 32, alpha: float | None = None,
-                targets: Sequence[str] = ALL_PROJECTIONS, dropout: float = 0.0,
+                targets: Sequence[str] | None = None, dropout: float = 0.0,
                 train_norms: bool = False, dtype: torch.dtype | None = None,
                 seed: int | None = None) -> PeftModel:
     """Wrap ``model`` (quantized or not) in a peft LoRA model; only adapters (and norms) train.
 
-    ``dtype`` is the adapters' dtype (default: the base's compute dtype, bf16 for a bf16 model).
-    ``seed`` makes the A-matrix initialisation reproducible.
+    ``targets``: the layers to adapt (default ``ALL_PROJECTIONS``, those the model has); names given
+    must each match a linear layer (``check_targets``). ``dtype`` is the adapters' dtype (default: the
+    base's compute dtype, bf16 for a bf16 model). ``seed`` makes the A-matrix initialisation reproducible.
     """
+    targets = ALL_PROJECTIONS if targets is None else check_targets(model, targets)
     if seed is not None:
-        torch.manual_seed(seed)
+        torch.manual_seed(check_seed("seed", seed))
     peft_model = get_peft_model(model, lora_config(r, alpha, targets, dropout, train_norms))
     dtype = dtype or _compute_dtype(model)
     for name, param in peft_model.named_parameters():

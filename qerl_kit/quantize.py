@@ -19,10 +19,12 @@ import torch
 from torch import nn
 
 from qerl_kit import nvfp4
+from qerl_kit.config_types import check_names
 from qerl_kit.formats import get_format
 from qerl_kit.linear import LINEAR_CLASSES, NVFP4Linear, QuantLinear
 from qerl_kit.table import html_table, human_bytes, text_table
 
+DEFAULT_SKIP = ("lm_head",)  # the output head stays dense (vLLM's NVFP4 checkpoints keep it so)
 FUSED_GROUPS: tuple[tuple[str, ...], ...] = (
     ("q_proj", "k_proj", "v_proj"),
     ("gate_proj", "up_proj"),
@@ -98,6 +100,40 @@ def _linear_children(model: nn.Module, skip: tuple[str, ...]):
     return todo, [s[2] for s in skipped]
 
 
+def _linear_names(model: nn.Module) -> list[str]:
+    return [name for name, m in model.named_modules() if type(m) is nn.Linear]
+
+
+def _check_layer(full: str, linear: nn.Linear, spec, tied: dict[int, str]) -> None:
+    """Refuse a layer that cannot be quantized faithfully, before anything is swapped."""
+    if linear.weight.is_meta:
+        raise ValueError(f"layer {full!r} has no weights: it is on the meta device (built under "
+                         "torch.device('meta') or init_empty_weights); load the weights first (from_pretrained, "
+                         "or model.to_empty(device=...) and load_state_dict)")
+    if linear.in_features % spec.block_size:
+        raise ValueError(
+            f"layer {full!r} has in_features={linear.in_features}, not divisible by the "
+            f"{spec.name} block size {spec.block_size}; add it to skip=(...) to keep it dense")
+    if id(linear.weight) in tied:
+        raise ValueError(
+            f"layer {full!r} shares its weight with the embedding {tied[id(linear.weight)]!r} (tied embeddings): "
+            f"quantizing it would leave the embedding dense and the two untied while the model's config still "
+            f"says tied. Keep it dense (skip=({full.rsplit('.', 1)[-1]!r},), the default for lm_head), or untie "
+            f"it first (model.config.tie_word_embeddings = False and a separate copy of the weight)")
+    if not torch.isfinite(linear.weight).all():
+        raise ValueError(f"layer {full!r} has NaN or inf weights and cannot be quantized")
+
+
+def _rel_error(w: torch.Tensor, deq: torch.Tensor) -> float:
+    """||W - deq|| / ||W|| computed on W / max|W|, so weights of 1e-30 (whose squares underflow float32)
+    and of 1e38 (whose squares overflow it) give their true, finite error."""
+    w = w.detach().to(torch.float32)
+    scale = w.abs().max()
+    if scale == 0:
+        return 0.0 if not deq.any() else float("inf")
+    return ((w / scale - deq / scale).norm() / (w / scale).norm()).item()
+
+
 def _group_of(parent: nn.Module, child_name: str) -> tuple[str, ...] | None:
     for group in FUSED_GROUPS:
         if child_name in group and all(isinstance(getattr(parent, g, None), nn.Linear) for g in group):
@@ -106,20 +142,26 @@ def _group_of(parent: nn.Module, child_name: str) -> tuple[str, ...] | None:
 
 
 @torch.no_grad()
-def quantize_model(model: nn.Module, fmt: str = "nvfp4", skip: tuple[str, ...] = ("lm_head",),
+def quantize_model(model: nn.Module, fmt: str = "nvfp4", skip: tuple[str, ...] | None = None,
                    share_fused_scales: bool = True) -> QuantReport:
-    """Swap every nn.Linear of ``model`` (except ``skip``) for a frozen ``fmt`` layer, in place."""
+    """Swap every nn.Linear of ``model`` (except ``skip``) for a frozen ``fmt`` layer, in place.
+
+    ``skip`` (default ``("lm_head",)``, the output head where there is one) names layers to keep dense:
+    full names or name parts; a name that matches no linear layer is an error listing those there are.
+    A layer tied to an embedding is refused (keep it dense or untie it first)."""
     spec = get_format(fmt)
     layer_cls = LINEAR_CLASSES[spec.name]
+    if skip is None:
+        skip = DEFAULT_SKIP
+    else:  # names the caller gave must each name a linear layer (a typo would quantize it silently)
+        names = _linear_names(model)
+        skip = check_names("skip", skip, names, lambda p, full: _matches(full, (p,)), what="linear layer",
+                           shown=sorted({n.rsplit(".", 1)[-1] for n in names}))
     todo, skipped = _linear_children(model, tuple(skip))
     report = QuantReport(fmt=spec.name, skipped=skipped)
+    tied = {id(m.weight): name for name, m in model.named_modules() if isinstance(m, nn.Embedding)}
     for _, _, full, linear in todo:  # check everything before touching anything
-        if linear.in_features % spec.block_size:
-            raise ValueError(
-                f"layer {full!r} has in_features={linear.in_features}, not divisible by the "
-                f"{spec.name} block size {spec.block_size}; add it to skip=(...) to keep it dense")
-        if not torch.isfinite(linear.weight).all():
-            raise ValueError(f"layer {full!r} has NaN or inf weights and cannot be quantized")
+        _check_layer(full, linear, spec, tied)
     # Fused groups are found (and their shared scales computed) before any layer is swapped.
     groups = [_group_of(parent, name) if share_fused_scales and spec.name == "nvfp4" else None
               for parent, name, _, _ in todo]
@@ -131,8 +173,7 @@ def quantize_model(model: nn.Module, fmt: str = "nvfp4", skip: tuple[str, ...] =
             qlayer = layer_cls.from_linear(linear, **kwargs)
         except (ValueError, TypeError) as err:
             raise ValueError(f"cannot convert layer {full!r} to {spec.name}: {err}") from err
-        w = linear.weight.detach().to(torch.float32)
-        err = ((w - qlayer.dequantized_weight(torch.float32)).norm() / w.norm().clamp(min=1e-30)).item()
+        err = _rel_error(linear.weight, qlayer.dequantized_weight(torch.float32))
         report.layers.append(LayerReport(
             name=full, shape=tuple(linear.weight.shape),
             bytes_before=linear.weight.numel() * linear.weight.element_size(),

@@ -45,7 +45,7 @@ from qerl_kit import checkpoint as ckpt
 from qerl_kit import distributed
 from qerl_kit import divergence, finite, grpo, runs
 from qerl_kit.aqn import AQN
-from qerl_kit.config import TrainConfig, upgrade_dict
+from qerl_kit.config import TrainConfig, check_lr, check_steps, upgrade_dict
 from qerl_kit.logprobs import batched_logprobs, completion_logprobs
 from qerl_kit.optim import lr_lambda, make_optimizer
 from qerl_kit.rollout.base import engine_sync
@@ -142,7 +142,8 @@ class Trainer:
 
     # ---- controls a notebook can call between chunks ----------------------------------------
     def set_lr(self, lr: float) -> None:
-        """Change the base learning rate (the schedule keeps multiplying it)."""
+        """Change the base learning rate (the schedule keeps multiplying it); checked as optim.lr is."""
+        lr = check_lr("lr", lr)
         for group in self.optimizer.param_groups:
             group["initial_lr"] = lr
         self.scheduler.base_lrs = [lr for _ in self.scheduler.base_lrs]
@@ -336,7 +337,7 @@ class Trainer:
     # ---- the loop ----------------------------------------------------------------------------
     def train(self, steps: int | None = None, callback: Callable[[dict], None] | None = None) -> "Trainer":
         """Run ``steps`` more steps (default: up to ``config.total_steps``); callable repeatedly."""
-        steps = self.config.total_steps - self.step if steps is None else steps
+        steps = self.config.total_steps - self.step if steps is None else check_steps("steps", steps)
         if not self._claimed:
             self.claim_output_dir()
         bar = self._bar(steps)

@@ -170,13 +170,13 @@ def test_state_dict_round_trip_continues_the_same_noise():
 
 # ---- constructor checks shared with the config (qerl_kit.config.AQNConfig) ----------------------
 @pytest.mark.parametrize("kwargs, match", [
-    (dict(sigma_start=float("nan")), r"^sigma_start must be a finite float > 0.*got nan"),
-    (dict(sigma_start=float("inf")), r"^sigma_start must be a finite float > 0.*got inf"),
-    (dict(sigma_end=float("inf"), sigma_start=1.0), r"^sigma_end must be a finite float > 0.*got inf"),
-    (dict(sigma_end=-1e-3), r"^sigma_end must be a finite float > 0.*got -0\.001"),
-    (dict(sigma_start=-1e-2, sigma_end=-1e-3), r"^sigma_start must be a finite float > 0"),
-    (dict(sigma_start=True), r"^sigma_start must be a finite float > 0.*got True"),
-    (dict(sigma_start="loud"), r"^sigma_start must be a finite float > 0.*got 'loud'"),
+    (dict(sigma_start=float("nan")), r"^sigma_start must be a finite float in \(0, 10\].*got nan"),
+    (dict(sigma_start=float("inf")), r"^sigma_start must be a finite float in \(0, 10\].*got inf"),
+    (dict(sigma_end=float("inf"), sigma_start=1.0), r"^sigma_end must be a finite float in \(0, 10\].*got inf"),
+    (dict(sigma_end=-1e-3), r"^sigma_end must be a finite float in \(0, 10\].*got -0\.001"),
+    (dict(sigma_start=-1e-2, sigma_end=-1e-3), r"^sigma_start must be a finite float in \(0, 10\]"),
+    (dict(sigma_start=True), r"^sigma_start must be a finite float in \(0, 10\].*got True"),
+    (dict(sigma_start="loud"), r"^sigma_start must be a finite float in \(0, 10\].*got 'loud'"),
     (dict(stages=3.5), r"^stages must be an int"),
     (dict(total_steps="many"), r"^total_steps must be an int"),
     (dict(seed=1.5), r"^seed must be an int"),

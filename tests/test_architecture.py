@@ -107,3 +107,9 @@ def test_a_lower_layer_never_imports_an_upper_one(lower, upper):
     bad = {m: sorted(d for d in imports(m, import_time_only=False) if any(d == u or d.startswith(u + ".") for u in upper))
            for m in below}
     assert {m: d for m, d in bad.items() if d} == {}
+
+
+def test_the_values_layer_imports_no_qerl_kit_module_at_import_time():
+    """config_types holds the rules every layer checks values with (rollout/types, aqn, lora, quantize
+    import it), so it must sit below them all: its registry lookups are lazy."""
+    assert imports("qerl_kit.config_types") == set()

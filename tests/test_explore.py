@@ -53,5 +53,5 @@ def test_probe_rejects_bad_arguments(tiny):
         exploration_probe(model, tok, [])
     with pytest.raises(ValueError, match="answers"):
         exploration_probe(model, tok, prompts, answers=["1"])
-    with pytest.raises(ValueError, match="sigma must be >= 0"):
+    with pytest.raises(ValueError, match=r"^sigma must be a finite float in \[0, 10\].*got -"):
         exploration_probe(model, tok, prompts, n=2, max_new_tokens=2)(-1.0)

@@ -30,7 +30,7 @@ from torch import Tensor
 from qerl_kit.finite import check_logprobs
 from qerl_kit.rollout.types import Generation, Prompts, Rollouts, SamplingParams, as_prompts, check_n
 
-__all__ = ["RolloutEngine", "Engine", "ModelEngine", "engine_sync", "check_context", "inference", "seeded", "special_ids",
+__all__ = ["RolloutEngine", "Engine", "ModelEngine", "engine_sync", "check_context", "check_token_ids", "inference", "seeded", "special_ids",
            "stop_mask", "decode_completions"]
 
 
@@ -121,8 +121,10 @@ def _same_model(a: torch.nn.Module, b: torch.nn.Module) -> bool:
 
 def check_context(prompt_ids: Sequence[Sequence[int]], max_new_tokens: int, model: Any) -> None:
     """Refuse a prompt that, with ``max_new_tokens`` after it, needs more positions than the model
-    has (``config.max_position_embeddings``): transformers would only warn and then decode garbage."""
+    has (``config.max_position_embeddings``): transformers would only warn and then decode garbage.
+    And a token id outside the model's vocabulary (``check_token_ids``)."""
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    check_token_ids(prompt_ids, _vocab_size(base))
     limit = getattr(getattr(base, "config", None), "max_position_embeddings", None)
     if not isinstance(limit, int) or limit <= 0:
         return
@@ -132,6 +134,28 @@ def check_context(prompt_ids: Sequence[Sequence[int]], max_new_tokens: int, mode
                              f"{len(ids) + max_new_tokens} positions, more than the model's context "
                              f"(max_position_embeddings={limit}): shorten it (a prompt_fn may truncate) or lower "
                              "rollout.max_new_tokens")
+
+
+def _vocab_size(model: Any) -> int | None:
+    """Rows of the input embedding (what an id indexes), else ``config.vocab_size``; None if unknown."""
+    emb = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    rows = getattr(emb, "num_embeddings", None)
+    rows = rows if rows is not None else getattr(getattr(model, "config", None), "vocab_size", None)
+    return rows if isinstance(rows, int) and rows > 0 else None
+
+
+def check_token_ids(prompt_ids: Sequence[Sequence[int]], vocab_size: int | None) -> None:
+    """Every prompt token id in [0, vocab_size): a wrong id would fail deep in the embedding with
+    ``IndexError: index out of range in self`` (or, on a GPU, a device-side assert)."""
+    for i, ids in enumerate(prompt_ids):
+        if not ids:
+            continue
+        low, high = min(ids), max(ids)
+        if low < 0 or (vocab_size is not None and high >= vocab_size):
+            bad = low if low < 0 else high
+            allowed = f"in [0, {vocab_size})" if vocab_size is not None else ">= 0"
+            raise ValueError(f"prompt {i} has token id {bad}; token ids must be {allowed} (the model's vocabulary "
+                             f"size is {vocab_size if vocab_size is not None else 'unknown'})")
 
 
 @contextlib.contextmanager

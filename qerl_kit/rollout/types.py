@@ -29,6 +29,9 @@ from typing import Any, Sequence
 import torch
 from torch import Tensor
 
+from qerl_kit.config_types import (NEW_TOKENS_RULE, TOP_K_RULE, TOP_P_RULE, check_rule, check_seed,
+                                   check_temperature, short_repr)
+
 __all__ = ["SamplingParams", "Prompts", "Generation", "Rollouts", "as_prompts"]
 
 
@@ -51,17 +54,26 @@ class SamplingParams:
     def __post_init__(self):
         # Errors read "<field> must be <allowed>; got <repr(value)>", as configs' do. Bools are not
         # numbers here; numpy scalars are.
-        if not _is_int(self.max_new_tokens) or self.max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be a positive int; got {self.max_new_tokens!r}")
-        # 0 means greedy (evaluation); inf would flatten the logits to uniform and nan poisons them
-        if not _is_real(self.temperature) or not math.isfinite(self.temperature) or self.temperature < 0:
-            raise ValueError(f"temperature must be a finite float >= 0 (0 = greedy); got {self.temperature!r}")
-        if not _is_real(self.top_p) or not 0 < self.top_p <= 1:  # nan fails the comparison
-            raise ValueError(f"top_p must be a float in (0, 1] (1 = off); got {self.top_p!r}")
-        if not _is_int(self.top_k) or self.top_k < 0:
-            raise ValueError(f"top_k must be an int >= 0 (0 = off); got {self.top_k!r}")
+        # Types are checked here (strictly: no strings, no bools), ranges by the rules the config shares
+        if not _is_int(self.max_new_tokens):
+            raise ValueError(f"max_new_tokens must be an int >= 1; got {short_repr(self.max_new_tokens)}")
+        check_rule("max_new_tokens", self.max_new_tokens, int, NEW_TOKENS_RULE)
+        # 0 means greedy (evaluation); inf would flatten the logits to uniform and nan poisons them; the
+        # range is the one every temperature obeys (config_types.check_temperature: >= 1e-4, so that
+        # logits / T stay finite), with 0 allowed here for greedy decoding. Strings are not numbers here.
+        if not _is_real(self.temperature):
+            raise ValueError(f"temperature must be 0 (greedy) or a finite float >= 0.0001; got {short_repr(self.temperature)}")
+        check_temperature("temperature", self.temperature, greedy=True)
+        if not _is_real(self.top_p):
+            raise ValueError(f"top_p must be a finite float in (0, 1]; got {short_repr(self.top_p)}")
+        check_rule("top_p", self.top_p, float, TOP_P_RULE)  # nan and inf too
+        if not _is_int(self.top_k):
+            raise ValueError(f"top_k must be an int >= 0; got {short_repr(self.top_k)}")
+        check_rule("top_k", self.top_k, int, TOP_K_RULE)
         if self.seed is not None and not _is_int(self.seed):
-            raise ValueError(f"seed must be an int or None (None = the global RNG); got {self.seed!r}")
+            raise ValueError(f"seed must be an int or None (None = the global RNG); got {short_repr(self.seed)}")
+        if self.seed is not None:  # the engines hand it to a 64-bit generator as it is
+            check_seed("seed", self.seed)
 
     @property
     def greedy(self) -> bool:
@@ -139,7 +151,7 @@ def as_prompts(prompts: Any, tokenizer: Any = None, add_special_tokens: bool = F
 
 def check_n(n: Any) -> int:
     if not _is_int(n) or n < 1:
-        raise ValueError(f"n (samples per prompt) must be an int >= 1; got {n!r}")
+        raise ValueError(f"n (samples per prompt) must be an int >= 1; got {short_repr(n)}")
     return int(n)
 
 

@@ -18,6 +18,7 @@ import math
 import threading
 import time
 
+from qerl_kit.config_types import check_steps
 from qerl_kit.plots import DASHBOARD_METRICS, plot_dashboard
 from qerl_kit.table import html_table
 from qerl_kit.widgets.aqn_panel import SIGMA_START_GRID, sigma_options
@@ -110,8 +111,7 @@ class TrainingDashboard:
         chunk is already running (the button is disabled meanwhile)."""
         if self.running:
             raise RuntimeError("a chunk is already running; press stop or wait for it to end")
-        if steps < 1:
-            raise ValueError(f"steps must be >= 1; got {steps}")
+        steps = check_steps("steps", steps)  # the trainer's own check, before the controls change anything
         if self.widget is not None:
             self.sync_controls()  # hand changes are applied already; code changes since are shown now
             self.progress.max, self.progress.value = steps, 0
