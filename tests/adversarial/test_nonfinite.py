@@ -223,13 +223,18 @@ def test_the_divergence_rule_on_case_82s_numbers_and_its_non_cases():
     assert divergence.divergence_warning(_rows([0.05, 0.0], [0.02, 2.0])) is None  # nothing to lose
 
 
-def test_case_82_a_tiny_run_at_lr_10_says_it_diverges(tmp_path):
+def test_case_82_lr_10_is_refused_and_a_diverging_run_says_so(tmp_path):
+    """lr 10 is refused where it enters; lr 1.0, the largest allowed, still diverges on the tiny task
+    (reward 0.625 -> 0, entropy 0.016 -> 1.3) and the run says so, once, in its log."""
     from qerl_kit.build import build_policy
     from qerl_kit.config import preset
+    from qerl_kit.config_types import ConfigError
     from qerl_kit.tasks import make_task
     from qerl_kit.trainer import Trainer
 
-    cfg = preset("tiny-cpu", data=dict(eval_size=8, train_size=64), aqn=dict(enabled=False), optim=dict(lr=10.0),
+    with pytest.raises(ConfigError, match=r"optim\.lr must be .*; got 10\.0"):
+        preset("tiny-cpu", optim=dict(lr=10.0))
+    cfg = preset("tiny-cpu", data=dict(eval_size=8, train_size=64), aqn=dict(enabled=False), optim=dict(lr=1.0),
                  rollout=dict(batch_size=16, group_size=4, max_new_tokens=32), loss=dict(micro_batch=16),
                  total_steps=2, save_every=0, output_dir=str(tmp_path / "run"))
     policy, tok, _ = build_policy(cfg.model, seed=0)
