@@ -487,10 +487,10 @@ class Trainer:
                 group["betas"] = tuple(o.betas)
         self.set_lr(o.lr)  # base lr and the schedule (built from this config's total_steps)
         if self.aqn is not None:
-            a = self.config.aqn
-            self.aqn.sigma_start, self.aqn.sigma_end, self.aqn.stages = a.sigma_start, a.sigma_end, a.stages
-            self.aqn.total_steps, self.aqn.resample = self.config.total_steps, a.resample
-            self.aqn.allow_increasing = a.allow_increasing
+            a = self.config.aqn  # all at once: one value at a time may pass through a refused schedule
+            self.aqn.update(sigma_start=a.sigma_start, sigma_end=a.sigma_end, stages=a.stages,
+                            total_steps=self.config.total_steps, resample=a.resample,
+                            allow_increasing=a.allow_increasing)
         line = {"step": self.step, "checkpoint": str(path), "changes": {k: list(v) for k, v in changes.items()}}
         warnings.warn(f"resumed {path} with a changed config: {line['changes']}", stacklevel=3)
         if self.dist.main:
