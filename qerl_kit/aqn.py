@@ -148,12 +148,13 @@ class AQN:
     def checked(self, **changes) -> dict:
         """The schedule's values with ``changes`` applied, coerced and checked as the constructor
         checks them (a ``ConfigError`` naming the key otherwise); nothing is assigned."""
-        from qerl_kit.config_types import RESAMPLE, ConfigError, check_aqn_sigmas, check_seed, check_value
+        from qerl_kit.config_types import (RESAMPLE, ConfigError, check_aqn_sigmas, check_seed, check_value,
+                                           short_repr)
 
-        unknown = sorted(set(changes) - set(SCHEDULE_FIELDS))
+        unknown = [k for k in changes if k not in SCHEDULE_FIELDS]
         if unknown:
-            raise ConfigError(f"AQN has no schedule value {', '.join(map(repr, unknown))}; the values are: "
-                              f"{', '.join(SCHEDULE_FIELDS)}", unknown[0], changes[unknown[0]], None)
+            raise ConfigError(f"AQN has no schedule value {', '.join(short_repr(k, 60) for k in unknown[:5])}; the "
+                              f"values are: {', '.join(SCHEDULE_FIELDS)}", unknown[0], changes[unknown[0]], None)
         v = {key: changes.get(key, getattr(self, key)) for key in SCHEDULE_FIELDS}
         v["stages"] = check_value("stages", v["stages"], int, ge=3, why="a noise-free stage 0 and a decay from "
                                   "sigma_start to sigma_end over stages 1..K-1")
