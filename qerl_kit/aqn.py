@@ -148,8 +148,7 @@ class AQN:
     def checked(self, **changes) -> dict:
         """The schedule's values with ``changes`` applied, coerced and checked as the constructor
         checks them (a ``ConfigError`` naming the key otherwise); nothing is assigned."""
-        from qerl_kit.config_types import (RESAMPLE, ConfigError, check_aqn_sigmas, check_seed, check_value,
-                                           short_repr)
+        from qerl_kit.config_types import RESAMPLE, ConfigError, check_aqn_sigmas, check_seed, check_value, short_repr
 
         unknown = [k for k in changes if k not in SCHEDULE_FIELDS]
         if unknown:
@@ -169,17 +168,8 @@ class AQN:
         v["seed"] = check_seed("seed", v["seed"])  # seeds a torch.Generator as it is
         v["resample"] = check_value("resample", v["resample"], str, choices=RESAMPLE,
                                     why="step: fresh noise at every apply(); forward: at every forward call")
-        try:
-            v["sigma_start"], v["sigma_end"], v["allow_increasing"] = check_aqn_sigmas(
-                v["sigma_start"], v["sigma_end"], v["allow_increasing"], prefix="",
-                flag="AQN(..., allow_increasing=True)")
-        except ConfigError as err:
-            one_sigma = len(set(changes) & {"sigma_start", "sigma_end"}) == 1
-            if err.key != "sigma_end" or not one_sigma or not getattr(self, "_ready", False):
-                raise
-            # one sigma assigned against the other's current value: say how to change both at once
-            raise ConfigError(f"{err}; to change both sigmas at once, use aqn.update(sigma_start=..., "
-                              "sigma_end=...)", err.key, err.value, err.allowed) from None
+        v["sigma_start"], v["sigma_end"], v["allow_increasing"] = check_aqn_sigmas(
+            v["sigma_start"], v["sigma_end"], v["allow_increasing"], prefix="", flag="AQN(..., allow_increasing=True)")
         return v
 
     def update(self, **changes) -> None:
@@ -199,7 +189,16 @@ class AQN:
         # ZeroDivisionError at the next sigma(step)). During __init__ the values are checked all together
         # in __post_init__.
         if name in SCHEDULE_FIELDS and getattr(self, "_ready", False):
-            self.update(**{name: value})
+            from qerl_kit.config_types import ConfigError
+
+            try:
+                self.update(**{name: value})
+            except ConfigError as err:
+                if name not in ("sigma_start", "sigma_end") or not str(err.allowed).startswith("<= sigma_start"):
+                    raise
+                # one sigma assigned against the other's current value: say how to change both at once
+                raise ConfigError(f"{err}; to change both sigmas at once, use aqn.update(sigma_start=..., "
+                                  "sigma_end=...)", err.key, err.value, err.allowed) from None
             return
         super().__setattr__(name, value)
 
