@@ -14,8 +14,9 @@
   missing/empty field, GSM8K solution without a numeric ``#### N``) raises
   ``DataError("<file>:<line>: ...")`` (a ValueError, which ``qerl`` prints as one line) with the
   1-based line number; blank lines are skipped. Rows whose columns differ from the first row's are
-  refused at load (``check_columns``): a batch's columns are taken from its first row. A column the loader derives (``prompt``; GSM8K's
-  ``solution``) that the file already has with another value is refused, never overwritten.
+  refused at load (``check_columns``): a batch's columns are taken from its first row. A column
+  the loader derives (``prompt``; GSM8K's ``solution``) that the file already has with another
+  value is refused, never overwritten.
 - ``build_prompt(tokenizer, question, ...)`` uses the tokenizer's chat template when it has one,
   else a plain ``"Question: ...\\nAnswer:"`` template; ``build_messages`` gives the conversational form.
 

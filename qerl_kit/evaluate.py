@@ -193,9 +193,9 @@ def evaluate(model: Any, tokenizer: Any, dataset: Iterable[dict], reward_fn: Cal
         repeated = [r for r in chunk for _ in range(samples)]
         ids = out.completion_id_lists()
         # the Trainer's one call-and-check: a dict, None, strings, NaN, inf or a raise names the function
-        scores = reward_scores(reward_fn, dict(prompts=[r["prompt"] for r in repeated], completions=list(out.texts),
-                                               completion_ids=ids, **{k: [r.get(k) for r in repeated] for k in columns}),
-                               len(repeated))
+        kwargs = dict(prompts=[r["prompt"] for r in repeated], completions=list(out.texts), completion_ids=ids,
+                      **{k: [r.get(k) for r in repeated] for k in columns})
+        scores = reward_scores(reward_fn, kwargs, len(repeated))
         lengths = out.completion_lengths.tolist()
         for j, row in enumerate(chunk):
             s = slice(j * samples, (j + 1) * samples)

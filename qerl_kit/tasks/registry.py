@@ -81,7 +81,8 @@ def _gsm8k(cfg, seed: int) -> Task:
     from qerl_kit.data import find_data_file, load_gsm8k
 
     files = {split: find_data_file("gsm8k", split) for split in ("train", "test")}  # both, before reading either
-    return Task("gsm8k", load_gsm8k(files["train"], limit=cfg.train_size), load_gsm8k(files["test"], limit=cfg.eval_size),
+    return Task("gsm8k", load_gsm8k(files["train"], limit=cfg.train_size),
+                load_gsm8k(files["test"], limit=cfg.eval_size),
                 (rewards.gsm8k_reward,), chat_prompt, max_new_tokens=512,
                 info={split: str(f) for split, f in files.items()})
 
