@@ -82,7 +82,7 @@ class Trainer:
         if not isinstance(config, TrainConfig):
             raise TypeError(f"config must be a qerl_kit.config.TrainConfig; got {type(config).__name__}")
         if not task.train:
-            raise ValueError(f"task {task.name!r} has no training rows")
+            raise ValueError(f"task {task.name!r} has no training rows{(task.info or {}).get('no_train', '')}")
         trainable = [p for p in model.parameters() if p.requires_grad]
         if not trainable:
             raise ValueError("the model has no trainable parameters; attach LoRA first "

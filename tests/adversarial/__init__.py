@@ -11,6 +11,8 @@ its row) and per behaviour the issue names, grouped by the class of check they e
   permissions, disk full, interrupted writes);
 - ``test_configs_data.py``: configs, JSON Lines, model sources, the MATH reward's time budget and
   the widgets' agreement with the trainer.
+- ``test_data_r2.py`` (round 2, ``test_r2_NN_...`` after the rows of the 2026-12-04 trial): JSON
+  Lines keys, a task's splits and ``data.eval_dataset``, reward checks shared by training and evaluation.
 
 Every test here failed on main before the issue's fixes (fe1b96e).
 """
