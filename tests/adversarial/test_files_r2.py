@@ -129,17 +129,26 @@ def test_r2_26_a_step_past_total_steps_is_refused(saved, tmp_path):
     _refused(saved, tmp_path, lambda s: s.update(step=10**12), "'step'", "total_steps = 6")
 
 
-def test_a_refused_resume_leaves_the_trainer_as_it_was(saved, tmp_path):
-    """The state loads, then the adapter is refused (NaN): optimizer, scheduler and AQN are put back."""
-    src, _ = saved
-    path, trainer = _resume(saved, tmp_path, lambda s: s["aqn"]["config"].update(seed=7))
+def _nan_adapter(path):
     weights = load_file(str(path / ckpt.ADAPTER_FILE))
     save_file({k: torch.full_like(v, math.nan) for k, v in weights.items()}, str(path / ckpt.ADAPTER_FILE))
-    before = (trainer.scheduler.state_dict(), trainer.aqn.seed)
-    with pytest.raises(CheckpointError, match="holds NaN or inf"):
+
+
+@pytest.mark.parametrize("damage,files,word", [
+    (lambda s: s["rng"].update(python=[1, 2]), lambda p: None, "'rng.python'"),  # the last state key
+    (lambda s: s["aqn"]["config"].update(seed=7), _nan_adapter, "holds NaN or inf"),  # the adapter, loaded last
+])
+def test_a_refused_resume_leaves_the_trainer_as_it_was(saved, tmp_path, damage, files, word):
+    """A resume refused part-way: the optimizer, scheduler, AQN and adapter are as they were before it."""
+    path, trainer = _resume(saved, tmp_path, damage)
+    files(path)
+    before = (trainer.scheduler.state_dict(), trainer.aqn.seed,
+              {n: p.detach().clone() for n, p in trainer.model.named_parameters() if p.requires_grad})
+    with pytest.raises(CheckpointError, match=re.escape(word)):
         trainer.resume(path)
     assert trainer.optimizer.state_dict()["state"] == {} and trainer.scheduler.state_dict() == before[0]
     assert trainer.aqn.seed == before[1] == 0 and trainer.step == 0
+    assert all(torch.equal(p, before[2][n]) for n, p in trainer.model.named_parameters() if p.requires_grad)
 
 
 # ---- adapter_config.json and the adapter's tensors (rows 34-37) --------------------------------
