@@ -16,7 +16,11 @@ a quantized model use ``load_lora(model, path)``. It reads the files through the
 that resume uses (``qerl_kit.checkpoint.load_adapter_weights``), not ``PeftModel.from_pretrained``
 (which falls back to the Hub for a missing file and silently leaves missing tensors at their
 initial values): a missing directory or file, a truncated file, missing, extra or misshaped
-tensors, or NaN/inf values are a ``CheckpointError`` naming the path (and the tensor).
+tensors, integer or NaN/inf tensors are a ``CheckpointError`` naming the path (and the tensor).
+``adapter_config.json`` is checked too (``check_adapter_config``): r, lora_alpha and lora_dropout by the
+rules ``attach_lora`` applies to its arguments (``check_lora_args``: the config's ``model.lora_r`` and
+``model.lora_alpha`` rules, dropout in [0, 1)), and a peft feature the quantized layers lack (DoRA,
+LoRA biases, ...) is refused naming the key, before any model is wrapped.
 """
 
 from __future__ import annotations

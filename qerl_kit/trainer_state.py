@@ -148,11 +148,11 @@ def _to_tuple(x):
 
 
 def _scheduler_structure(saved: dict, scheduler) -> None:
-    """What ``LambdaLR.load_state_dict`` would take silently but is not its state: keys missing (the
-    schedule would restart), attributes a scheduler state never holds (``optimizer``), lists of
-    another length than this trainer's."""
+    """What ``LambdaLR.load_state_dict`` would take silently but is not its state: the keys that define
+    where the schedule is missing (it would restart; other keys may differ between torch versions),
+    attributes a scheduler state never holds (``optimizer``), lists of another length than this trainer's."""
     live = scheduler.state_dict()
-    missing = sorted(set(live) - set(saved))
+    missing = sorted(k for k in ("base_lrs", "last_epoch", "_last_lr", "lr_lambdas") if k in live and k not in saved)
     foreign = sorted(k for k in saved if k not in live and hasattr(scheduler, k))
     if missing or foreign:
         raise ConfigError(f"scheduler lacks {short_repr(missing)}" if missing else

@@ -11,6 +11,8 @@ its row) and per behaviour the issue names, grouped by the class of check they e
   permissions, disk full, interrupted writes);
 - ``test_configs_data.py``: configs, JSON Lines, model sources, the MATH reward's time budget and
   the widgets' agreement with the trainer.
+- ``test_files_r2.py`` (round 2, rows of the 2026-12-04 trial): the values inside ``trainer_state.pt``
+  and ``adapter_config.json`` checked at load, integer adapter tensors, ``attach_lora``'s arguments.
 
 Every test here failed on main before the issue's fixes (fe1b96e).
 """
