@@ -25,7 +25,8 @@ from pathlib import Path
 
 import torch
 
-from qerl_kit.checkpoint import STATE_FILE, CheckpointError, load_adapter_weights, rng_state, set_rng_state
+from qerl_kit.checkpoint import (STATE_FILE, CheckpointError, _to_tuple, load_adapter_weights, rng_state,
+                                 set_rng_state)
 from qerl_kit.config_types import LR_MAX, LR_RULE, ConfigError, _Rule, check_rule, short_repr
 
 # The lr an optimizer group holds now: the base lr (LR_RULE) times the schedule's factor in [0, 1].
@@ -141,10 +142,6 @@ def check_values(state: dict, path) -> None:
     if state["aqn"] is not None:
         with _named(path, "aqn"):
             checked_aqn(state["aqn"])
-
-
-def _to_tuple(x):
-    return tuple(_to_tuple(v) for v in x) if isinstance(x, (list, tuple)) else x
 
 
 def _scheduler_structure(saved: dict, scheduler) -> None:
