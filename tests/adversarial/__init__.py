@@ -13,6 +13,8 @@ its row) and per behaviour the issue names, grouped by the class of check they e
   the widgets' agreement with the trainer.
 - ``test_data_r2.py`` (round 2, ``test_r2_NN_...`` after the rows of the 2026-12-04 trial): JSON
   Lines keys, a task's splits and ``data.eval_dataset``, reward checks shared by training and evaluation.
+- ``test_files_r2.py`` (round 2, rows of the 2026-12-04 trial): the values inside ``trainer_state.pt``
+  and ``adapter_config.json`` checked at load, integer adapter tensors, ``attach_lora``'s arguments.
 
 Every test here failed on main before the issue's fixes (fe1b96e).
 """
