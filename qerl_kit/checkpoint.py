@@ -13,8 +13,9 @@ directory is removed and the earlier checkpoints stay as they were. The weights 
 other file gets (``file_writes.match_umask``).
 Each holds the ``run.json`` of the run that wrote it (``qerl_kit.runs``): pruning removes only
 that run's older checkpoints. Loading checks what it reads: a missing, unexpected or wrongly
-shaped adapter tensor, a NaN/inf adapter value, a truncated file, or a trainer state missing a key
-or holding one of the wrong type, is a ``CheckpointError`` naming the file (and the tensor or key).
+shaped adapter tensor, an integer or NaN/inf adapter tensor, a truncated file, or a trainer state missing
+a key, holding one of the wrong type or a value a resume cannot use (``qerl_kit.trainer_state``), is a
+``CheckpointError`` naming the file (and the tensor or key).
 ``read_adapter`` and ``load_adapter_weights`` are the one checked loader of adapter files: resume
 and ``qerl_kit.lora.load_lora`` (``qerl eval --adapter``, ``load_nvfp4(adapter_dir=)``) use them.
 """
@@ -157,8 +158,8 @@ _OPTIONAL_KEYS = {"config": ("a JSON object", _is_json(dict)), "run_id": ("a str
 
 
 def check_state(state, path: str | Path) -> dict:
-    """``state`` if it is a trainer state with every key of the right type; else a ``CheckpointError``
-    naming ``path`` and the key."""
+    """``state`` if it is a trainer state with every key of the right type holding values a resume can
+    use (``trainer_state.check_values``); else a ``CheckpointError`` naming ``path`` and the key."""
     if not isinstance(state, dict):
         raise CheckpointError(f"{path} holds a {type(state).__name__}, not a trainer state dict: the file is damaged")
     for key in _STATE_KEYS:
@@ -167,6 +168,9 @@ def check_state(state, path: str | Path) -> dict:
     for key, (allowed, ok) in {**_STATE_KEYS, **_OPTIONAL_KEYS}.items():
         if key in state and not ok(state[key]):
             raise CheckpointError(f"{path}: {key!r} must be {allowed}; got {_short(state[key])}: the file is damaged")
+    from qerl_kit import trainer_state
+
+    trainer_state.check_values(state, path)
     return state
 
 
@@ -201,7 +205,7 @@ def read_adapter(checkpoint: str | Path) -> dict[str, torch.Tensor]:
 def load_adapter_weights(model, checkpoint: str | Path, weights: dict | None = None) -> None:
     """Copy a saved adapter's tensors (``weights``: already read by ``read_adapter``) into the
     already-attached adapter of ``model``, after checking that the checkpoint holds exactly the
-    model's adapter tensors, each of the model's shape, all finite."""
+    model's adapter tensors, each of the model's shape, floating point and finite."""
     from peft import get_peft_model_state_dict, set_peft_model_state_dict
 
     path = Path(checkpoint) / ADAPTER_FILE
@@ -221,7 +225,11 @@ def load_adapter_weights(model, checkpoint: str | Path, weights: dict | None = N
             parts.append(f"{len(wrong)} of another shape (e.g. {k}: {tuple(weights[k].shape)} in the checkpoint, "
                          f"{tuple(expected[k].shape)} in the model)")
         raise CheckpointError(f"{path} does not match the model's adapter: " + "; ".join(parts))
-    bad = sorted(k for k, t in weights.items() if t.is_floating_point() and not torch.isfinite(t).all())
+    ints = sorted(k for k, t in weights.items() if not t.is_floating_point())
+    if ints:  # copying them in would cast silently: the values are not the adapter that was trained
+        raise CheckpointError(f"{path} holds {len(ints)} tensors that are not floating point (e.g. {ints[0]}: "
+                              f"{weights[ints[0]].dtype}); an adapter's LoRA matrices are floats")
+    bad = sorted(k for k, t in weights.items() if not torch.isfinite(t).all())
     if bad:
         n = int((~torch.isfinite(weights[bad[0]])).sum())
         raise CheckpointError(f"{path} holds NaN or inf values in {len(bad)} of its {len(weights)} tensors (e.g. "

@@ -64,15 +64,21 @@ class ModelConfig:
 class DataConfig:
     _prefix = "data"
     dataset: str = "arith"  # a task of qerl_kit.tasks.TASKS (arith, gsm8k, math500) or a GSM8K-style .jsonl path
-    eval_dataset: str | None = None  # default: the dataset's held-out split
+    # a .jsonl dataset's held-out rows from another .jsonl file; default: the file's first eval_size rows
+    eval_dataset: str | None = None
     eval_size: int = _rule(200, ge=1)  # held-out problems; 0 would make accuracy 0/0
-    train_size: int = _rule(20000, ge=1)  # for generated tasks: an empty training set cannot be sampled
+    # generated tasks: exactly this many; files: at most (the first rows). 0 cannot be sampled
+    train_size: int = _rule(20000, ge=1)
 
     def __post_init__(self):
         _validate(self)
         names = _tasks()
         _check(self.dataset in names or self.dataset.endswith(".jsonl"), "data.dataset", self.dataset,
                f"one of {', '.join(repr(n) for n in names)} (qerl_kit.tasks.TASKS) or a path ending in .jsonl")
+        # the tasks by name hold out their own split and would ignore it
+        _check(self.eval_dataset is None or (self.dataset.endswith(".jsonl") and self.eval_dataset.endswith(".jsonl")),
+               "data.eval_dataset", self.eval_dataset, "null, or a GSM8K-style .jsonl path when data.dataset is one",
+               f"task {self.dataset!r} holds out its own rows" if not self.dataset.endswith(".jsonl") else "")
 
 
 @dataclass(frozen=True)

@@ -10,11 +10,13 @@
   ``#### N``) is kept as ``solution`` and ``answer`` becomes the number ``N`` (thousands separators
   removed: "#### 1,600" -> "1600"). ``datasets.Dataset.from_list(rows)`` turns the list into a
   dataset for TRL.
-- A malformed row (not UTF-8, bad JSON, nesting too deep, not an object, missing/empty field, GSM8K
-  solution without a numeric ``#### N``) raises ``DataError("<file>:<line>: ...")`` (a ValueError,
-  which ``qerl`` prints as one line) with the 1-based line number; blank lines are skipped. Rows
-  whose columns differ from the first row's are refused at load (``check_columns``): a batch's
-  columns are taken from its first row.
+- A malformed row (not UTF-8, bad JSON, nesting too deep, a key twice in one object, not an object,
+  missing/empty field, GSM8K solution without a numeric ``#### N``) raises
+  ``DataError("<file>:<line>: ...")`` (a ValueError, which ``qerl`` prints as one line) with the
+  1-based line number; blank lines are skipped. Rows whose columns differ from the first row's are
+  refused at load (``check_columns``): a batch's columns are taken from its first row. A column
+  the loader derives (``prompt``; GSM8K's ``solution``) that the file already has with another
+  value is refused, never overwritten.
 - ``build_prompt(tokenizer, question, ...)`` uses the tokenizer's chat template when it has one,
   else a plain ``"Question: ...\\nAnswer:"`` template; ``build_messages`` gives the conversational form.
 
@@ -29,6 +31,7 @@ import os
 from pathlib import Path
 from typing import Any, Iterable
 
+from .finite import short
 from .rewards import parse_number
 
 __all__ = [
@@ -51,10 +54,25 @@ class DataError(ValueError):
     """A data file or row that cannot be used; the message starts with where (``file:line``)."""
 
 
+class _DuplicateKey(Exception):
+    """Raised by ``_unique_keys`` while a line is parsed; ``read_jsonl`` turns it into a DataError."""
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict:
+    """``json.loads``'s object hook: a key twice in one object (``{"answer": 2, "answer": 7}``) is an
+    error, not "the last one wins" (which would silently pick a gold answer)."""
+    out: dict = {}
+    for key, value in pairs:
+        if key in out:
+            raise _DuplicateKey(key)
+        out[key] = value
+    return out
+
+
 def read_jsonl(path: str | os.PathLike) -> list[tuple[int, Any]]:
     """(1-based line number, parsed JSON) for every non-blank line. Whatever makes a line unreadable
-    (not UTF-8, invalid JSON, nesting too deep for the parser, an integer too long to convert) is a
-    ValueError naming file:line."""
+    (not UTF-8, invalid JSON, nesting too deep for the parser, an integer too long to convert, a key
+    twice in one object) is a ValueError naming file:line."""
     out = []
     with open(path, "rb") as f:
         for lineno, raw in enumerate(f, start=1):
@@ -66,7 +84,10 @@ def read_jsonl(path: str | os.PathLike) -> list[tuple[int, Any]]:
             if not line.strip():
                 continue
             try:
-                out.append((lineno, json.loads(line)))
+                out.append((lineno, json.loads(line, object_pairs_hook=_unique_keys)))
+            except _DuplicateKey as e:
+                raise DataError(f"{path}:{lineno}: the key {short(e.args[0])} appears twice in one JSON object; "
+                                 "keep one (JSON readers disagree on which wins)") from None
             except json.JSONDecodeError as e:
                 raise DataError(f"{path}:{lineno}: invalid JSON ({e.msg})") from None
             except RecursionError:
@@ -108,6 +129,16 @@ def _field(row: Any, key: str, where: str) -> str:
     return value
 
 
+def _check_derived(row: dict, where: str, **derived: str) -> None:
+    """The columns the loader derives (``prompt``, GSM8K's ``solution``) must not overwrite a column
+    of that name the file already has with another value (it would silently never reach the reward
+    functions): a DataError naming the row and the column instead."""
+    for key, value in derived.items():
+        if key in row and row[key] != value:
+            raise DataError(f"{where}: the file's own column {key!r} ({short(row[key])}) clashes with the "
+                            f"{key!r} the loader derives from it ({short(value)}); rename that column")
+
+
 def _gsm8k_row(row: Any, where: str) -> dict[str, Any]:
     question = _field(row, "question", where)
     solution = _field(row, "answer", where)
@@ -118,6 +149,7 @@ def _gsm8k_row(row: Any, where: str) -> dict[str, Any]:
         raise DataError(f"{where}: empty answer after '####'")
     if parse_number(final) is None:
         raise DataError(f"{where}: answer after '####' is not a number: {final!r}")
+    _check_derived(row, where, prompt=question, solution=solution)
     out = {k: v for k, v in row.items() if k != "answer"}
     out.update(prompt=question, answer=final.replace(",", ""), solution=solution)
     return out
@@ -126,6 +158,7 @@ def _gsm8k_row(row: Any, where: str) -> dict[str, Any]:
 def _math500_row(row: Any, where: str) -> dict[str, Any]:
     problem = _field(row, "problem", where)
     answer = _field(row, "answer", where)
+    _check_derived(row, where, prompt=problem)
     return {**row, "prompt": problem, "answer": answer}
 
 

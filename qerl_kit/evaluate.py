@@ -11,6 +11,9 @@ table in a notebook.
   base model; ``tests/test_evaluate.py`` pins that an adapter changes the result.)
 * Correct means ``reward >= 1.0``; ``None`` ("not applicable") counts as incorrect. pass@1 of a
   problem is its fraction of correct samples; ``accuracy`` is the mean over problems.
+* The reward function is called and checked as in training (``qerl_kit.scoring.reward_scores``):
+  a dict, None, strings, NaN, inf or the wrong number of scores is an error naming the function,
+  and an exception it raises comes back as a ``RewardError`` naming it.
 * Greedy (``temperature=0``) samples once per problem: the samples would all be the same.
 * The reward function gets TRL's keyword arguments: ``prompts`` (the rows' ``prompt`` column),
   ``completions`` (texts), ``completion_ids`` (lists of ids, stop token included) and every other
@@ -33,6 +36,7 @@ from typing import Any, Callable, Iterable
 
 from qerl_kit.rollout.base import RolloutEngine, engine_sync
 from qerl_kit.rollout.types import Prompts, SamplingParams
+from qerl_kit.scoring import reward_scores
 from qerl_kit.table import html_table, text_table
 
 __all__ = ["evaluate", "EvalResult", "CORRECT_THRESHOLD"]
@@ -188,11 +192,10 @@ def evaluate(model: Any, tokenizer: Any, dataset: Iterable[dict], reward_fn: Cal
             out = engine.generate(prompts, samples, sampling)
         repeated = [r for r in chunk for _ in range(samples)]
         ids = out.completion_id_lists()
-        scores = reward_fn(prompts=[r["prompt"] for r in repeated], completions=list(out.texts),
-                           completion_ids=ids, **{k: [r.get(k) for r in repeated] for k in columns})
-        scores = list(scores)
-        if len(scores) != len(repeated):
-            raise ValueError(f"reward_fn returned {len(scores)} scores for {len(repeated)} completions")
+        # the Trainer's one call-and-check: a dict, None, strings, NaN, inf or a raise names the function
+        kwargs = dict(prompts=[r["prompt"] for r in repeated], completions=list(out.texts), completion_ids=ids,
+                      **{k: [r.get(k) for r in repeated] for k in columns})
+        scores = reward_scores(reward_fn, kwargs, len(repeated))
         lengths = out.completion_lengths.tolist()
         for j, row in enumerate(chunk):
             s = slice(j * samples, (j + 1) * samples)

@@ -16,11 +16,16 @@ a quantized model use ``load_lora(model, path)``. It reads the files through the
 that resume uses (``qerl_kit.checkpoint.load_adapter_weights``), not ``PeftModel.from_pretrained``
 (which falls back to the Hub for a missing file and silently leaves missing tensors at their
 initial values): a missing directory or file, a truncated file, missing, extra or misshaped
-tensors, or NaN/inf values are a ``CheckpointError`` naming the path (and the tensor).
+tensors, integer or NaN/inf tensors are a ``CheckpointError`` naming the path (and the tensor).
+``adapter_config.json`` is checked too (``check_adapter_config``): r, lora_alpha and lora_dropout by the
+rules ``attach_lora`` applies to its arguments (``check_lora_args``: the config's ``model.lora_r`` and
+``model.lora_alpha`` rules, dropout in [0, 1)), and a peft feature the quantized layers lack (DoRA,
+LoRA biases, ...) is refused naming the key, before any model is wrapped.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Sequence
 
@@ -29,7 +34,7 @@ from peft import LoraConfig, PeftModel, get_peft_model
 from peft.tuners.lora.layer import Linear as PeftLoraLinear
 from peft.tuners.tuners_utils import BaseTunerLayer
 
-from qerl_kit.config_types import check_names, check_seed
+from qerl_kit.config_types import ConfigError, _Rule, check_names, check_rule, check_seed, short_repr
 from qerl_kit.linear import LINEAR_CLASSES, QuantLinear
 
 ALL_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -56,11 +61,33 @@ def register_quant_layers(config: LoraConfig) -> LoraConfig:
     return config
 
 
+# LoRA dropout: a share of the adapter's inputs zeroed in training; 1 would zero them all.
+DROPOUT_RULE = _Rule(ge=0, lt=1, why="the share of the adapter's inputs dropped in training; 1 drops them all")
+
+
+def _model_rule(name: str) -> _Rule:
+    """The rule of ``config.ModelConfig``'s field ``name`` (lora_r, lora_alpha): one rule for the config,
+    ``attach_lora`` and a saved adapter's ``adapter_config.json``."""
+    from dataclasses import fields
+
+    from qerl_kit.config import ModelConfig
+
+    return next(f.metadata["rule"] for f in fields(ModelConfig) if f.name == name)
+
+
+def check_lora_args(r, alpha, dropout, names=("r", "alpha", "dropout")) -> tuple[int, float | None, float]:
+    """``r`` an int >= 1 (not a bool), ``alpha`` None (= r) or a finite float > 0 (the config's
+    ``model.lora_r`` / ``model.lora_alpha`` rules), ``dropout`` in [0, 1); a ``ConfigError`` naming
+    the argument (``names``) otherwise. Returns them coerced."""
+    r = check_rule(names[0], r, int, _model_rule("lora_r"))
+    alpha = None if alpha is None else check_rule(names[1], alpha, float, _model_rule("lora_alpha"))
+    return r, alpha, check_rule(names[2], dropout, float, DROPOUT_RULE)
+
+
 def lora_config(r: int = 32, alpha: float | None = None, targets: Sequence[str] = ALL_PROJECTIONS,
                 dropout: float = 0.0, train_norms: bool = False) -> LoraConfig:
     """A peft LoraConfig for a quantized causal LM (alpha defaults to r, i.e. a scale of 1)."""
-    if r < 1:
-        raise ValueError(f"LoRA rank r must be at least 1; got {r}")
+    r, alpha, dropout = check_lora_args(r, alpha, dropout)
     return register_quant_layers(LoraConfig(
         r=r, lora_alpha=r if alpha is None else alpha, target_modules=list(targets),
         lora_dropout=dropout, bias="none", task_type="CAUSAL_LM",
@@ -91,8 +118,13 @@ def attach_lora(model: torch.nn.Module, r: int = 32, alpha: float | None = None,
 
     ``targets``: the layers to adapt (default ``ALL_PROJECTIONS``, those the model has); names given
     must each match a linear layer (``check_targets``). ``dtype`` is the adapters' dtype (default: the
-    base's compute dtype, bf16 for a bf16 model). ``seed`` makes the A-matrix initialisation reproducible.
+    base's compute dtype, bf16 for a bf16 model), a floating dtype. ``seed`` makes the A-matrix
+    initialisation reproducible. ``r``, ``alpha`` and ``dropout`` obey the config's rules (``check_lora_args``).
     """
+    r, alpha, dropout = check_lora_args(r, alpha, dropout)
+    if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+        raise ConfigError(f"dtype must be a floating torch dtype (torch.bfloat16, torch.float16, torch.float32) or "
+                          f"None (the base's compute dtype); got {short_repr(dtype)}", "dtype", dtype, "a float dtype")
     targets = ALL_PROJECTIONS if targets is None else check_targets(model, targets)
     if seed is not None:
         torch.manual_seed(check_seed("seed", seed))
@@ -117,10 +149,52 @@ def lora_config_for(path: str) -> LoraConfig:
     if not config.is_file():
         raise CheckpointError(f"{config} is missing: {path} is not a peft adapter directory")
     try:
-        return register_quant_layers(LoraConfig.from_pretrained(str(root)))
+        loaded = LoraConfig.from_pretrained(str(root))
     except Exception as err:  # noqa: BLE001 - bad JSON, unknown keys: peft raises several types
         raise CheckpointError(f"{config} cannot be read as a LoRA config ({type(err).__name__}: "
                               f"{str(err)[:200]})") from err
+    try:
+        check_adapter_config(loaded)
+    except ConfigError as err:
+        raise CheckpointError(f"{config}: {err}") from None
+    return register_quant_layers(loaded)
+
+
+# adapter_config.json keys whose value may differ from peft's default: the ones a plain LoRA adapter on
+# qerl_kit's layers uses (init-time settings and bookkeeping included). Any other key (use_dora, bias,
+# lora_bias, fan_in_fan_out, layer_replication, ...) changes the adapter's layers or forward in ways
+# QuantLoraLinear does not implement, so it must keep peft's default value.
+ADAPTER_KEYS = frozenset({
+    "r", "lora_alpha", "lora_dropout", "target_modules", "modules_to_save", "use_rslora", "rank_pattern",
+    "alpha_pattern", "layers_to_transform", "layers_pattern", "exclude_modules", "init_lora_weights",
+    "inference_mode", "base_model_name_or_path", "revision", "peft_version", "task_type", "auto_mapping",
+    "megatron_core", "qalora_group_size", "ensure_weight_tying"})
+_WHY = {"use_dora": "DoRA is not supported on NVFP4 (4-bit) layers: it needs each layer's dense weight, "
+                    "which a quantized layer does not hold"}
+
+
+def check_adapter_config(config: LoraConfig) -> None:
+    """A saved adapter's config with the rules of ``attach_lora``'s arguments (r, lora_alpha, lora_dropout,
+    and every rank_pattern / alpha_pattern value), a LoRA of a causal LM, and no peft feature qerl_kit's
+    quantized layers lack (``ADAPTER_KEYS``); a ``ConfigError`` naming the key otherwise."""
+    check_lora_args(config.r, config.lora_alpha, config.lora_dropout, ("r", "lora_alpha", "lora_dropout"))
+    for key, value in (config.rank_pattern or {}).items():
+        check_rule(f"rank_pattern[{key!r}]", value, int, _model_rule("lora_r"))
+    for key, value in (config.alpha_pattern or {}).items():
+        check_rule(f"alpha_pattern[{key!r}]", value, float, _model_rule("lora_alpha"))
+    if str(config.peft_type).rsplit(".", 1)[-1] != "LORA" or config.task_type not in (None, "CAUSAL_LM"):
+        raise ConfigError(f"peft_type / task_type must be LORA / CAUSAL_LM (a LoRA adapter of a causal LM); got "
+                          f"{short_repr(str(config.peft_type))} / {short_repr(config.task_type)}", "task_type")
+    if config.init_lora_weights not in (True, False, "gaussian"):  # pissa, olora, loftq... change the base weights
+        raise ConfigError(f"init_lora_weights must be true, false or 'gaussian' (other initialisations change the "
+                          f"frozen base weights); got {short_repr(config.init_lora_weights)}", "init_lora_weights")
+    default = LoraConfig()
+    for f in dataclasses.fields(config):
+        value = getattr(config, f.name)
+        if f.name not in ADAPTER_KEYS and f.name not in ("peft_type",) and value != getattr(default, f.name):
+            why = _WHY.get(f.name, "qerl_kit's LoRA layers over quantized weights do not implement it")
+            raise ConfigError(f"{f.name}: {short_repr(value)} is not supported ({why}); a qerl_kit adapter keeps "
+                              f"{f.name}: {short_repr(getattr(default, f.name))}", f.name, value)
 
 
 def load_lora(model: torch.nn.Module, path: str, is_trainable: bool = False) -> PeftModel:

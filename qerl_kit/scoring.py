@@ -1,30 +1,61 @@
 """Scoring completions with a task's reward functions, TRL's way, with errors that name the function.
 
-``score_rollouts(task, rows, rollouts, group_size)`` calls every reward function with TRL's
-keyword arguments (``prompts``, ``completions``, ``completion_ids`` and each other dataset column
-as a list aligned with the completions), checks what each returns (one float or None per
-completion), combines them (``grpo.combine_rewards``) and says which completions are correct
-(the task's accuracy reward >= 1).
+``reward_scores(fn, kwargs, n)`` is the one way a reward function is called, in training and in
+evaluation (``qerl_kit.evaluate``, so ``Trainer.evaluate`` and ``qerl eval`` too): ``fn(**kwargs)``
+with TRL's keyword arguments, an exception it raises re-raised as a ``RewardError`` naming it (the
+original chained as the cause), and what it returns checked by ``checked_scores``: a sequence of
+exactly ``n`` scores, each a finite number or None ("not applicable"). A dict, a set, a string,
+None, NaN, inf or a wrong count is an error naming the function, never a score.
+
+``score_rollouts(task, rows, rollouts, group_size)`` calls every reward function that way with
+TRL's keyword arguments (``prompts``, ``completions``, ``completion_ids`` and each other dataset
+column as a list aligned with the completions), combines them (``grpo.combine_rewards``) and says
+which completions are correct (the task's accuracy reward >= 1).
 """
 
 from __future__ import annotations
+
+from collections.abc import Mapping, Set
 
 import torch
 
 from qerl_kit import grpo
 from qerl_kit.finite import finite_score, short
 
-__all__ = ["checked_scores", "score_rollouts"]
+__all__ = ["RewardError", "checked_scores", "reward_scores", "score_rollouts"]
+
+
+class RewardError(RuntimeError):
+    """A reward function raised; the message names it, the original exception is the ``__cause__``."""
+
+
+def _name(fn) -> str:
+    return getattr(fn, "__name__", type(fn).__name__)
+
+
+def reward_scores(fn, kwargs: dict, n: int) -> list:
+    """``fn(**kwargs)``'s ``n`` checked scores; an exception of ``fn`` becomes a ``RewardError``
+    naming it and the first completion it was scoring."""
+    try:
+        scores = fn(**kwargs)
+    except Exception as err:
+        first = (kwargs.get("completions") or [None])[0]
+        raise RewardError(f"reward function {_name(fn)!r} raised {short(err)} on a batch of {n} completions "
+                          f"(the first: {short(first)})") from err
+    return checked_scores(fn, scores, n)
 
 
 def checked_scores(fn, scores, n: int) -> list:
     """A reward function's scores, one per completion, or an error that names the function."""
-    name = getattr(fn, "__name__", type(fn).__name__)
+    name = _name(fn)
     if scores is None:
         raise TypeError(f"reward function {name!r} returned None; it must return one score (a float, or None "
                         f"for 'not applicable') per completion: a list of {n}")
     if isinstance(scores, torch.Tensor):
         scores = scores.tolist()
+    if isinstance(scores, (str, bytes, Mapping, Set)):  # iterable, but their items are no scores in order
+        raise TypeError(f"reward function {name!r} returned a {type(scores).__name__} ({short(scores)}), not a "
+                        f"list of {n} scores (a float, or None for 'not applicable', per completion, in order)")
     try:
         scores = list(scores)
     except TypeError:
@@ -50,7 +81,7 @@ def score_rollouts(task, rows: list[dict], rollouts, group_size: int) -> tuple[t
     n = len(rollouts.texts)
     per_fn, metrics = [], {}
     for fn in task.rewards:
-        scores = checked_scores(fn, fn(**kwargs), n)
+        scores = reward_scores(fn, kwargs, n)
         per_fn.append(scores)
         vals = torch.tensor([float("nan") if s is None else float(s) for s in scores])
         name = getattr(fn, "__name__", type(fn).__name__)
@@ -58,6 +89,6 @@ def score_rollouts(task, rows: list[dict], rollouts, group_size: int) -> tuple[t
         metrics[f"rewards/{name}/std"] = vals[~vals.isnan()].std().item() if (~vals.isnan()).sum() > 1 else 0.0
     rewards = grpo.combine_rewards(per_fn, names=[getattr(fn, "__name__", type(fn).__name__) for fn in task.rewards])
     acc = task.accuracy
-    acc_scores = per_fn[task.rewards.index(acc)] if acc in task.rewards else checked_scores(acc, acc(**kwargs), n)
+    acc_scores = per_fn[task.rewards.index(acc)] if acc in task.rewards else reward_scores(acc, kwargs, n)
     correct = torch.tensor([1.0 if (s is not None and s >= 1.0) else 0.0 for s in acc_scores])
     return rewards, metrics, correct

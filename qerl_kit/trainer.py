@@ -43,7 +43,7 @@ import torch
 
 from qerl_kit import checkpoint as ckpt
 from qerl_kit import distributed
-from qerl_kit import divergence, finite, grpo, runs
+from qerl_kit import divergence, finite, grpo, runs, trainer_state
 from qerl_kit.aqn import AQN
 from qerl_kit.config import TrainConfig, check_lr, check_steps, upgrade_dict
 from qerl_kit.logprobs import batched_logprobs, completion_logprobs
@@ -82,7 +82,7 @@ class Trainer:
         if not isinstance(config, TrainConfig):
             raise TypeError(f"config must be a qerl_kit.config.TrainConfig; got {type(config).__name__}")
         if not task.train:
-            raise ValueError(f"task {task.name!r} has no training rows")
+            raise ValueError(f"task {task.name!r} has no training rows{(task.info or {}).get('no_train', '')}")
         trainable = [p for p in model.parameters() if p.requires_grad]
         if not trainable:
             raise ValueError("the model has no trainable parameters; attach LoRA first "
@@ -456,12 +456,8 @@ class Trainer:
                 f"{path} was saved with another config ({shown}); resuming would not continue that run exactly. "
                 "Resume with the saved config (its config.yaml), start a new run (qerl train --fresh), or accept "
                 "the change: Trainer.resume(allow_config_change=True) / qerl train --allow-config-change")
-        ckpt.load_adapter_weights(self.model, path)
-        self.optimizer.load_state_dict(state["optimizer"])
-        self.scheduler.load_state_dict(state["scheduler"])
-        ckpt.set_rng_state(state["rng"])
-        if self.aqn is not None and state["aqn"] is not None:
-            self.aqn.load_state_dict(state["aqn"])
+        # optimizer, scheduler, RNG, AQN and adapter, all or nothing; a failure names the file and key
+        trainer_state.restore(state, path, self.model, self.optimizer, self.scheduler, self.aqn, self.config.total_steps)
         self.step = int(state["step"])
         self.history = json.loads(state["history"])
         self.run_id = state.get("run_id") or (runs.read_run(path) or {}).get("run_id") or self.run_id

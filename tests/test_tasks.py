@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from qerl_kit.config import DataConfig, ModelConfig, from_dict, preset
-from qerl_kit.data import GSM8K_SUFFIX, build_prompt
+from qerl_kit.data import GSM8K_SUFFIX, build_prompt, load_gsm8k
 from qerl_kit.rewards import gsm8k_reward
 from qerl_kit.tasks import TASKS, Task, arith_prompt, make_task, register_task
 from tests.test_rollout import make_tokenizer
@@ -80,7 +80,8 @@ def test_demo_train_and_eval_prompt_the_tiny_model_the_same_way(monkeypatch, tmp
 @pytest.mark.skipif(not (DATA / "gsm8k_test.jsonl").is_file(), reason=f"shared data {DATA} not found")
 def test_a_jsonl_task_uses_gsm8k_prompts_and_its_first_rows_as_eval():
     task = make_task(DataConfig(dataset=str(DATA / "gsm8k_test.jsonl"), eval_size=5))
-    assert task.name == "gsm8k_test" and len(task.eval) == 5 and task.eval == task.train[:5]
+    everything = load_gsm8k(DATA / "gsm8k_test.jsonl")
+    assert task.name == "gsm8k_test" and task.eval == everything[:5] and task.train == everything[5:]  # never trained on
     assert task.eval[0]["prompt"].startswith("Janet")  # the file's first problem
     assert task.prompt(None, task.eval[0]).endswith("\nAnswer:") and GSM8K_SUFFIX in task.prompt(None, task.eval[0])
     with pytest.raises(FileNotFoundError, match="no such file"):

@@ -11,12 +11,19 @@
   ``countdown_reward`` plus a small ``format_reward``;
 * ``gsm8k``: GSM8K's train and test splits, read from ``gsm8k_train.jsonl`` / ``gsm8k_test.jsonl``
   in the data folder (``qerl_kit.data.find_data_file``: ``$QERL_DATA``, ``./data``,
-  ``../shared/data``; never the hub), the first ``eval_size`` test rows held out, ``gsm8k_reward``,
-  512 new tokens;
-* ``math500``: MATH-500 from ``math500_test.jsonl`` (train = eval, for quick checks),
-  ``math_reward``, MATH's ``\\boxed{}`` instruction (``math_prompt``), 1024 new tokens;
-* and a path to a GSM8K-style ``.jsonl`` file (held-out rows: ``data.eval_dataset``'s or the
-  file's first ``eval_size`` rows).
+  ``../shared/data``; never the hub), the first ``train_size`` train rows, the first ``eval_size``
+  test rows held out, ``gsm8k_reward``, 512 new tokens;
+* ``math500``: MATH-500 from ``math500_test.jsonl`` (train = its first ``train_size`` rows, eval =
+  its first ``eval_size``: they overlap, for quick checks), ``math_reward``, MATH's ``\\boxed{}``
+  instruction (``math_prompt``), 1024 new tokens;
+* and a path to a GSM8K-style ``.jsonl`` file: held out are ``data.eval_dataset``'s first
+  ``eval_size`` rows, or else the file's own first ``eval_size`` rows, which are then **not
+  trained on** (training takes the rows after them; all of them held out leaves none to train on,
+  which ``qerl eval`` is fine with and the Trainer refuses); training takes at most ``train_size``
+  rows.
+
+``data.eval_dataset`` is for a ``.jsonl`` dataset only (``DataConfig`` refuses it with a task by name,
+which holds out its own split); a file that is not there is an error naming the key and the path.
 
 Prompts: the model's chat template with no system message of ours (so the template's own
 default applies: Qwen2.5's "You are Qwen, created by Alibaba Cloud. You are a helpful
@@ -74,7 +81,8 @@ def _gsm8k(cfg, seed: int) -> Task:
     from qerl_kit.data import find_data_file, load_gsm8k
 
     files = {split: find_data_file("gsm8k", split) for split in ("train", "test")}  # both, before reading either
-    return Task("gsm8k", load_gsm8k(files["train"]), load_gsm8k(files["test"], limit=cfg.eval_size),
+    return Task("gsm8k", load_gsm8k(files["train"], limit=cfg.train_size),
+                load_gsm8k(files["test"], limit=cfg.eval_size),
                 (rewards.gsm8k_reward,), chat_prompt, max_new_tokens=512,
                 info={split: str(f) for split, f in files.items()})
 
@@ -85,7 +93,8 @@ def _math500(cfg, seed: int) -> Task:
 
     path = find_data_file("math500", "test")
     rows = load_math500(path)
-    return Task("math500", rows, rows[:cfg.eval_size], (rewards.math_reward,), math_prompt, max_new_tokens=1024,
+    return Task("math500", rows[:cfg.train_size], rows[:cfg.eval_size], (rewards.math_reward,), math_prompt,
+                max_new_tokens=1024,
                 info={"test": str(path)})
 
 
@@ -94,12 +103,20 @@ def _jsonl(cfg, seed: int) -> Task:
     from qerl_kit.data import load_gsm8k
 
     path = Path(cfg.dataset)
-    if not path.exists():
-        raise FileNotFoundError(f"data.dataset {cfg.dataset!r}: no such file")
-    train = load_gsm8k(str(path))
-    evals = load_gsm8k(cfg.eval_dataset, limit=cfg.eval_size) if cfg.eval_dataset else train[:cfg.eval_size]
-    return Task(path.stem, train, evals, (rewards.gsm8k_reward,), chat_prompt, max_new_tokens=512,
-                info={"path": str(path)})
+    for key, name in (("data.dataset", cfg.dataset), ("data.eval_dataset", cfg.eval_dataset)):
+        if name is not None and not Path(name).is_file():  # both, before reading either
+            raise FileNotFoundError(f"{key} {name!r}: no such file")
+    rows = load_gsm8k(str(path))
+    if cfg.eval_dataset:
+        evals, train = load_gsm8k(cfg.eval_dataset, limit=cfg.eval_size), rows
+    else:  # held out means never trained on: the first eval_size rows are eval, the rest train
+        evals, train = rows[:cfg.eval_size], rows[cfg.eval_size:]
+    info = {"path": str(path), "eval": cfg.eval_dataset or f"the first {len(evals)} rows of {path}"}
+    if not train:  # fine for `qerl eval`; the Trainer's refusal says why
+        info["no_train"] = (f": data.eval_size {cfg.eval_size} holds out all {len(rows)} rows of {path}; lower it "
+                            "or set data.eval_dataset")
+    return Task(path.stem, train[:cfg.train_size], evals, (rewards.gsm8k_reward,), chat_prompt, max_new_tokens=512,
+                info=info)
 
 
 TASKS: dict[str, Callable[..., Task]] = {"arith": _arith, "countdown": _countdown, "gsm8k": _gsm8k,

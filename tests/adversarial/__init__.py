@@ -10,10 +10,14 @@ its row) and per behaviour the issue names, grouped by the class of check they e
 - ``test_files.py``: checkpoints, adapters, run directories, exports (checked loaders, locks,
   permissions, disk full, interrupted writes);
 - ``test_configs_data.py``: configs, JSON Lines, model sources, the MATH reward's time budget and
-  the widgets' agreement with the trainer;
-- ``test_aqn_widgets_r2.py`` (round 2, rows 27-29, 8, 10 of qa_round2.md): AQN schedule values set
-  after construction, ``AQNPanel.set`` and the dashboard's sigma control checked by AQN's rules, and
-  the causes a non-finite loss or logits list when the weights are finite.
+  the widgets' agreement with the trainer.
+- ``test_data_r2.py`` (round 2, ``test_r2_NN_...`` after the rows of the 2026-12-04 trial): JSON
+  Lines keys, a task's splits and ``data.eval_dataset``, reward checks shared by training and evaluation.
+- ``test_files_r2.py`` (round 2, rows of the 2026-12-04 trial): the values inside ``trainer_state.pt``
+  and ``adapter_config.json`` checked at load, integer adapter tensors, ``attach_lora``'s arguments.
+- ``test_aqn_widgets_r2.py`` (round 2, rows 27-29, 8, 10 of the 2026-12-04 trial): AQN schedule values
+  set after construction, ``AQNPanel.set`` and the dashboard's sigma control checked by AQN's rules,
+  and the causes a non-finite loss or logits list when the weights are finite.
 
 Every test here failed on main before the issue's fixes (fe1b96e).
 """
