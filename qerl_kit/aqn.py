@@ -116,6 +116,10 @@ def _check_probe_forward(model: nn.Module) -> None:
                      f"peft model wrapping one)")
 
 
+# The values that define a schedule: checked together by AQN.checked, at construction and on every change.
+SCHEDULE_FIELDS = ("sigma_start", "sigma_end", "stages", "total_steps", "seed", "resample", "allow_increasing")
+
+
 @dataclass
 class AQN:
     """The AQN schedule and the noise it applies; all state (RNG, clean copies) lives here."""
@@ -135,31 +139,67 @@ class AQN:
     def __post_init__(self):
         # The same rules as the config's aqn section (qerl_kit.config): typed values, finite
         # sigmas > 0, and sigma_end <= sigma_start unless allow_increasing=True.
-        from qerl_kit.config_types import check_aqn_sigmas, check_seed, check_value, short_repr
-
-        self.stages = check_value("stages", self.stages, int)
-        self.total_steps = check_value("total_steps", self.total_steps, int)
-        self.seed = check_seed("seed", self.seed)  # seeds a torch.Generator as it is
-        if self.stages < 3:
-            raise ValueError(f"AQN needs at least 3 stages (a noise-free stage 0 and a decay from "
-                             f"sigma_start to sigma_end over stages 1..K-1); got stages={self.stages}")
-        self.sigma_start, self.sigma_end, self.allow_increasing = check_aqn_sigmas(
-            self.sigma_start, self.sigma_end, self.allow_increasing, prefix="",
-            flag="AQN(..., allow_increasing=True)")
-        if self.total_steps < self.stages:
-            raise ValueError(f"total_steps ({self.total_steps}) must be at least the number of stages ({self.stages})")
-        if self.resample not in ("step", "forward"):
-            raise ValueError(f"resample must be 'step' or 'forward'; got {short_repr(self.resample)}")
+        for key, value in self.checked().items():
+            object.__setattr__(self, key, value)
         self._generator = torch.Generator().manual_seed(self.seed)
+        object.__setattr__(self, "_ready", True)
+
+    # ---- the schedule's values: one set of rules, at construction, on assignment and in update() ----
+    def checked(self, **changes) -> dict:
+        """The schedule's values with ``changes`` applied, coerced and checked as the constructor
+        checks them (a ``ConfigError`` naming the key otherwise); nothing is assigned."""
+        from qerl_kit.config_types import RESAMPLE, ConfigError, check_aqn_sigmas, check_seed, check_value, short_repr
+
+        unknown = [k for k in changes if k not in SCHEDULE_FIELDS]
+        if unknown:
+            raise ConfigError(f"AQN has no schedule value {', '.join(short_repr(k, 60) for k in unknown[:5])}; the "
+                              f"values are: {', '.join(SCHEDULE_FIELDS)}", unknown[0], changes[unknown[0]], None)
+        v = {key: changes.get(key, getattr(self, key)) for key in SCHEDULE_FIELDS}
+        v["stages"] = check_value("stages", v["stages"], int, ge=3, why="a noise-free stage 0 and a decay from "
+                                  "sigma_start to sigma_end over stages 1..K-1")
+        v["total_steps"] = check_value("total_steps", v["total_steps"], int, ge=1, why="the run's length, which the "
+                                       "stages split evenly")
+        if v["total_steps"] < v["stages"]:  # name the value that was changed (the total, when both were)
+            key = "stages" if "stages" in changes and "total_steps" not in changes else "total_steps"
+            allowed = (f"<= total_steps = {v['total_steps']}" if key == "stages"
+                       else f">= stages = {v['stages']}")
+            raise ConfigError(f"{key} must be {allowed} (every stage needs at least one step); got "
+                              f"{v[key]}", key, v[key], allowed)
+        v["seed"] = check_seed("seed", v["seed"])  # seeds a torch.Generator as it is
+        v["resample"] = check_value("resample", v["resample"], str, choices=RESAMPLE,
+                                    why="step: fresh noise at every apply(); forward: at every forward call")
+        v["sigma_start"], v["sigma_end"], v["allow_increasing"] = check_aqn_sigmas(
+            v["sigma_start"], v["sigma_end"], v["allow_increasing"], prefix="", flag="AQN(..., allow_increasing=True)")
+        return v
+
+    def update(self, **changes) -> None:
+        """Change several schedule values at once (e.g. both sigmas, or stages and total_steps): all
+        are checked together first, so a refused change leaves the AQN as it was. A new ``seed``
+        restarts the noise stream from that seed, as the constructor does."""
+        values = self.checked(**changes)
+        for key in SCHEDULE_FIELDS:
+            object.__setattr__(self, key, values[key])
+        if "seed" in changes:
+            self._generator.manual_seed(self.seed)
 
     def __setattr__(self, name, value):
-        # a sigma set after construction (a widget's slider, trainer.aqn.sigma_start = ...) obeys the
-        # same range as the constructor's (config_types.check_sigma); the order start >= end is
-        # checked where a whole schedule is set (__post_init__, AQNPanel.set)
-        if name in ("sigma_start", "sigma_end"):
-            from qerl_kit.config_types import check_sigma
+        # a schedule value set after construction (a widget's slider, trainer.aqn.sigma_start = ...) obeys
+        # the constructor's rules, against the other values as they are now: stages >= 3 and <= total_steps,
+        # a known resample mode, sigma_end <= sigma_start unless allow_increasing... (never a
+        # ZeroDivisionError at the next sigma(step)). During __init__ the values are checked all together
+        # in __post_init__.
+        if name in SCHEDULE_FIELDS and getattr(self, "_ready", False):
+            from qerl_kit.config_types import ConfigError
 
-            value = check_sigma(name, value)
+            try:
+                self.update(**{name: value})
+            except ConfigError as err:
+                if name not in ("sigma_start", "sigma_end") or not str(err.allowed).startswith("<= sigma_start"):
+                    raise
+                # one sigma assigned against the other's current value: say how to change both at once
+                raise ConfigError(f"{err}; to change both sigmas at once, use aqn.update(sigma_start=..., "
+                                  "sigma_end=...)", err.key, err.value, err.allowed) from None
+            return
         super().__setattr__(name, value)
 
     # ---- the schedule (pure) -------------------------------------------------------------
@@ -261,6 +301,5 @@ class AQN:
                 "generator": self._generator.get_state()}
 
     def load_state_dict(self, state: dict) -> None:
-        for key, value in state["config"].items():
-            setattr(self, key, value)
+        self.update(**state["config"])  # checked together, as the constructor checks them
         self._generator.set_state(state["generator"])

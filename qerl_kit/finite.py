@@ -9,9 +9,12 @@ gradient turns the adapter into NaN for good. Every entry point checks with the 
   names the first non-finite tensor and where it came from.
 * ``check_logprobs`` / ``logits_error``: after a rollout, and when sampling itself fails, the
   policy's logits at the first non-finite decode step, with the weights' state (the first
-  non-finite parameter, or the largest |w|) instead of torch's "probability tensor contains
-  either inf, nan or element < 0".
-* ``check_loss`` and ``GradGuard``: the trainer's loss (an error naming the step) and gradient
+  non-finite parameter, or the largest |w|, where, and the LoRA scale lora_alpha / r) instead of
+  torch's "probability tensor contains either inf, nan or element < 0". With finite weights the
+  message lists the likely causes and asserts none (a huge lora_alpha overflows as surely as a
+  diverged adapter).
+* ``check_loss`` and ``GradGuard``: the trainer's loss (an error naming the step and the non-finite
+  input, or, when every input is finite, the likely causes of the overflow) and gradient
   norm (a step with a non-finite gradient is skipped with a warning naming the first such
   parameter, as verl does; ``GradGuard.max_in_a_row`` such updates in a row are an error).
 
@@ -27,7 +30,7 @@ from typing import Iterable
 
 import torch
 
-__all__ = ["NonFiniteError", "first_nonfinite", "check_weights", "weights_state", "logits_error",
+__all__ = ["NonFiniteError", "first_nonfinite", "check_weights", "weights_state", "lora_scale", "logits_error", "LOSS_INPUTS",
            "check_logprobs", "check_loss", "GradGuard", "finite_score", "short"]
 
 _CHUNK = 1 << 24  # elements per isfinite pass: bounds the temporary bool tensor on a large embedding
@@ -83,8 +86,29 @@ def check_weights(model: torch.nn.Module, source, what: str = "model", trainable
                              f"{then}")
 
 
+def lora_scale(model: torch.nn.Module) -> float | None:
+    """The largest LoRA scale (lora_alpha / r) of a peft model's LoRA layers, or None without any."""
+    scales = [abs(float(v)) for m in model.modules()
+              if isinstance(getattr(m, "scaling", None), dict) and hasattr(m, "lora_A") for v in m.scaling.values()]
+    if not scales:
+        return None
+    return next((v for v in scales if not math.isfinite(v)), max(scales))  # a NaN scale first
+
+
+_FLOAT32_MAX = float(torch.finfo(torch.float32).max)
+
+
+def _scale_text(model: torch.nn.Module) -> str:
+    scale = lora_scale(model)
+    if scale is None:
+        return ""
+    text = f"; the LoRA scale lora_alpha / r is {scale:.3g}"
+    return text + (" (beyond float32's range: it overflows by itself)" if not scale <= _FLOAT32_MAX else "")
+
+
 def weights_state(model: torch.nn.Module) -> str:
-    """The weights' state for a diagnosis: the first non-finite parameter, else the largest |w|."""
+    """The weights' state for a diagnosis: the first non-finite parameter, else the largest |w| and
+    where (and the LoRA scale lora_alpha / r of a peft model)."""
     named = list(model.named_parameters())
     bad = first_nonfinite(named)
     if bad is not None:
@@ -95,16 +119,26 @@ def weights_state(model: torch.nn.Module) -> str:
             m = float(p.detach().abs().max())
             if m > top:
                 top_name, top = name, m
-    return f"every parameter is finite; the largest is max |w| = {top:.3g} in {top_name!r}"
+    return f"every parameter is finite; the largest is max |w| = {top:.3g} in {top_name!r}{_scale_text(model)}"
+
+
+def _weights_finite(model: torch.nn.Module) -> bool:
+    return first_nonfinite(model.named_parameters()) is None
 
 
 def logits_error(model: torch.nn.Module, step: int | None) -> NonFiniteError:
-    """The error for non-finite logits at decode ``step`` (0 = the first new token)."""
+    """The error for non-finite logits at decode ``step`` (0 = the first new token). With a non-finite
+    weight, that weight is the cause; with finite weights the likely causes are listed, none asserted."""
     where = "" if step is None else f" at decode step {step}"
+    if _weights_finite(model):
+        why = ("Likely causes (none certain): an adapter scale (model.lora_alpha / r) or adapter/base weights "
+               "large enough to overflow the forward pass, e.g. an adapter diverged under too high an optim.lr, "
+               "or a checkpoint with extreme values")
+    else:
+        why = ("Check the adapter/base weights: an adapter diverged (lower optim.lr), or a corrupt checkpoint")
     return NonFiniteError(
         f"the policy's logits are non-finite (nan/inf){where}, so no token can be sampled; {weights_state(model)}. "
-        "Check the adapter/base weights: a learning rate too high for the run (the adapter diverged), or a "
-        "corrupt checkpoint")
+        + why)
 
 
 def check_logprobs(logprobs: torch.Tensor, mask: torch.Tensor, model: torch.nn.Module | None) -> None:
@@ -119,13 +153,38 @@ def check_logprobs(logprobs: torch.Tensor, mask: torch.Tensor, model: torch.nn.M
         raise logits_error(model, step)
 
 
-def check_loss(value: float, step: int, rows: slice) -> float:
-    """``value``, or an error for a non-finite loss (called before backward: nothing is updated)."""
-    if not math.isfinite(value):
-        raise NonFiniteError(
-            f"step {step}: the loss of micro-batch rows {rows.start}:{rows.stop} is {value}; the policy's log-probs "
-            "or the advantages are not finite (the adapter diverged: lower optim.lr); nothing was updated")
-    return value
+# What the trainer's loss is computed from, in the order ``check_loss``'s ``inputs`` gives them.
+LOSS_INPUTS = ("log-probs", "old log-probs", "advantages", "reference log-probs", "importance weights")
+
+
+def check_loss(value: float, step: int, rows: slice, inputs=None, beta: float | None = None,
+               model: torch.nn.Module | None = None) -> float:
+    """``value``, or an error for a non-finite loss (called before backward: nothing is updated).
+
+    ``inputs``: the micro-batch's tensors the loss was computed from, in ``LOSS_INPUTS`` order (None
+    for one not used); a non-finite one is named. When all are finite the loss itself overflowed and
+    the likely causes are listed, none asserted (``beta``: the KL weight; ``model``: its largest
+    weight and LoRA scale)."""
+    if math.isfinite(value):
+        return value
+    head = f"step {step}: the loss of micro-batch rows {rows.start}:{rows.stop} is {value}"
+    state = f"; {weights_state(model)}" if model is not None else ""
+    if inputs is None:
+        raise NonFiniteError(f"{head}: its inputs (the policy's log-probs, the advantages) or the loss computation "
+                             f"are not finite{state}; nothing was updated")
+    named = [(name, t) for name, t in zip(LOSS_INPUTS, inputs) if t is not None]
+    bad = first_nonfinite(named)
+    if bad is not None:
+        raise NonFiniteError(f"{head}: its input, the {bad[0]}, is not finite ({_count(bad[1])}){state}; "
+                             "nothing was updated")
+    causes = [f"the KL weight loss.beta = {beta:.3g} times the KL"] if beta else []
+    adv = dict(named).get("advantages")
+    if adv is not None and adv.numel():
+        causes.append(f"extreme advantages (max |A| = {float(adv.detach().abs().max()):.3g})")
+    causes.append("log-probs made extreme by the adapter (its scale lora_alpha / r, or weights grown by a high "
+                  "optim.lr)")
+    raise NonFiniteError(f"{head}, from finite inputs ({', '.join(n for n, _ in named)}): the loss computation "
+                         f"overflowed. Likely causes (none certain): {'; '.join(causes)}{state}; nothing was updated")
 
 
 class GradGuard:

@@ -299,7 +299,8 @@ class Trainer:
                                    beta=lc.beta, ref_logp=None if prep.ref_logp is None else prep.ref_logp[sl],
                                    is_weights=None if prep.is_weights is None else prep.is_weights[sl], **normalizer)
                     loss = loss * spec.chunk_weight(logp.shape[0], n * self.dist.world)
-                    loss_sum += finite.check_loss(loss.item(), self.step + 1, sl)  # before backward: nothing updated
+                    inputs = [logp] + [t if t is None else t[sl] for t in (prep.old_logp, prep.adv, prep.ref_logp, prep.is_weights)]
+                    loss_sum += finite.check_loss(loss.item(), self.step + 1, sl, inputs, lc.beta, self.model)  # before backward
                     distributed.backward(loss, self.dist)
             params = [p for p in self.model.parameters() if p.requires_grad]
             grad_norm = torch.nn.utils.clip_grad_norm_(params, self.config.optim.max_grad_norm)
@@ -483,10 +484,9 @@ class Trainer:
                 group["betas"] = tuple(o.betas)
         self.set_lr(o.lr)  # base lr and the schedule (built from this config's total_steps)
         if self.aqn is not None:
-            a = self.config.aqn
-            self.aqn.sigma_start, self.aqn.sigma_end, self.aqn.stages = a.sigma_start, a.sigma_end, a.stages
-            self.aqn.total_steps, self.aqn.resample = self.config.total_steps, a.resample
-            self.aqn.allow_increasing = a.allow_increasing
+            a = self.config.aqn  # all at once: one value at a time may pass through a refused schedule
+            self.aqn.update(sigma_start=a.sigma_start, sigma_end=a.sigma_end, stages=a.stages, resample=a.resample,
+                            total_steps=self.config.total_steps, allow_increasing=a.allow_increasing)
         line = {"step": self.step, "checkpoint": str(path), "changes": {k: list(v) for k, v in changes.items()}}
         warnings.warn(f"resumed {path} with a changed config: {line['changes']}", stacklevel=3)
         if self.dist.main:

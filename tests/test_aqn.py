@@ -42,8 +42,8 @@ def test_schedule_uneven_split_and_three_stages():
 
 
 @pytest.mark.parametrize("kwargs, match", [
-    (dict(stages=2), "at least 3 stages"), (dict(sigma_start=0.0), "positive"),
-    (dict(total_steps=5), "at least the number of stages"), (dict(resample="batch"), "resample"),
+    (dict(stages=2), r"stages must be an int >= 3"), (dict(sigma_start=0.0), "positive"),
+    (dict(total_steps=5), r"total_steps must be >= stages = 10"), (dict(resample="batch"), "resample must be one of"),
 ])
 def test_bad_configs(kwargs, match):
     with pytest.raises(ValueError, match=match):

@@ -49,6 +49,7 @@ class AQNPanel:
         self.aqn = aqn or AQN()
         self.probe, self.live_probe, self.reference_probe = probe, live_probe, reference_probe
         self.labels = labels  # (the probed model, the reference model), as the table names them
+        self._syncing = False  # a slider's change is being applied, or the sliders synced
         self.probe_results: list[dict] = []      # one row per measure, in order
         self.reference_results: list[dict] = []  # filled once, at the first measure
         self.widget = self._build() if HAS_WIDGETS else None
@@ -60,12 +61,28 @@ class AQNPanel:
                 f"(schedule {a.sigma_start:.1e} -> {a.sigma_end:.1e})")
 
     def set(self, sigma_start=None, sigma_end=None, stages=None, total_steps=None) -> None:
-        """Change the schedule (validated: an impossible value raises, the AQN is left unchanged)."""
-        new = dict(sigma_start=sigma_start or self.aqn.sigma_start, sigma_end=sigma_end or self.aqn.sigma_end,
-                   stages=stages or self.aqn.stages, total_steps=total_steps or self.aqn.total_steps)
-        AQN(**new, allow_increasing=getattr(self.aqn, "allow_increasing", False))  # validation only
-        for key, value in new.items():
-            setattr(self.aqn, key, value)
+        """Change the schedule: the values given (None = keep) are checked together by the AQN's own
+        rules (``AQN.update``), so 0, a negative or any refused value raises that rule's ``ConfigError``
+        and leaves the AQN and the sliders as they were; an accepted change moves the sliders too."""
+        given = dict(sigma_start=sigma_start, sigma_end=sigma_end, stages=stages, total_steps=total_steps)
+        self.aqn.update(**{key: value for key, value in given.items() if value is not None})
+        if self.widget is not None and not self._syncing:
+            self._show_values()
+
+    def _show_values(self) -> None:
+        """The sliders show the AQN's values (after a change from code), without writing them back."""
+        a, self._syncing = self.aqn, True
+        try:
+            self.s_start.options = sigma_options(SIGMA_START_GRID, a.sigma_start)
+            self.s_start.value = float(a.sigma_start)
+            self.s_end.options = sigma_options(SIGMA_END_GRID, a.sigma_end)
+            self.s_end.value = float(a.sigma_end)
+            self.s_stages.max = max(self.s_stages.max, a.stages)
+            self.s_stages.value = a.stages
+            self.s_step.max = a.total_steps - 1
+        finally:
+            self._syncing = False
+        self._redraw()
 
     def measure_sigma(self) -> float:
         """The sigma the measure button uses: the sigma_start slider's value (the AQN's without widgets)."""
@@ -145,12 +162,17 @@ class AQNPanel:
             self.probe_button.description = f"measure at sigma_start = {self.s_start.value:.1e}"
 
     def _changed(self, _change) -> None:
+        if self._syncing:  # the sliders are being set to the AQN's values: nothing to write back
+            return
         self._button_label()  # the button names the slider's value even when the schedule is refused
+        self._syncing = True  # set() leaves the sliders as the user moved them
         try:
             self.set(self.s_start.value, self.s_end.value, self.s_stages.value)
         except ValueError as err:
             self.label.value = f"<b style='color:#b00'>{html.escape(str(err))}</b>"
             return
+        finally:
+            self._syncing = False
         self._redraw()
         if self.live_probe and self.probe is not None:
             self.measure()

@@ -18,7 +18,7 @@ import math
 import threading
 import time
 
-from qerl_kit.config_types import check_steps
+from qerl_kit.config_types import check_lr, check_steps
 from qerl_kit.plots import DASHBOARD_METRICS, plot_dashboard
 from qerl_kit.table import html_table
 from qerl_kit.widgets.aqn_panel import SIGMA_START_GRID, sigma_options
@@ -45,14 +45,28 @@ class TrainingDashboard:
     # -- controls -------------------------------------------------------------------------------
     def apply_controls(self, lr: float | None = None, sigma_start: float | None = None,
                        temperature: float | None = None) -> None:
-        """Push control values into the trainer (between chunks)."""
+        """Push control values into the trainer (between chunks). All are checked first, by the rules
+        the trainer and its AQN use (a sigma_start below the AQN's sigma_end, noise that would grow, is
+        refused unless the run allows it): a refused value raises and changes nothing, and the sliders
+        snap back to the trainer's values."""
         t = self.trainer
+        try:
+            if lr is not None:
+                lr = check_lr("lr", lr)
+            if sigma_start is not None and t.aqn is not None:
+                t.aqn.checked(sigma_start=sigma_start)
+            config = t.config
+            if temperature is not None and temperature != t.config.rollout.temperature:
+                config = t.config.replace(rollout={"temperature": temperature})
+        except ValueError:
+            self.sync_controls()
+            self._show_live()
+            raise
         if lr is not None:
             t.set_lr(lr)
         if sigma_start is not None and t.aqn is not None:
             t.aqn.sigma_start = sigma_start
-        if temperature is not None and temperature != t.config.rollout.temperature:
-            t.config = t.config.replace(rollout={"temperature": temperature})
+        t.config = config
         self._show_live()
 
     def sync_controls(self) -> None:
@@ -87,9 +101,12 @@ class TrainingDashboard:
     def _apply_sliders(self) -> None:
         """Apply the sliders moved by hand (only those: set_lr restarts nothing, but it is not called twice)."""
         moved, self._pending = self._pending, set()
-        self.apply_controls(self.lr.value if self.lr in moved else None,
-                            self.sigma.value if self.sigma in moved and self.trainer.aqn else None,
-                            self.temp.value if self.temp in moved else None)
+        try:
+            self.apply_controls(self.lr.value if self.lr in moved else None,
+                                self.sigma.value if self.sigma in moved and self.trainer.aqn else None,
+                                self.temp.value if self.temp in moved else None)
+        except ValueError as err:  # refused: the sliders are back at the trainer's values; say why
+            self._set_status(f"not applied: {err}")
 
     def live_values(self) -> dict:
         """What the trainer uses now (not what the sliders show): the optimizer's current lr, the

@@ -15,6 +15,9 @@ its row) and per behaviour the issue names, grouped by the class of check they e
   Lines keys, a task's splits and ``data.eval_dataset``, reward checks shared by training and evaluation.
 - ``test_files_r2.py`` (round 2, rows of the 2026-12-04 trial): the values inside ``trainer_state.pt``
   and ``adapter_config.json`` checked at load, integer adapter tensors, ``attach_lora``'s arguments.
+- ``test_aqn_widgets_r2.py`` (round 2, rows 27-29, 8, 10 of the 2026-12-04 trial): AQN schedule values
+  set after construction, ``AQNPanel.set`` and the dashboard's sigma control checked by AQN's rules,
+  and the causes a non-finite loss or logits list when the weights are finite.
 
 Every test here failed on main before the issue's fixes (fe1b96e).
 """
