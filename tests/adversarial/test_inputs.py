@@ -218,7 +218,7 @@ def test_one_rule_per_concept_whatever_the_entry_point(trainer):
              allowed(lambda: AQN(sigma_start=50.0, sigma_end=1.0))}
     temp = {allowed(lambda: from_dict({"rollout": {"temperature": 1e-6}})),
             allowed(lambda: SamplingParams(temperature=1e-6)).replace("0 (greedy) or ", "")}
-    assert lr == {"a finite float in (0, 1]"} and sigma == {"a finite float in (0, 10]"}
+    assert lr == {"a finite float in [1e-09, 1]"} and sigma == {"a finite float in (0, 10]"}
     assert temp == {"a finite float >= 0.0001"}
 
 
