@@ -11,6 +11,10 @@ its row) and per behaviour the issue names, grouped by the class of check they e
   permissions, disk full, interrupted writes);
 - ``test_configs_data.py``: configs, JSON Lines, model sources, the MATH reward's time budget and
   the widgets' agreement with the trainer.
+- ``test_inputs_r2.py`` (round 2, rows of the QA trial of 2026-12-04, ``test_r2_NN_...``): YAML read
+  strictly (duplicate keys, syntax errors, huge ints), finite values that cannot work (tiny lr and
+  max_grad_norm, huge weight decay/beta/penalty/alpha/mu/batch/data sizes), steps past total_steps at
+  lr 0, seeds from Python, ``qerl eval``/``quantize`` flags checked before loading.
 
 Every test here failed on main before the issue's fixes (fe1b96e).
 """
