@@ -32,9 +32,11 @@ def build_policy(cfg: ModelConfig, *, device: str | torch.device | None = None, 
     """(peft model, tokenizer, quantization report or None): load on ``device``, quantize, attach LoRA.
 
     ``seed`` seeds LoRA's initialization, so runs with the same seed start from the same adapter."""
+    from qerl_kit.config_types import check_seed
     from qerl_kit.lora import attach_lora
     from qerl_kit.quantize import quantize_model
 
+    seed = check_seed("seed", seed)  # LoRA's init generator: refused before the model loads
     model, tokenizer = load_base(cfg, device=device, dtype=dtype)
     report = None if cfg.format == "none" else quantize_model(model, fmt=cfg.format)
     policy = attach_lora(model, r=cfg.lora_r, alpha=cfg.lora_alpha, train_norms=cfg.train_norms, seed=seed)

@@ -23,6 +23,7 @@ def _cmd_quantize(args: argparse.Namespace) -> int:
     from qerl_kit.models import PRESETS, build_model, check_model_source, load_pretrained
     from qerl_kit.quantize import memory_report, quantize_model
 
+    _check_shard_size(args.shard_size)  # before minutes of loading and quantizing
     if args.out and args.format != "nvfp4":
         print(f"qerl quantize: --out writes a compressed-tensors NVFP4 checkpoint; --format "
               f"{args.format} cannot be exported (use --format nvfp4)", file=sys.stderr)
@@ -50,6 +51,18 @@ def _cmd_quantize(args: argparse.Namespace) -> int:
         print(f"\nwrote an NVFP4 (compressed-tensors nvfp4-pack-quantized) checkpoint to {args.out}; "
               f"serve it with: vllm serve {args.out}")
     return 0
+
+
+def _check_shard_size(text: str) -> int:
+    """``--shard-size`` in bytes (``ct_format.parse_size``: 2GB, 500MB, 1GiB, 4096), or a ConfigError."""
+    from qerl_kit.config_types import ConfigError, short_repr
+    from qerl_kit.ct_format import parse_size
+
+    try:
+        return parse_size(text)
+    except (ValueError, OverflowError):
+        raise ConfigError(f"--shard-size must be a positive size in bytes such as 2GB, 500MB, 1GiB or 4096; "
+                          f"got {short_repr(text)}", "--shard-size", text) from None
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
@@ -94,7 +107,10 @@ def _cmd_train(args: argparse.Namespace) -> int:
                       f"(--keep-schedule keeps {cfg.total_steps})")
             cfg = cfg.replace(total_steps=args.steps, aqn={"stages": stages})
     from qerl_kit.models import BASE_NAMES, check_model_source
+    from qerl_kit.optim import steps_to_run
 
+    # the trainer's own check (no steps past total_steps at lr 0), before the model loads
+    steps_to_run("--steps", cfg, int(latest.name.split("-")[1]) if latest is not None else 0, args.steps)
     check_model_source(cfg.model.name, presets=BASE_NAMES)  # before the task's data and minutes of loading
     if main:  # the first line says which run this is
         if latest is not None:
@@ -139,7 +155,13 @@ def _eval_device(name: str) -> str:
 
     if name == "auto":
         return "cuda" if torch.cuda.is_available() else "cpu"
-    if name.startswith("cuda") and not torch.cuda.is_available():
+    try:  # "gpu", "cuda:x": refused here, before the model loads, not by the first tensor moved
+        kind = torch.device(name).type
+    except (RuntimeError, ValueError, TypeError):
+        kind = None
+    if kind not in ("cpu", "cuda", "mps"):
+        raise ValueError(f"--device {name}: not a device; use auto, cpu, cuda or cuda:N")
+    if kind == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"--device {name}: no CUDA device is available here (use --device cpu or auto)")
     return name
 
@@ -155,11 +177,17 @@ def _cmd_eval(args: argparse.Namespace) -> int:
     from qerl_kit.rollout.registry import make_engine
     from qerl_kit.tasks import make_task
 
-    if args.limit is not None and args.limit < 1:
-        print(f"qerl eval: --limit {args.limit}: must be >= 1 (the number of problems to score)", file=sys.stderr)
-        return 2
-    from qerl_kit.config_types import NEW_TOKENS_RULE, TOP_P_RULE, check_rule, check_temperature
+    from qerl_kit.config_types import (DATA_ROWS_MAX, EVAL_SIZE_RULE, NEW_TOKENS_RULE, TOP_P_RULE, check_rule,
+                                       check_temperature, check_value)
 
+    # the problems to score: data.eval_size's rule; without --limit all rows of a data file, and
+    # data.eval_size's default (200) of a generated task (arith, countdown: "all" has no end)
+    if args.limit is not None:
+        check_rule("--limit", args.limit, int, EVAL_SIZE_RULE)
+    generated = not (args.dataset in ("gsm8k", "math500") or args.dataset.endswith(".jsonl"))
+    eval_size = args.limit or (DataConfig().eval_size if generated else DATA_ROWS_MAX)
+    check_value("--samples", args.samples, int, ge=1, why="samples per problem; pass@1 is their mean")
+    check_value("--batch-size", args.batch_size, int | None, ge=1, why="problems per engine call")
     # SamplingParams' rules, before minutes of loading
     check_temperature("--temperature", args.temperature, greedy=True)
     check_rule("--top-p", args.top_p, float, TOP_P_RULE)
@@ -178,7 +206,7 @@ def _cmd_eval(args: argparse.Namespace) -> int:
         from qerl_kit.lora import lora_config_for
 
         lora_config_for(args.adapter)
-    task = make_task(DataConfig(dataset=args.dataset, eval_size=args.limit or 10**9))
+    task = make_task(DataConfig(dataset=args.dataset, eval_size=eval_size))
     rows = task.eval[:args.limit] if args.limit else task.eval  # the first --limit rows
     t0 = time.perf_counter()
     dtype = torch.bfloat16 if device.startswith("cuda") and args.model != "tiny" else None
@@ -274,7 +302,9 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--adapter", help="a peft adapter directory (e.g. runs/train/checkpoint-60)")
     ev.add_argument("--dataset", default="arith", help="arith, gsm8k, math500 (local JSON Lines: $QERL_DATA, ./data "
                                                        "or ../shared/data) or a GSM8K-style .jsonl")
-    ev.add_argument("--limit", type=int, default=None, help="score the first N problems (default: all)")
+    ev.add_argument("--limit", type=int, default=None,
+                    help="score the first N problems, at most 10**6 (default: all rows of a data file; 200 problems "
+                         "of a generated task such as arith)")
     ev.add_argument("--device", default="auto", help="auto (a CUDA GPU when there is one), cpu, cuda or cuda:N")
     ev.add_argument("--engine", default="auto", help="rollout engine: auto (static on a GPU, hf on the CPU), "
                                                      "static, hf or vllm")

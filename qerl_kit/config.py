@@ -36,12 +36,18 @@ from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
-from qerl_kit.config_types import (LR_RULE, NEW_TOKENS_RULE, OPTIMIZERS, RESAMPLE, SCHEDULES,  # noqa: F401
+from qerl_kit.config_types import (EVAL_SIZE_RULE, TRAIN_SIZE_RULE, check_lora_alpha, LR_RULE, NEW_TOKENS_RULE, OPTIMIZERS, RESAMPLE, SCHEDULES,  # noqa: F401
                                    SEED_MAX, SEED_RULE, STEPS_RULE, TEMPERATURE_RULE, TOP_K_RULE, TOP_P_RULE,
                                    _SIGMA, ConfigError, _bad, _check, _check_keys, _engines, _formats, _is_modes,
                                    _losses, _rule, _scales, _section, _tasks, _validate, check_aqn_sigmas,
                                    check_lr, check_seed, check_sigma, check_steps, check_temperature,
                                    check_value, short_repr)
+
+# Ranges of values that enter through the config only (the shared ones live in config_types).
+BATCH_MAX = 2**20  # completions per step: each is generated and held in memory every step
+TOKENS_PER_STEP_MAX = 2**28  # rollout.batch_size x rollout.max_new_tokens
+_BATCH_WHY = "completions per step = prompts x rollout.group_size, each generated and held in memory every step"
+GRAD_NORM_MIN = 1e-6  # below it Adam's eps (1e-8) swamps every element of the clipped gradient
 
 
 @dataclass(frozen=True)
@@ -50,7 +56,8 @@ class ModelConfig:
     name: str = "tiny"  # "tiny" (the shipped model), a preset of qerl_kit.models, or a local HF directory
     format: str = _rule("nvfp4", choices=_formats)  # nvfp4 | mxfp4 | nf4 | none (bf16 LoRA)
     lora_r: int = _rule(16, ge=1)  # LoRA rank: 0 would be no adapter at all
-    # None: alpha = r. The adapter's scale is alpha / r: 0 makes it a no-op, < 0 flips its sign.
+    # None: alpha = r. The adapter's scale is alpha / r: 0 makes it a no-op, < 0 flips its sign, and
+    # at most LORA_SCALE_MAX x r (config_types.check_lora_alpha, shared with attach_lora)
     lora_alpha: float | None = _rule(None, gt=0, why="the LoRA scale is alpha / r")
     train_norms: bool = False  # also train the RMSNorm scales before the projections
     gradient_checkpointing: bool = False
@@ -58,6 +65,7 @@ class ModelConfig:
 
     def __post_init__(self):
         _validate(self)
+        check_lora_alpha("model.lora_alpha", self.lora_alpha, self.lora_r, r_key="model.lora_r")
 
 
 @dataclass(frozen=True)
@@ -66,9 +74,11 @@ class DataConfig:
     dataset: str = "arith"  # a task of qerl_kit.tasks.TASKS (arith, gsm8k, math500) or a GSM8K-style .jsonl path
     # a .jsonl dataset's held-out rows from another .jsonl file; default: the file's first eval_size rows
     eval_dataset: str | None = None
-    eval_size: int = _rule(200, ge=1)  # held-out problems; 0 would make accuracy 0/0
+    # held-out problems; 0 would make accuracy 0/0. At most DATA_ROWS_MAX: a generated task (arith,
+    # countdown) makes every row up front (~70 us each), so 10**12 would never finish
+    eval_size: int = field(default=200, metadata={"rule": EVAL_SIZE_RULE})
     # generated tasks: exactly this many; files: at most (the first rows). 0 cannot be sampled
-    train_size: int = _rule(20000, ge=1)
+    train_size: int = field(default=20000, metadata={"rule": TRAIN_SIZE_RULE})
 
     def __post_init__(self):
         _validate(self)
@@ -84,9 +94,12 @@ class DataConfig:
 @dataclass(frozen=True)
 class RolloutConfig:
     _prefix = "rollout"
-    batch_size: int = _rule(64, ge=1)  # completions per step (the paper's "train batch"), = prompts x group_size
+    # completions per step (the paper's "train batch"), = prompts x group_size; every one is generated and
+    # held in memory each step, so at most 2**20 (and batch_size x max_new_tokens at most 2**28 tokens)
+    batch_size: int = _rule(64, ge=1, le=BATCH_MAX, why=_BATCH_WHY)
     # G samples per prompt; group-normalized advantages need at least two samples per prompt
-    group_size: int = _rule(8, ge=2, why="group-normalized advantages need at least two samples per prompt")
+    group_size: int = _rule(8, ge=2, le=BATCH_MAX, why="group-normalized advantages need at least two samples per "
+                                                      "prompt; a group is part of one step's batch")
     max_new_tokens: int = field(default=64, metadata={"rule": NEW_TOKENS_RULE})  # the rules SamplingParams shares
     # Rollouts sample at T and the trainer divides the logits by T: 0 (greedy, allowed in
     # SamplingParams for evaluation) gives G identical samples, zero advantages and a division by 0;
@@ -106,6 +119,12 @@ class RolloutConfig:
         _check(self.batch_size >= self.group_size and self.batch_size % self.group_size == 0,
                "rollout.batch_size", self.batch_size,
                f"a positive multiple of rollout.group_size = {self.group_size}", "groups are never split")
+        tokens = self.batch_size * self.max_new_tokens  # a step's completions, each up to max_new_tokens long
+        if tokens > TOKENS_PER_STEP_MAX:
+            raise ConfigError(f"rollout.batch_size x rollout.max_new_tokens must be <= 2**28 tokens per step (their "
+                              f"int64 ids alone take 2 GiB, their logits and KV cache many times that); got "
+                              f"{self.batch_size} x {self.max_new_tokens}", "rollout.batch_size", self.batch_size,
+                              "<= 2**28 tokens per step")
 
     @property
     def prompts_per_step(self) -> int:
@@ -121,9 +140,14 @@ class LossConfig:
     eps_low: float = _rule(0.2, gt=0, lt=1, why="the lower clip bound 1 - eps_low must be in (0, 1)")
     # None: eps_low (symmetric clip); DAPO's clip-higher is 0.28. 0 forbids any increase of a good token's probability.
     eps_high: float | None = _rule(None, gt=0, why="the upper clip bound is 1 + eps_high")
-    beta: float = _rule(0.0, ge=0, why="a negative KL weight rewards drifting from the reference")  # k3 KL
+    # the k3 KL weight; above 10 the KL term outweighs the policy loss (of order 1) so far that the run only
+    # holds on to the reference (and 1e300 x KL overflows to inf/nan); the paper uses 0 .. 0.04
+    beta: float = _rule(0.0, ge=0, le=10, why="a negative KL weight rewards drifting from the reference; above 10 the "
+                                              "KL term swamps the policy loss (the paper uses 0 .. 0.04)")
     scale_rewards: str = _rule("group", choices=_scales)  # group | batch | none (grpo.SCALES)
-    mu: int = _rule(1, ge=1)  # policy updates per rollout batch (the paper: 4 on GSM8K)
+    # policy updates per rollout batch (the paper: 4 on GSM8K); each is a full pass over the batch, so
+    # 10**9 would run a single step for days
+    mu: int = _rule(1, ge=1, le=64, why="policy updates per rollout batch, each a full pass over it; the paper uses 1 .. 4")
     micro_batch: int = _rule(16, ge=1)  # sequences per forward/backward (gradient accumulation inside a step)
     is_correction: str | None = _rule("token_truncate", choices=_is_modes)  # TIS mode (grpo.IS_MODES), or None
     # The importance-sampling cap C_max: on-policy tokens have rho = 1, so a cap below 1 truncates or
@@ -145,7 +169,10 @@ class FilterConfig:
     max_sampling_rounds: int = _rule(4, ge=1, why="rollout rounds per step, the first included")
     # DAPO overlong shaping: tokens before max_new_tokens where it starts (0 = off; <= rollout.max_new_tokens)
     overlong_buffer: int = _rule(0, ge=0, why="0 = off")
-    overlong_penalty: float = _rule(1.0, ge=0, why="the size of the penalty; negative would reward overlong answers")
+    # rewards are of order 1 (DAPO's penalty is 1): above 100 the length penalty swamps every reward, and
+    # 1e300 overflows float32 when it is applied
+    overlong_penalty: float = _rule(1.0, ge=0, le=100, why="the size of the penalty (DAPO: 1, rewards are of order 1); "
+                                                           "negative would reward overlong answers")
     mask_truncated: bool = False  # drop completions that hit max_new_tokens from the loss
 
     def __post_init__(self):
@@ -155,13 +182,19 @@ class FilterConfig:
 @dataclass(frozen=True)
 class OptimConfig:
     _prefix = "optim"
-    lr: float = field(default=1e-5, metadata={"rule": LR_RULE})  # in (0, 1]: the one lr rule (config_types)
-    weight_decay: float = _rule(0.0, ge=0, why="negative decay grows the weights")
+    lr: float = field(default=1e-5, metadata={"rule": LR_RULE})  # in [1e-9, 1]: the one lr rule (config_types)
+    # AdamW multiplies the weights by 1 - lr x weight_decay every step; with lr <= 1, a decay <= 1 keeps that
+    # factor in [0, 1), above it the weights flip sign and grow to inf (common values: 0 .. 0.1)
+    weight_decay: float = _rule(0.0, ge=0, le=1, why="AdamW scales the weights by 1 - lr x weight_decay each step: "
+                                                     "negative or above 1 they grow")
     # Adam's moment decays; torch.optim.AdamW refuses values outside [0, 1)
     betas: tuple[float, float] = _rule((0.9, 0.99), ge=0, lt=1, why="Adam's moment decay rates")
     # Gradient clipping: 0 scales every gradient to 0 (the adapter never moves), < 0 flips its sign
     # (gradient ascent). To clip rarely, set a large value.
-    max_grad_norm: float = _rule(1.0, gt=0, why="0 freezes the adapter, a negative norm ascends the gradient")
+    # Adam divides by sqrt(v) + eps (eps = 1e-8): a gradient clipped below 1e-6 in norm has elements under eps
+    # and its steps shrink towards 0 (1e-300 is 0 in float32: the adapter is frozen). The paper uses 0.2.
+    max_grad_norm: float = _rule(1.0, ge=GRAD_NORM_MIN, why="0 freezes the adapter, a negative norm ascends the "
+                                                            "gradient, and below 1e-6 Adam's eps (1e-8) swamps it")
     schedule: str = _rule("constant", choices=SCHEDULES)  # constant | linear | cosine
     # the share of total_steps spent warming up; 1 would be warm-up only
     warmup_ratio: float = _rule(0.0, ge=0, lt=1, why="a share of total_steps")
@@ -341,9 +374,9 @@ def _preset_dict(name: Any) -> dict[str, Any]:
 
 def load_config(path: str | Path) -> TrainConfig:
     """Read a YAML config: ``preset: name`` (optional) plus sections overriding it."""
-    import yaml
+    from qerl_kit.config_yaml import read_yaml
 
-    data = yaml.safe_load(Path(path).read_text()) or {}
+    data = read_yaml(path) or {}  # a key given twice, bad YAML syntax: a ConfigError naming path:line
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: a config file must be a mapping; got {short_repr(data)}")
     data = upgrade_dict(data)  # before the merge, so an old key cannot shadow the preset's new one

@@ -286,9 +286,12 @@ SEED_RULE = _Rule(ge=0, le=SEED_MAX, why="per-step seeds are derived from it and
 # A seed handed to a generator as it is (SamplingParams, AQN): what torch's and vLLM's generators accept.
 RNG_SEED_RULE = _Rule(ge=0, le=RNG_SEED_MAX, why="a generator seed is a signed 64-bit int")
 STEPS_RULE = _Rule(ge=1, why="the number of training steps to run; fewer than 1 trains nothing")
-LR_RULE = _Rule(gt=0, le=LR_MAX, why="0 never moves the adapter, < 0 ascends the loss; Adam moves each weight "
-                                     "by about lr per step and LoRA weights are ~1e-2, so lr > 1 destroys the "
-                                     "adapter in one step (the paper uses 1e-5)")
+# Adam moves each weight by about lr per step. A float32 LoRA weight of ~1e-2 is resolved to 2**-30 ~ 9.3e-10
+# (its ulp), so a step below 1e-9 rounds away: the adapter never moves (1e-300 is 0 in float32 outright).
+LR_MIN = 1e-9
+LR_RULE = _Rule(ge=LR_MIN, le=LR_MAX, why="Adam moves each weight by about lr per step and LoRA weights are ~1e-2: "
+                                          "below 1e-9 (their float32 resolution) a step rounds away and the adapter "
+                                          "never moves, above 1 one step destroys it (the paper uses 1e-5)")
 NEW_TOKENS_RULE = _Rule(ge=1, why="tokens to generate")
 TOP_P_RULE = _Rule(gt=0, le=1, why="a nucleus probability; 1 = off")
 TOP_K_RULE = _Rule(ge=0, why="0 = off")
@@ -301,6 +304,28 @@ _SIGMA_WHY = "above 10 the noise swamps RMSNorm scales of order 1; the paper use
 _SIGMA = _Rule(gt=0, le=SIGMA_MAX, why="a positive noise std: 0 breaks the exponential decay from sigma_start to sigma_end, "
                                        "so turn AQN off for no noise; " + _SIGMA_WHY)
 _SIGMA_NOW = _Rule(ge=0, le=SIGMA_MAX, why="0 = no noise; " + _SIGMA_WHY)  # one sigma applied now (a probe)
+
+
+# A generated task (arith, countdown) makes every row up front (~70 us each): 10**6 rows take a minute or
+# two, 10**12 would never finish. A data file with fewer rows gives all it has.
+DATA_ROWS_MAX = 10**6
+_ROWS_WHY = "a generated task makes every row up front; a data file with fewer rows gives all it has"
+EVAL_SIZE_RULE = _Rule(ge=1, le=DATA_ROWS_MAX, why="held-out problems: 0 would make accuracy 0/0; " + _ROWS_WHY)
+TRAIN_SIZE_RULE = _Rule(ge=1, le=DATA_ROWS_MAX, why="an empty training set cannot be sampled; " + _ROWS_WHY)
+# The adapter's output is scaled by alpha / r and Adam moves its weights by ~lr per step, so the scale
+# multiplies the effective lr: above 1000 (lr 1e-5 acting as 1e-2) the first steps blow the logits up.
+LORA_SCALE_MAX = 1000
+
+
+def check_lora_alpha(key: str, alpha: Any, r: int, r_key: str = "r") -> float | None:
+    """LoRA's alpha for rank ``r``: None (alpha = r) or a finite float in (0, 1000 x r]: the adapter's
+    scale alpha / r is 0 (a no-op) at 0, flips its sign below, and multiplies the effective lr."""
+    why = ("the LoRA scale alpha / r multiplies the adapter's output and so its effective lr: 0 is a no-op, < 0 "
+           "flips its sign, above 1000 lr 1e-5 acts as 1e-2")
+    alpha = _coerce(key, alpha, float | None, _Rule(gt=0, why=why))
+    _check(alpha is None or alpha <= LORA_SCALE_MAX * r, key, alpha,
+           f"null or a finite float in (0, {_num(LORA_SCALE_MAX * r)}] ({LORA_SCALE_MAX} x {r_key} = {r})", why)
+    return alpha
 
 
 def check_rule(key: str, value: Any, tp: Any, rule: _Rule) -> Any:

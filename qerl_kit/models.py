@@ -61,6 +61,9 @@ def build_model(name: str, seed: int = 0, dtype: torch.dtype = torch.float32,
     """A randomly initialised causal LM from a preset (seeded), in eval mode."""
     from transformers import AutoModelForCausalLM
 
+    from qerl_kit.config_types import check_seed
+
+    seed = check_seed("seed", seed)  # torch's generator seed rule: an int in [0, 2**63 - 1]
     config = make_config(name, **overrides)
     torch.manual_seed(seed)
     with torch.device(device):

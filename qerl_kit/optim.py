@@ -7,7 +7,9 @@ from typing import Callable
 
 import torch
 
-__all__ = ["make_optimizer", "lr_lambda"]
+from qerl_kit.config_types import _bad, check_steps
+
+__all__ = ["make_optimizer", "lr_lambda", "steps_to_run"]
 
 
 def make_optimizer(params, cfg) -> torch.optim.Optimizer:
@@ -36,3 +38,21 @@ def lr_lambda(cfg, total_steps: int) -> Callable[[int], float]:
             return 0.5 * (1 + math.cos(math.pi * min(frac, 1.0)))
         return 1.0
     return fn
+
+
+def steps_to_run(key: str, config, done: int, steps: int | None) -> int:
+    """The steps ``Trainer.train(steps)`` (or ``qerl train --steps``, named by ``key``) runs from step
+    ``done`` of ``config`` (a TrainConfig): ``steps`` checked, default up to ``total_steps``.
+
+    A linear or cosine schedule reaches lr 0 at ``total_steps`` (``lr_lambda``), so steps past it
+    would run and report success without ever moving the adapter: they are refused, saying which
+    steps and how to go on (a constant schedule keeps its lr past ``total_steps``: allowed)."""
+    total, schedule = config.total_steps, config.optim.schedule
+    if steps is None:
+        return total - done
+    steps = check_steps(key, steps)
+    if schedule != "constant" and done + steps > total:
+        raise _bad(key, steps, f"at most {max(total - done, 0)} (this run is at step {done} of total_steps = {total})",
+                   f"steps {max(done, total) + 1}..{done + steps} would run at lr 0: the {schedule} schedule decays the "
+                   f"lr to 0 at total_steps; raise total_steps or use optim.schedule: constant")
+    return steps

@@ -45,9 +45,9 @@ from qerl_kit import checkpoint as ckpt
 from qerl_kit import distributed
 from qerl_kit import divergence, finite, grpo, runs, trainer_state
 from qerl_kit.aqn import AQN
-from qerl_kit.config import TrainConfig, check_lr, check_steps, upgrade_dict
+from qerl_kit.config import TrainConfig, check_lr, upgrade_dict
 from qerl_kit.logprobs import batched_logprobs, completion_logprobs
-from qerl_kit.optim import lr_lambda, make_optimizer
+from qerl_kit.optim import lr_lambda, make_optimizer, steps_to_run
 from qerl_kit.rollout.base import engine_sync
 from qerl_kit.rollout.registry import engine_options, make_engine
 from qerl_kit.rollout.types import Rollouts, SamplingParams
@@ -338,7 +338,7 @@ class Trainer:
     # ---- the loop ----------------------------------------------------------------------------
     def train(self, steps: int | None = None, callback: Callable[[dict], None] | None = None) -> "Trainer":
         """Run ``steps`` more steps (default: up to ``config.total_steps``); callable repeatedly."""
-        steps = self.config.total_steps - self.step if steps is None else check_steps("steps", steps)
+        steps = steps_to_run("steps", self.config, self.step, steps)  # none past total_steps at lr 0
         if not self._claimed:
             self.claim_output_dir()
         bar = self._bar(steps)

@@ -80,6 +80,20 @@ def test_yaml_errors_name_the_file(tmp_path):
         load_config(path)
 
 
+def test_yaml_merge_keys_still_work_and_an_explicit_key_overrides_a_merged_one(tmp_path):
+    """The duplicate-key check (config_yaml) leaves YAML's merge keys alone: `<<:` then an explicit key
+    is an override the YAML spec defines, not a key given twice."""
+    path = tmp_path / "merge.yaml"
+    path.write_text("preset: tiny-cpu\noptim:\n  <<: {lr: 1.0e-3, max_grad_norm: 0.5}\n  lr: 3.0e-3\n")
+    cfg = load_config(path)
+    assert cfg.optim.lr == 3e-3 and cfg.optim.max_grad_norm == 0.5
+    path.write_text("\ufeffpreset: tiny-cpu\nmodel:\n  lora_r: 8\n")  # a byte-order mark is not part of YAML
+    assert load_config(path).model.lora_r == 8
+    path.write_bytes(b"preset: tiny-cpu\nseed: \xff\n")
+    with pytest.raises(ValueError, match=r"merge.yaml: not UTF-8 text"):
+        load_config(path)
+
+
 def test_yaml_bad_value_names_file_key_value_and_allowed(tmp_path):
     path = tmp_path / "bad.yaml"
     path.write_text("preset: tiny-cpu\noptim:\n  lr: fast\n")
@@ -279,8 +293,8 @@ def test_errors_name_key_value_and_what_is_allowed():
     with pytest.raises(ConfigError) as err:
         from_dict(dict(optim=dict(max_grad_norm=-1)))
     msg = str(err.value)
-    assert msg.startswith("optim.max_grad_norm must be a finite float > 0") and msg.endswith("got -1")
-    assert err.value.key == "optim.max_grad_norm" and err.value.value == -1 and "> 0" in err.value.allowed
+    assert msg.startswith("optim.max_grad_norm must be a finite float >= 1e-06") and msg.endswith("got -1")
+    assert err.value.key == "optim.max_grad_norm" and err.value.value == -1 and ">= 1e-06" in err.value.allowed
     with pytest.raises(ValueError, match=r"rollout\.temperature must be a finite float >= 0\.0001.*got inf"):
         from_dict(dict(rollout=dict(temperature=INF)))
 
@@ -337,13 +351,13 @@ def test_unknown_keys_are_errors_naming_them_and_the_allowed_keys(bad, match):
 
 
 @pytest.mark.parametrize("bad, match", [
-    (dict(rollout=dict(group_size=1)), "group_size must be an int >= 2"),
+    (dict(rollout=dict(group_size=1)), "group_size must be an int in \\[2, 1048576\\]"),
     (dict(rollout=dict(batch_size=20, group_size=8)), "multiple of rollout.group_size"),
     (dict(loss=dict(loss="ppo")), "'grpo', 'dapo', 'dr_grpo'"),
     (dict(aqn=dict(stages=2)), r"aqn\.stages must be an int >= 3"),
     (dict(total_steps=5), "at least aqn.stages"),
     (dict(model=dict(format="int3")), "model.format"),
-    (dict(optim=dict(lr=0)), r"optim\.lr must be a finite float in \(0, 1\]"),
+    (dict(optim=dict(lr=0)), r"optim\.lr must be a finite float in \[1e-09, 1\]"),
 ])
 def test_impossible_values_are_clear_errors(bad, match):
     with pytest.raises(ValueError, match=match):
@@ -431,7 +445,7 @@ def test_cli_train_refuses_a_bad_value_before_building_anything(tmp_path, monkey
     path = tmp_path / "run.yaml"
     path.write_text("preset: tiny-cpu\noptim: {max_grad_norm: -1}\n")
     assert main(["train", "--config", str(path), "--no-widgets"]) == 2  # a refusal, not a traceback
-    assert re.search(r"^qerl train: .*run\.yaml: optim\.max_grad_norm must be a finite float > 0.*got -1$",
+    assert re.search(r"^qerl train: .*run\.yaml: optim\.max_grad_norm must be a finite float >= 1e-06.*got -1$",
                      capsys.readouterr().err)
 
 

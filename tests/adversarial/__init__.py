@@ -18,6 +18,10 @@ its row) and per behaviour the issue names, grouped by the class of check they e
 - ``test_aqn_widgets_r2.py`` (round 2, rows 27-29, 8, 10 of the 2026-12-04 trial): AQN schedule values
   set after construction, ``AQNPanel.set`` and the dashboard's sigma control checked by AQN's rules,
   and the causes a non-finite loss or logits list when the weights are finite.
+- ``test_inputs_r2.py`` (round 2, rows of the QA trial of 2026-12-04, ``test_r2_NN_...``): YAML read
+  strictly (duplicate keys, syntax errors, huge ints), finite values that cannot work (tiny lr and
+  max_grad_norm, huge weight decay/beta/penalty/alpha/mu/batch/data sizes), steps past total_steps at
+  lr 0, seeds from Python, ``qerl eval``/``quantize`` flags checked before loading.
 
 Every test here failed on main before the issue's fixes (fe1b96e).
 """

@@ -165,9 +165,9 @@ def test_case_125_token_ids_outside_the_vocabulary_are_named():
 
 # ---- learning rate, AQN sigma, steps: config, Python, widgets --------------------------------------------
 def test_case_83_lr_1e20_is_refused_up_front(tmp_path, trainer):
-    with pytest.raises(ConfigError, match=r"optim\.lr must be a finite float in \(0, 1\] \(.*Adam.*\); got 1e\+20"):
+    with pytest.raises(ConfigError, match=r"optim\.lr must be a finite float in \[1e-09, 1\] \(.*Adam.*\); got 1e\+20"):
         load_config(_yaml(tmp_path, "optim: {lr: 1.0e+20}\n"))
-    with pytest.raises(ValueError, match=r"^lr must be a finite float in \(0, 1\]"):
+    with pytest.raises(ValueError, match=r"^lr must be a finite float in \[1e-09, 1\]"):
         trainer.set_lr(1e20)  # the dashboard's lr slider goes through set_lr
     assert trainer.optimizer.param_groups[0]["initial_lr"] == 5e-3  # unchanged
 
@@ -218,7 +218,7 @@ def test_one_rule_per_concept_whatever_the_entry_point(trainer):
              allowed(lambda: AQN(sigma_start=50.0, sigma_end=1.0))}
     temp = {allowed(lambda: from_dict({"rollout": {"temperature": 1e-6}})),
             allowed(lambda: SamplingParams(temperature=1e-6)).replace("0 (greedy) or ", "")}
-    assert lr == {"a finite float in (0, 1]"} and sigma == {"a finite float in (0, 10]"}
+    assert lr == {"a finite float in [1e-09, 1]"} and sigma == {"a finite float in (0, 10]"}
     assert temp == {"a finite float >= 0.0001"}
 
 
