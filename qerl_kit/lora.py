@@ -34,7 +34,7 @@ from peft import LoraConfig, PeftModel, get_peft_model
 from peft.tuners.lora.layer import Linear as PeftLoraLinear
 from peft.tuners.tuners_utils import BaseTunerLayer
 
-from qerl_kit.config_types import ConfigError, _Rule, check_names, check_rule, check_seed, short_repr
+from qerl_kit.config_types import ConfigError, _Rule, check_lora_alpha, check_names, check_rule, check_seed, short_repr
 from qerl_kit.linear import LINEAR_CLASSES, QuantLinear
 
 ALL_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -76,11 +76,11 @@ def _model_rule(name: str) -> _Rule:
 
 
 def check_lora_args(r, alpha, dropout, names=("r", "alpha", "dropout")) -> tuple[int, float | None, float]:
-    """``r`` an int >= 1 (not a bool), ``alpha`` None (= r) or a finite float > 0 (the config's
-    ``model.lora_r`` / ``model.lora_alpha`` rules), ``dropout`` in [0, 1); a ``ConfigError`` naming
+    """``r`` an int >= 1 (not a bool), ``alpha`` None (= r) or a finite float in (0, 1000 x r] (the
+    config's ``model.lora_r`` / ``model.lora_alpha`` rules), ``dropout`` in [0, 1); a ``ConfigError`` naming
     the argument (``names``) otherwise. Returns them coerced."""
     r = check_rule(names[0], r, int, _model_rule("lora_r"))
-    alpha = None if alpha is None else check_rule(names[1], alpha, float, _model_rule("lora_alpha"))
+    alpha = check_lora_alpha(names[1], alpha, r, r_key=names[0])  # the config's model.lora_alpha rule
     return r, alpha, check_rule(names[2], dropout, float, DROPOUT_RULE)
 
 

@@ -457,7 +457,8 @@ class Trainer:
                 "Resume with the saved config (its config.yaml), start a new run (qerl train --fresh), or accept "
                 "the change: Trainer.resume(allow_config_change=True) / qerl train --allow-config-change")
         # optimizer, scheduler, RNG, AQN and adapter, all or nothing; a failure names the file and key
-        trainer_state.restore(state, path, self.model, self.optimizer, self.scheduler, self.aqn, self.config.total_steps)
+        trainer_state.restore(state, path, self.model, self.optimizer, self.scheduler, self.aqn, self.config.total_steps,
+                              self.config.optim.schedule)
         self.step = int(state["step"])
         self.history = json.loads(state["history"])
         self.run_id = state.get("run_id") or (runs.read_run(path) or {}).get("run_id") or self.run_id

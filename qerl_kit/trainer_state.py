@@ -127,10 +127,18 @@ def checked_aqn(aqn: dict):
 def check_values(state: dict, path) -> None:
     """The values inside a trainer state (its keys and types already checked by ``check_state``)."""
     if "config" in state:
-        total = json.loads(state["config"]).get("total_steps")
-        if isinstance(total, int) and state["step"] > total:
+        config = json.loads(state["config"])
+        total, optim = config.get("total_steps"), config.get("optim")
+        # a constant schedule may train on past total_steps (optim.steps_to_run); the others end there
+        constant = isinstance(optim, dict) and optim.get("schedule") == "constant"
+        if isinstance(total, int) and state["step"] > total and not constant:
             raise CheckpointError(f"{path}: 'step' must be <= the run's total_steps = {total}; got "
                                   f"{short_repr(state['step'])}: the file is damaged")
+    history = json.loads(state["history"])  # a row per step: the last one's step is the state's
+    last = history[-1].get("step") if history and isinstance(history[-1], dict) else 0
+    if last != state["step"]:
+        raise CheckpointError(f"{path}: 'step' is {short_repr(state['step'])} but the last row of its 'history' "
+                              f"is step {short_repr(last)}: the file is damaged")
     with _named(path, "optimizer"):
         _optimizer_values(state["optimizer"])
     with _named(path, "scheduler"):
@@ -171,13 +179,13 @@ def _optimizer_flags(saved: dict, optimizer) -> None:
 
 
 def restore(state: dict, checkpoint: str | Path, model, optimizer, scheduler, aqn=None,
-            total_steps: int | None = None) -> None:
+            total_steps: int | None = None, schedule: str | None = None) -> None:
     """Load a checked trainer state (``checkpoint.load_state``) and the checkpoint's adapter into a
     trainer's objects, all or nothing: a failure is a ``CheckpointError`` naming the file and the key,
     and what was loaded before it is put back. ``total_steps``: this run's (a checkpoint past it has
-    nothing left to train)."""
+    nothing left to train, unless ``schedule`` is "constant", whose lr goes on past it)."""
     path = Path(checkpoint) / STATE_FILE
-    if total_steps is not None and state["step"] > total_steps:
+    if total_steps is not None and state["step"] > total_steps and schedule != "constant":
         raise CheckpointError(f"{path}: 'step' is {state['step']}, past this run's total_steps = {total_steps}: "
                               "raise total_steps to train on from it")
     with _named(path, "optimizer"):

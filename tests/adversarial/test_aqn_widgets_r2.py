@@ -1,6 +1,6 @@
 """Round 2: AQN values set after construction, the AQN panel, the dashboard, the non-finite diagnosis.
 
-Rows 27, 28, 29 and the wording of rows 8 and 10 of the round-2 QA trial (qa_round2.md): every AQN
+Rows 27, 28, 29 and the wording of rows 8 and 10 of the second trial (2026-12-04): every AQN
 schedule value set after construction (``a.stages = 2``, ``a.resample = "never"``...) is checked with
 the constructor's rules (never a ZeroDivisionError at the next ``sigma(step)``); ``AQNPanel.set`` never
 ignores a value (0 raises the rule's ConfigError, nothing changes); the dashboard refuses a

@@ -1,6 +1,6 @@
 """Round 2 of "Nothing silently wrong": data, tasks, and reward checks in evaluation.
 
-Rows 14-18, 30-33 of the round-2 QA trial (``qa_round2.md``):
+Rows 14-18, 30-33 of the second trial (2026-12-04):
 
 * ``data.eval_dataset`` is refused where a task would ignore it, and a missing file names the key;
 * a ``.jsonl`` dataset honours ``train_size`` (as the gsm8k/math500 tasks do), and its held-out rows

@@ -6,7 +6,7 @@ total_steps, an RNG state that does not load) is a ``CheckpointError`` naming th
 leaves the trainer as it was; an ``adapter_config.json`` whose r / lora_alpha / lora_dropout break the
 config's LoRA rules, or that asks for a peft feature the quantized layers lack (DoRA), and an adapter of
 integer tensors are refused naming the file; ``attach_lora`` checks r, alpha, dropout and dtype with the
-same rules. Rows of /work/wt/prompts/qa_round2.md: 20-26, 34-39.
+same rules. Rows of the second trial (2026-12-04): 20-26, 34-39.
 """
 
 import copy
@@ -125,8 +125,14 @@ def test_r2_25_nan_in_the_optimizer_or_scheduler_is_refused_at_resume(saved, tmp
 
 
 def test_r2_26_a_step_past_total_steps_is_refused(saved, tmp_path):
-    """step = 10**12 with total_steps 6 (was: trains step 1000000000001)."""
-    _refused(saved, tmp_path, lambda s: s.update(step=10**12), "'step'", "total_steps = 6")
+    """step = 10**12 with total_steps 6 (was: trains step 1000000000001): the step disagrees with the
+    state's own history (whatever the schedule), and a cosine run's step past total_steps is refused."""
+    _refused(saved, tmp_path, lambda s: s.update(step=10**12), "'step'", "last row of its 'history' is step 2")
+
+    def past_cosine(state):
+        config = json.loads(state["config"])
+        state["config"] = json.dumps({**config, "total_steps": 1, "optim": {**config["optim"], "schedule": "cosine"}})
+    _refused(saved, tmp_path / "cosine", past_cosine, "'step' must be <= the run's total_steps = 1")
 
 
 def _nan_adapter(path):
@@ -257,3 +263,17 @@ def test_r2_39_attach_lora_rank_and_dtype_are_checked(kw, name):
     model = build_model("qwen2-tiny", seed=0)
     with pytest.raises(ConfigError, match=rf"^{name} must be .*; got "):
         attach_lora(model, **kw)
+
+
+def test_r2_26_a_constant_schedule_run_past_total_steps_resumes(tmp_path):
+    """A constant schedule may train on past total_steps (``optim.steps_to_run``); its checkpoint there
+    resumes, while a cosine run's steps past total_steps are refused before they run."""
+    trainer = _trainer(tmp_path, total_steps=2, aqn=dict(enabled=False), optim=dict(schedule="constant"))
+    trainer.train(3)
+    path = trainer.save()
+    resumed = _trainer(tmp_path, total_steps=2, aqn=dict(enabled=False), optim=dict(schedule="constant"))
+    assert resumed.resume(path) == 3
+    cosine = _trainer(tmp_path / "cos", total_steps=2, aqn=dict(enabled=False), optim=dict(schedule="cosine"))
+    with pytest.raises(ConfigError, match=r"steps 3\.\.3 would run at lr 0"):
+        cosine.train(3)
+    assert cosine.step == 0

@@ -1,6 +1,6 @@
 """Round 2 of the inputs class (issue #43): config, YAML and CLI values that still went wrong.
 
-Rows 1-13, 19, 40 and 41 of the QA trial of 2026-12-04 (/work/wt/prompts/qa_round2.md): YAML files
+Rows 1-13, 19, 40 and 41 of the second trial (2026-12-04): YAML files
 are read strictly (a key or section given twice, a tab in the indentation, an int too long for
 Python to read: each a ``ConfigError`` naming ``file:line``); values that cannot work are refused
 by their one rule where they enter (lr and max_grad_norm too small to move the adapter, weight
