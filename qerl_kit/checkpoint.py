@@ -31,6 +31,7 @@ from pathlib import Path
 import torch
 
 from qerl_kit import file_writes, runs
+from qerl_kit.config_types import short_repr
 
 STATE_FILE = "trainer_state.pt"
 ADAPTER_FILE = "adapter_model.safetensors"
@@ -126,11 +127,6 @@ def save_checkpoint(output_dir: str | Path, step: int, model, state: dict, keep:
     return final
 
 
-def _short(value) -> str:
-    text = repr(value)
-    return text if len(text) <= 60 else text[:57] + "..."
-
-
 def _is_json(kind: type):
     def check(value) -> bool:
         try:
@@ -167,7 +163,7 @@ def check_state(state, path: str | Path) -> dict:
             raise CheckpointError(f"{path} lacks the key {key!r} of a trainer state: the file is damaged")
     for key, (allowed, ok) in {**_STATE_KEYS, **_OPTIONAL_KEYS}.items():
         if key in state and not ok(state[key]):
-            raise CheckpointError(f"{path}: {key!r} must be {allowed}; got {_short(state[key])}: the file is damaged")
+            raise CheckpointError(f"{path}: {key!r} must be {allowed}; got {short_repr(state[key], 60)}: the file is damaged")
     from qerl_kit import trainer_state
 
     trainer_state.check_values(state, path)

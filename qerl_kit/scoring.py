@@ -15,6 +15,7 @@ which completions are correct (the task's accuracy reward >= 1).
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Mapping, Set
 
 import torch
@@ -65,6 +66,8 @@ def checked_scores(fn, scores, n: int) -> list:
         raise ValueError(f"reward function {name!r} returned {len(scores)} scores for {n} completions; "
                          "it must return exactly one per completion")
     for i, s in enumerate(scores):
+        if isinstance(s, numbers.Real) and not isinstance(s, (int, float)):  # numpy's float32, int64 ...
+            s = scores[i] = float(s)
         if s is not None and not isinstance(s, (int, float)):
             raise TypeError(f"reward function {name!r} returned a score of type {type(s).__name__} ({short(s)}) "
                             f"for completion {i}; scores are floats, or None for 'not applicable'")

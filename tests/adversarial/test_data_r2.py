@@ -215,3 +215,24 @@ def test_r2_33_evaluation_names_a_reward_returning_none_or_unparsable_strings():
         _eval_scores(r_none)
     with pytest.raises(TypeError, match=r"reward function 'r_abc' returned a score of type str \('abc'\)"):
         _eval_scores(r_abc)
+
+
+def test_numpy_scores_are_numbers_and_a_numpy_nan_is_named():
+    """A reward function may return numpy scalars (np.float32, np.int64): they are scores, turned into
+    floats; a numpy NaN is refused naming the function, as a Python NaN is."""
+    import numpy as np
+
+    from qerl_kit.finite import NonFiniteError
+    from qerl_kit.scoring import checked_scores
+
+    def np_reward(completions, **_):
+        return [np.float32(0.5), np.int64(1)]
+
+    scores = checked_scores(np_reward, np_reward(["a", "b"]), 2)
+    assert scores == [0.5, 1.0] and all(type(s) is float for s in scores)
+
+    def np_nan(completions, **_):
+        return [np.float32("nan"), np.float64(0.0)]
+
+    with pytest.raises(NonFiniteError, match="np_nan"):
+        checked_scores(np_nan, np_nan(["a", "b"]), 2)
