@@ -323,8 +323,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     from qerl_kit.checkpoint import CheckpointError
-    from qerl_kit.data import DataError
     from qerl_kit.config_types import ConfigError
+    from qerl_kit.data import DataError
+    from qerl_kit.finite import NonFiniteError
     from qerl_kit.gguf_model import GGUFError
 
     args = build_parser().parse_args(argv)
@@ -339,6 +340,9 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as err:  # a value refused where it entered (a config key, --steps, --skip ...)
         print(f"qerl {args.command}: {err}", file=sys.stderr)
         return 2
+    except NonFiniteError as err:  # NaN/inf stopped at its source: the message names the tensor, file or step
+        print(f"qerl {args.command}: {err}", file=sys.stderr)
+        return 1
     except OSError as err:  # a full disk (file_writes.DiskFullError and plain ENOSPC) names the path
         if err.errno not in (errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC)):
             raise
