@@ -136,11 +136,12 @@ def _solution(start: int, ops: Sequence[Op]) -> tuple[str, int]:
     return "\n".join(lines + [f"#### {v}"]), v
 
 
-def _check_level(level) -> int:
+def _check_level(level, key: str = "level") -> int:
     """A level this generator makes: one of ``LEVELS`` (the operations a story holds), an int, never a
     bool; the tiny model was trained and calibrated on exactly these (``docs/tiny-model.md``)."""
     if isinstance(level, bool) or not isinstance(level, int) or level not in LEVELS:
-        raise ValueError(f"arith level must be one of {LEVELS}; got {short_repr(level)}")
+        each = "each be" if key == "levels" else "be"
+        raise ValueError(f"arith {key} must {each} one of {LEVELS} (operations per story); got {short_repr(level)}")
     return level
 
 
@@ -177,7 +178,7 @@ def make_dataset(split: str = "train", n: int = 256, seed: int = 0,
     if not levels:
         raise ValueError(f"arith levels must be a non-empty list of levels from {LEVELS}; got []")
     for level in levels:
-        _check_level(level)
+        _check_level(level, "levels")
     rng = random.Random(f"qerl-arith:{split}:{seed}")
     rows: list[dict] = []
     seen: set[str] = set()

@@ -55,7 +55,7 @@ def test_r3_17_arith_level_outside_generator():
     for levels in ([99], [0, 1], [2.0], [True], "12", 3, []):
         with pytest.raises(ValueError, match=r"arith level"):
             arith.make_dataset("train", n=2, levels=levels)
-    with pytest.raises(ValueError, match=r"arith level must be one of \(1, 2, 3, 4\); got 5"):
+    with pytest.raises(ValueError, match=r"arith level must be one of \(1, 2, 3, 4\) .*; got 5"):
         arith.make_problem(__import__("random").Random(0), 5)
     rows = arith.make_dataset("train", n=4, levels=[4, 1])
     assert [r["level"] for r in rows] == [4, 1, 4, 1]
