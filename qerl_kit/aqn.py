@@ -35,6 +35,7 @@ import contextlib
 import inspect
 import itertools
 import math
+import operator
 from dataclasses import dataclass, field
 
 import torch
@@ -114,6 +115,24 @@ def _check_probe_forward(model: nn.Module) -> None:
                      f"LM is called; {type(model).__name__}.forward takes no input_ids (its arguments: "
                      f"{', '.join(params) or 'none'}). Apply AQN to a causal LM (a transformers model or the "
                      f"peft model wrapping one)")
+
+
+def check_step(step, key: str = "step") -> int:
+    """A schedule step, the one rule of every method that takes one (``stage``, ``sigma``, ``apply``,
+    ``noise``, the panel's ``readout``): an int >= 0 (a numpy or torch integer too), never a bool, float
+    or string. A negative, NaN or fractional step used to land silently in the noise-free stage 0; a
+    step past ``total_steps`` is allowed (the last stage's sigma), as a run past its schedule is."""
+    from qerl_kit.config_types import ConfigError, short_repr
+
+    try:
+        value = None if isinstance(step, bool) or getattr(step, "dtype", None) == torch.bool else operator.index(step)
+    except TypeError:  # float, str, None...: no exact integer value
+        value = None
+    if value is None or value < 0:
+        allowed = "an int >= 0"
+        raise ConfigError(f"{key} must be {allowed} (a 0-based training step; stage 0 is the first "
+                          f"total_steps / stages of them); got {short_repr(step)}", key, step, allowed)
+    return value
 
 
 # The values that define a schedule: checked together by AQN.checked, at construction and on every change.
@@ -204,11 +223,12 @@ class AQN:
 
     # ---- the schedule (pure) -------------------------------------------------------------
     def stage(self, step: int) -> int:
-        """The stage of ``step`` (0-based steps): floor(step / (total_steps / stages)), capped."""
-        return min(int(step * self.stages // self.total_steps), self.stages - 1) if step >= 0 else 0
+        """The stage of ``step`` (0-based steps, ``check_step``): floor(step / (total_steps / stages)), capped."""
+        step = check_step(step)
+        return min(step * self.stages // self.total_steps, self.stages - 1)
 
     def sigma(self, step: int) -> float:
-        """The noise std at ``step``: 0 in stage 0, then exponential decay start -> end."""
+        """The noise std at ``step`` (``check_step``): 0 in stage 0, then exponential decay start -> end."""
         k = self.stage(step)
         if k == 0:
             return 0.0
@@ -249,6 +269,7 @@ class AQN:
         """
         from qerl_kit.config_types import check_sigma
 
+        step = check_step(step)  # checked even when an explicit sigma makes the schedule's unused
         sigma = self.sigma(step) if sigma is None else check_sigma("sigma", sigma, zero=True)
         norms = self.norms(model)
         self.restore(model)

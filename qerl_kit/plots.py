@@ -78,6 +78,15 @@ def plot_schedule(aqn, ax=None, step: int | None = None):
 
 
 DASHBOARD_METRICS = ("reward", "accuracy", "entropy", "completions/mean_length", "aqn/sigma", "rollout/temperature")
+# The numeric metrics a Trainer step logs (qerl_kit.trainer, grpo.clip_stats), whatever the config: the
+# names a dashboard panel may show. Families whose names depend on the run (one reward function's mean,
+# importance-sampling and dynamic-sampling stats, vLLM sync timings) are matched by prefix, "rewards/*".
+TRAINER_METRICS = ("step", "reward", "accuracy", "entropy", "loss", "grad_norm", "lr", "kl", "reward_std",
+                   "frac_reward_zero_std", "num_tokens", "completions/mean_length", "completions/clipped_ratio",
+                   "rollout/temperature", "rollout/tokens_per_s", "update/skipped", "aqn/sigma", "aqn/stage",
+                   "aqn/norms", "eval/accuracy", "clip_ratio/low_mean", "clip_ratio/high_mean",
+                   "clip_ratio/region_mean", "clip_ratio/low_min", "clip_ratio/high_max",
+                   "rewards/*", "sampling/*", "time/*")
 _CONTROLS = ("aqn/sigma", "rollout/temperature", "lr")  # set, not measured: drawn without a moving mean
 
 

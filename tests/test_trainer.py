@@ -74,6 +74,9 @@ def test_steps_run_end_to_end_with_finite_trl_named_metrics(tmp_path):
         assert key in row and math.isfinite(row[key]), key
     assert trainer.history[0]["aqn/sigma"] == 0.0 and trainer.history[2]["aqn/sigma"] > 0  # stage 0, then 1
     assert trainer.history[2]["aqn/norms"] == 4
+    from qerl_kit.widgets.dashboard import check_metrics  # plots.TRAINER_METRICS lists every metric a step logs
+
+    assert check_metrics([k for k in row if k != "warning"]) == tuple(k for k in row if k != "warning")
     lines = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
     assert [json.loads(x)["step"] for x in lines] == [1, 2, 3]
     assert list(trainer.metrics.columns).count("reward") == 1 and len(trainer.metrics) == 3

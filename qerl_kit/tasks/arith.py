@@ -45,6 +45,8 @@ import hashlib
 import random
 from typing import Iterable, Sequence
 
+from qerl_kit.config_types import short_repr
+
 __all__ = ["LEVELS", "SPLITS", "TEST_PERCENT", "PROMPT_SUFFIX", "make_problem", "make_dataset", "split_of",
            "careless_solution", "skeleton_key"]
 
@@ -134,10 +136,18 @@ def _solution(start: int, ops: Sequence[Op]) -> tuple[str, int]:
     return "\n".join(lines + [f"#### {v}"]), v
 
 
+def _check_level(level, key: str = "level") -> int:
+    """A level this generator makes: one of ``LEVELS`` (the operations a story holds), an int, never a
+    bool; the tiny model was trained and calibrated on exactly these (``docs/tiny-model.md``)."""
+    if isinstance(level, bool) or not isinstance(level, int) or level not in LEVELS:
+        each = "each be" if key == "levels" else "be"
+        raise ValueError(f"arith {key} must {each} one of {LEVELS} (operations per story); got {short_repr(level)}")
+    return level
+
+
 def make_problem(rng: random.Random, level: int) -> tuple[dict, str]:
     """One random problem of ``level`` operations and the split its skeleton belongs to."""
-    if level < 1:
-        raise ValueError(f"level must be >= 1, got {level}")
+    _check_level(level)
     start = rng.randint(2, 20)
     ops, v = [], start
     for _ in range(level):
@@ -155,13 +165,20 @@ def make_dataset(split: str = "train", n: int = 256, seed: int = 0,
     """``n`` distinct problems of ``split`` ("train" or "test"), levels cycling through ``levels``.
 
     Deterministic in (split, n, seed, levels); a prefix of a longer list for the same arguments
-    but ``n``.
+    but ``n``. ``n`` is an int >= 0 and every level one of ``LEVELS`` (a ``ValueError`` otherwise,
+    as ``countdown.make_dataset`` refuses its levels).
     """
     if split not in SPLITS:
-        raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
+        raise ValueError(f"split must be one of {SPLITS}, got {short_repr(split)}")
+    if isinstance(n, bool) or not isinstance(n, int) or n < 0:  # 2.5 or -1 would give 3 rows or none, silently
+        raise ValueError(f"arith n must be an int >= 0 (the number of rows); got {short_repr(n)}")
+    if isinstance(levels, (str, bytes)) or not isinstance(levels, Iterable):
+        raise ValueError(f"arith levels must be a list of levels from {LEVELS}; got {short_repr(levels)}")
     levels = tuple(levels)
-    if not levels or any(not isinstance(k, int) or k < 1 for k in levels):
-        raise ValueError(f"levels must be positive integers, got {levels!r}")
+    if not levels:
+        raise ValueError(f"arith levels must be a non-empty list of levels from {LEVELS}; got []")
+    for level in levels:
+        _check_level(level, "levels")
     rng = random.Random(f"qerl-arith:{split}:{seed}")
     rows: list[dict] = []
     seen: set[str] = set()

@@ -9,9 +9,11 @@ accuracy breaks, sigma ~ 1) and the paper's range (1e-2 -> 5e-4) are both a few 
 from __future__ import annotations
 
 import html
+from collections.abc import Mapping
 from typing import Callable
 
-from qerl_kit.aqn import AQN
+from qerl_kit.aqn import AQN, check_step
+from qerl_kit.config_types import check_sigma, short_repr
 from qerl_kit.plots import plot_schedule
 from qerl_kit.widgets.common import HAS_WIDGETS, W, figure_html, show
 
@@ -31,6 +33,17 @@ def sigma_options(grid, value: float) -> list[tuple[str, float]]:
     (so an AQN built with an off-grid sigma is shown exactly, never snapped)."""
     values = sorted(set(grid) | {float(value)})
     return [(f"{v:.1e}", v) for v in values]
+
+
+def _call_probe(name: str, probe: Callable[[float], dict], sigma: float) -> Mapping:
+    """``probe(sigma)``, which must return a mapping of metric name -> value (a row of the table);
+    anything else is refused naming the probe, not a ``TypeError`` from inside ``{**result}``."""
+    result = probe(sigma)
+    if not isinstance(result, Mapping):
+        raise TypeError(f"AQNPanel's {name} must return a dict of metric name -> value (e.g. "
+                        f"{{'entropy': 0.7, 'accuracy': 0.5}}); {name}({sigma:g}) returned "
+                        f"{type(result).__name__} {short_repr(result, 80)}")
+    return result
 
 
 class AQNPanel:
@@ -56,7 +69,7 @@ class AQNPanel:
 
     # -- plain values ---------------------------------------------------------------------------
     def readout(self, step: int) -> str:
-        a = self.aqn
+        a, step = self.aqn, check_step(step)  # the AQN's rule: an int >= 0
         return (f"step {step}: stage {a.stage(step)} of {a.stages}, sigma = {a.sigma(step):.3e} "
                 f"(schedule {a.sigma_start:.1e} -> {a.sigma_end:.1e})")
 
@@ -91,8 +104,9 @@ class AQNPanel:
     def run_probe(self, sigma: float) -> dict:
         if self.probe is None:
             raise ValueError("AQNPanel was built without a probe")
+        sigma = check_sigma("sigma", sigma, zero=True)  # AQN.apply's rule for one sigma applied now
         self._measure_references()
-        result = {"model": f"{self.labels[0]} + AQN", "sigma": float(sigma), **self.probe(sigma)}
+        result = {"model": f"{self.labels[0]} + AQN", "sigma": float(sigma), **_call_probe("probe", self.probe, sigma)}
         self.probe_results.append(result)
         if self.widget is not None:
             self.probe_out.value = self.table_html()
@@ -105,9 +119,10 @@ class AQNPanel:
     def _measure_references(self) -> None:
         if self.reference_results:
             return
-        rows = [{"model": f"{self.labels[0]}, no AQN (reference)", "sigma": 0.0, **self.probe(0.0)}]
+        rows = [{"model": f"{self.labels[0]}, no AQN (reference)", "sigma": 0.0, **_call_probe("probe", self.probe, 0.0)}]
         if self.reference_probe is not None:
-            rows.append({"model": f"{self.labels[1]} (reference)", "sigma": 0.0, **self.reference_probe(0.0)})
+            rows.append({"model": f"{self.labels[1]} (reference)", "sigma": 0.0,
+                         **_call_probe("reference_probe", self.reference_probe, 0.0)})
         self.reference_results = rows
 
     def table_html(self) -> str:

@@ -18,8 +18,8 @@ import math
 import threading
 import time
 
-from qerl_kit.config_types import check_lr, check_steps
-from qerl_kit.plots import DASHBOARD_METRICS, plot_dashboard
+from qerl_kit.config_types import check_lr, check_names, check_steps, check_value
+from qerl_kit.plots import DASHBOARD_METRICS, TRAINER_METRICS, plot_dashboard
 from qerl_kit.table import html_table
 from qerl_kit.widgets.aqn_panel import SIGMA_START_GRID, sigma_options
 from qerl_kit.widgets.common import HAS_WIDGETS, W, figure_html, show
@@ -28,10 +28,25 @@ _TABLE_COLUMNS = ("step", "reward", "accuracy", "entropy", "completions/mean_len
                   "rollout/temperature", "time/step")
 
 
+def check_metrics(metrics, trainer=None) -> tuple[str, ...]:
+    """The dashboard's panels: a list of metric names the trainer logs (``plots.TRAINER_METRICS``, a
+    ``family/*`` entry matching any name under it, or a column already in ``trainer.history``). One
+    string is one name, never split into letters; an unknown name (``rewrd``) is a ``ConfigError``
+    listing the known names with the nearest, not an empty panel."""
+    logged = {k for row in getattr(trainer, "history", None) or () for k in row if isinstance(k, str)}
+
+    def matches(name: str, known: str) -> bool:
+        return name == known or (known.endswith("/*") and name.startswith(known[:-1]) and len(name) > len(known) - 1)
+
+    return check_names("metrics", metrics, set(TRAINER_METRICS) | logged, matches, what="metric", empty=False)
+
+
 class TrainingDashboard:
     def __init__(self, trainer, metrics=DASHBOARD_METRICS, redraw_every_s: float = 1.0):
-        self.trainer, self.metrics = trainer, tuple(metrics)
-        self.redraw_every_s = redraw_every_s
+        self.trainer, self.metrics = trainer, check_metrics(metrics, trainer)
+        # seconds between redraws while training (0 = after every step); NaN would never redraw
+        self.redraw_every_s = check_value("redraw_every_s", redraw_every_s, float, ge=0,
+                                          why="seconds between plot redraws while a chunk trains; 0 = every step")
         self._last_draw = 0.0
         self._thread: threading.Thread | None = None
         self.running = False            # a chunk is training (set before its thread starts)
