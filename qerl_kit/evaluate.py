@@ -24,7 +24,10 @@ table in a notebook.
   the StaticEngine, vLLM; all 1319 GSM8K test problems in one call when greedy), and ``HF_BATCH``
   at a time to transformers' generate.
 * ``pass_at_k`` is the share of problems with a correct sample among the ``samples``; ``by(column)``
-  splits accuracy and pass@k by a dataset column (the arithmetic task's ``level``).
+  splits accuracy and pass@k by a dataset column (the arithmetic task's ``level``; a column no row has
+  is an error listing the columns).
+* The dataset is checked as a ``Task``'s rows (``qerl_kit.data.check_rows``: a list of rows, each
+  ``prompt`` a non-empty string), ``seed`` and ``temperature`` by the shared rules, before anything runs.
 """
 
 from __future__ import annotations

@@ -22,6 +22,9 @@ its row) and per behaviour the issue names, grouped by the class of check they e
   strictly (duplicate keys, syntax errors, huge ints), finite values that cannot work (tiny lr and
   max_grad_norm, huge weight decay/beta/penalty/alpha/mu/batch/data sizes), steps past total_steps at
   lr 0, seeds from Python, ``qerl eval``/``quantize`` flags checked before loading.
+- ``test_tasks_r3.py`` (round 3, rows 13-16, 18-22 of the third trial of 2026-12-04, ``test_r3_NN_...``):
+  a ``Task``'s rows, rewards and ``max_new_tokens`` checked when it is made, every engine's
+  ``stop_token_ids``, ``evaluate``'s seed and dataset, ``EvalResult.by``/``example_rows``.
 
 Every test here failed on main before the issue's fixes (fe1b96e).
 """
