@@ -29,13 +29,15 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
+from collections.abc import Mapping
 from typing import Any, Iterable
 
+from .config_types import short_repr
 from .finite import short
 from .rewards import parse_number
 
 __all__ = [
-    "load_gsm8k", "load_math500", "read_jsonl", "check_columns", "DataError", "build_prompt", "build_messages",
+    "load_gsm8k", "load_math500", "read_jsonl", "check_columns", "check_rows", "DataError", "build_prompt", "build_messages",
     "data_dirs", "find_data_file",
     "DATA_ENV",
     "GSM8K_SUFFIX", "MATH_SUFFIX",
@@ -113,6 +115,30 @@ def check_columns(rows: Iterable[tuple[str, dict]]) -> None:
                                                f"missing {missing}" if missing else "") if part)
             raise DataError(f"{where}: the columns differ from the first row's ({first_where}): {diff}; "
                              f"every row needs the same columns {sorted(map(str, first))}")
+
+
+def check_rows(key: str, rows: Any) -> list:
+    """Rows given in Python (a ``Task``'s splits, ``evaluate``'s dataset) as a list: a list, tuple or
+    other iterable of rows (never a string, which would be its characters, nor one dict, which would be
+    its keys), each a mapping whose ``prompt`` column is a non-empty string (a None or a number would
+    be rendered as the text "None" or "5" and trained on). Errors name ``key``, the row and the value."""
+    hint = " (one row? wrap it in a list: [row])" if isinstance(rows, Mapping) else ""
+    if isinstance(rows, (str, bytes, Mapping)) or not isinstance(rows, Iterable):
+        raise TypeError(f"{key} must be a list of rows (dicts with a 'prompt' column); got {short_repr(rows)}{hint}")
+    rows = list(rows)
+    for i, row in enumerate(rows):
+        if not isinstance(row, Mapping):
+            raise TypeError(f"{key}[{i}] must be a row (a dict with a 'prompt' column); got {short_repr(row)}")
+    missing = [i for i, row in enumerate(rows) if "prompt" not in row]
+    if missing:
+        raise ValueError(f"{key} rows {missing[:5]} have no 'prompt' column (keys of row {missing[0]}: "
+                         f"{short_repr(sorted(map(str, rows[missing[0]])))})")
+    for i, row in enumerate(rows):
+        prompt = row["prompt"]
+        if not isinstance(prompt, str) or not prompt.strip():
+            kind = TypeError if not isinstance(prompt, str) else ValueError
+            raise kind(f"{key}[{i}]['prompt'] must be a non-empty string (the question, not only whitespace); got {short_repr(prompt)}")
+    return rows
 
 
 def _field(row: Any, key: str, where: str) -> str:

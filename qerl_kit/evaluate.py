@@ -24,7 +24,10 @@ table in a notebook.
   the StaticEngine, vLLM; all 1319 GSM8K test problems in one call when greedy), and ``HF_BATCH``
   at a time to transformers' generate.
 * ``pass_at_k`` is the share of problems with a correct sample among the ``samples``; ``by(column)``
-  splits accuracy and pass@k by a dataset column (the arithmetic task's ``level``).
+  splits accuracy and pass@k by a dataset column (the arithmetic task's ``level``; a column no row has
+  is an error listing the columns).
+* The dataset is checked as a ``Task``'s rows (``qerl_kit.data.check_rows``: a list of rows, each
+  ``prompt`` a non-empty string), ``seed`` and ``temperature`` by the shared rules, before anything runs.
 """
 
 from __future__ import annotations
@@ -34,6 +37,8 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable
 
+from qerl_kit.config_types import check_names, check_seed, check_temperature, check_value, short_repr
+from qerl_kit.data import check_rows
 from qerl_kit.rollout.base import RolloutEngine, engine_sync
 from qerl_kit.rollout.types import Prompts, SamplingParams
 from qerl_kit.scoring import reward_scores
@@ -77,7 +82,15 @@ class EvalResult:
         return sum(p["pass_rate"] > 0 for p in self.per_problem) / len(self.per_problem)
 
     def by(self, column: str) -> dict:
-        """Accuracy, pass@k and count per value of a dataset column (``result.by("level")``)."""
+        """Accuracy, pass@k and count per value of a dataset column (``result.by("level")``). A column
+        no row has (a typo: ``"levle"``) is an error listing the columns, not one group ``None``."""
+        if not isinstance(column, str):
+            raise TypeError(f"by(column): column must be one column name (a string); got {short_repr(column)}")
+        columns = list(dict.fromkeys(k for p in self.per_problem for k in p["columns"]))
+        if not columns:
+            raise ValueError(f"by({short_repr(column)}): the rows have no column to split by besides "
+                             "'prompt' and 'answer'")
+        check_names("by(column)", column, columns, what="column")
         groups: dict = {}
         for p in self.per_problem:
             groups.setdefault(p["columns"].get(column), []).append(p)
@@ -121,6 +134,9 @@ class EvalResult:
         os.replace(tmp, path)
 
     def example_rows(self, k: int = 3, limit: int = 80) -> list[dict]:
+        """The first ``k`` problems (an int >= 0) as table rows, texts cut to ``limit`` characters."""
+        k = check_value("k", k, int, ge=0, why="the number of problems shown")
+        limit = check_value("limit", limit, int, ge=4, why="characters per text, '...' included")
         return [{"#": p["index"], "prompt": _short(p["prompt"], limit), "answer": _short(p["answer"], 20),
                  "completion": _short(p["completions"][0], limit) if p["completions"] else "",
                  "pass@1": p["pass_rate"]} for p in self.per_problem[:k]]
@@ -154,13 +170,12 @@ def evaluate(model: Any, tokenizer: Any, dataset: Iterable[dict], reward_fn: Cal
     (the chat template when there is one, GSM8K's instruction suffix). ``Task.evaluate`` passes a
     task's prompt function and accuracy reward.
     """
-    rows = [dict(r) for r in dataset]
+    # a list of rows with a non-empty 'prompt' (never one dict, whose keys would be the rows): Task's check
+    rows = [dict(r) for r in check_rows("dataset", dataset)]
     if not rows:
         raise ValueError("the dataset is empty: nothing to evaluate")
-    missing = [i for i, r in enumerate(rows) if "prompt" not in r]
-    if missing:
-        raise ValueError(f"rows {missing[:5]} have no 'prompt' column (keys of row {missing[0]}: "
-                         f"{sorted(rows[missing[0]])})")
+    seed = None if seed is None else check_seed("seed", seed)  # each chunk is seeded with seed + its index
+    temperature = check_temperature("temperature", temperature, greedy=True)
     if not isinstance(samples, int) or samples < 1:
         raise ValueError(f"samples must be an int >= 1; got {samples!r}")
     if batch_size is not None and (not isinstance(batch_size, int) or batch_size < 1):

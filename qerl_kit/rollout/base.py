@@ -21,16 +21,19 @@ An engine is two calls:
 from __future__ import annotations
 
 import contextlib
+import operator
 import time
 from typing import Any, Iterator, Protocol, Sequence, runtime_checkable
 
 import torch
 from torch import Tensor
 
+from qerl_kit.config_types import short_repr
 from qerl_kit.finite import check_logprobs
 from qerl_kit.rollout.types import Generation, Prompts, Rollouts, SamplingParams, as_prompts, check_n
 
-__all__ = ["RolloutEngine", "Engine", "ModelEngine", "engine_sync", "check_context", "check_token_ids", "inference", "seeded", "special_ids",
+__all__ = ["RolloutEngine", "Engine", "ModelEngine", "engine_sync", "check_context", "check_token_ids", "check_stop_ids",
+           "inference", "seeded", "special_ids",
            "stop_mask", "decode_completions"]
 
 
@@ -158,6 +161,46 @@ def check_token_ids(prompt_ids: Sequence[Sequence[int]], vocab_size: int | None)
                              f"size is {vocab_size if vocab_size is not None else 'unknown'})")
 
 
+def check_stop_ids(stop_token_ids: Any, vocab_size: int | None, key: str = "stop_token_ids") -> list[int]:
+    """The extra stop ids an engine is built with, checked there (every engine: HF, static, vLLM): None
+    (none), one id or a list of ids, each an int in [0, vocab_size). An id outside the vocabulary is never
+    generated, so it would never stop a row; a float would be truncated to another token; a string would
+    be read as its characters. ``vocab_size`` None: only ``>= 0`` is checked."""
+    allowed = (f"None or token ids (ints in [0, {vocab_size}), the model's vocabulary)" if vocab_size is not None
+               else "None or token ids (ints >= 0)")
+    if stop_token_ids is None:
+        return []
+    if isinstance(stop_token_ids, (str, bytes)):
+        raise TypeError(f"{key} must be {allowed}; got {short_repr(stop_token_ids)} (a token's text: pass its id, "
+                        "tokenizer.convert_tokens_to_ids(token))")
+    try:
+        items = [stop_token_ids] if _is_id(stop_token_ids) else list(stop_token_ids)
+    except TypeError:
+        raise TypeError(f"{key} must be {allowed}; got {short_repr(stop_token_ids)}") from None
+    ids = []
+    for item in items:
+        if not _is_id(item):
+            raise TypeError(f"{key} must be {allowed}; got {short_repr(item)} in {short_repr(stop_token_ids)}")
+        ids.append(operator.index(item))
+        if ids[-1] < 0 or (vocab_size is not None and ids[-1] >= vocab_size):
+            raise ValueError(f"{key} must be {allowed}; got {ids[-1]} (an id outside the vocabulary is never "
+                             "generated, so it would never stop a completion)")
+    return ids
+
+
+def _is_id(value: Any) -> bool:
+    """An int-like token id (int, numpy or 0-d torch integer), never a bool or a float."""
+    if isinstance(value, bool) or type(value).__name__ in ("bool_", "bool"):
+        return False
+    if isinstance(value, torch.Tensor) and (value.dtype == torch.bool or value.dim() != 0):
+        return False
+    try:
+        operator.index(value)
+    except TypeError:
+        return False
+    return True
+
+
 @contextlib.contextmanager
 def inference(model: torch.nn.Module):
     """Eval mode and no_grad; restores every module's own train/eval flag afterwards. On the CPU,
@@ -202,11 +245,13 @@ def special_ids(tokenizer: Any, model: torch.nn.Module | None,
                 stop_token_ids: Sequence[int] | None = None) -> tuple[int | None, list[int]]:
     """(pad id, stop ids) for an engine: pad = the tokenizer's pad, else its first EOS (None if it
     has neither); stop ids = tokenizer EOS + the model's ``generation_config`` EOS + the chat
-    template's turn end (``chat_stop_ids``) + extra ids."""
+    template's turn end (``chat_stop_ids``) + extra ids (``check_stop_ids``: ints in the model's vocabulary)."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    extra = check_stop_ids(stop_token_ids, None if base is None else _vocab_size(base))
     eos = _as_ids(getattr(tokenizer, "eos_token_id", None))
     pad = getattr(tokenizer, "pad_token_id", None)
     config_eos = _as_ids(getattr(getattr(model, "generation_config", None), "eos_token_id", None))
-    stop = list(dict.fromkeys(eos + config_eos + chat_stop_ids(tokenizer) + _as_ids(stop_token_ids)))
+    stop = list(dict.fromkeys(eos + config_eos + chat_stop_ids(tokenizer) + extra))
     return (int(pad) if pad is not None else (eos[0] if eos else None)), stop
 
 

@@ -81,7 +81,8 @@ class HFEngine(ModelEngine):
     """Rollouts through ``model.generate`` (transformers), with prefill sharing and sampling log-probs.
 
     ``batch_size``: prompts per ``generate`` call (each expands to ``batch_size * n`` rows);
-    None = all at once. ``stop_token_ids``: extra ids that end a completion. ``share_prefill``:
+    None = all at once. ``stop_token_ids``: extra ids that end a completion (ints in the
+    model's vocabulary, checked here: ``check_stop_ids``). ``share_prefill``:
     prefill each prompt once for its n samples (see the module docstring).
     """
 

@@ -36,7 +36,7 @@ from typing import Any, Iterator, Sequence
 import torch
 from torch import nn
 
-from qerl_kit.rollout.base import Engine, decode_completions
+from qerl_kit.rollout.base import Engine, _vocab_size, check_stop_ids, decode_completions
 from qerl_kit.rollout.types import Generation, Prompts, SamplingParams, as_prompts, check_n
 
 __all__ = ["VLLMEngine", "AdapterWriter", "vllm_norm_names", "hf_norm_names", "resolve_norms",
@@ -164,6 +164,17 @@ class AdapterWriter:
         self.current = None
 
 
+def _checkpoint_vocab(checkpoint_dir: str | Path) -> int | None:
+    """``vocab_size`` of a checkpoint's config.json; None when it cannot be read (vLLM says why later)."""
+    import json
+
+    try:
+        size = json.loads((Path(checkpoint_dir) / "config.json").read_text(encoding="utf-8")).get("vocab_size")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return size if isinstance(size, int) and not isinstance(size, bool) and size > 0 else None
+
+
 # ---- the engine ---------------------------------------------------------------------------------
 class VLLMEngine(Engine):
     """``vllm.LLM`` on an exported NVFP4 checkpoint; ``generate`` fills ``qerl_kit.rollout.Rollouts``."""
@@ -175,6 +186,8 @@ class VLLMEngine(Engine):
                  seed: int = 0, dtype: str = "bfloat16", logprobs_mode: str | None = "processed_logprobs",
                  stop_token_ids: Sequence[int] | None = None, add_special_tokens: bool = False,
                  adapter_root: str | Path | None = None, name_map=None, ignore_eos: bool = False, **llm_kwargs):
+        # checked before vLLM starts: ids in the checkpoint's vocabulary (config.json's vocab_size)
+        stop_token_ids = check_stop_ids(stop_token_ids, _checkpoint_vocab(checkpoint_dir))
         vllm = import_vllm()
         require_cuda()
         from vllm.lora.request import LoRARequest
@@ -184,7 +197,7 @@ class VLLMEngine(Engine):
         self.max_lora_rank = next((r for r in VLLM_LORA_RANKS if r >= max_lora_rank), max_lora_rank)
         eos, pad = getattr(tokenizer, "eos_token_id", None), getattr(tokenizer, "pad_token_id", None)
         self.pad_token_id = int(pad if pad is not None else (eos if eos is not None else 0))
-        self.stop_token_ids = list(stop_token_ids or [])
+        self.stop_token_ids = stop_token_ids
         self.ignore_eos = ignore_eos  # benchmarks: every row runs to max_new_tokens (as StaticEngine's)
         # ``skip_tokenizer_init=True``: vLLM starts without a tokenizer (a checkpoint without one, or a
         # tokenizer vLLM cannot load); the completions are then decoded here with ``tokenizer``
@@ -222,6 +235,8 @@ class VLLMEngine(Engine):
         the adapter's rank unless given. The adapter and norms reach vLLM at every ``sync``."""
         from qerl_kit.export import save_nvfp4
 
+        base = policy.get_base_model() if hasattr(policy, "get_base_model") else policy
+        check_stop_ids(kwargs.get("stop_token_ids"), _vocab_size(base))  # a stop id it could never generate
         import_vllm()  # fail before minutes of exporting
         require_cuda()
         temporary = export_dir is None

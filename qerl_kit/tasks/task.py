@@ -9,16 +9,43 @@ rendered the same way everywhere (``task.prompt(tokenizer, row)``) and tokenized
 Rows are dicts with at least a ``prompt`` (the question) column; every other column (``answer``,
 ``level``, ...) reaches the reward functions as a keyword argument, as in TRL. Every row of a split
 has the same columns (``qerl_kit.data.check_columns``, checked here and when a file loads).
+
+A task is checked when it is made, so a mistake is named there rather than at a later training
+step: each split a list of rows whose ``prompt`` is a non-empty string (``qerl_kit.data.check_rows``:
+never one dict, whose keys would be the rows, nor a string); ``rewards`` one callable or a list of
+them (a string is named as given); ``max_new_tokens`` None or an int >= 1 (the rule of every
+completion budget, ``config_types.NEW_TOKENS_RULE``). Errors start with ``task '<name>':``.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from collections.abc import Iterable, Mapping
 from typing import Any, Callable, Sequence
 
-from qerl_kit.data import chat_prompt, check_columns
+from qerl_kit.config_types import NEW_TOKENS_RULE, check_rule, check_value, short_repr
+from qerl_kit.data import chat_prompt, check_columns, check_rows
 
 __all__ = ["Task", "chat_prompt"]
+
+
+def _reward_fns(where: str, rewards: Any) -> tuple[Callable, ...]:
+    """One reward function or a list of them, as a non-empty tuple of callables. A string is refused as
+    given (iterating it would name its first character), as is a dict (its keys are not functions)."""
+    if callable(rewards):
+        return (rewards,)
+    if isinstance(rewards, (str, bytes, Mapping)) or not isinstance(rewards, Iterable):
+        hint = (" (pass the function itself, e.g. qerl_kit.rewards.gsm8k_reward, not its name)"
+                if isinstance(rewards, str) else "")
+        raise TypeError(f"{where}: rewards must be a reward function (a callable) or a list of them; "
+                        f"got {short_repr(rewards)}{hint}")
+    fns = tuple(rewards)
+    if not fns:
+        raise ValueError(f"{where} needs at least one reward function")
+    for i, fn in enumerate(fns):
+        if not callable(fn):
+            raise TypeError(f"{where}: rewards[{i}] must be a callable reward function; got {short_repr(fn)}")
+    return fns
 
 
 @dataclass(frozen=True)
@@ -33,24 +60,24 @@ class Task:
     info: dict = field(default_factory=dict)  # where the rows came from (split sizes, seed, path)
 
     def __post_init__(self):
-        rewards = (self.rewards,) if callable(self.rewards) else tuple(self.rewards)
-        object.__setattr__(self, "rewards", rewards)
-        object.__setattr__(self, "train", list(self.train))
-        object.__setattr__(self, "eval", list(self.eval or []))
-        if not rewards:
-            raise ValueError(f"task {self.name!r} needs at least one reward function")
-        for fn in rewards + ((self.accuracy_fn,) if self.accuracy_fn is not None else ()):
-            if not callable(fn):
-                raise TypeError(f"task {self.name!r}: reward functions must be callable; got {fn!r}")
+        name = check_value("task name", self.name, str)
+        where = f"task {name!r}"
+        object.__setattr__(self, "rewards", _reward_fns(where, self.rewards))
+        if self.accuracy_fn is not None and not callable(self.accuracy_fn):
+            raise TypeError(f"{where}: accuracy_fn must be None (the first reward) or a callable reward function; "
+                            f"got {short_repr(self.accuracy_fn)}")
         if not callable(self.prompt_fn):
-            raise TypeError(f"task {self.name!r}: prompt_fn must be callable (tokenizer, row) -> str; "
-                            f"got {self.prompt_fn!r}")
+            raise TypeError(f"{where}: prompt_fn must be callable (tokenizer, row) -> str; "
+                            f"got {short_repr(self.prompt_fn)}")
+        # the shared rule of every completion budget (rollout.max_new_tokens, --max-new-tokens, SamplingParams)
+        object.__setattr__(self, "max_new_tokens",
+                           check_rule(f"{where}: max_new_tokens", self.max_new_tokens, int | None, NEW_TOKENS_RULE))
         for split in ("train", "eval"):
-            missing = [i for i, row in enumerate(getattr(self, split)) if "prompt" not in row]
-            if missing:
-                raise ValueError(f"task {self.name!r}: {split} rows {missing[:5]} have no 'prompt' column")
+            value = getattr(self, split)
+            rows = check_rows(f"{where}: {split}", [] if split == "eval" and value is None else value)
+            object.__setattr__(self, split, rows)
             # one set of columns per split: a batch's columns are taken from its first row
-            check_columns((f"task {self.name!r}: {split} row {i}", row) for i, row in enumerate(getattr(self, split)))
+            check_columns((f"{where}: {split} row {i}", row) for i, row in enumerate(rows))
 
     @property
     def accuracy(self) -> Callable:

@@ -25,6 +25,9 @@ its row) and per behaviour the issue names, grouped by the class of check they e
 - ``test_aqn_r3.py`` (round 3, rows 17, 23, 25, 26 of the third trial, 2026-12-04, ``test_r3_NN_...``):
   AQN steps by one rule (``aqn.check_step``), the panel's probe result, the dashboard's metrics and
   redraw interval, ``arith.make_dataset``'s ``n`` and levels.
+- ``test_tasks_r3.py`` (round 3, rows 13-16, 18-22 of the third trial of 2026-12-04, ``test_r3_NN_...``):
+  a ``Task``'s rows, rewards and ``max_new_tokens`` checked when it is made, every engine's
+  ``stop_token_ids``, ``evaluate``'s seed and dataset, ``EvalResult.by``/``example_rows``.
 
 Every test here failed on main before the issue's fixes (fe1b96e).
 """
