@@ -81,8 +81,10 @@ class Trainer:
                             "Task(name, train_rows, eval_rows, reward_fns, prompt_fn))")
         if not isinstance(config, TrainConfig):
             raise TypeError(f"config must be a qerl_kit.config.TrainConfig; got {type(config).__name__}")
-        if not task.train:
-            raise ValueError(f"task {task.name!r} has no training rows{(task.info or {}).get('no_train', '')}")
+        if not task.train:  # a DataError (a ValueError): `qerl train` prints it as one line
+            from qerl_kit.data import DataError
+
+            raise DataError(f"task {task.name!r} has no training rows{(task.info or {}).get('no_train', '')}")
         trainable = [p for p in model.parameters() if p.requires_grad]
         if not trainable:
             raise ValueError("the model has no trainable parameters; attach LoRA first "
