@@ -200,10 +200,15 @@ FILE_NAMES = {"gsm8k": "gsm8k_{split}.jsonl", "math500": "math500_{split}.jsonl"
 
 
 def data_dirs() -> list[Path]:
-    """The folders searched for ``<task>_<split>.jsonl`` (``$QERL_DATA`` alone when it is set)."""
+    """The folders searched for ``<task>_<split>.jsonl`` (``$QERL_DATA`` alone when it is set). A
+    ``$QERL_DATA`` that is a file, not a folder, is a FileNotFoundError saying so (qerl prints it as one line)."""
     env = os.environ.get(DATA_ENV)
     if env:
-        return [Path(env).expanduser()]
+        folder = Path(env).expanduser()
+        if folder.exists() and not folder.is_dir():
+            raise FileNotFoundError(f"{DATA_ENV}={short(env)} is a file, not a folder: set {DATA_ENV} to the folder "
+                                    "that holds the data files (gsm8k_test.jsonl ...), or pass the .jsonl path itself")
+        return [folder]
     return [Path(d) for d in DEFAULT_DATA_DIRS]
 
 
@@ -215,7 +220,7 @@ def find_data_file(kind: str, split: str) -> Path:
     for folder in searched:
         if (folder / name).is_file():
             return folder / name
-    where = ", ".join(str(f.resolve()) for f in searched)
+    where = ", ".join(str(f.resolve()) + ("" if f.is_dir() else " (no such folder)") for f in searched)
     raise FileNotFoundError(
         f"{kind} split {split!r}: no {name} in {where}. Put the JSON Lines files in ./data, or set "
         f"{DATA_ENV}=/path/to/folder (this project's copies: ../shared/data), or pass a .jsonl path; "

@@ -11,7 +11,6 @@ trained policy's after, with the same decoding, and writes to ``runs/demo/``: ``
 from __future__ import annotations
 
 import json
-import os
 import platform
 import time
 from pathlib import Path
@@ -39,8 +38,10 @@ def run_demo(model: str = "tiny", dataset: str = "arith", steps: int | None = No
     if not torch.cuda.is_available():
         # The tiny model's matmuls are too small to gain from intra-op threads, and extra threads
         # compete with everything else on a small machine (measured: 3x slower with 2 threads
-        # on a busy 2-core CPU). QERL_THREADS overrides.
-        torch.set_num_threads(int(os.environ.get("QERL_THREADS", "1")))
+        # on a busy 2-core CPU). QERL_THREADS overrides (checked: qerl_kit.threads).
+        from qerl_kit.threads import set_cpu_threads
+
+        set_cpu_threads()
     overrides: dict = dict(model=dict(name=model, format=fmt), data=dict(dataset=dataset), seed=seed,
                            output_dir=output_dir, save_every=10)
     if steps is not None:

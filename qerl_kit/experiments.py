@@ -373,15 +373,17 @@ def main(argv: Sequence[str] | None = None) -> int:
                    help="allow an output directory under the project's docs/ (the committed results)")
     args = p.parse_args(argv)
     names, budget = GRIDS[args.grid]
-    dev = _device(args.device)
-    if dev.type == "cpu":  # one thread: the tiny model gains nothing from more, and they fight (demo.py)
-        torch.set_num_threads(int(os.environ.get("QERL_THREADS", "1")))
-    kw = {k: getattr(budget, k) if getattr(args, k) is None else getattr(args, k)
-          for k in ("steps", "batch_size", "group_size", "eval_size", "eval_every")}
-    kw["max_new_tokens"] = budget.max_new_tokens if args.dataset == "arith" else _task_budget(args.dataset)
     from qerl_kit.export import RefusedToOverwrite
 
-    try:
+    try:  # a flag's value refused anywhere below (ConfigError is a ValueError) is a usage error: one line, rc 2
+        dev = _device(args.device)
+        if dev.type == "cpu":  # one thread: the tiny model gains nothing from more, and they fight (demo.py)
+            from qerl_kit.threads import set_cpu_threads
+
+            set_cpu_threads()
+        kw = {k: getattr(budget, k) if getattr(args, k) is None else getattr(args, k)
+              for k in ("steps", "batch_size", "group_size", "eval_size", "eval_every")}
+        kw["max_new_tokens"] = budget.max_new_tokens if args.dataset == "arith" else _task_budget(args.dataset)
         _GridDir.inspect(args.out, allow_docs=args.allow_docs).check(*CLI_OUTPUTS)  # before any training
         configs = args.configs or names  # names: run_grid picks the learning rate by model
         if args.lr is not None:

@@ -25,6 +25,20 @@ from qerl_kit import kernels
 from qerl_kit.linear import NVFP4Linear
 
 ROWS = (1, 8, 64, 256, 2048)
+# Each row count allocates an (uninitialised) activation of that many rows to route: 2**20 rows is more
+# tokens than any forward of a run (a micro-batch of 64 x 16k-token sequences).
+ROWS_MAX = 2**20
+
+
+def check_rows(rows) -> tuple[int, ...]:
+    """``rows`` as a non-empty tuple of row counts, each an int in [1, 2**20] (a ConfigError naming ``rows``)."""
+    from qerl_kit.config_types import ConfigError, check_value, short_repr
+
+    allowed = f"a non-empty tuple of ints in [1, {ROWS_MAX}] (row counts, e.g. {ROWS})"
+    if isinstance(rows, (str, bytes)) or not isinstance(rows, (tuple, list, range)) or len(rows) == 0:
+        raise ConfigError(f"rows must be {allowed}; got {short_repr(rows)}", "rows", rows, allowed)
+    return tuple(check_value(f"rows[{i}]", m, int, ge=1, le=ROWS_MAX, why="rows of activations in one forward")
+                 for i, m in enumerate(rows))
 
 # Kernel (a key of qerl_kit.kernels.routes.KERNELS) -> what the report calls it.
 LABELS = {"reference": "reference", "humming": "humming", "cuda_decode": "CUDA decode",
@@ -78,9 +92,11 @@ def layer_kernel(m: int, layer: NVFP4Linear, dtype: torch.dtype = torch.bfloat16
 def kernel_report(model: torch.nn.Module | None = None, rows: tuple[int, ...] = ROWS,
                   dtype: torch.dtype | None = None, backend=None) -> KernelReport:
     """The backend, the kernels' status here and, with ``model``, each distinct NVFP4 layer
-    shape's kernel at ``rows`` rows of ``dtype`` activations (default: the model's floating dtype).
+    shape's kernel at ``rows`` rows of ``dtype`` activations (default: the model's floating dtype;
+    ``rows``: a non-empty tuple of ints in [1, 2**20], checked by ``check_rows``).
     Layers that share a shape share a row, named by their last two name parts (a peft LoRA
     wrapper's ``base_layer`` left out)."""
+    rows = check_rows(rows)
     layers: dict[tuple[int, int], list[str]] = {}
     first: dict[tuple[int, int], NVFP4Linear] = {}
     device = "cuda" if torch.cuda.is_available() else "cpu"

@@ -32,6 +32,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from qerl_kit.config_types import (NEW_TOKENS_RULE, OPTIMIZERS, ConfigError, check_names, check_rule, check_value,
+                                   short_repr)
 from qerl_kit.table import html_table, human_bytes, text_table
 
 __all__ = ["MemoryPlan", "plan_memory", "model_shape"]
@@ -39,22 +41,40 @@ __all__ = ["MemoryPlan", "plan_memory", "model_shape"]
 _PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
+_SIZE = dict(ge=1, why="a model dimension")
+_SHAPE_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
+_MODEL_ALLOWED = "a preset name of qerl_kit.models.PRESETS, a transformers config or a dict of its sizes"
+
+
 def model_shape(model: Any) -> dict:
-    """The numbers the planner needs, from a preset name, a transformers config or a dict."""
+    """The numbers the planner needs, from a preset name, a transformers config or a dict. A model
+    object (an ``nn.Module``), a missing size or one that is not an int >= 1 is a ConfigError naming it."""
+    import torch
+
     if isinstance(model, str):
         from qerl_kit.models import PRESETS
 
         if model not in PRESETS:
-            raise ValueError(f"unknown model preset {model!r}; choose one of {sorted(PRESETS)} "
-                             "or pass a transformers config")
+            raise ConfigError(f"unknown model preset {short_repr(model)}; choose one of {sorted(PRESETS)} "
+                              "or pass a transformers config", "model", model, _MODEL_ALLOWED)
         cfg = dict(PRESETS[model])
     elif isinstance(model, dict):
         cfg = dict(model)
+    elif isinstance(model, torch.nn.Module):  # the weights are not the plan's input: their config is
+        raise ConfigError(f"model must be {_MODEL_ALLOWED}; got a {type(model).__name__} model object "
+                          "(pass its .config)", "model", model, _MODEL_ALLOWED)
     else:  # a transformers PretrainedConfig (or anything with the same attributes)
         cfg = {k: getattr(model, k) for k in ("vocab_size", "hidden_size", "intermediate_size",
                                                 "num_hidden_layers", "num_attention_heads",
                                                 "num_key_value_heads", "head_dim", "tie_word_embeddings",
                                                 "model_type") if getattr(model, k, None) is not None}
+    missing = [k for k in _SHAPE_KEYS if cfg.get(k) is None]
+    if missing:
+        raise ConfigError(f"model must be {_MODEL_ALLOWED}; {short_repr(model)} has no {', '.join(missing)}",
+                          "model", model, _MODEL_ALLOWED)
+    for k in (*_SHAPE_KEYS, "num_key_value_heads", "head_dim"):  # sizes: what a tensor's dimension can be
+        if cfg.get(k) is not None:
+            cfg[k] = check_value(f"model.{k}", cfg[k], int, **_SIZE)
     heads = cfg["num_attention_heads"]
     shape = dict(vocab=cfg["vocab_size"], hidden=cfg["hidden_size"], inter=cfg["intermediate_size"],
                  layers=cfg["num_hidden_layers"], heads=heads,
@@ -70,6 +90,24 @@ def _projections(s: dict) -> dict[str, tuple[int, int]]:
     h, q, kv, i = s["hidden"], s["heads"] * s["head_dim"], s["kv_heads"] * s["head_dim"], s["inter"]
     return {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h),
             "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}
+
+
+_VALUE_BYTES = (1, 2, 4)
+
+
+def _value_bytes(key: str, value: Any) -> int:
+    """Bytes per stored value: 1 (fp8/int8), 2 (bf16/fp16) or 4 (fp32)."""
+    out = check_value(key, value, int, ge=1, le=4, why="bytes per value: 1 (fp8), 2 (bf16/fp16) or 4 (fp32)")
+    if out not in _VALUE_BYTES:
+        raise ConfigError(f"{key} must be one of {_VALUE_BYTES} (bytes per value: fp8, bf16/fp16, fp32); "
+                          f"got {short_repr(value)}", key, value, str(_VALUE_BYTES))
+    return out
+
+
+def _check_gpu_bytes(gpu_bytes: Any) -> int | None:
+    """The GPU's memory: None (not compared) or an int >= 1 of bytes (``"80GB"`` is not bytes)."""
+    return check_value("gpu_bytes", gpu_bytes, int | None, ge=1,
+                       why="the GPU's memory in bytes, e.g. torch.cuda.mem_get_info()[1] or 80 * 2**30")
 
 
 @dataclass
@@ -99,7 +137,7 @@ class MemoryPlan:
         return int((self.static + max(self.rollout, self.training)) * (1 + self.overhead))
 
     def fits(self, gpu_bytes: int | None = None) -> bool:
-        gpu = gpu_bytes or self.gpu_bytes
+        gpu = _check_gpu_bytes(gpu_bytes) or self.gpu_bytes
         if gpu is None:
             raise ValueError("pass the GPU's memory in bytes (e.g. torch.cuda.mem_get_info()[1])")
         return self.peak <= gpu
@@ -129,21 +167,42 @@ class MemoryPlan:
 def plan_memory(model: Any = "Qwen2.5-7B", fmt: str = "nvfp4", lora_r: int = 32,
                 targets: tuple[str, ...] = _PROJECTIONS, optimizer: str = "adamw8bit",
                 rollout_batch: int = 128, prompt_len: int = 256, max_new_tokens: int = 4096,
-                micro_batch: int = 8, gradient_checkpointing: bool = True, kv_bytes: int = 2,
+                micro_batch: int | None = None, gradient_checkpointing: bool = True, kv_bytes: int = 2,
                 act_bytes: int = 2, lora_bytes: int = 2, overhead: float = 0.10,
                 gpu_bytes: int | None = None, group_size: int = 1) -> MemoryPlan:
-    """Estimate the memory of a QeRL run; see the module docstring for what each part counts."""
+    """Estimate the memory of a QeRL run; see the module docstring for what each part counts. Every
+    argument is checked where it enters (a ConfigError naming it): sizes and counts are ints >= 1,
+    ``micro_batch`` at most ``rollout_batch`` (default: 8 or the whole batch if smaller), bytes per value
+    1, 2 or 4, ``overhead`` in [0, 10], ``targets`` projection names (one name as a string is that name)."""
+    from qerl_kit.formats import FORMATS
+
+    fmt = check_value("fmt", fmt, str, choices=(*FORMATS, "none"))
     if fmt != "none":
         from qerl_kit.formats import get_format
 
         bits = get_format(fmt).bits_per_weight
-    if optimizer not in ("adamw", "adamw8bit"):
-        raise ValueError(f"optimizer must be adamw or adamw8bit; got {optimizer!r}")
+    optimizer = check_value("optimizer", optimizer, str, choices=OPTIMIZERS)
+    lora_r = check_value("lora_r", lora_r, int, ge=1, why="the LoRA rank")
+    rollout_batch = check_value("rollout_batch", rollout_batch, int, ge=1, why="sequences per rollout")
+    prompt_len = check_value("prompt_len", prompt_len, int, ge=0, why="prompt tokens per sequence")
+    max_new_tokens = check_rule("max_new_tokens", max_new_tokens, int, NEW_TOKENS_RULE)
+    micro_batch = check_value("micro_batch", min(8, rollout_batch) if micro_batch is None else micro_batch,
+                              int, ge=1, le=rollout_batch,
+                              why=f"a micro-batch is a slice of the rollout batch (rollout_batch = {rollout_batch})")
+    gradient_checkpointing = check_value("gradient_checkpointing", gradient_checkpointing, bool)
+    kv_bytes, act_bytes, lora_bytes = (_value_bytes("kv_bytes", kv_bytes), _value_bytes("act_bytes", act_bytes),
+                                       _value_bytes("lora_bytes", lora_bytes))
+    overhead = check_value("overhead", overhead, float, ge=0, le=10,
+                           why="a share added to the total for the CUDA context and allocator slack (0.1 = 10%)")
+    gpu_bytes = _check_gpu_bytes(gpu_bytes)
+    group_size = check_value("group_size", group_size, int, ge=1, le=rollout_batch,
+                             why=f"samples per prompt; it must divide rollout_batch ({rollout_batch})")
+    if rollout_batch % group_size:
+        raise ConfigError(f"group_size must be an int >= 1 that divides rollout_batch ({rollout_batch}); "
+                          f"got {group_size}", "group_size", group_size, f"a divisor of {rollout_batch}")
     s = model_shape(model)
     proj = _projections(s)
-    unknown = set(targets) - set(proj)
-    if unknown:
-        raise ValueError(f"unknown LoRA targets {sorted(unknown)}; choose from {list(proj)}")
+    targets = check_names("targets", targets, proj, what="LoRA target", empty=False)
     L, h, V = s["layers"], s["hidden"], s["vocab"]
     # weights
     n_proj = L * sum(i * o for i, o in proj.values())
@@ -155,9 +214,6 @@ def plan_memory(model: Any = "Qwen2.5-7B", fmt: str = "nvfp4", lora_r: int = 32,
     lora_params = L * sum(lora_r * (proj[t][0] + proj[t][1]) for t in targets)
     opt_bytes = lora_params * (2 * lora_bytes if optimizer == "adamw" else 2)
     # rollout: KV cache of every sequence at full length (the prompt once per group of samples)
-    if not isinstance(group_size, int) or group_size < 1 or rollout_batch % group_size:
-        raise ValueError(f"group_size must be an int >= 1 that divides rollout_batch ({rollout_batch}); "
-                         f"got {group_size!r}")
     seq = prompt_len + max_new_tokens
     kv_tokens = rollout_batch // group_size * prompt_len + rollout_batch * max_new_tokens
     kv = kv_tokens * 2 * L * s["kv_heads"] * s["head_dim"] * kv_bytes

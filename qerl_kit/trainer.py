@@ -46,6 +46,7 @@ from qerl_kit import distributed
 from qerl_kit import divergence, finite, grpo, runs, trainer_state
 from qerl_kit.aqn import AQN
 from qerl_kit.config import TrainConfig, check_lr, upgrade_dict
+from qerl_kit.data import DataError
 from qerl_kit.logprobs import batched_logprobs, completion_logprobs
 from qerl_kit.optim import lr_lambda, make_optimizer, steps_to_run
 from qerl_kit.rollout.base import engine_sync
@@ -81,8 +82,8 @@ class Trainer:
                             "Task(name, train_rows, eval_rows, reward_fns, prompt_fn))")
         if not isinstance(config, TrainConfig):
             raise TypeError(f"config must be a qerl_kit.config.TrainConfig; got {type(config).__name__}")
-        if not task.train:
-            raise ValueError(f"task {task.name!r} has no training rows{(task.info or {}).get('no_train', '')}")
+        if not task.train:  # a DataError (a ValueError): `qerl train` prints it as one line
+            raise DataError(f"task {task.name!r} has no training rows{(task.info or {}).get('no_train', '')}")
         trainable = [p for p in model.parameters() if p.requires_grad]
         if not trainable:
             raise ValueError("the model has no trainable parameters; attach LoRA first "

@@ -74,7 +74,7 @@ def test_peak_is_static_plus_the_larger_phase_and_fits():
 def test_errors_name_the_problem():
     with pytest.raises(ValueError, match="unknown model preset"):
         plan_memory("Qwen9-1B")
-    with pytest.raises(ValueError, match="unknown LoRA targets"):
+    with pytest.raises(ValueError, match="targets: .qkv. matches no LoRA target"):
         plan_memory("Qwen2.5-7B", targets=("qkv",))
     with pytest.raises(ValueError, match="optimizer"):
         plan_memory("Qwen2.5-7B", optimizer="sgd")

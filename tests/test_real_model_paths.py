@@ -235,4 +235,4 @@ def test_a_missing_data_folder_fails_before_the_model_loads(tmp_path, monkeypatc
     monkeypatch.setenv("QERL_DATA", str(tmp_path))
     assert main(["eval", "--dataset", "gsm8k", "--model", "tiny"]) == 2
     err = capsys.readouterr().err
-    assert "gsm8k_train.jsonl" in err and "QERL_DATA" in err
+    assert "gsm8k_test.jsonl" in err and "QERL_DATA" in err  # evaluation needs only the test split

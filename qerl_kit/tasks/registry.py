@@ -12,7 +12,9 @@
 * ``gsm8k``: GSM8K's train and test splits, read from ``gsm8k_train.jsonl`` / ``gsm8k_test.jsonl``
   in the data folder (``qerl_kit.data.find_data_file``: ``$QERL_DATA``, ``./data``,
   ``../shared/data``; never the hub), the first ``train_size`` train rows, the first ``eval_size``
-  test rows held out, ``gsm8k_reward``, 512 new tokens;
+  test rows held out, ``gsm8k_reward``, 512 new tokens. Only the test file is required: without
+  ``gsm8k_train.jsonl`` the task has no training rows (``qerl eval`` is fine with that; the Trainer
+  refuses it, naming the missing file);
 * ``math500``: MATH-500 from ``math500_test.jsonl`` (train = its first ``train_size`` rows, eval =
   its first ``eval_size``: they overlap, for quick checks), ``math_reward``, MATH's ``\\boxed{}``
   instruction (``math_prompt``), 1024 new tokens;
@@ -80,11 +82,17 @@ def _gsm8k(cfg, seed: int) -> Task:
     from qerl_kit import rewards
     from qerl_kit.data import find_data_file, load_gsm8k
 
-    files = {split: find_data_file("gsm8k", split) for split in ("train", "test")}  # both, before reading either
-    return Task("gsm8k", load_gsm8k(files["train"], limit=cfg.train_size),
-                load_gsm8k(files["test"], limit=cfg.eval_size),
-                (rewards.gsm8k_reward,), chat_prompt, max_new_tokens=512,
-                info={split: str(f) for split, f in files.items()})
+    test = find_data_file("gsm8k", "test")
+    info = {"test": str(test)}
+    try:  # evaluation needs only the test split: a missing train file is said when training asks for it
+        train_file = find_data_file("gsm8k", "train")
+    except FileNotFoundError as err:
+        train_file, info["no_train"] = None, f" ({err})"
+    else:
+        info["train"] = str(train_file)
+    train = load_gsm8k(train_file, limit=cfg.train_size) if train_file is not None else []
+    return Task("gsm8k", train, load_gsm8k(test, limit=cfg.eval_size), (rewards.gsm8k_reward,), chat_prompt,
+                max_new_tokens=512, info=info)
 
 
 def _math500(cfg, seed: int) -> Task:

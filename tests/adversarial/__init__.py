@@ -28,6 +28,9 @@ its row) and per behaviour the issue names, grouped by the class of check they e
 - ``test_tasks_r3.py`` (round 3, rows 13-16, 18-22 of the third trial of 2026-12-04, ``test_r3_NN_...``):
   a ``Task``'s rows, rewards and ``max_new_tokens`` checked when it is made, every engine's
   ``stop_token_ids``, ``evaluate``'s seed and dataset, ``EvalResult.by``/``example_rows``.
+- ``test_env_r3.py`` (round 3, rows 11, 12, 24, 27-29 of the third trial, 2026-12-04, ``test_r3_NN_...``):
+  ``plan_memory``'s and ``kernel_report``'s arguments, the grid's flags as usage errors, ``QERL_THREADS``
+  and ``QERL_DATA``.
 
 Every test here failed on main before the issue's fixes (fe1b96e).
 """
