@@ -22,6 +22,9 @@ its row) and per behaviour the issue names, grouped by the class of check they e
   strictly (duplicate keys, syntax errors, huge ints), finite values that cannot work (tiny lr and
   max_grad_norm, huge weight decay/beta/penalty/alpha/mu/batch/data sizes), steps past total_steps at
   lr 0, seeds from Python, ``qerl eval``/``quantize`` flags checked before loading.
+- ``test_export_r3.py`` (round 3, rows 1-10 of the third trial, 2026-12-04, ``test_r3_NN_...``):
+  ``save_nvfp4``'s dtype and shard size, ``load_nvfp4``'s checked reads (NaN tensors, config.json,
+  truncated files), exports that ``qerl eval`` runs, model directories without a tokenizer, ``--skip``.
 
 Every test here failed on main before the issue's fixes (fe1b96e).
 """

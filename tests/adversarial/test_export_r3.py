@@ -208,11 +208,6 @@ def test_r3_09_skip_that_leaves_nothing_is_one_line(src, capsys):
                   "no nn.Linear layers to convert", "keeps every one of them dense")
 
 
-def test_r3_09_skip_typo_is_said_before_the_head(src, capsys):
-    """qerl quantize src --skip mpl: the name that matches nothing is the error, not the head."""
-    _one_line_rc2(capsys, ["quantize", str(src), "--skip", "mpl"], "'mpl'", "matches no linear layer")
-
-
 def test_r3_10_format_none_is_named():
     """quantize_model(build_model("qwen2-tiny"), fmt=None)."""
     with pytest.raises(ValueError, match=r"unknown weight format None; choose one of \['mxfp4', 'nf4', 'nvfp4'\]"):
