@@ -34,10 +34,12 @@ def build_policy(cfg: ModelConfig, *, device: str | torch.device | None = None, 
     ``seed`` seeds LoRA's initialization, so runs with the same seed start from the same adapter."""
     from qerl_kit.config_types import check_seed
     from qerl_kit.lora import attach_lora
-    from qerl_kit.quantize import quantize_model
+    from qerl_kit.quantize import quantize_model, quantized_format
 
     seed = check_seed("seed", seed)  # LoRA's init generator: refused before the model loads
     model, tokenizer = load_base(cfg, device=device, dtype=dtype)
-    report = None if cfg.format == "none" else quantize_model(model, fmt=cfg.format)
+    # an NVFP4 export loads already quantized: used as it is (quantize_model refuses another format)
+    done = cfg.format == "none" or quantized_format(model) == cfg.format
+    report = None if done else quantize_model(model, fmt=cfg.format)
     policy = attach_lora(model, r=cfg.lora_r, alpha=cfg.lora_alpha, train_norms=cfg.train_norms, seed=seed)
     return policy, tokenizer, report

@@ -21,7 +21,7 @@ def _cmd_quantize(args: argparse.Namespace) -> int:
     import torch
 
     from qerl_kit.models import PRESETS, build_model, check_model_source, load_pretrained
-    from qerl_kit.quantize import memory_report, quantize_model
+    from qerl_kit.quantize import check_skip, memory_report, quantize_model, quantized_head
 
     _check_shard_size(args.shard_size)  # before minutes of loading and quantizing
     if args.out and args.format != "nvfp4":
@@ -40,7 +40,20 @@ def _cmd_quantize(args: argparse.Namespace) -> int:
         model = build_model(args.model, dtype=torch.bfloat16)
     else:
         model, tokenizer = load_pretrained(args.model, trust_remote_code=args.trust_remote_code)
-    report = quantize_model(model, fmt=args.format, skip=tuple(args.skip))
+    check_skip(model, args.skip)  # a name that matches no layer: a ConfigError, said first
+    head = quantized_head(model, tuple(args.skip))
+    tied = head is not None and bool(getattr(model.config, "tie_word_embeddings", False))
+    if head is not None and (args.out or tied):  # --skip replaces the default lm_head, it does not add to it
+        why = "it is tied to the embedding" if tied else "an --out export keeps it dense, as vLLM does"
+        print(f"qerl quantize: --skip {' '.join(args.skip) or '(empty)'} leaves the output head {head!r} to be "
+              f"quantized, but {why}; --skip replaces the default, so add {head.rsplit('.', 1)[-1]} "
+              f"(--skip {' '.join(args.skip + [head.rsplit('.', 1)[-1]])})", file=sys.stderr)
+        return 2
+    try:
+        report = quantize_model(model, fmt=args.format, skip=tuple(args.skip))
+    except ValueError as err:  # a skip name that matches nothing or leaves nothing, an already-quantized model
+        print(f"qerl quantize: {err}", file=sys.stderr)
+        return 2
     print(report)
     print()
     print(memory_report(model))
@@ -173,7 +186,7 @@ def _cmd_eval(args: argparse.Namespace) -> int:
 
     from qerl_kit.build import load_base
     from qerl_kit.config import DataConfig, ModelConfig
-    from qerl_kit.quantize import quantize_model
+    from qerl_kit.quantize import quantize_model, quantized_format
     from qerl_kit.rollout.registry import make_engine
     from qerl_kit.tasks import make_task
 
@@ -211,7 +224,12 @@ def _cmd_eval(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     dtype = torch.bfloat16 if device.startswith("cuda") and args.model != "tiny" else None
     model, tokenizer = load_base(mcfg, device=device, dtype=dtype)
-    if args.format != "none":
+    have = quantized_format(model)  # an NVFP4 export (qerl quantize --out) loads already quantized
+    if have is not None and args.format not in (have, "none"):
+        print(f"qerl eval: --format {args.format}: model {args.model} is already quantized to {have}; use "
+              f"--format {have}", file=sys.stderr)
+        return 2
+    if args.format != "none" and have is None:
         quantize_model(model, fmt=args.format)
     if args.adapter:
         from qerl_kit.lora import load_lora

@@ -25,6 +25,7 @@ from typing import Callable, Iterable, Mapping
 import torch
 
 from qerl_kit import file_writes
+from qerl_kit.config_types import short_repr
 
 FORMAT = "nvfp4-pack-quantized"
 QUANT_METHOD = "compressed-tensors"
@@ -100,13 +101,16 @@ def check_quantization_config(qcfg: Mapping | None) -> tuple[list[str], bool]:
 
 def parse_size(size: int | str) -> int:
     """Bytes from an int or a string such as "2GB" (10^9), "500MiB" (2^20) or "4096"."""
+    if isinstance(size, bool) or not isinstance(size, (int, float, str)):  # True is not 1 byte
+        raise ValueError(f"max_shard_size must be an int (bytes) or a size string such as '2GB'; got "
+                         f"{short_repr(size)} ({type(size).__name__})")
     if isinstance(size, int):
         if size < 1:
             raise ValueError(f"max_shard_size must be positive; got {size}")
         return size
     m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?I?B?)\s*", str(size).upper())
     if not m:
-        raise ValueError(f"cannot parse size {size!r}; use an int or e.g. '2GB', '500MB', '1GiB'")
+        raise ValueError(f"max_shard_size: cannot parse size {short_repr(size)}; use an int or e.g. '2GB', '500MB', '1GiB'")
     unit = m.group(2).rstrip("B") or ""
     base = 1024 if unit.endswith("I") else 1000
     power = " KMGT".index(unit[:1] or " ")
@@ -168,7 +172,11 @@ def read_weight_map(path: Path) -> dict[str, str]:
     """name -> file for a checkpoint directory (from the index, or the single file's keys)."""
     path = Path(path)
     if (path / INDEX_FILE).is_file():
-        return dict(json.loads((path / INDEX_FILE).read_text(encoding="utf-8"))["weight_map"])
+        try:
+            return dict(json.loads((path / INDEX_FILE).read_text(encoding="utf-8"))["weight_map"])
+        except (ValueError, KeyError, TypeError) as err:  # bad JSON, no weight_map: named with the file
+            raise ValueError(f"{path / INDEX_FILE} is not a safetensors index ({type(err).__name__}: "
+                             f"{str(err)[:200]})") from None
     if (path / SINGLE_FILE).is_file():
         from safetensors import safe_open
 

@@ -27,7 +27,6 @@ a crash mid-write leaves the earlier export (or no directory) as it was.
 from __future__ import annotations
 
 import contextlib
-import json
 import shutil
 import warnings
 from pathlib import Path
@@ -44,12 +43,27 @@ from qerl_kit.export_dirs import (_ADAPTER, _CHECKPOINT, EXPORT_MARKER, RefusedT
                                   discard_staging)
 
 __all__ = ["save_nvfp4", "load_nvfp4", "checkpoint_tensors", "check_export_dirs", "RefusedToOverwrite",
-           "EXPORT_MARKER", "TOKENIZER_FILES"]
+           "EXPORT_MARKER", "TOKENIZER_FILES", "DENSE_DTYPES", "check_dense_dtype"]
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json",
                    "merges.txt", "tokenizer.model", "added_tokens.json", "chat_template.jinja",
                    "chat_template.json")
 _DROP_CONFIG_KEYS = ("_name_or_path", "qerl_quantization", "quantization_config")
+# The dtypes the dense tensors (embeddings, norms, lm_head, biases) may be written or loaded in.
+DENSE_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def check_dense_dtype(dtype, allow_none: bool = True):
+    """``dtype`` for the dense tensors: a floating dtype of ``DENSE_DTYPES`` (or None, keep theirs,
+    where ``allow_none``); an int8 embedding would be all zeros, so anything else is refused."""
+    if (dtype is None and allow_none) or dtype in DENSE_DTYPES:
+        return dtype
+    from qerl_kit.config_types import short_repr
+
+    allowed = ", ".join(str(d) for d in DENSE_DTYPES) + (" or None (keep each tensor's)" if allow_none else "")
+    raise ValueError(f"dtype must be a floating dtype for the dense tensors: {allowed}; got {short_repr(dtype)}")
+
+
 def _base_model(model: nn.Module) -> nn.Module:
     """The model under a peft wrapper (the wrapper's LoRA layers are filtered by name later)."""
     return model.get_base_model() if hasattr(model, "get_base_model") else model
@@ -112,6 +126,7 @@ def checkpoint_tensors(model: nn.Module, dtype: torch.dtype | None = torch.bfloa
     every other tensor keeps its name, floating ones cast to ``dtype`` (None keeps them). Tied
     output embeddings are left out (``config.tie_word_embeddings`` re-ties them at load).
     """
+    check_dense_dtype(dtype)
     base = _base_model(model)
     quant, dense = _scan(base)
     _check_fused(quant, dense)
@@ -200,6 +215,8 @@ def save_nvfp4(model: nn.Module, path: str | Path, *, tokenizer=None, max_shard_
     byte is written. The new files are written into a temporary sibling directory and renamed
     into place, so an error or crash while writing leaves the earlier export as it was.
     """
+    check_dense_dtype(dtype)
+    ct_format.parse_size(max_shard_size)  # a bad size refused before anything is written
     base = _base_model(model)
     if adapter_dir is not None and base is model:
         raise ValueError("adapter_dir was given but the model has no peft adapter to save")
@@ -249,11 +266,17 @@ def _skeleton(path: Path, dtype: torch.dtype) -> nn.Module:
     """The model built from config.json on the meta device (no memory), remote code off."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    config = AutoConfig.from_pretrained(str(path), trust_remote_code=False)
-    if hasattr(config, "quantization_config"):
-        del config.quantization_config  # we load the packed tensors ourselves
-    with torch.device("meta"):
-        return AutoModelForCausalLM.from_config(config, dtype=dtype, trust_remote_code=False)
+    from qerl_kit.models import ModelSourceError
+
+    try:
+        config = AutoConfig.from_pretrained(str(path), trust_remote_code=False)
+        if hasattr(config, "quantization_config"):
+            del config.quantization_config  # we load the packed tensors ourselves
+        with torch.device("meta"):
+            return AutoModelForCausalLM.from_config(config, dtype=dtype, trust_remote_code=False)
+    except (ValueError, TypeError, KeyError, RuntimeError) as err:  # a value no model can have, named with the file
+        raise ModelSourceError(f"{path / 'config.json'} describes no model transformers can build "
+                               f"({type(err).__name__}: {str(err)[:200]})") from err
 
 
 def _set_tensor(model: nn.Module, key: str, tensor: torch.Tensor) -> None:
@@ -346,18 +369,27 @@ def load_nvfp4(path: str | Path, *, device: str | torch.device = "cpu", dtype: t
     """
     from safetensors import safe_open
 
+    from qerl_kit.finite import check_tensor
+    from qerl_kit.models import check_weight_files, read_model_config
+
+    dtype = check_dense_dtype(dtype, allow_none=False)
     path = Path(path)
-    raw = json.loads((path / "config.json").read_text(encoding="utf-8"))
+    raw = read_model_config(path)  # bad JSON, a size no model can have: named with the file and key
     ignore, act_quant = ct_format.check_quantization_config(raw.get("quantization_config"))
     if act_quant:
         warnings.warn("this NVFP4 checkpoint also quantizes activations (W4A4); load_nvfp4 loads the "
                       "4-bit weights and computes activations in " + str(dtype), stacklevel=2)
     model = _skeleton(path, dtype)
+    check_weight_files(path)  # a truncated file named, before its header is read
     weight_map = ct_format.read_weight_map(path)
     with contextlib.ExitStack() as stack:
         handles = {f: stack.enter_context(safe_open(str(path / f), framework="pt", device=str(device)))
                    for f in sorted(set(weight_map.values()))}
-        _load_tensors(model, weight_map, lambda key: handles[weight_map[key]].get_tensor(key), dtype)
+
+        def get(key):  # every tensor checked as it is read: a NaN is named with its file, not found as NaN logits
+            return check_tensor(key, handles[weight_map[key]].get_tensor(key), path / weight_map[key])
+
+        _load_tensors(model, weight_map, get, dtype)
     if getattr(model.config, "tie_word_embeddings", False):
         model.tie_weights()
     _materialize_buffers(model, device)

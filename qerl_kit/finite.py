@@ -6,7 +6,9 @@ gradient turns the adapter into NaN for good. Every entry point checks with the 
 
 * ``check_weights(model, source)``: after a model is loaded (``models.load_model`` and
   ``load_pretrained``, every ``--format``, ``none`` included) and before a checkpoint is written;
-  names the first non-finite tensor and where it came from.
+  names the first non-finite tensor and where it came from; every dtype a loaded model holds (float8
+  NVFP4 scales are checked as floats, packed integer codes hold no NaN). ``check_tensor``: the same
+  for one tensor as it is read (``export.load_nvfp4``: names the tensor and its safetensors file).
 * ``check_logprobs`` / ``logits_error``: after a rollout, and when sampling itself fails, the
   policy's logits at the first non-finite decode step, with the weights' state (the first
   non-finite parameter, or the largest |w|, where, and the LoRA scale lora_alpha / r) instead of
@@ -30,7 +32,7 @@ from typing import Iterable
 
 import torch
 
-__all__ = ["NonFiniteError", "first_nonfinite", "check_weights", "weights_state", "lora_scale", "logits_error", "LOSS_INPUTS",
+__all__ = ["NonFiniteError", "first_nonfinite", "check_weights", "check_tensor", "weights_state", "lora_scale", "logits_error", "LOSS_INPUTS",
            "check_logprobs", "check_loss", "GradGuard", "finite_score", "short"]
 
 _CHUNK = 1 << 24  # elements per isfinite pass: bounds the temporary bool tensor on a large embedding
@@ -46,11 +48,17 @@ def short(value, limit: int = 60) -> str:
     return text if len(text) <= limit else text[:limit - 3] + "..."
 
 
+def _checkable(c: torch.Tensor) -> torch.Tensor:
+    """``c`` in a dtype torch's isfinite/isnan support: float8 (NVFP4 block scales) as float32, which
+    keeps a NaN a NaN."""
+    return c.float() if c.is_floating_point() and c.element_size() == 1 else c
+
+
 def _all_finite(t: torch.Tensor) -> bool:
     if not (t.is_floating_point() or t.is_complex()):
         return True  # integer / packed 4-bit codes hold no NaN
     flat = t.detach().reshape(-1)
-    return all(bool(torch.isfinite(c).all()) for c in flat.split(_CHUNK)) if flat.numel() else True
+    return all(bool(torch.isfinite(_checkable(c)).all()) for c in flat.split(_CHUNK)) if flat.numel() else True
 
 
 def first_nonfinite(named: Iterable[tuple[str, torch.Tensor]]) -> tuple[str, torch.Tensor] | None:
@@ -62,7 +70,7 @@ def first_nonfinite(named: Iterable[tuple[str, torch.Tensor]]) -> tuple[str, tor
 
 
 def _count(t: torch.Tensor) -> str:
-    t = t.detach()
+    t = _checkable(t.detach())
     nan, total = int(torch.isnan(t).sum()), t.numel()
     inf = int(torch.isinf(t).sum())
     return f"{nan} NaN and {inf} inf of {total} values"
@@ -84,6 +92,15 @@ def check_weights(model: torch.nn.Module, source, what: str = "model", trainable
         name, t = bad
         raise NonFiniteError(f"{what} {short(str(source), 200)}: weight {name!r} is not finite ({_count(t)}); "
                              f"{then}")
+
+
+def check_tensor(name: str, t: torch.Tensor, source, what: str = "checkpoint") -> torch.Tensor:
+    """``t``, or ``NonFiniteError`` naming tensor ``name`` and ``source`` (the file it was read from)
+    when it holds a NaN/inf: what ``check_weights`` says of a model, for one tensor as it is read."""
+    if not _all_finite(t):
+        raise NonFiniteError(f"{what} {short(str(source), 200)}: tensor {name!r} is not finite ({_count(t)}); "
+                             "the file is corrupt, or from a diverged run; nothing was run with it")
+    return t
 
 
 def lora_scale(model: torch.nn.Module) -> float | None:

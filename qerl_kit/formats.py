@@ -13,6 +13,7 @@ from typing import Any, Callable
 import torch
 
 from qerl_kit import mxfp4, nf4, nvfp4
+from qerl_kit.config_types import short_repr
 
 
 @dataclass(frozen=True)
@@ -43,7 +44,7 @@ FORMATS: dict[str, Format] = {
 
 def get_format(name: str) -> Format:
     """The format registered under ``name`` (case-insensitive); a clear error lists the choices."""
-    key = name.lower()
+    key = name.lower() if isinstance(name, str) else None  # None, a number, a Format: named, not an AttributeError
     if key not in FORMATS:
-        raise ValueError(f"unknown weight format {name!r}; choose one of {sorted(FORMATS)}")
+        raise ValueError(f"unknown weight format {short_repr(name)}; choose one of {sorted(FORMATS)}")
     return FORMATS[key]

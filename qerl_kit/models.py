@@ -3,8 +3,11 @@
 ``build_model("qwen2-tiny")`` builds a randomly initialised Hugging Face causal LM from a preset;
 the real-architecture presets (``"Qwen2.5-7B"`` ...) carry the published shapes so that speed and
 memory can be measured without downloading weights. ``load_pretrained(source)`` loads a real
-model and its tokenizer from a local Hugging Face directory, a llama.cpp ``.gguf`` file or a hub id
-(when online), remote code off; ``check_model_source`` says which, or why not, before anything slow.
+model and its tokenizer from a local Hugging Face directory (an NVFP4 compressed-tensors export of
+``qerl_kit.export`` included: loaded as NVFP4 layers), a llama.cpp ``.gguf`` file or a hub id (when
+online), remote code off; ``check_model_source`` says which, or why not, before anything slow. A model
+directory must hold its tokenizer and readable weight files (``check_tokenizer_files``,
+``check_weight_files``) and a config.json whose sizes are positive ints (``read_model_config``).
 Every load checks the weights are finite (``qerl_kit.finite.check_weights``: names the tensor and
 the source).
 """
@@ -95,6 +98,66 @@ def _short(text: str, limit: int = 300) -> str:  # a bounded repr (paths fit)
     return repr(text if len(text) <= limit else text[:limit] + "...")
 
 
+# A model directory's tokenizer is read from one of these (tokenizer_config.json alone holds no vocabulary).
+TOKENIZER_VOCAB_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt")
+# config.json keys that size the model: each must be a positive int where present (-1 is no size).
+_SIZE_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+              "num_key_value_heads", "head_dim", "max_position_embeddings")
+
+
+def read_model_config(path: str | os.PathLike) -> dict:
+    """A model directory's config.json as a dict; a missing file, bad JSON, a non-object or a size key
+    (``vocab_size`` ...) that is not a positive int is a ``ModelSourceError`` naming the file (and key)."""
+    import json
+
+    from qerl_kit.config_types import short_repr
+
+    file = Path(path) / "config.json"
+    try:
+        raw = json.loads(file.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise ModelSourceError(f"{_short(str(file))} is missing: {_short(str(path))} is not a model directory") from None
+    except (ValueError, UnicodeDecodeError) as err:  # JSONDecodeError is a ValueError
+        raise ModelSourceError(f"{_short(str(file))} is not valid JSON ({str(err)[:120]})") from None
+    if not isinstance(raw, dict):
+        raise ModelSourceError(f"{_short(str(file))} must hold a JSON object; got {type(raw).__name__}")
+    for key in _SIZE_KEYS:
+        value = raw.get(key)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise ModelSourceError(f"{_short(str(file))}: {key} must be a positive int; got {short_repr(value)}")
+    return raw
+
+
+def check_tokenizer_files(path: str | os.PathLike) -> None:
+    """A model directory must hold its tokenizer (one of ``TOKENIZER_VOCAB_FILES``): without one,
+    transformers makes up a tokenizer that encodes every prompt to no tokens."""
+    if not any((Path(path) / name).is_file() for name in TOKENIZER_VOCAB_FILES):
+        raise ModelSourceError(f"model {_short(str(path))}: the directory has no tokenizer (none of "
+                               f"{', '.join(TOKENIZER_VOCAB_FILES)}); copy the tokenizer files of the model it "
+                               "came from into it")
+
+
+def check_weight_files(path: str | os.PathLike) -> None:
+    """Every ``*.safetensors`` file of a model directory opens (its header is whole): a truncated
+    file is a ``ModelSourceError`` naming it, not safetensors' message without a path."""
+    from safetensors import safe_open
+
+    for file in sorted(Path(path).glob("*.safetensors")):
+        try:
+            with safe_open(str(file), framework="pt"):
+                pass
+        except Exception as err:  # noqa: BLE001 - safetensors raises its own error type
+            raise ModelSourceError(f"{_short(str(file))} cannot be read ({type(err).__name__}: {str(err)[:200]}): "
+                                   "the file is damaged or truncated") from err
+
+
+def is_nvfp4_checkpoint(config: dict) -> bool:
+    """Whether a config.json (``read_model_config``) is a compressed-tensors checkpoint, which
+    ``qerl_kit.export.load_nvfp4`` loads (``save_nvfp4`` and ``qerl quantize --out`` write them)."""
+    qcfg = config.get("quantization_config")
+    return isinstance(qcfg, dict) and qcfg.get("quant_method") == "compressed-tensors"
+
+
 def check_model_source(name: str | os.PathLike, presets: Iterable[str] = ()) -> str:
     """Where ``name`` loads from: "preset" (one of ``presets``, the names the caller builds itself),
     "gguf", "dir" or "hub"; else a ``ModelSourceError`` naming ``name`` and what is accepted, for a
@@ -121,6 +184,7 @@ def check_model_source(name: str | os.PathLike, presets: Iterable[str] = ()) -> 
         if not (path / "config.json").exists():
             raise ModelSourceError(f"model {shown}: the directory has no config.json; expected "
                                    f"{describe_sources(presets)}")
+        read_model_config(path)  # bad JSON or a size no model can have: said before anything slow
         return "dir"
     if path.exists():
         raise ModelSourceError(f"model {shown} is a file but not a .gguf file; expected {describe_sources(presets)}")
@@ -155,9 +219,19 @@ def load_pretrained(name: str | os.PathLike, *, dtype: torch.dtype | str = "auto
         check_weights(model, str(name))  # NaN/inf weights: named here, not as empty completions later
         return model, tokenizer
     source = str(Path(str(name)).expanduser()) if kind == "dir" else str(name)
+    if kind == "dir":  # before minutes of loading: the tokenizer is there, no weight file is truncated
+        check_tokenizer_files(source)
+        check_weight_files(source)
     try:
-        model = load_model(source, dtype=dtype, trust_remote_code=trust_remote_code)
+        if kind == "dir" and is_nvfp4_checkpoint(read_model_config(source)):  # our export: NVFP4Linear layers
+            from qerl_kit.export import load_nvfp4
+
+            model = load_nvfp4(source, dtype=torch.bfloat16 if dtype == "auto" else dtype)
+        else:
+            model = load_model(source, dtype=dtype, trust_remote_code=trust_remote_code)
         tokenizer = AutoTokenizer.from_pretrained(source, trust_remote_code=trust_remote_code)
+    except ModelSourceError:
+        raise
     except OSError as e:  # a hub id that does not resolve, no network: one clear line, not a traceback
         raise ModelSourceError(f"model {_short(str(name))} could not be loaded ({str(e)[:300]}); "
                                f"expected {describe_sources()}") from e

@@ -151,13 +151,14 @@ def quantize_model(model: nn.Module, fmt: str = "nvfp4", skip: tuple[str, ...] |
     A layer tied to an embedding is refused (keep it dense or untie it first)."""
     spec = get_format(fmt)
     layer_cls = LINEAR_CLASSES[spec.name]
-    if skip is None:
-        skip = DEFAULT_SKIP
-    else:  # names the caller gave must each name a linear layer (a typo would quantize it silently)
-        names = _linear_names(model)
-        skip = check_names("skip", skip, names, lambda p, full: _matches(full, (p,)), what="linear layer",
-                           shown=sorted({n.rsplit(".", 1)[-1] for n in names}))
+    skip = DEFAULT_SKIP if skip is None else check_skip(model, skip)
     todo, skipped = _linear_children(model, tuple(skip))
+    if not todo:  # refused before anything changes, saying why there is nothing
+        have = quantized_format(model)
+        why = (f"its linear layers are already quantized ({have}, e.g. loaded from an NVFP4 checkpoint): use it as "
+               "it is" if have else f"skip={tuple(skip)!r} keeps every one of them dense" if skipped else
+               "it has none")
+        raise ValueError(f"quantize_model found no nn.Linear layers to convert: {why}")
     report = QuantReport(fmt=spec.name, skipped=skipped)
     tied = {id(m.weight): name for name, m in model.named_modules() if isinstance(m, nn.Embedding)}
     for _, _, full, linear in todo:  # check everything before touching anything
@@ -181,11 +182,33 @@ def quantize_model(model: nn.Module, fmt: str = "nvfp4", skip: tuple[str, ...] |
                             for f in layer_cls._tensor_fields),
             rel_error=err, fused_group="/".join(group) if group else None))
         setattr(parent, child_name, qlayer)
-    if not report.layers:
-        raise ValueError("quantize_model found no nn.Linear layers to convert")
     if hasattr(model, "config"):
         model.config.qerl_quantization = {"format": spec.name, "skip": list(skip)}
     return report
+
+
+def check_skip(model: nn.Module, skip) -> tuple[str, ...]:
+    """``skip`` as a tuple; each name must name a linear layer of ``model`` (a typo would quantize
+    the layer it meant silently): a ConfigError lists the names there are."""
+    names = _linear_names(model)
+    return tuple(check_names("skip", skip, names, lambda p, full: _matches(full, (p,)), what="linear layer",
+                             shown=sorted({n.rsplit(".", 1)[-1] for n in names})))
+
+
+def quantized_head(model: nn.Module, skip: tuple[str, ...]) -> str | None:
+    """The output head's name when ``skip`` leaves it (a dense nn.Linear) to be quantized, else None:
+    an export keeps it dense (vLLM does), and a head tied to the embedding cannot be quantized."""
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if type(head) is not nn.Linear:
+        return None
+    name = next((n for n, m in model.named_modules() if m is head), None)
+    return name if name and not _matches(name, tuple(skip)) else None
+
+
+def quantized_format(model: nn.Module) -> str | None:
+    """The format of the quantized layers ``model`` already holds (``load_nvfp4`` and ``load_pretrained``
+    of an NVFP4 export give NVFP4 layers), or None for a dense model."""
+    return next((m.fmt for m in model.modules() if isinstance(m, QuantLinear)), None)
 
 
 @dataclass

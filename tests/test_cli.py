@@ -64,3 +64,13 @@ def test_train_engine_flag_overrides_the_config_and_refuses_unknown_names(tmp_pa
     assert "--engine nope" in err and "'vllm'" in err and not out.exists()  # nothing written
     assert main(["train", "--config", str(cfg), "--engine", "hf", "--steps", "1", "--no-widgets"]) == 0
     assert "engine: hf" in (out / "config.yaml").read_text()
+
+
+def test_quantize_skip_typo_is_said_before_the_output_head(capsys):
+    """`qerl quantize tiny-arith --skip mpl`: the name that matches nothing is the error (status 2),
+    not the tied output head that --skip (which replaces the default lm_head) leaves to be quantized."""
+    from qerl_kit.tiny import TINY_DIR
+
+    assert main(["quantize", str(TINY_DIR), "--skip", "mpl"]) == 2
+    err = capsys.readouterr().err
+    assert "'mpl' matches no linear layer" in err and "tied" not in err

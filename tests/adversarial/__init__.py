@@ -31,6 +31,9 @@ its row) and per behaviour the issue names, grouped by the class of check they e
 - ``test_env_r3.py`` (round 3, rows 11, 12, 24, 27-29 of the third trial, 2026-12-04, ``test_r3_NN_...``):
   ``plan_memory``'s and ``kernel_report``'s arguments, the grid's flags as usage errors, ``QERL_THREADS``
   and ``QERL_DATA``.
+- ``test_export_r3.py`` (round 3, rows 1-10 of the third trial, 2026-12-04, ``test_r3_NN_...``):
+  ``save_nvfp4``'s dtype and shard size, ``load_nvfp4``'s checked reads (NaN tensors, config.json,
+  truncated files), exports that ``qerl eval`` runs, model directories without a tokenizer, ``--skip``.
 
 Every test here failed on main before the issue's fixes (fe1b96e).
 """
