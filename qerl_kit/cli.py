@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import errno
 import sys
-from pathlib import Path
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:

@@ -49,7 +49,6 @@ from __future__ import annotations
 import logging
 import math
 import re
-import sys
 import time
 from fractions import Fraction
 from itertools import accumulate, repeat

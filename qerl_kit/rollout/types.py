@@ -21,7 +21,6 @@ as a completion token (mask 1, its log-prob kept) and is left out of its text.
 from __future__ import annotations
 
 import dataclasses
-import math
 import numbers
 from dataclasses import dataclass, field
 from typing import Any, Sequence

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from qerl_kit.config_types import ConfigError
+from tests.adversarial._refusals import refused as _refused
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
@@ -35,14 +35,6 @@ def tiny_nvfp4():
     return model
 
 
-def _refused(fn, *words):
-    """``fn()`` raises a ConfigError whose message holds every one of ``words``; returns the message."""
-    with pytest.raises(ConfigError) as err:
-        fn()
-    msg = str(err.value)
-    for word in words:
-        assert word in msg, (word, msg)
-    return msg
 
 
 # ---- row 11: plan_memory's values that cannot work ------------------------------------------------------

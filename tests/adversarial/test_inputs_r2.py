@@ -15,7 +15,8 @@ from __future__ import annotations
 import pytest
 
 from qerl_kit.cli import main
-from qerl_kit.config import ConfigError, DataConfig, from_dict, load_config, preset
+from qerl_kit.config import DataConfig, from_dict, load_config, preset
+from tests.adversarial._refusals import refused as _refused
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
@@ -26,14 +27,6 @@ def _yaml(tmp_path, text: str, name: str = "cfg.yaml"):
     return path
 
 
-def _refused(fn, *words):
-    """``fn()`` raises a ConfigError whose message holds every one of ``words``; returns the message."""
-    with pytest.raises(ConfigError) as err:
-        fn()
-    msg = str(err.value)
-    for word in words:
-        assert word in msg, (word, msg)
-    return msg
 
 
 class _Loaded(Exception):
