@@ -49,9 +49,10 @@ REPR_LIMIT = 200
 
 def short_repr(value: Any, limit: int = REPR_LIMIT) -> str:
     """``repr(value)`` cut to at most ``limit`` characters, without first building the whole repr:
-    an error message never prints (or spends time on) an unbounded value."""
+    an error message never prints (or spends time on) an unbounded value. A string (a path, a key) is
+    cut to ``limit`` before its repr is built; anything else goes through reprlib's bounded repr."""
     try:
-        text = _SHORT.repr(value)
+        text = repr(value[:limit]) if isinstance(value, str) else _SHORT.repr(value)
     except Exception:  # noqa: BLE001 - a __repr__ that fails must not hide the error being reported
         text = f"<{type(value).__name__} object>"
     return text if len(text) <= limit else text[:limit - 3] + "..."

@@ -33,7 +33,6 @@ from collections.abc import Mapping
 from typing import Any, Iterable
 
 from .config_types import short_repr
-from .finite import short
 from .rewards import parse_number
 
 __all__ = [
@@ -88,7 +87,7 @@ def read_jsonl(path: str | os.PathLike) -> list[tuple[int, Any]]:
             try:
                 out.append((lineno, json.loads(line, object_pairs_hook=_unique_keys)))
             except _DuplicateKey as e:
-                raise DataError(f"{path}:{lineno}: the key {short(e.args[0])} appears twice in one JSON object; "
+                raise DataError(f"{path}:{lineno}: the key {short_repr(e.args[0], 60)} appears twice in one JSON object; "
                                  "keep one (JSON readers disagree on which wins)") from None
             except json.JSONDecodeError as e:
                 raise DataError(f"{path}:{lineno}: invalid JSON ({e.msg})") from None
@@ -161,8 +160,8 @@ def _check_derived(row: dict, where: str, **derived: str) -> None:
     functions): a DataError naming the row and the column instead."""
     for key, value in derived.items():
         if key in row and row[key] != value:
-            raise DataError(f"{where}: the file's own column {key!r} ({short(row[key])}) clashes with the "
-                            f"{key!r} the loader derives from it ({short(value)}); rename that column")
+            raise DataError(f"{where}: the file's own column {key!r} ({short_repr(row[key], 60)}) clashes with the "
+                            f"{key!r} the loader derives from it ({short_repr(value, 60)}); rename that column")
 
 
 def _gsm8k_row(row: Any, where: str) -> dict[str, Any]:
@@ -206,7 +205,7 @@ def data_dirs() -> list[Path]:
     if env:
         folder = Path(env).expanduser()
         if folder.exists() and not folder.is_dir():
-            raise FileNotFoundError(f"{DATA_ENV}={short(env)} is a file, not a folder: set {DATA_ENV} to the folder "
+            raise FileNotFoundError(f"{DATA_ENV}={short_repr(env, 60)} is a file, not a folder: set {DATA_ENV} to the folder "
                                     "that holds the data files (gsm8k_test.jsonl ...), or pass the .jsonl path itself")
         return [folder]
     return [Path(d) for d in DEFAULT_DATA_DIRS]

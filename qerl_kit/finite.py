@@ -32,20 +32,16 @@ from typing import Iterable
 
 import torch
 
+from qerl_kit.config_types import short_repr
+
 __all__ = ["NonFiniteError", "first_nonfinite", "check_weights", "check_tensor", "weights_state", "lora_scale", "logits_error", "LOSS_INPUTS",
-           "check_logprobs", "check_loss", "GradGuard", "finite_score", "short"]
+           "check_logprobs", "check_loss", "GradGuard", "finite_score"]
 
 _CHUNK = 1 << 24  # elements per isfinite pass: bounds the temporary bool tensor on a large embedding
 
 
 class NonFiniteError(ValueError):
     """A weight, score, logit, loss or gradient that must be finite is NaN or inf (or too large)."""
-
-
-def short(value, limit: int = 60) -> str:
-    """A bounded repr for error messages."""
-    text = repr(value)
-    return text if len(text) <= limit else text[:limit - 3] + "..."
 
 
 def _checkable(c: torch.Tensor) -> torch.Tensor:
@@ -90,7 +86,7 @@ def check_weights(model: torch.nn.Module, source, what: str = "model", trainable
     bad = first_nonfinite(named)
     if bad is not None:
         name, t = bad
-        raise NonFiniteError(f"{what} {short(str(source), 200)}: weight {name!r} is not finite ({_count(t)}); "
+        raise NonFiniteError(f"{what} {short_repr(str(source), 200)}: weight {name!r} is not finite ({_count(t)}); "
                              f"{then}")
 
 
@@ -98,7 +94,7 @@ def check_tensor(name: str, t: torch.Tensor, source, what: str = "checkpoint") -
     """``t``, or ``NonFiniteError`` naming tensor ``name`` and ``source`` (the file it was read from)
     when it holds a NaN/inf: what ``check_weights`` says of a model, for one tensor as it is read."""
     if not _all_finite(t):
-        raise NonFiniteError(f"{what} {short(str(source), 200)}: tensor {name!r} is not finite ({_count(t)}); "
+        raise NonFiniteError(f"{what} {short_repr(str(source), 200)}: tensor {name!r} is not finite ({_count(t)}); "
                              "the file is corrupt, or from a diverged run; nothing was run with it")
     return t
 
@@ -241,7 +237,7 @@ def finite_score(value, where: str) -> float:
     try:
         out = float(value)
     except OverflowError:
-        raise NonFiniteError(f"{where} is an int too large for a float ({short(value)}); scores must be finite "
+        raise NonFiniteError(f"{where} is an int too large for a float ({short_repr(value, 60)}); scores must be finite "
                              "floats") from None
     if not math.isfinite(out):
         raise NonFiniteError(f"{where} is {out}; scores must be finite floats (return None, not NaN, for "

@@ -20,6 +20,7 @@ from typing import Any, Iterable
 
 import torch
 
+from qerl_kit.config_types import short_repr
 from qerl_kit.finite import check_weights
 
 # Shapes from the models' published config.json files.
@@ -94,10 +95,6 @@ def describe_sources(presets: Iterable[str] = ()) -> str:
             "file, or a hub id such as 'Qwen/Qwen2.5-0.5B-Instruct' (when online)")
 
 
-def _short(text: str, limit: int = 300) -> str:  # a bounded repr (paths fit)
-    return repr(text if len(text) <= limit else text[:limit] + "...")
-
-
 # A model directory's tokenizer is read from one of these (tokenizer_config.json alone holds no vocabulary).
 TOKENIZER_VOCAB_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt")
 # config.json keys that size the model: each must be a positive int where present (-1 is no size).
@@ -110,21 +107,20 @@ def read_model_config(path: str | os.PathLike) -> dict:
     (``vocab_size`` ...) that is not a positive int is a ``ModelSourceError`` naming the file (and key)."""
     import json
 
-    from qerl_kit.config_types import short_repr
-
     file = Path(path) / "config.json"
     try:
         raw = json.loads(file.read_text(encoding="utf-8"))
     except FileNotFoundError:
-        raise ModelSourceError(f"{_short(str(file))} is missing: {_short(str(path))} is not a model directory") from None
+        raise ModelSourceError(f"{short_repr(str(file), 300)} is missing: {short_repr(str(path), 300)} is not a "
+                               "model directory") from None
     except (ValueError, UnicodeDecodeError) as err:  # JSONDecodeError is a ValueError
-        raise ModelSourceError(f"{_short(str(file))} is not valid JSON ({str(err)[:120]})") from None
+        raise ModelSourceError(f"{short_repr(str(file), 300)} is not valid JSON ({str(err)[:120]})") from None
     if not isinstance(raw, dict):
-        raise ModelSourceError(f"{_short(str(file))} must hold a JSON object; got {type(raw).__name__}")
+        raise ModelSourceError(f"{short_repr(str(file), 300)} must hold a JSON object; got {type(raw).__name__}")
     for key in _SIZE_KEYS:
         value = raw.get(key)
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-            raise ModelSourceError(f"{_short(str(file))}: {key} must be a positive int; got {short_repr(value)}")
+            raise ModelSourceError(f"{short_repr(str(file), 300)}: {key} must be a positive int; got {short_repr(value)}")
     return raw
 
 
@@ -132,7 +128,7 @@ def check_tokenizer_files(path: str | os.PathLike) -> None:
     """A model directory must hold its tokenizer (one of ``TOKENIZER_VOCAB_FILES``): without one,
     transformers makes up a tokenizer that encodes every prompt to no tokens."""
     if not any((Path(path) / name).is_file() for name in TOKENIZER_VOCAB_FILES):
-        raise ModelSourceError(f"model {_short(str(path))}: the directory has no tokenizer (none of "
+        raise ModelSourceError(f"model {short_repr(str(path), 300)}: the directory has no tokenizer (none of "
                                f"{', '.join(TOKENIZER_VOCAB_FILES)}); copy the tokenizer files of the model it "
                                "came from into it")
 
@@ -147,7 +143,7 @@ def check_weight_files(path: str | os.PathLike) -> None:
             with safe_open(str(file), framework="pt"):
                 pass
         except Exception as err:  # noqa: BLE001 - safetensors raises its own error type
-            raise ModelSourceError(f"{_short(str(file))} cannot be read ({type(err).__name__}: {str(err)[:200]}): "
+            raise ModelSourceError(f"{short_repr(str(file), 300)} cannot be read ({type(err).__name__}: {str(err)[:200]}): "
                                    "the file is damaged or truncated") from err
 
 
@@ -170,7 +166,7 @@ def check_model_source(name: str | os.PathLike, presets: Iterable[str] = ()) -> 
 
     presets = tuple(presets)
     text = str(name)
-    shown = _short(text)
+    shown = short_repr(text, 300)
     if text in presets:
         return "preset"
     if text in PRESETS:
@@ -233,7 +229,7 @@ def load_pretrained(name: str | os.PathLike, *, dtype: torch.dtype | str = "auto
     except ModelSourceError:
         raise
     except OSError as e:  # a hub id that does not resolve, no network: one clear line, not a traceback
-        raise ModelSourceError(f"model {_short(str(name))} could not be loaded ({str(e)[:300]}); "
+        raise ModelSourceError(f"model {short_repr(str(name), 300)} could not be loaded ({str(e)[:300]}); "
                                f"expected {describe_sources()}") from e
     from qerl_kit.gguf_model import add_turn_end
 

@@ -21,7 +21,8 @@ from collections.abc import Mapping, Set
 import torch
 
 from qerl_kit import grpo
-from qerl_kit.finite import finite_score, short
+from qerl_kit.config_types import short_repr
+from qerl_kit.finite import finite_score
 
 __all__ = ["RewardError", "checked_scores", "reward_scores", "score_rollouts"]
 
@@ -41,8 +42,8 @@ def reward_scores(fn, kwargs: dict, n: int) -> list:
         scores = fn(**kwargs)
     except Exception as err:
         first = (kwargs.get("completions") or [None])[0]
-        raise RewardError(f"reward function {_name(fn)!r} raised {short(err)} on a batch of {n} completions "
-                          f"(the first: {short(first)})") from err
+        raise RewardError(f"reward function {_name(fn)!r} raised {short_repr(err, 60)} on a batch of {n} completions "
+                          f"(the first: {short_repr(first, 60)})") from err
     return checked_scores(fn, scores, n)
 
 
@@ -55,7 +56,7 @@ def checked_scores(fn, scores, n: int) -> list:
     if isinstance(scores, torch.Tensor):
         scores = scores.tolist()
     if isinstance(scores, (str, bytes, Mapping, Set)):  # iterable, but their items are no scores in order
-        raise TypeError(f"reward function {name!r} returned a {type(scores).__name__} ({short(scores)}), not a "
+        raise TypeError(f"reward function {name!r} returned a {type(scores).__name__} ({short_repr(scores, 60)}), not a "
                         f"list of {n} scores (a float, or None for 'not applicable', per completion, in order)")
     try:
         scores = list(scores)
@@ -69,7 +70,7 @@ def checked_scores(fn, scores, n: int) -> list:
         if isinstance(s, numbers.Real) and not isinstance(s, (int, float)):  # numpy's float32, int64 ...
             s = scores[i] = float(s)
         if s is not None and not isinstance(s, (int, float)):
-            raise TypeError(f"reward function {name!r} returned a score of type {type(s).__name__} ({short(s)}) "
+            raise TypeError(f"reward function {name!r} returned a score of type {type(s).__name__} ({short_repr(s, 60)}) "
                             f"for completion {i}; scores are floats, or None for 'not applicable'")
         if s is not None:  # NaN, inf or an int too large: an error naming the function, never reward=inf
             finite_score(s, f"reward function {name!r}'s score for completion {i}")

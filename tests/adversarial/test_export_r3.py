@@ -108,35 +108,33 @@ def test_r3_03_nan_tensor_in_an_export_is_named(export, tmp_path, suffix):
     assert key in str(err.value) and str(d / "model.safetensors") in str(err.value)
 
 
-def test_r3_04_bad_json_config_is_named(export, tmp_path):
-    """export, then config.json = `{not json`, then load_nvfp4(d)."""
+def _config_refused(export, tmp_path, edit, match):
+    """A copy of the export whose config.json text ``edit`` rewrote: ``load_nvfp4`` refuses it with a
+    ValueError matching ``match`` and naming the file."""
     d = _copy(export, tmp_path)
-    (d / "config.json").write_text("{not json")
-    with pytest.raises(ValueError, match="not valid JSON") as err:
+    (d / "config.json").write_text(edit((d / "config.json").read_text()))
+    with pytest.raises(ValueError, match=match) as err:
         load_nvfp4(d)
     assert str(d / "config.json") in str(err.value)
+
+
+def _with(**changes):
+    return lambda text: json.dumps({**json.loads(text), **changes})
+
+
+def test_r3_04_bad_json_config_is_named(export, tmp_path):
+    """export, then config.json = `{not json`, then load_nvfp4(d)."""
+    _config_refused(export, tmp_path, lambda _: "{not json", "not valid JSON")
 
 
 def test_r3_05_negative_vocab_size_is_named(export, tmp_path):
     """export, then "vocab_size": -1 in config.json, load_nvfp4(d)."""
-    d = _copy(export, tmp_path)
-    config = json.loads((d / "config.json").read_text())
-    config["vocab_size"] = -1
-    (d / "config.json").write_text(json.dumps(config))
-    with pytest.raises(ValueError, match="vocab_size must be a positive int; got -1") as err:
-        load_nvfp4(d)
-    assert str(d / "config.json") in str(err.value)
+    _config_refused(export, tmp_path, _with(vocab_size=-1), "vocab_size must be a positive int; got -1")
 
 
 def test_r3_05_a_config_no_model_can_have_names_the_file(export, tmp_path):
     """export, then "hidden_act": "nope" in config.json: transformers' own refusal, with the file."""
-    d = _copy(export, tmp_path)
-    config = json.loads((d / "config.json").read_text())
-    config["hidden_act"] = "nope"
-    (d / "config.json").write_text(json.dumps(config))
-    with pytest.raises(ValueError, match="describes no model transformers can build") as err:
-        load_nvfp4(d)
-    assert str(d / "config.json") in str(err.value)
+    _config_refused(export, tmp_path, _with(hidden_act="nope"), "describes no model transformers can build")
 
 
 def test_r3_08_truncated_export_is_named(export, tmp_path):
