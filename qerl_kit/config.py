@@ -36,7 +36,7 @@ from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
-from qerl_kit.config_types import (EVAL_SIZE_RULE, TRAIN_SIZE_RULE, check_lora_alpha, LR_RULE, NEW_TOKENS_RULE, OPTIMIZERS, RESAMPLE, SCHEDULES,  # noqa: F401
+from qerl_kit.config_types import (EVAL_SIZE_RULE, LORA_ALPHA_RULE, LORA_R_RULE, TRAIN_SIZE_RULE, check_lora_alpha, LR_RULE, NEW_TOKENS_RULE, OPTIMIZERS, RESAMPLE, SCHEDULES,  # noqa: F401
                                    SEED_MAX, SEED_RULE, STEPS_RULE, TEMPERATURE_RULE, TOP_K_RULE, TOP_P_RULE,
                                    _SIGMA, ConfigError, _bad, _check, _check_keys, _engines, _formats, _is_modes,
                                    _losses, _rule, _scales, _section, _tasks, _validate, check_aqn_sigmas,
@@ -55,10 +55,11 @@ class ModelConfig:
     _prefix = "model"
     name: str = "tiny"  # "tiny" (the shipped model), a preset of qerl_kit.models, or a local HF directory
     format: str = _rule("nvfp4", choices=_formats)  # nvfp4 | mxfp4 | nf4 | none (bf16 LoRA)
-    lora_r: int = _rule(16, ge=1)  # LoRA rank: 0 would be no adapter at all
+    # LoRA rank (config_types.LORA_R_RULE, shared with attach_lora and a saved adapter's config)
+    lora_r: int = field(default=16, metadata={"rule": LORA_R_RULE})
     # None: alpha = r. The adapter's scale is alpha / r: 0 makes it a no-op, < 0 flips its sign, and
-    # at most LORA_SCALE_MAX x r (config_types.check_lora_alpha, shared with attach_lora)
-    lora_alpha: float | None = _rule(None, gt=0, why="the LoRA scale is alpha / r")
+    # at most LORA_SCALE_MAX x r (config_types.LORA_ALPHA_RULE and check_lora_alpha, shared with attach_lora)
+    lora_alpha: float | None = field(default=None, metadata={"rule": LORA_ALPHA_RULE})
     train_norms: bool = False  # also train the RMSNorm scales before the projections
     gradient_checkpointing: bool = False
     trust_remote_code: bool = False

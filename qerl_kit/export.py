@@ -266,7 +266,7 @@ def _skeleton(path: Path, dtype: torch.dtype) -> nn.Module:
     """The model built from config.json on the meta device (no memory), remote code off."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from qerl_kit.models import ModelSourceError
+    from qerl_kit.model_files import ModelSourceError
 
     try:
         config = AutoConfig.from_pretrained(str(path), trust_remote_code=False)
@@ -370,7 +370,7 @@ def load_nvfp4(path: str | Path, *, device: str | torch.device = "cpu", dtype: t
     from safetensors import safe_open
 
     from qerl_kit.finite import check_tensor
-    from qerl_kit.models import check_weight_files, read_model_config
+    from qerl_kit.model_files import check_weight_files, read_model_config
 
     dtype = check_dense_dtype(dtype, allow_none=False)
     path = Path(path)

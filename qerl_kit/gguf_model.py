@@ -217,8 +217,8 @@ def _as_plain_dense(model, info: GGUFInfo) -> None:
 
 def add_turn_end(model, tokenizer) -> list[int]:
     """Add the chat template's turn-end token to ``model.generation_config.eos_token_id``; returns
-    the ids now there (see ``qerl_kit.rollout.base.chat_stop_ids``)."""
-    from qerl_kit.rollout.base import chat_stop_ids
+    the ids now there (see ``qerl_kit.chat_tokens.chat_stop_ids``)."""
+    from qerl_kit.chat_tokens import chat_stop_ids
 
     config = getattr(model, "generation_config", None)
     if config is None:
