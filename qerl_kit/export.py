@@ -198,6 +198,27 @@ def _save_side_files(base, path: Path, tokenizer, source_dir) -> None:
         (path / "generation_config.json").write_text(gen.to_json_string(use_diff=True), encoding="utf-8")
 
 
+def _write_checkpoint(ckpt: Path, base: nn.Module, tensors: dict, ignore, dtype, max_shard_size,
+                      tokenizer, source_dir) -> None:
+    """Fill the staging directory ``ckpt`` with the whole export: weights, config.json, tokenizer and
+    generation files, and our marker."""
+    sizes = {name: t.numel() * t.element_size() for name, t in tensors.items()}
+    # copy=True: a buffer may be a view into a bigger one (StaticEngine fuses q/k/v and gate/up
+    # in place), which safetensors would refuse as shared memory
+    producers = {name: (lambda t=t: t.detach().to("cpu", copy=True).contiguous()) for name, t in tensors.items()}
+    ct_format.write_safetensors(ckpt, producers, sizes, max_shard_size)
+    ct_format.write_json(ckpt / "config.json", _export_config(base, ignore, dtype))
+    _save_side_files(base, ckpt, tokenizer, source_dir)
+    _write_marker(ckpt, _CHECKPOINT)
+
+
+def _write_adapter(adapter: Path, model) -> None:
+    """Fill the staging directory ``adapter`` with a peft model's adapter and our marker."""
+    model.save_pretrained(str(adapter))
+    file_writes.match_umask(adapter)  # safetensors writes 0600
+    _write_marker(adapter, _ADAPTER)
+
+
 def save_nvfp4(model: nn.Module, path: str | Path, *, tokenizer=None, max_shard_size: int | str = "2GB",
                source_dir: str | Path | None = None, adapter_dir: str | Path | None = None,
                dtype: torch.dtype | None = torch.bfloat16) -> Path:
@@ -231,20 +252,11 @@ def save_nvfp4(model: nn.Module, path: str | Path, *, tokenizer=None, max_shard_
     try:
         ckpt = _staging_dir(targets[0][0])
         pending.append((ckpt, targets[0]))
-        sizes = {name: t.numel() * t.element_size() for name, t in tensors.items()}
-        # copy=True: a buffer may be a view into a bigger one (StaticEngine fuses q/k/v and gate/up
-        # in place), which safetensors would refuse as shared memory
-        producers = {name: (lambda t=t: t.detach().to("cpu", copy=True).contiguous()) for name, t in tensors.items()}
-        ct_format.write_safetensors(ckpt, producers, sizes, max_shard_size)
-        ct_format.write_json(ckpt / "config.json", _export_config(base, ignore, dtype))
-        _save_side_files(base, ckpt, tokenizer, source_dir)
-        _write_marker(ckpt, _CHECKPOINT)
+        _write_checkpoint(ckpt, base, tensors, ignore, dtype, max_shard_size, tokenizer, source_dir)
         if adapter_dir is not None:
             adapter = _staging_dir(targets[1][0])
             pending.append((adapter, targets[1]))
-            model.save_pretrained(str(adapter))
-            file_writes.match_umask(adapter)  # safetensors writes 0600
-            _write_marker(adapter, _ADAPTER)
+            _write_adapter(adapter, model)
         while pending:  # both written in full: now the renames
             staged, target = pending[0]
             _swap_in(staged, *target)
