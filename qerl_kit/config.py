@@ -36,12 +36,13 @@ from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
-from qerl_kit.config_types import (EVAL_SIZE_RULE, LORA_ALPHA_RULE, LORA_R_RULE, TRAIN_SIZE_RULE, check_lora_alpha, LR_RULE, NEW_TOKENS_RULE, OPTIMIZERS, RESAMPLE, SCHEDULES,  # noqa: F401
+from qerl_kit.config_types import (EVAL_SIZE_RULE, TRAIN_SIZE_RULE, check_lora_alpha, LR_RULE, NEW_TOKENS_RULE, OPTIMIZERS, RESAMPLE, SCHEDULES,  # noqa: F401
                                    SEED_MAX, SEED_RULE, STEPS_RULE, TEMPERATURE_RULE, TOP_K_RULE, TOP_P_RULE,
                                    _SIGMA, ConfigError, _bad, _check, _check_keys, _engines, _formats, _is_modes,
                                    _losses, _rule, _scales, _section, _tasks, _validate, check_aqn_sigmas,
                                    check_lr, check_seed, check_sigma, check_steps, check_temperature,
                                    check_value, short_repr)
+from qerl_kit.config_types import LORA_ALPHA_RULE, LORA_R_RULE  # the rules lora.attach_lora applies too
 
 # Ranges of values that enter through the config only (the shared ones live in config_types).
 BATCH_MAX = 2**20  # completions per step: each is generated and held in memory every step
