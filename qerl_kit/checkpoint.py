@@ -16,30 +16,27 @@ that run's older checkpoints. Loading checks what it reads: a missing, unexpecte
 shaped adapter tensor, an integer or NaN/inf adapter tensor, a truncated file, or a trainer state missing
 a key, holding one of the wrong type or a value a resume cannot use (``qerl_kit.trainer_state``), is a
 ``CheckpointError`` naming the file (and the tensor or key).
-``read_adapter`` and ``load_adapter_weights`` are the one checked loader of adapter files: resume
-and ``qerl_kit.lora.load_lora`` (``qerl eval --adapter``, ``load_nvfp4(adapter_dir=)``) use them.
+``read_adapter`` and ``load_adapter_weights`` (``qerl_kit.adapter_files``, named here too) are the one
+checked loader of adapter files: resume and ``qerl_kit.lora.load_lora`` (``qerl eval --adapter``,
+``load_nvfp4(adapter_dir=)``) use them. What the state holds and how it is restored is
+``qerl_kit.trainer_state``'s (this module builds on it; it knows nothing of this one).
 """
 
 from __future__ import annotations
 
 import json
-import random
 import re
 import shutil
 from pathlib import Path
 
 import torch
 
-from qerl_kit import file_writes, runs
+from qerl_kit import file_writes, runs, trainer_state
+# the adapter files' checked loader and the state's RNG helpers: defined below this layer, named here too
+from qerl_kit.adapter_files import ADAPTER_FILE, CheckpointError, load_adapter_weights, read_adapter  # noqa: F401
 from qerl_kit.config_types import short_repr
-
-STATE_FILE = "trainer_state.pt"
-ADAPTER_FILE = "adapter_model.safetensors"
+from qerl_kit.trainer_state import STATE_FILE, rng_state, set_rng_state  # noqa: F401
 _PATTERN = re.compile(r"^checkpoint-(\d+)$")
-
-
-class CheckpointError(ValueError):
-    """A checkpoint that cannot be resumed from as it is (damaged, or not this model's)."""
 
 
 def list_checkpoints(output_dir: str | Path) -> list[Path]:
@@ -72,19 +69,6 @@ def latest_checkpoint(output_dir: str | Path) -> Path | None:
     _finish_replacements(Path(output_dir))
     ckpts = list_checkpoints(output_dir)
     return ckpts[-1] if ckpts else None
-
-
-def rng_state() -> dict:
-    return {"torch": torch.get_rng_state(), "python": random.getstate()}
-
-
-def set_rng_state(state: dict) -> None:
-    torch.set_rng_state(state["torch"])
-    random.setstate(_to_tuple(state["python"]))
-
-
-def _to_tuple(x):
-    return tuple(_to_tuple(v) for v in x) if isinstance(x, (list, tuple)) else x
 
 
 def save_checkpoint(output_dir: str | Path, step: int, model, state: dict, keep: int = 2,
@@ -164,8 +148,6 @@ def check_state(state, path: str | Path) -> dict:
     for key, (allowed, ok) in {**_STATE_KEYS, **_OPTIONAL_KEYS}.items():
         if key in state and not ok(state[key]):
             raise CheckpointError(f"{path}: {key!r} must be {allowed}; got {short_repr(state[key], 60)}: the file is damaged")
-    from qerl_kit import trainer_state
-
     trainer_state.check_values(state, path)
     return state
 
@@ -181,56 +163,6 @@ def load_state(checkpoint: str | Path) -> dict:
         raise CheckpointError(f"{path} cannot be read ({type(err).__name__}: {str(err)[:200]}): "
                               "the file is damaged or truncated") from err
     return check_state(state, path)
-
-
-def read_adapter(checkpoint: str | Path) -> dict[str, torch.Tensor]:
-    """The tensors of ``checkpoint/adapter_model.safetensors`` (a checkpoint or adapter directory);
-    a missing or unreadable file is a ``CheckpointError`` naming it (never a download)."""
-    from safetensors.torch import load_file
-
-    path = Path(checkpoint) / ADAPTER_FILE
-    try:
-        return load_file(str(path))
-    except FileNotFoundError:
-        raise CheckpointError(f"{path} is missing: {checkpoint} is not a complete checkpoint or adapter") from None
-    except Exception as err:  # noqa: BLE001 - safetensors raises its own error type on truncated files
-        raise CheckpointError(f"{path} cannot be read ({type(err).__name__}: {str(err)[:200]}): "
-                              "the file is damaged or truncated") from err
-
-
-def load_adapter_weights(model, checkpoint: str | Path, weights: dict | None = None) -> None:
-    """Copy a saved adapter's tensors (``weights``: already read by ``read_adapter``) into the
-    already-attached adapter of ``model``, after checking that the checkpoint holds exactly the
-    model's adapter tensors, each of the model's shape, floating point and finite."""
-    from peft import get_peft_model_state_dict, set_peft_model_state_dict
-
-    path = Path(checkpoint) / ADAPTER_FILE
-    weights = read_adapter(checkpoint) if weights is None else weights
-    expected = get_peft_model_state_dict(model)
-    missing = sorted(set(expected) - set(weights))
-    unexpected = sorted(set(weights) - set(expected))
-    wrong = sorted(k for k in set(expected) & set(weights) if tuple(expected[k].shape) != tuple(weights[k].shape))
-    if missing or unexpected or wrong:
-        parts = []
-        if missing:
-            parts.append(f"{len(missing)} adapter tensors missing (e.g. {missing[0]})")
-        if unexpected:
-            parts.append(f"{len(unexpected)} tensors the model has no place for (e.g. {unexpected[0]})")
-        if wrong:
-            k = wrong[0]
-            parts.append(f"{len(wrong)} of another shape (e.g. {k}: {tuple(weights[k].shape)} in the checkpoint, "
-                         f"{tuple(expected[k].shape)} in the model)")
-        raise CheckpointError(f"{path} does not match the model's adapter: " + "; ".join(parts))
-    ints = sorted(k for k, t in weights.items() if not t.is_floating_point())
-    if ints:  # copying them in would cast silently: the values are not the adapter that was trained
-        raise CheckpointError(f"{path} holds {len(ints)} tensors that are not floating point (e.g. {ints[0]}: "
-                              f"{weights[ints[0]].dtype}); an adapter's LoRA matrices are floats")
-    bad = sorted(k for k, t in weights.items() if not torch.isfinite(t).all())
-    if bad:
-        n = int((~torch.isfinite(weights[bad[0]])).sum())
-        raise CheckpointError(f"{path} holds NaN or inf values in {len(bad)} of its {len(weights)} tensors (e.g. "
-                              f"{bad[0]}: {n} of {weights[bad[0]].numel()} values); such an adapter cannot be used")
-    set_peft_model_state_dict(model, weights)
 
 
 # Config keys whose change does not alter the training computation: a resume may change them freely.

@@ -42,6 +42,7 @@ from qerl_kit.config_types import (EVAL_SIZE_RULE, TRAIN_SIZE_RULE, check_lora_a
                                    _losses, _rule, _scales, _section, _tasks, _validate, check_aqn_sigmas,
                                    check_lr, check_seed, check_sigma, check_steps, check_temperature,
                                    check_value, short_repr)
+from qerl_kit.config_types import LORA_ALPHA_RULE, LORA_R_RULE  # the rules lora.attach_lora applies too
 
 # Ranges of values that enter through the config only (the shared ones live in config_types).
 BATCH_MAX = 2**20  # completions per step: each is generated and held in memory every step
@@ -55,10 +56,11 @@ class ModelConfig:
     _prefix = "model"
     name: str = "tiny"  # "tiny" (the shipped model), a preset of qerl_kit.models, or a local HF directory
     format: str = _rule("nvfp4", choices=_formats)  # nvfp4 | mxfp4 | nf4 | none (bf16 LoRA)
-    lora_r: int = _rule(16, ge=1)  # LoRA rank: 0 would be no adapter at all
+    # LoRA rank (config_types.LORA_R_RULE, shared with attach_lora and a saved adapter's config)
+    lora_r: int = field(default=16, metadata={"rule": LORA_R_RULE})
     # None: alpha = r. The adapter's scale is alpha / r: 0 makes it a no-op, < 0 flips its sign, and
-    # at most LORA_SCALE_MAX x r (config_types.check_lora_alpha, shared with attach_lora)
-    lora_alpha: float | None = _rule(None, gt=0, why="the LoRA scale is alpha / r")
+    # at most LORA_SCALE_MAX x r (config_types.LORA_ALPHA_RULE and check_lora_alpha, shared with attach_lora)
+    lora_alpha: float | None = field(default=None, metadata={"rule": LORA_ALPHA_RULE})
     train_norms: bool = False  # also train the RMSNorm scales before the projections
     gradient_checkpointing: bool = False
     trust_remote_code: bool = False

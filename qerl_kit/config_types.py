@@ -316,6 +316,8 @@ TRAIN_SIZE_RULE = _Rule(ge=1, le=DATA_ROWS_MAX, why="an empty training set canno
 # The adapter's output is scaled by alpha / r and Adam moves its weights by ~lr per step, so the scale
 # multiplies the effective lr: above 1000 (lr 1e-5 acting as 1e-2) the first steps blow the logits up.
 LORA_SCALE_MAX = 1000
+LORA_R_RULE = _Rule(ge=1)  # LoRA rank: 0 would be no adapter at all
+LORA_ALPHA_RULE = _Rule(gt=0, why="the LoRA scale is alpha / r")  # and at most LORA_SCALE_MAX x r (check_lora_alpha)
 
 
 def check_lora_alpha(key: str, alpha: Any, r: int, r_key: str = "r") -> float | None:

@@ -198,6 +198,27 @@ def _save_side_files(base, path: Path, tokenizer, source_dir) -> None:
         (path / "generation_config.json").write_text(gen.to_json_string(use_diff=True), encoding="utf-8")
 
 
+def _write_checkpoint(ckpt: Path, base: nn.Module, tensors: dict, ignore, dtype, max_shard_size,
+                      tokenizer, source_dir) -> None:
+    """Fill the staging directory ``ckpt`` with the whole export: weights, config.json, tokenizer and
+    generation files, and our marker."""
+    sizes = {name: t.numel() * t.element_size() for name, t in tensors.items()}
+    # copy=True: a buffer may be a view into a bigger one (StaticEngine fuses q/k/v and gate/up
+    # in place), which safetensors would refuse as shared memory
+    producers = {name: (lambda t=t: t.detach().to("cpu", copy=True).contiguous()) for name, t in tensors.items()}
+    ct_format.write_safetensors(ckpt, producers, sizes, max_shard_size)
+    ct_format.write_json(ckpt / "config.json", _export_config(base, ignore, dtype))
+    _save_side_files(base, ckpt, tokenizer, source_dir)
+    _write_marker(ckpt, _CHECKPOINT)
+
+
+def _write_adapter(adapter: Path, model) -> None:
+    """Fill the staging directory ``adapter`` with a peft model's adapter and our marker."""
+    model.save_pretrained(str(adapter))
+    file_writes.match_umask(adapter)  # safetensors writes 0600
+    _write_marker(adapter, _ADAPTER)
+
+
 def save_nvfp4(model: nn.Module, path: str | Path, *, tokenizer=None, max_shard_size: int | str = "2GB",
                source_dir: str | Path | None = None, adapter_dir: str | Path | None = None,
                dtype: torch.dtype | None = torch.bfloat16) -> Path:
@@ -231,20 +252,11 @@ def save_nvfp4(model: nn.Module, path: str | Path, *, tokenizer=None, max_shard_
     try:
         ckpt = _staging_dir(targets[0][0])
         pending.append((ckpt, targets[0]))
-        sizes = {name: t.numel() * t.element_size() for name, t in tensors.items()}
-        # copy=True: a buffer may be a view into a bigger one (StaticEngine fuses q/k/v and gate/up
-        # in place), which safetensors would refuse as shared memory
-        producers = {name: (lambda t=t: t.detach().to("cpu", copy=True).contiguous()) for name, t in tensors.items()}
-        ct_format.write_safetensors(ckpt, producers, sizes, max_shard_size)
-        ct_format.write_json(ckpt / "config.json", _export_config(base, ignore, dtype))
-        _save_side_files(base, ckpt, tokenizer, source_dir)
-        _write_marker(ckpt, _CHECKPOINT)
+        _write_checkpoint(ckpt, base, tensors, ignore, dtype, max_shard_size, tokenizer, source_dir)
         if adapter_dir is not None:
             adapter = _staging_dir(targets[1][0])
             pending.append((adapter, targets[1]))
-            model.save_pretrained(str(adapter))
-            file_writes.match_umask(adapter)  # safetensors writes 0600
-            _write_marker(adapter, _ADAPTER)
+            _write_adapter(adapter, model)
         while pending:  # both written in full: now the renames
             staged, target = pending[0]
             _swap_in(staged, *target)
@@ -266,7 +278,7 @@ def _skeleton(path: Path, dtype: torch.dtype) -> nn.Module:
     """The model built from config.json on the meta device (no memory), remote code off."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from qerl_kit.models import ModelSourceError
+    from qerl_kit.model_files import ModelSourceError
 
     try:
         config = AutoConfig.from_pretrained(str(path), trust_remote_code=False)
@@ -370,7 +382,7 @@ def load_nvfp4(path: str | Path, *, device: str | torch.device = "cpu", dtype: t
     from safetensors import safe_open
 
     from qerl_kit.finite import check_tensor
-    from qerl_kit.models import check_weight_files, read_model_config
+    from qerl_kit.model_files import check_weight_files, read_model_config
 
     dtype = check_dense_dtype(dtype, allow_none=False)
     path = Path(path)

@@ -72,78 +72,69 @@ def inspect_gguf(path: str | os.PathLike) -> GGUFInfo:
     return _scan(Path(path), full=True)
 
 
-def _scan(path: Path, full: bool):
-    import struct
+class _Reader:
+    """Reads a GGUF header from an open file: every read past the end of the file is a ``GGUFError``
+    naming it as truncated or damaged."""
 
+    def __init__(self, f, path: Path, size: int):
+        self.f, self.size = f, size
+        self.damaged = f"{str(path)!r}: truncated or damaged GGUF file"
+
+    def take(self, n: int) -> bytes:
+        data = self.f.read(n)
+        if len(data) != n:
+            raise GGUFError(f"{self.damaged} (its header ends at byte {self.f.tell():,}; copy it again and check "
+                            "its sha256)")
+        return data
+
+    def unpack(self, fmt: str):
+        import struct
+
+        return struct.unpack("<" + fmt, self.take(struct.calcsize("<" + fmt)))[0]
+
+    def string(self) -> str:
+        return self.take(self.unpack("Q")).decode("utf-8", "replace")
+
+    def skip(self, n: int) -> None:
+        if self.f.tell() + n > self.size:
+            raise GGUFError(f"{self.damaged} (its header runs past the end of the file)")
+        self.f.seek(n, 1)
+
+    def value(self, kind: int, keep: bool):
+        """A key's value of GGUF value type ``kind``: decoded if ``keep``, else skipped (None)."""
+        if kind in _SCALAR_FORMATS:
+            return self.unpack(_SCALAR_FORMATS[kind]) if keep else self.skip(_SCALAR_SIZES[kind])
+        if kind == 8:
+            n = self.unpack("Q")
+            return self.take(n).decode("utf-8", "replace") if keep else self.skip(n)
+        if kind == 9:
+            inner, count = self.unpack("I"), self.unpack("Q")
+            if inner in _SCALAR_SIZES:
+                return self.skip(_SCALAR_SIZES[inner] * count)
+            for _ in range(count):
+                self.value(inner, False)
+            return None
+        raise GGUFError(f"{self.damaged} (value type {kind})")
+
+
+def _scan(path: Path, full: bool):
+    """The architecture (``full=False``: the header's first keys only) or the whole checked ``GGUFInfo``."""
     if not path.exists():
         raise FileNotFoundError(f"GGUF file {str(path)!r} does not exist")
     if not path.is_file():
         raise GGUFError(f"{str(path)!r} is not a file; a GGUF model is one .gguf file")
     size = path.stat().st_size
-    damaged = f"{str(path)!r}: truncated or damaged GGUF file"
     with open(path, "rb") as f:
-        def take(n: int) -> bytes:
-            data = f.read(n)
-            if len(data) != n:
-                raise GGUFError(f"{damaged} (its header ends at byte {f.tell():,}; copy it again and check its sha256)")
-            return data
-
-        def unpack(fmt: str):
-            return struct.unpack("<" + fmt, take(struct.calcsize("<" + fmt)))[0]
-
-        def skip(n: int) -> None:
-            if f.tell() + n > size:
-                raise GGUFError(f"{damaged} (its header runs past the end of the file)")
-            f.seek(n, 1)
-
-        def value(kind: int, keep: bool):
-            if kind in _SCALAR_FORMATS:
-                return unpack(_SCALAR_FORMATS[kind]) if keep else skip(_SCALAR_SIZES[kind])
-            if kind == 8:
-                n = unpack("Q")
-                return take(n).decode("utf-8", "replace") if keep else skip(n)
-            if kind == 9:
-                inner, count = unpack("I"), unpack("Q")
-                if inner in _SCALAR_SIZES:
-                    return skip(_SCALAR_SIZES[inner] * count)
-                for _ in range(count):
-                    value(inner, False)
-                return None
-            raise GGUFError(f"{damaged} (value type {kind})")
-
         magic = f.read(4)
         if magic != _MAGIC:
             raise GGUFError(f"{str(path)!r} is not a GGUF file (it starts with {magic!r}, not {_MAGIC!r})")
-        _version, n_tensors, n_kv = unpack("I"), unpack("Q"), unpack("Q")
-        meta: dict = {}
-        for _ in range(n_kv):
-            key = take(unpack("Q")).decode("utf-8", "replace")
-            kind = unpack("I")
-            meta[key] = value(kind, key in _WANTED)
-            if key == "general.architecture":
-                _check_architecture(path, meta[key])
-                if not full:
-                    return meta[key]
-        if "general.architecture" not in meta:
-            raise GGUFError(f"{str(path)!r}: the GGUF header names no general.architecture")
-        import gguf
-
-        tensors, types, end = [], {}, 0
-        for _ in range(n_tensors):
-            name = take(unpack("Q")).decode("utf-8", "replace")
-            dims = [unpack("Q") for _ in range(unpack("I"))]
-            kind, offset = unpack("I"), unpack("Q")
-            try:
-                qtype = gguf.GGMLQuantizationType(kind)
-                block, type_size = gguf.GGML_QUANT_SIZES[qtype]
-            except (ValueError, KeyError):
-                raise GGUFError(f"{damaged} (tensor {name!r} has unknown type {kind})") from None
-            elements = 1
-            for d in dims:
-                elements *= d
-            tensors.append(name)
-            types[qtype.name] = types.get(qtype.name, 0) + 1
-            end = max(end, offset + elements // block * type_size)
+        reader = _Reader(f, path, size)
+        reader.unpack("I")  # the format version: every version qerl_kit reads lays the header out alike
+        n_tensors, n_kv = reader.unpack("Q"), reader.unpack("Q")
+        meta = _read_meta(reader, path, n_kv, full)
+        if not full:
+            return meta["general.architecture"]
+        tensors, types, end = _read_tensor_table(reader, n_tensors)
         align = meta.get("general.alignment") or 32
         data_start = -(-f.tell() // align) * align
     if data_start + end > size:
@@ -151,6 +142,46 @@ def _scan(path: Path, full: bool):
                         f"file has {size:,} bytes (copy it again and check its sha256)")
     return GGUFInfo(path=path, architecture=meta["general.architecture"], name=str(meta.get("general.name") or path.stem),
                     tensors=len(tensors), tied_head="output.weight" not in tensors, tensor_types=types, size_bytes=size)
+
+
+def _read_meta(reader: _Reader, path: Path, n_kv: int, full: bool) -> dict:
+    """The header's ``_WANTED`` keys (the others skipped), with a supported architecture; without
+    ``full`` it stops at the architecture key."""
+    meta: dict = {}
+    for _ in range(n_kv):
+        key = reader.string()
+        kind = reader.unpack("I")
+        meta[key] = reader.value(kind, key in _WANTED)
+        if key == "general.architecture":
+            _check_architecture(path, meta[key])
+            if not full:
+                return meta
+    if "general.architecture" not in meta:
+        raise GGUFError(f"{str(path)!r}: the GGUF header names no general.architecture")
+    return meta
+
+
+def _read_tensor_table(reader: _Reader, n_tensors: int) -> tuple[list[str], dict, int]:
+    """(tensor names, GGML type name -> count, the end of the last tensor's data from the data start)."""
+    import gguf
+
+    tensors, types, end = [], {}, 0
+    for _ in range(n_tensors):
+        name = reader.string()
+        dims = [reader.unpack("Q") for _ in range(reader.unpack("I"))]
+        kind, offset = reader.unpack("I"), reader.unpack("Q")
+        try:
+            qtype = gguf.GGMLQuantizationType(kind)
+            block, type_size = gguf.GGML_QUANT_SIZES[qtype]
+        except (ValueError, KeyError):
+            raise GGUFError(f"{reader.damaged} (tensor {name!r} has unknown type {kind})") from None
+        elements = 1
+        for d in dims:
+            elements *= d
+        tensors.append(name)
+        types[qtype.name] = types.get(qtype.name, 0) + 1
+        end = max(end, offset + elements // block * type_size)
+    return tensors, types, end
 
 
 def _check_architecture(path: Path, arch) -> None:
@@ -217,8 +248,8 @@ def _as_plain_dense(model, info: GGUFInfo) -> None:
 
 def add_turn_end(model, tokenizer) -> list[int]:
     """Add the chat template's turn-end token to ``model.generation_config.eos_token_id``; returns
-    the ids now there (see ``qerl_kit.rollout.base.chat_stop_ids``)."""
-    from qerl_kit.rollout.base import chat_stop_ids
+    the ids now there (see ``qerl_kit.chat_tokens.chat_stop_ids``)."""
+    from qerl_kit.chat_tokens import chat_stop_ids
 
     config = getattr(model, "generation_config", None)
     if config is None:

@@ -13,14 +13,16 @@ policy for a KL term needs no second model: ``with model.disable_adapter(): ...`
 
 peft does not store custom-module mappings in ``adapter_config.json``; to reload an adapter onto
 a quantized model use ``load_lora(model, path)``. It reads the files through the checked loader
-that resume uses (``qerl_kit.checkpoint.load_adapter_weights``), not ``PeftModel.from_pretrained``
+that resume uses (``qerl_kit.adapter_files.load_adapter_weights``), not ``PeftModel.from_pretrained``
 (which falls back to the Hub for a missing file and silently leaves missing tensors at their
 initial values): a missing directory or file, a truncated file, missing, extra or misshaped
 tensors, integer or NaN/inf tensors are a ``CheckpointError`` naming the path (and the tensor).
-``adapter_config.json`` is checked too (``check_adapter_config``): r, lora_alpha and lora_dropout by the
-rules ``attach_lora`` applies to its arguments (``check_lora_args``: the config's ``model.lora_r`` and
-``model.lora_alpha`` rules, dropout in [0, 1)), and a peft feature the quantized layers lack (DoRA,
-LoRA biases, ...) is refused naming the key, before any model is wrapped.
+``adapter_config.json`` is checked too (``check_adapter_config``): r, lora_alpha and lora_dropout by
+the rules ``attach_lora`` applies to its arguments (``check_lora_args``: ``config_types.LORA_R_RULE``
+and ``LORA_ALPHA_RULE``, the config's ``model.lora_r`` and ``model.lora_alpha`` rules, dropout in
+[0, 1)), and a peft feature the quantized layers lack (DoRA, LoRA biases, ...) is refused naming the
+key, before any model is wrapped. This module takes plain arguments: it reads nothing of the config
+or the checkpoint layers above it.
 """
 
 from __future__ import annotations
@@ -34,7 +36,9 @@ from peft import LoraConfig, PeftModel, get_peft_model
 from peft.tuners.lora.layer import Linear as PeftLoraLinear
 from peft.tuners.tuners_utils import BaseTunerLayer
 
-from qerl_kit.config_types import ConfigError, _Rule, check_lora_alpha, check_names, check_rule, check_seed, short_repr
+from qerl_kit.adapter_files import CheckpointError, load_adapter_weights, read_adapter
+from qerl_kit.config_types import (LORA_ALPHA_RULE, LORA_R_RULE, ConfigError, _Rule, check_lora_alpha, check_names,
+                                   check_rule, check_seed, short_repr)
 from qerl_kit.linear import LINEAR_CLASSES, QuantLinear
 
 ALL_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -65,21 +69,11 @@ def register_quant_layers(config: LoraConfig) -> LoraConfig:
 DROPOUT_RULE = _Rule(ge=0, lt=1, why="the share of the adapter's inputs dropped in training; 1 drops them all")
 
 
-def _model_rule(name: str) -> _Rule:
-    """The rule of ``config.ModelConfig``'s field ``name`` (lora_r, lora_alpha): one rule for the config,
-    ``attach_lora`` and a saved adapter's ``adapter_config.json``."""
-    from dataclasses import fields
-
-    from qerl_kit.config import ModelConfig
-
-    return next(f.metadata["rule"] for f in fields(ModelConfig) if f.name == name)
-
-
 def check_lora_args(r, alpha, dropout, names=("r", "alpha", "dropout")) -> tuple[int, float | None, float]:
     """``r`` an int >= 1 (not a bool), ``alpha`` None (= r) or a finite float in (0, 1000 x r] (the
     config's ``model.lora_r`` / ``model.lora_alpha`` rules), ``dropout`` in [0, 1); a ``ConfigError`` naming
     the argument (``names``) otherwise. Returns them coerced."""
-    r = check_rule(names[0], r, int, _model_rule("lora_r"))
+    r = check_rule(names[0], r, int, LORA_R_RULE)
     alpha = check_lora_alpha(names[1], alpha, r, r_key=names[0])  # the config's model.lora_alpha rule
     return r, alpha, check_rule(names[2], dropout, float, DROPOUT_RULE)
 
@@ -139,8 +133,6 @@ def attach_lora(model: torch.nn.Module, r: int = 32, alpha: float | None = None,
 def lora_config_for(path: str) -> LoraConfig:
     """The saved adapter's LoraConfig, with qerl_kit's quantized layers registered; a missing or
     unreadable ``adapter_config.json`` is a ``CheckpointError`` naming it (never a Hub download)."""
-    from qerl_kit.checkpoint import CheckpointError
-
     root = Path(path)
     config = root / "adapter_config.json"
     if not root.is_dir():
@@ -179,9 +171,9 @@ def check_adapter_config(config: LoraConfig) -> None:
     quantized layers lack (``ADAPTER_KEYS``); a ``ConfigError`` naming the key otherwise."""
     check_lora_args(config.r, config.lora_alpha, config.lora_dropout, ("r", "lora_alpha", "lora_dropout"))
     for key, value in (config.rank_pattern or {}).items():
-        check_rule(f"rank_pattern[{key!r}]", value, int, _model_rule("lora_r"))
+        check_rule(f"rank_pattern[{key!r}]", value, int, LORA_R_RULE)
     for key, value in (config.alpha_pattern or {}).items():
-        check_rule(f"alpha_pattern[{key!r}]", value, float, _model_rule("lora_alpha"))
+        check_rule(f"alpha_pattern[{key!r}]", value, float, LORA_ALPHA_RULE)
     if str(config.peft_type).rsplit(".", 1)[-1] != "LORA" or config.task_type not in (None, "CAUSAL_LM"):
         raise ConfigError(f"peft_type / task_type must be LORA / CAUSAL_LM (a LoRA adapter of a causal LM); got "
                           f"{short_repr(str(config.peft_type))} / {short_repr(config.task_type)}", "task_type")
@@ -199,8 +191,6 @@ def check_adapter_config(config: LoraConfig) -> None:
 
 def load_lora(model: torch.nn.Module, path: str, is_trainable: bool = False) -> PeftModel:
     """Load a saved peft adapter onto a (quantized) model, checked as a resume checks it."""
-    from qerl_kit.checkpoint import load_adapter_weights, read_adapter
-
     config = lora_config_for(path)
     weights = read_adapter(path)  # the file must be there and readable before the model is wrapped
     config.inference_mode = not is_trainable  # as PeftModel.from_pretrained: a frozen adapter for inference

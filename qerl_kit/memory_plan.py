@@ -174,77 +174,106 @@ def plan_memory(model: Any = "Qwen2.5-7B", fmt: str = "nvfp4", lora_r: int = 32,
     argument is checked where it enters (a ConfigError naming it): sizes and counts are ints >= 1,
     ``micro_batch`` at most ``rollout_batch`` (default: 8 or the whole batch if smaller), bytes per value
     1, 2 or 4, ``overhead`` in [0, 10], ``targets`` projection names (one name as a string is that name)."""
+    a = _checked_settings(fmt=fmt, optimizer=optimizer, lora_r=lora_r, rollout_batch=rollout_batch,
+                          prompt_len=prompt_len, max_new_tokens=max_new_tokens, micro_batch=micro_batch,
+                          gradient_checkpointing=gradient_checkpointing, kv_bytes=kv_bytes, act_bytes=act_bytes,
+                          lora_bytes=lora_bytes, overhead=overhead, gpu_bytes=gpu_bytes, group_size=group_size)
+    s = model_shape(model)
+    proj = _projections(s)
+    targets = check_names("targets", targets, proj, what="LoRA target", empty=False)
+    parts = {**_weight_parts(s, proj, a["fmt"]), **_lora_parts(s, proj, targets, a),
+             **_rollout_parts(s, a), **_training_parts(s, targets, a)}
+    settings = {k: a[k] for k in ("fmt", "lora_r", "optimizer", "rollout_batch", "prompt_len", "max_new_tokens",
+                                  "micro_batch", "gradient_checkpointing")}
+    name = model if isinstance(model, str) else (model.get("model_type", "model") if isinstance(model, dict)
+                                                 else getattr(model, "model_type", "model"))
+    return MemoryPlan(str(name), parts, settings, a["overhead"], a["gpu_bytes"])
+
+
+def _checked_settings(*, fmt, optimizer, lora_r, rollout_batch, prompt_len, max_new_tokens, micro_batch,
+                      gradient_checkpointing, kv_bytes, act_bytes, lora_bytes, overhead, gpu_bytes,
+                      group_size) -> dict:
+    """``plan_memory``'s settings, each checked and coerced (a ConfigError naming the first bad one)."""
     from qerl_kit.formats import FORMATS
 
-    fmt = check_value("fmt", fmt, str, choices=(*FORMATS, "none"))
-    if fmt != "none":
-        from qerl_kit.formats import get_format
+    a = {"fmt": check_value("fmt", fmt, str, choices=(*FORMATS, "none")),
+         "optimizer": check_value("optimizer", optimizer, str, choices=OPTIMIZERS),
+         "lora_r": check_value("lora_r", lora_r, int, ge=1, why="the LoRA rank")}
+    rollout_batch = a["rollout_batch"] = check_value("rollout_batch", rollout_batch, int, ge=1,
+                                                     why="sequences per rollout")
+    a["prompt_len"] = check_value("prompt_len", prompt_len, int, ge=0, why="prompt tokens per sequence")
+    a["max_new_tokens"] = check_rule("max_new_tokens", max_new_tokens, int, NEW_TOKENS_RULE)
+    a["micro_batch"] = check_value("micro_batch", min(8, rollout_batch) if micro_batch is None else micro_batch,
+                                   int, ge=1, le=rollout_batch,
+                                   why=f"a micro-batch is a slice of the rollout batch (rollout_batch = {rollout_batch})")
+    a["gradient_checkpointing"] = check_value("gradient_checkpointing", gradient_checkpointing, bool)
+    for key, value in (("kv_bytes", kv_bytes), ("act_bytes", act_bytes), ("lora_bytes", lora_bytes)):
+        a[key] = _value_bytes(key, value)
+    a["overhead"] = check_value("overhead", overhead, float, ge=0, le=10,
+                                why="a share added to the total for the CUDA context and allocator slack (0.1 = 10%)")
+    a["gpu_bytes"] = _check_gpu_bytes(gpu_bytes)
+    return a | _checked_group(group_size, rollout_batch)
 
-        bits = get_format(fmt).bits_per_weight
-    optimizer = check_value("optimizer", optimizer, str, choices=OPTIMIZERS)
-    lora_r = check_value("lora_r", lora_r, int, ge=1, why="the LoRA rank")
-    rollout_batch = check_value("rollout_batch", rollout_batch, int, ge=1, why="sequences per rollout")
-    prompt_len = check_value("prompt_len", prompt_len, int, ge=0, why="prompt tokens per sequence")
-    max_new_tokens = check_rule("max_new_tokens", max_new_tokens, int, NEW_TOKENS_RULE)
-    micro_batch = check_value("micro_batch", min(8, rollout_batch) if micro_batch is None else micro_batch,
-                              int, ge=1, le=rollout_batch,
-                              why=f"a micro-batch is a slice of the rollout batch (rollout_batch = {rollout_batch})")
-    gradient_checkpointing = check_value("gradient_checkpointing", gradient_checkpointing, bool)
-    kv_bytes, act_bytes, lora_bytes = (_value_bytes("kv_bytes", kv_bytes), _value_bytes("act_bytes", act_bytes),
-                                       _value_bytes("lora_bytes", lora_bytes))
-    overhead = check_value("overhead", overhead, float, ge=0, le=10,
-                           why="a share added to the total for the CUDA context and allocator slack (0.1 = 10%)")
-    gpu_bytes = _check_gpu_bytes(gpu_bytes)
+
+def _checked_group(group_size, rollout_batch: int) -> dict:
     group_size = check_value("group_size", group_size, int, ge=1, le=rollout_batch,
                              why=f"samples per prompt; it must divide rollout_batch ({rollout_batch})")
     if rollout_batch % group_size:
         raise ConfigError(f"group_size must be an int >= 1 that divides rollout_batch ({rollout_batch}); "
                           f"got {group_size}", "group_size", group_size, f"a divisor of {rollout_batch}")
-    s = model_shape(model)
-    proj = _projections(s)
-    targets = check_names("targets", targets, proj, what="LoRA target", empty=False)
+    return {"group_size": group_size}
+
+
+def _weight_parts(s: dict, proj: dict, fmt: str) -> dict[str, int]:
+    """The frozen weights: the projections in ``fmt`` (4-bit codes + a scale per block), the rest bf16."""
     L, h, V = s["layers"], s["hidden"], s["vocab"]
-    # weights
     n_proj = L * sum(i * o for i, o in proj.values())
-    proj_bytes = n_proj * 2 if fmt == "none" else int(n_proj * bits / 8) + 4 * L * len(proj)
+    if fmt == "none":
+        proj_bytes = n_proj * 2
+    else:
+        from qerl_kit.formats import get_format
+
+        proj_bytes = int(n_proj * get_format(fmt).bits_per_weight / 8) + 4 * L * len(proj)
     dense = V * h * (1 if s["tied"] else 2) + L * 2 * h + h  # embeddings (+ head), norms
     if s["qkv_bias"]:
         dense += L * (proj["q_proj"][1] + 2 * proj["k_proj"][1])
-    # LoRA and its training state
-    lora_params = L * sum(lora_r * (proj[t][0] + proj[t][1]) for t in targets)
+    return {f"weights: projections ({fmt})": proj_bytes, "weights: embeddings, head, norms (bf16)": dense * 2}
+
+
+def _lora_parts(s: dict, proj: dict, targets, a: dict) -> dict[str, int]:
+    """LoRA and its training state: the matrices, their gradients and the optimizer's moments."""
+    lora_r, lora_bytes, optimizer = a["lora_r"], a["lora_bytes"], a["optimizer"]
+    lora_params = s["layers"] * sum(lora_r * (proj[t][0] + proj[t][1]) for t in targets)
     opt_bytes = lora_params * (2 * lora_bytes if optimizer == "adamw" else 2)
-    # rollout: KV cache of every sequence at full length (the prompt once per group of samples)
-    seq = prompt_len + max_new_tokens
-    kv_tokens = rollout_batch // group_size * prompt_len + rollout_batch * max_new_tokens
-    kv = kv_tokens * 2 * L * s["kv_heads"] * s["head_dim"] * kv_bytes
-    rollout_logits = rollout_batch * V * 4  # one step's float32 logits (HFEngine's record buffer)
-    # training: one micro-batch
-    T = micro_batch * seq
-    kvw = s["kv_heads"] * s["head_dim"]
-    per_layer = T * (7 * h + 2 * kvw + 4 * s["inter"] + 3 * len(targets) * lora_r) * act_bytes
-    acts = (L * T * h * act_bytes + per_layer) if gradient_checkpointing else L * per_layer
+    return {f"LoRA r={lora_r} ({lora_params / 1e6:.1f} M params)": lora_params * lora_bytes,
+            "LoRA gradients": lora_params * lora_bytes, f"optimizer state ({optimizer})": opt_bytes}
+
+
+def _rollout_parts(s: dict, a: dict) -> dict[str, int]:
+    """Rollout: the KV cache of every sequence at full length (the prompt once per group of samples)
+    and one decode step's float32 logits (HFEngine's record buffer)."""
+    batch, group, prompt_len, new = a["rollout_batch"], a["group_size"], a["prompt_len"], a["max_new_tokens"]
+    kv_tokens = batch // group * prompt_len + batch * new
+    kv = kv_tokens * 2 * s["layers"] * s["kv_heads"] * s["head_dim"] * a["kv_bytes"]
+    return {f"rollout: KV cache ({batch} seqs x {prompt_len + new} tokens"
+            + (f", prompt shared by groups of {group})" if group > 1 else ")"): kv,
+            "rollout: logits of one decode step": batch * s["vocab"] * 4}
+
+
+def _training_parts(s: dict, targets, a: dict) -> dict[str, int]:
+    """Training one micro-batch: the activations kept for backward, the logits and one float32
+    log-softmax chunk (``qerl_kit.logprobs.CHUNK_ELEMS``)."""
     from qerl_kit.logprobs import CHUNK_ELEMS
 
-    logits = T * V * act_bytes + 2 * 4 * min(CHUNK_ELEMS, micro_batch * max_new_tokens * V)  # + float copy, log-softmax
-    parts = {
-        f"weights: projections ({fmt})": proj_bytes,
-        "weights: embeddings, head, norms (bf16)": dense * 2,
-        f"LoRA r={lora_r} ({lora_params / 1e6:.1f} M params)": lora_params * lora_bytes,
-        "LoRA gradients": lora_params * lora_bytes,
-        f"optimizer state ({optimizer})": opt_bytes,
-        f"rollout: KV cache ({rollout_batch} seqs x {seq} tokens"
-        + (f", prompt shared by groups of {group_size})" if group_size > 1 else ")"): kv,
-        "rollout: logits of one decode step": rollout_logits,
-        f"training: activations (micro-batch {micro_batch}, "
-        f"{'checkpointed' if gradient_checkpointing else 'all layers kept'})": acts,
-        "training: logits + one float32 log-softmax chunk": logits,
-    }
-    settings = dict(fmt=fmt, lora_r=lora_r, optimizer=optimizer, rollout_batch=rollout_batch,
-                    prompt_len=prompt_len, max_new_tokens=max_new_tokens, micro_batch=micro_batch,
-                    gradient_checkpointing=gradient_checkpointing)
-    name = model if isinstance(model, str) else (model.get("model_type", "model") if isinstance(model, dict)
-                                                 else getattr(model, "model_type", "model"))
-    return MemoryPlan(str(name), parts, settings, overhead, gpu_bytes)
+    L, h, V, act_bytes, micro = s["layers"], s["hidden"], s["vocab"], a["act_bytes"], a["micro_batch"]
+    T = micro * (a["prompt_len"] + a["max_new_tokens"])
+    kvw = s["kv_heads"] * s["head_dim"]
+    per_layer = T * (7 * h + 2 * kvw + 4 * s["inter"] + 3 * len(targets) * a["lora_r"]) * act_bytes
+    acts = (L * T * h * act_bytes + per_layer) if a["gradient_checkpointing"] else L * per_layer
+    logits = T * V * act_bytes + 2 * 4 * min(CHUNK_ELEMS, micro * a["max_new_tokens"] * V)  # + float copy, log-softmax
+    return {f"training: activations (micro-batch {micro}, "
+            f"{'checkpointed' if a['gradient_checkpointing'] else 'all layers kept'})": acts,
+            "training: logits + one float32 log-softmax chunk": logits}
 
 
 VLLM_RUNTIME_BYTES = 2 << 30  # vLLM's own: CUDA graphs, activations of a step, sampler, allocator slack

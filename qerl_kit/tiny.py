@@ -23,7 +23,9 @@ converts every linear layer but ``lm_head`` with ``qerl_kit.quantize.quantize_mo
   the problems: the gap RL closes.
 
 Its accuracy (greedy or sampled, pass@k, by level) is measured with ``qerl_kit.evaluate.evaluate``
-on the arithmetic Task: ``make_task().evaluate(model, tok)``, ``result.by("level")``.
+on the arithmetic Task: ``make_task().evaluate(model, tok)``, ``result.by("level")``; the prompts it
+answers are the task's (``qerl_kit.tasks.arith.PROMPT_SUFFIX``). This module sits in the model layer
+and imports nothing of the tasks above it.
 """
 
 from __future__ import annotations
@@ -33,9 +35,7 @@ from pathlib import Path
 
 import torch
 
-from qerl_kit.tasks.arith import PROMPT_SUFFIX  # noqa: F401  (the prompts the model answers: the task's)
-
-__all__ = ["TINY_DIR", "SPECIAL_TOKENS", "CHAT_TEMPLATE", "PROMPT_SUFFIX", "build_tokenizer",
+__all__ = ["TINY_DIR", "SPECIAL_TOKENS", "CHAT_TEMPLATE", "build_tokenizer",
            "tiny_config", "load_tiny"]
 
 TINY_DIR = Path(__file__).resolve().parent / "assets" / "tiny-arith"

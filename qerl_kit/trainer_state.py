@@ -10,7 +10,9 @@ load into a scratch generator; the AQN state's schedule passes AQN's own constru
 ``qerl_kit.aqn.AQN``, not a copy of them). ``restore`` then loads the optimizer, scheduler, RNG, AQN
 and adapter into a trainer's objects; any failure (a structure the live optimizer or scheduler does not
 accept: no ``lr_lambdas``, another number of parameter groups) is a ``CheckpointError`` naming the file
-and the key, and everything restored so far is put back as it was.
+and the key, and everything restored so far is put back as it was. The RNG state helpers
+(``rng_state``, ``set_rng_state``) live here too; ``qerl_kit.checkpoint`` builds on this module and
+this module imports nothing of it.
 """
 
 from __future__ import annotations
@@ -25,9 +27,10 @@ from pathlib import Path
 
 import torch
 
-from qerl_kit.checkpoint import (STATE_FILE, CheckpointError, _to_tuple, load_adapter_weights, rng_state,
-                                 set_rng_state)
+from qerl_kit.adapter_files import CheckpointError, load_adapter_weights
 from qerl_kit.config_types import LR_MAX, LR_RULE, ConfigError, _Rule, check_rule, short_repr
+
+STATE_FILE = "trainer_state.pt"  # a checkpoint directory's trainer state (``qerl_kit.checkpoint``)
 
 # The lr an optimizer group holds now: the base lr (LR_RULE) times the schedule's factor in [0, 1].
 CURRENT_LR_RULE = _Rule(ge=0, le=LR_MAX, why="the scheduled lr: the base lr (at most 1) times a factor in [0, 1]")
@@ -36,6 +39,21 @@ _COUNT_RULE = _Rule(ge=0)
 # what AQN.state_dict() writes for each schedule value (a checkpoint holds these types exactly)
 _AQN_TYPES = {"sigma_start": float, "sigma_end": float, "stages": int, "total_steps": int, "seed": int,
               "resample": str, "allow_increasing": bool}
+
+
+def rng_state() -> dict:
+    """The torch and Python RNG states, as a checkpoint stores them."""
+    return {"torch": torch.get_rng_state(), "python": random.getstate()}
+
+
+def set_rng_state(state: dict) -> None:
+    torch.set_rng_state(state["torch"])
+    random.setstate(_to_tuple(state["python"]))
+
+
+def _to_tuple(x):
+    """Python's RNG state with its lists back as tuples (a saved state holds lists)."""
+    return tuple(_to_tuple(v) for v in x) if isinstance(x, (list, tuple)) else x
 
 
 @contextlib.contextmanager

@@ -63,8 +63,7 @@ def test_sampled_logprobs_are_the_models(preset, fmt):
 def test_greedy_matches_hf_engine_on_the_tiny_model(tiny):
     """Same tokens, stop reasons and (nearly) log-probs as transformers' generate, through text."""
     from qerl_kit.data import build_prompt
-    from qerl_kit.tasks.arith import make_dataset
-    from qerl_kit.tiny import PROMPT_SUFFIX
+    from qerl_kit.tasks.arith import PROMPT_SUFFIX, make_dataset
 
     model, tok = tiny
     rows = make_dataset("test", 5, seed=1)

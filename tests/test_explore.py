@@ -16,7 +16,8 @@ from qerl_kit.explore import exploration_probe, sweep  # noqa: E402
 def tiny():
     from qerl_kit.data import build_prompt
     from qerl_kit.tasks.arith import make_dataset
-    from qerl_kit.tiny import PROMPT_SUFFIX, load_tiny
+    from qerl_kit.tasks.arith import PROMPT_SUFFIX
+    from qerl_kit.tiny import load_tiny
 
     model, tok = load_tiny(quantize="nvfp4")
     rows = make_dataset("test", 2, seed=0, levels=(3,))

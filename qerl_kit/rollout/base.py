@@ -28,6 +28,7 @@ from typing import Any, Iterator, Protocol, Sequence, runtime_checkable
 import torch
 from torch import Tensor
 
+from qerl_kit.chat_tokens import chat_stop_ids  # noqa: F401  (named here too: special_ids reads it)
 from qerl_kit.config_types import short_repr
 from qerl_kit.finite import check_logprobs
 from qerl_kit.rollout.types import Generation, Prompts, Rollouts, SamplingParams, as_prompts, check_n
@@ -253,28 +254,6 @@ def special_ids(tokenizer: Any, model: torch.nn.Module | None,
     config_eos = _as_ids(getattr(getattr(model, "generation_config", None), "eos_token_id", None))
     stop = list(dict.fromkeys(eos + config_eos + chat_stop_ids(tokenizer) + extra))
     return (int(pad) if pad is not None else (eos[0] if eos else None)), stop
-
-
-def chat_stop_ids(tokenizer: Any) -> list[int]:
-    """The special token that ends an assistant turn in the tokenizer's chat template (``<|im_end|>``
-    in Qwen's ChatML, ``<|eot_id|>`` in Llama 3), as a one-element list; [] without a template or
-    when the turn ends in plain text. Read off the template itself: an assistant message is
-    rendered and the first token after its content is taken if it is a special token."""
-    if tokenizer is None or getattr(tokenizer, "chat_template", None) is None:
-        return []
-    marker = "qerl-turn-marker"
-    try:
-        text = tokenizer.apply_chat_template([{"role": "user", "content": "q"}, {"role": "assistant", "content": marker}],
-                                             tokenize=False)
-    except Exception:  # noqa: BLE001 - a template that cannot render this pair has no turn end to read
-        return []
-    if not isinstance(text, str) or marker not in text:
-        return []
-    tail = text.split(marker, 1)[1]
-    ids = tokenizer(tail, add_special_tokens=False)["input_ids"] if tail else []
-    special = set(getattr(tokenizer, "all_special_ids", []) or [])
-    special |= {int(i) for i in (getattr(tokenizer, "added_tokens_decoder", None) or {})}
-    return [int(ids[0])] if ids and int(ids[0]) in special else []
 
 
 def stop_mask(completion: Tensor, stop_token_ids: Sequence[int]) -> tuple[Tensor, Tensor]:
