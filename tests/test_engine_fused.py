@@ -15,8 +15,8 @@ IN_PROCESS = triton_interp.enable()  # before Triton's first import
 triton = pytest.importorskip("triton", reason="the fused kernels need triton")
 
 from qerl_kit.rollout import StaticEngine  # noqa: E402
-from qerl_kit.kernels.engine_fused import (add_rmsnorm, add_rmsnorm_ref, rope_to_cache,  # noqa: E402
-                                           rope_to_cache_ref, silu_mul, silu_mul_ref)
+from qerl_kit.rollout.static.fused import (add_rmsnorm, add_rmsnorm_ref, rope_to_cache,  # noqa: E402
+                                            rope_to_cache_ref, silu_mul, silu_mul_ref)
 from qerl_kit.kernels.lora_triton import kernels_take, lora_apply_, lora_apply_ref_  # noqa: E402
 from qerl_kit.lora import attach_lora  # noqa: E402
 from qerl_kit.models import build_model  # noqa: E402
@@ -198,13 +198,13 @@ def test_gpu_compaction_replays_its_own_graphs_like_eager():
     sp = SamplingParams(max_new_tokens=40, temperature=0)
     runs = {}
     for graphs in (True, False):
-        engine = StaticEngine(model, length_bucket=8, sync_every=4, cuda_graphs=graphs)
+        engine = StaticEngine(model, length_bucket=8, check_every=4, cuda_graphs=graphs)
         runs[graphs] = [engine.generate_ids(prompts, 2, sp, ignore_eos=True, stop_after=lengths) for _ in range(2)]
     for out in runs[True] + runs[False]:
         assert out.completion_mask.sum(1).tolist() == lengths and out.stats["rollout/compactions"] >= 2
     assert torch.equal(runs[True][0].completion_ids, runs[False][0].completion_ids)
     assert torch.equal(runs[True][1].completion_ids, runs[True][0].completion_ids)  # graphs reused
-    dense = StaticEngine(model, length_bucket=8, sync_every=4, compact=False).generate_ids(
+    dense = StaticEngine(model, length_bucket=8, check_every=4, compact=False).generate_ids(
         prompts, 2, sp, ignore_eos=True, stop_after=lengths)
     same = (dense.completion_ids == runs[True][0].completion_ids)[dense.completion_mask.bool()].float().mean()
     assert same > 0.9  # other batch shapes may round bf16 differently; greedy agrees almost everywhere
