@@ -1,6 +1,6 @@
 """The package's shape: no import-time cycles between its modules, and the layers of
-docs/architecture.md (the rollout contract knows nothing of training, the decode path nothing of
-rollouts, the formats nothing of models)."""
+docs/architecture.md (the rollout contract knows nothing of training, the static engine nothing of
+the registry or the other backends, the kernels nothing of rollouts, the formats nothing of models)."""
 
 from __future__ import annotations
 
@@ -96,7 +96,9 @@ def test_the_checker_finds_a_cycle():
 
 @pytest.mark.parametrize("lower, upper", [
     ("qerl_kit.rollout", ("qerl_kit.trainer", "qerl_kit.grpo", "qerl_kit.tasks", "qerl_kit.config")),
-    ("qerl_kit.engine", ("qerl_kit.rollout", "qerl_kit.trainer", "qerl_kit.tasks")),
+    ("qerl_kit.rollout.static", ("qerl_kit.rollout.registry", "qerl_kit.rollout.hf", "qerl_kit.rollout.vllm",
+                                 "qerl_kit.trainer", "qerl_kit.tasks", "qerl_kit.evaluate")),
+    ("qerl_kit.kernels", ("qerl_kit.rollout", "qerl_kit.trainer")),
     ("qerl_kit.tasks", ("qerl_kit.trainer", "qerl_kit.rollout.hf", "qerl_kit.rollout.static")),
     ("qerl_kit.nvfp4", ("qerl_kit.linear", "qerl_kit.quantize", "qerl_kit.rollout", "qerl_kit.trainer")),
     ("qerl_kit.grpo", ("qerl_kit.trainer", "qerl_kit.rollout", "qerl_kit.config")),
