@@ -30,8 +30,9 @@ How one call runs:
    steps) against ``rollout/dense_row_steps`` says what it saved.
 
 What the graphs bake in, and what they read live: tensor *storage* is fixed at capture, values
-are read at replay. LoRA matrices updated in place by an optimizer, AQN's in-place norm noise and
-``NVFP4Linear`` buffers are therefore live. Python-level state is baked in: sampling parameters
+are read at replay. LoRA matrices updated in place by an optimizer and AQN's in-place norm noise
+are therefore live; a base weight changed in place reaches the graphs too (o/down: read live;
+q/k/v and gate/up: re-copied into the fused plan's buffers at the next call). Python-level state is baked in: sampling parameters
 (part of the graph key), which adapter is active, ``disable_adapter()``, module hooks. Forward
 hooks (e.g. AQN's ``resample="forward"``) would not rerun at replay, so a model that has any runs
 eagerly, with a warning. Replacing a parameter object (not its values) needs ``reset()``.
