@@ -118,7 +118,7 @@ def adapter_load_seconds(engine, peft, prompt: list[int], repeats: int = 3) -> d
         for _ in range(repeats):
             sync_device()
             t = time.perf_counter()
-            engine.sync_adapter(peft)
+            engine._upload_adapter(peft)
             sync.append(time.perf_counter() - t)
             t = time.perf_counter()
             engine.generate_ids([prompt], 1, one)

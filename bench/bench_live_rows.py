@@ -51,8 +51,8 @@ def add_length_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--cap", type=int, default=1024)
 
 
-def run_case(model, prompts, lengths, compact: bool, sync_every: int = 32) -> dict:
-    engine = StaticEngine(model, None, max_prefill_tokens=32768, compact=compact, sync_every=sync_every)
+def run_case(model, prompts, lengths, compact: bool, check_every: int = 32) -> dict:
+    engine = StaticEngine(model, None, max_prefill_tokens=32768, compact=compact, check_every=check_every)
     sp = SamplingParams(max_new_tokens=max(lengths), temperature=1.0, seed=0)
     engine.generate_ids(prompts, 1, sp, ignore_eos=True, stop_after=lengths)  # graph capture
     sync()
@@ -80,14 +80,14 @@ def main() -> None:
     ap.add_argument("--batches", nargs="+", type=int, default=[64, 256])
     add_length_args(ap)
     ap.add_argument("--lora-r", type=int, default=32)
-    ap.add_argument("--sync-every", type=int, default=32, help="the engine's stop check (and compaction) interval")
+    ap.add_argument("--check-every", type=int, default=32, help="the engine's stop check (and compaction) interval")
     ap.add_argument("--budget", type=float, default=520.0, help="seconds after which remaining cases are skipped")
     ap.add_argument("--smoke", action="store_true", help="CPU, a tiny preset, short lengths")
     args = ap.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
     if args.smoke:
         args.models, args.batches, args.prompt, args.mean, args.cap, args.lora_r = ["qwen2-tiny"], [8], 8, 12.0, 32, 4
-        args.sync_every = 4
+        args.check_every = 4
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
@@ -107,8 +107,8 @@ def main() -> None:
                 prompts = random_prompts(batch, args.prompt, vocab)
                 case = dict(model=preset, format=fmt, batch=batch, prompt=args.prompt, mean_length=sum(lengths) / batch,
                             max_length=max(lengths), lengths_sha=hash_lengths(lengths))
-                dense = run_case(model, prompts, lengths, compact=False, sync_every=args.sync_every)
-                live = run_case(model, prompts, lengths, compact=True, sync_every=args.sync_every)
+                dense = run_case(model, prompts, lengths, compact=False, check_every=args.check_every)
+                live = run_case(model, prompts, lengths, compact=True, check_every=args.check_every)
                 ratio = live["wall_s"] / (case["mean_length"] * dense["ms_per_step"] / 1e3)
                 rows.append({**case, "dense_wall_s": dense["wall_s"], "dense_ms_per_step": dense["ms_per_step"],
                              "live_wall_s": live["wall_s"], "live_decode_s": live["decode_s"],

@@ -17,7 +17,7 @@ import torch
 
 from bench import bench_rollout as br
 
-import qerl_kit.engine.fast as fast
+import qerl_kit.rollout.static.fast as fast
 from qerl_kit.kernels.lora_triton import lora_apply_, lora_apply_ref_
 
 PATHS = {"torch ops": lora_apply_ref_, "grouped kernels": lora_apply_, "no LoRA work": lambda y, *args: y}

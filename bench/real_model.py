@@ -15,7 +15,7 @@ completions; ``summary.md`` is the table.
 ``regress``: the issue's crash, replayed: NVFP4 + LoRA + AQN GRPO on GSM8K train for ``--steps``
 steps (8 prompts x 8, 256 tokens), ``Trainer.evaluate()`` on 64 test problems after step 2 and
 after every step from 10 on. Then the mechanism: a dropped engine state holding captured graphs,
-collected by ``gc.collect()`` inside the next capture, with the fix (``_State.release``) and with
+collected by ``gc.collect()`` inside the next capture, with the fix (``DecodeState.release``) and with
 it disabled. Writes ``regress.json``.
 """
 
@@ -167,12 +167,12 @@ def _gc_in_capture(engine, tok, fixed: bool) -> str:
     """Leave a state holding captured graphs for the cyclic GC, then collect inside the next capture."""
     import gc
 
-    from qerl_kit.rollout import static
+    from qerl_kit.rollout.static.state import DecodeState
     from qerl_kit.rollout.types import SamplingParams
 
-    release = static._State.release
+    release = DecodeState.release
     if not fixed:
-        static._State.release = lambda self: None  # the old teardown: drop the reference, leave the cycle
+        DecodeState.release = lambda self: None  # the old teardown: drop the reference, leave the cycle
     old_step = engine._step
     try:
         engine.max_rows = None  # stop_after needs every row in one batch
@@ -194,7 +194,7 @@ def _gc_in_capture(engine, tok, fixed: bool) -> str:
         return f"{type(err).__name__}: {err}"[:400]
     finally:
         engine._step = old_step
-        static._State.release = release
+        DecodeState.release = release
         engine.reset()
 
 

@@ -31,7 +31,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from qerl_kit.kernels import engine_fused as ef
+from qerl_kit.rollout.static import fused as ef
 from qerl_kit.kernels.lora_triton import FLOATS, HAS_TRITON, LoraDelta, _pad, lora_expand_
 
 if HAS_TRITON:
@@ -288,7 +288,7 @@ def silu_mul_lora(gate_up: Tensor, lora: LoraDelta, use_triton: bool | None = No
 # -- what the engine calls: the plain consumer when nothing is pending ------------------------
 def add_rmsnorm(x: Tensor, residual: Tensor | None, weight: Tensor, eps: float, use_triton: bool | None = None,
                 lora: LoraDelta | None = None) -> tuple[Tensor, Tensor]:
-    """``engine_fused.add_rmsnorm``, with ``lora`` (the pending expand of the projection that
+    """``fused.add_rmsnorm``, with ``lora`` (the pending expand of the projection that
     produced x) added to x first."""
     if lora is None:
         return ef.add_rmsnorm(x, residual, weight, eps, use_triton=use_triton)
@@ -298,7 +298,7 @@ def add_rmsnorm(x: Tensor, residual: Tensor | None, weight: Tensor, eps: float, 
 def rope_to_cache(q: Tensor, k: Tensor, v: Tensor, cos: Tensor, sin: Tensor, k_cache: Tensor, v_cache: Tensor,
                   slot: Tensor, use_triton: bool | None = None, offset: int = 0,
                   lora: LoraDelta | None = None) -> Tensor:
-    """``engine_fused.rope_to_cache``, with ``lora`` (q/k/v's pending expand, on the columns of
+    """``fused.rope_to_cache``, with ``lora`` (q/k/v's pending expand, on the columns of
     ``[q | k | v]`` flattened) added first."""
     if lora is None:
         return ef.rope_to_cache(q, k, v, cos, sin, k_cache, v_cache, slot, use_triton=use_triton, offset=offset)
@@ -306,7 +306,7 @@ def rope_to_cache(q: Tensor, k: Tensor, v: Tensor, cos: Tensor, sin: Tensor, k_c
 
 
 def silu_mul(gate_up: Tensor, use_triton: bool | None = None, lora: LoraDelta | None = None) -> Tensor:
-    """``engine_fused.silu_mul``, with ``lora`` (gate/up's pending expand) added first."""
+    """``fused.silu_mul``, with ``lora`` (gate/up's pending expand) added first."""
     if lora is None:
         return ef.silu_mul(gate_up, use_triton=use_triton)
     return silu_mul_lora(gate_up, lora, use_triton)

@@ -39,7 +39,7 @@ from typing import Any, Callable, Iterable
 
 from qerl_kit.config_types import check_names, check_seed, check_temperature, check_value, short_repr
 from qerl_kit.data import check_rows
-from qerl_kit.rollout.base import RolloutEngine, engine_sync
+from qerl_kit.rollout.base import RolloutEngine, check_engine
 from qerl_kit.rollout.types import Prompts, SamplingParams
 from qerl_kit.scoring import reward_scores
 from qerl_kit.table import html_table, text_table
@@ -190,6 +190,7 @@ def evaluate(model: Any, tokenizer: Any, dataset: Iterable[dict], reward_fn: Cal
         from qerl_kit.rollout.hf import HFEngine
 
         engine = HFEngine(model, tokenizer)
+    check_engine(engine)
     if prompt_fn is None:
         from qerl_kit.data import chat_prompt as prompt_fn
     if batch_size is None:  # few engine calls: the engine batches rows itself and compacts finished ones
@@ -203,7 +204,7 @@ def evaluate(model: Any, tokenizer: Any, dataset: Iterable[dict], reward_fn: Cal
                                   top_p=top_p if temperature > 0 else 1.0,
                                   seed=None if seed is None else seed + chunk_index)
         prompts = Prompts.encode(tokenizer, [prompt_fn(tokenizer, r) for r in chunk])
-        with engine_sync(engine, model):
+        with engine.sync(model):
             out = engine.generate(prompts, samples, sampling)
         repeated = [r for r in chunk for _ in range(samples)]
         ids = out.completion_id_lists()

@@ -22,8 +22,9 @@ Rollouts and updates run one after the other, so the peak is weights + LoRA stat
 the KV cache and the activations, plus ``overhead`` (CUDA context, allocator slack; 10% by default).
 These are estimates to choose settings with, not measurements and not an upper bound: compare
 with ``torch.cuda.max_memory_allocated()`` after a step (notebook 05 does). Not counted: the
-repacked copy of the 4-bit weights that humming-kernels keeps (docs/kernels.md) and fixed
-per-process buffers; on an H200 a 7B GRPO step peaked 1.1x above its plan and the tiny model 4x
+repacked copy of the 4-bit weights that humming-kernels keeps (docs/kernels.md), the
+``StaticEngine``'s fused copy of the q/k/v and gate/up weights (``fused=True``: about two thirds
+of the projection weights again) and fixed per-process buffers; on an H200 a 7B GRPO step peaked 1.1x above its plan and the tiny model 4x
 (bench/results/same_day_h200_2026-12-03b.md).
 """
 

@@ -49,7 +49,7 @@ from qerl_kit.config import TrainConfig, check_lr, upgrade_dict
 from qerl_kit.data import DataError
 from qerl_kit.logprobs import batched_logprobs, completion_logprobs
 from qerl_kit.optim import lr_lambda, make_optimizer, steps_to_run
-from qerl_kit.rollout.base import engine_sync
+from qerl_kit.rollout.base import check_engine
 from qerl_kit.rollout.registry import engine_options, make_engine
 from qerl_kit.rollout.types import Rollouts, SamplingParams
 from qerl_kit.sampling_filters import KeptGroups, accumulate_groups, overlong_penalty
@@ -89,7 +89,7 @@ class Trainer:
             raise ValueError("the model has no trainable parameters; attach LoRA first "
                              "(qerl_kit.lora.attach_lora)")
         self.model, self.tokenizer, self.config, self.task = model, tokenizer, config, task
-        self.engine = engine if engine is not None else make_engine(
+        self.engine = check_engine(engine) if engine is not None else make_engine(
             config.rollout.engine, model, tokenizer, **engine_options(config.rollout, model, tokenizer, task, config.model.lora_r))
         self.progress = progress
         self.dist = distributed.Context.detect()  # world 1 unless launched by torchrun & co
@@ -185,7 +185,7 @@ class Trainer:
         part = distributed.group_slice(len(rows), self.dist.rank, self.dist.world)
         rows = rows[part]
         prompts = self.task.encode(self.tokenizer, rows)
-        with engine_sync(self.engine, self.model, self.aqn, step) as info:
+        with self.engine.sync(self.model, noise=self.aqn, step=step) as info:
             rollouts = self.engine.generate(prompts, self.config.rollout.group_size,
                                             self._sampling(step, round_, part.start))
         rollouts = rollouts.to(self._device)  # vLLM returns CPU tensors; a no-op for the other engines

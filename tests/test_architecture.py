@@ -26,9 +26,7 @@ LAYERS: list[tuple[str, list[str]]] = [
                "qerl_kit.export_dirs", "qerl_kit.ct_format", "qerl_kit.models", "qerl_kit.gguf_model",
                "qerl_kit.tiny", "qerl_kit.aqn", "qerl_kit.logprobs", "qerl_kit.memory_plan"]),
     ("rollout contract", ["qerl_kit.rollout.types", "qerl_kit.rollout.base"]),
-    # qerl_kit.engine: the static engine's old home, until it moves into the qerl_kit.rollout.static package
-    ("rollout backends", ["qerl_kit.rollout.hf", "qerl_kit.rollout.static", "qerl_kit.rollout.vllm",
-                          "qerl_kit.engine"]),
+    ("rollout backends", ["qerl_kit.rollout.hf", "qerl_kit.rollout.static", "qerl_kit.rollout.vllm"]),
     ("rollout registry", ["qerl_kit.rollout.registry", "qerl_kit.rollout"]),
     ("training pieces", ["qerl_kit.data", "qerl_kit.rewards", "qerl_kit.math_equiv", "qerl_kit.explore",
                          "qerl_kit.tasks", "qerl_kit.scoring", "qerl_kit.grpo", "qerl_kit.sampling_filters",
@@ -223,3 +221,13 @@ def test_the_values_layer_imports_no_qerl_kit_module_at_import_time():
     """config_types holds the rules every layer checks values with (rollout/types, aqn, lora, quantize
     import it), so it must sit below them all."""
     assert imports("qerl_kit.config_types") == set()
+
+
+def test_the_rollout_backends_know_nothing_of_each_other():
+    """hf, static and vllm sit on one layer and stay independent: each is replaceable alone."""
+    backends = ("qerl_kit.rollout.hf", "qerl_kit.rollout.static", "qerl_kit.rollout.vllm")
+    home = {m: next(b for b in backends if m == b or m.startswith(b + ".")) for m in MODULES
+            if any(m == b or m.startswith(b + ".") for b in backends)}
+    crossing = sorted(f"{m} -> {d}" for m in home for d in imports(m, import_time_only=False)
+                      if d in home and home[d] != home[m])
+    assert crossing == []

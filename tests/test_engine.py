@@ -5,7 +5,7 @@ import zlib
 import pytest
 import torch
 
-from qerl_kit.engine import Decoder, process_logits, sample
+from qerl_kit.rollout.static import Decoder, process_logits, sample
 from qerl_kit.rollout import StaticEngine
 from qerl_kit.lora import attach_lora
 from qerl_kit.models import build_model
@@ -70,7 +70,7 @@ def test_greedy_matches_hf_engine_on_the_tiny_model(tiny):
     prompts = [build_prompt(tok, r["prompt"], suffix=PROMPT_SUFFIX) for r in rows]
     sp = SamplingParams(max_new_tokens=40, temperature=0)
     ref = HFEngine(model, tok).generate(prompts, 2, sp)
-    got = StaticEngine(model, tok, sync_every=8).generate(prompts, 2, sp)
+    got = StaticEngine(model, tok, check_every=8).generate(prompts, 2, sp)
     assert got.texts == ref.texts
     assert got.finish_reasons == ref.finish_reasons
     assert torch.equal(got.completion_ids, ref.completion_ids)
@@ -89,7 +89,7 @@ def tiny():
 
 def test_stop_tokens_end_rows_and_are_kept(tiny):
     model, tok = tiny
-    engine = StaticEngine(model, tok, sync_every=4)
+    engine = StaticEngine(model, tok, check_every=4)
     eos = tok.eos_token_id
     out = engine.generate_ids([[5, 6, 7, 8]], n=4, sampling=SamplingParams(max_new_tokens=30, temperature=1.5, seed=0))
     ids, mask = out.completion_ids, out.completion_mask
@@ -232,7 +232,7 @@ def test_trainer_runs_on_the_static_engine(tiny, tmp_path):
     model, tok = tiny
     cfg = preset("tiny-cpu", total_steps=3, output_dir=str(tmp_path), save_every=0,
                  rollout=dict(batch_size=8, group_size=4, max_new_tokens=24), aqn=dict(stages=3))
-    engine = StaticEngine(model, tok, sync_every=4)  # stop checks every 4 steps: the batch gets compacted
+    engine = StaticEngine(model, tok, check_every=4)  # stop checks every 4 steps: the batch gets compacted
     trainer = Trainer(model, tok, make_task(cfg.data), cfg, engine=engine, progress="none")
     seen = []
     generate = engine.generate_ids
@@ -297,7 +297,7 @@ def test_float32_adapters_on_a_bf16_base_stay_on_the_fused_path():
 def test_gradient_checkpointing_hooks_keep_the_fused_path():
     """enable_input_require_grads (needed with gradient checkpointing) hooks the embedding; that hook
     is inert at inference, so it must not push rollouts off the fused path and CUDA graphs."""
-    from qerl_kit.rollout.static import _hooked_modules
+    from qerl_kit.rollout.static.engine import _hooked_modules
 
     model = build_model("qwen2-tiny", seed=4)
     quantize_model(model, "nvfp4")
@@ -326,8 +326,8 @@ def test_compaction_keeps_greedy_outputs_and_decodes_fewer_rows(tiny):
     model, tok = tiny
     prompts = _arith_prompts(tok)
     sp = SamplingParams(max_new_tokens=48, temperature=0)
-    dense = StaticEngine(model, tok, sync_every=2, compact=False).generate_ids(prompts, 2, sp)
-    engine = StaticEngine(model, tok, sync_every=2)
+    dense = StaticEngine(model, tok, check_every=2, compact=False).generate_ids(prompts, 2, sp)
+    engine = StaticEngine(model, tok, check_every=2)
     packed = engine.generate_ids(prompts, 2, sp)
     assert torch.equal(packed.completion_ids, dense.completion_ids)
     assert torch.equal(packed.completion_mask, dense.completion_mask) and torch.equal(packed.stopped, dense.stopped)
@@ -345,7 +345,7 @@ def test_compacted_sampling_has_the_models_logprobs(tiny):
     model, tok = tiny
     prompts = _arith_prompts(tok, 6)
     T = 1.3
-    out = StaticEngine(model, tok, sync_every=2).generate_ids(prompts, 4, SamplingParams(48, temperature=T, seed=5))
+    out = StaticEngine(model, tok, check_every=2).generate_ids(prompts, 4, SamplingParams(48, temperature=T, seed=5))
     assert out.stats["rollout/compactions"] >= 1
     for row in range(len(out)):
         prompt, L = list(prompts.ids[row // 4]), int(out.completion_mask[row].sum())
@@ -362,7 +362,7 @@ def test_forced_lengths_end_rows_there_with_and_without_compaction(tiny):
     prompts = _arith_prompts(tok, 4)
     lengths = [3, 17, 9, 1, 30, 5, 12, 2]
     sp = SamplingParams(max_new_tokens=32, temperature=1.0, seed=1)
-    outs = [StaticEngine(model, tok, sync_every=2, compact=c).generate_ids(prompts, 2, sp, ignore_eos=True,
+    outs = [StaticEngine(model, tok, check_every=2, compact=c).generate_ids(prompts, 2, sp, ignore_eos=True,
                                                                           stop_after=lengths) for c in (True, False)]
     for out in outs:
         assert out.completion_mask.sum(1).tolist() == lengths and out.stopped.all()
@@ -394,8 +394,8 @@ def test_shared_prefix_stores_the_prompt_once_and_changes_no_output(tiny):
     prompts = _arith_prompts(tok, 6)
     n, new = 4, 48
     for sp in (SamplingParams(new, temperature=0), SamplingParams(new, temperature=1.2, seed=3)):
-        plain_engine = StaticEngine(model, tok, sync_every=2, shared_prefix=False)
-        shared_engine = StaticEngine(model, tok, sync_every=2)
+        plain_engine = StaticEngine(model, tok, check_every=2, shared_prefix=False)
+        shared_engine = StaticEngine(model, tok, check_every=2)
         plain, shared = plain_engine.generate_ids(prompts, n, sp), shared_engine.generate_ids(prompts, n, sp)
         assert shared.stats["rollout/compactions"] >= 1  # rows moved: prompt_row followed them
         assert torch.equal(shared.completion_ids, plain.completion_ids)
@@ -412,3 +412,79 @@ def test_shared_prefix_stores_the_prompt_once_and_changes_no_output(tiny):
         StaticEngine(model, tok, attention="sdpa")
     with pytest.raises(ValueError, match="attention='flash'"):
         StaticEngine(model, tok, shared_prefix=False, attention="flash")
+
+
+# ---- the model is only read ----------------------------------------------------------------------
+def _model_state(model: torch.nn.Module) -> dict:
+    """Everything of the model an engine could change: every state-dict entry and buffer (values,
+    dtype, device, storage), parameter objects and flags, and each module's attributes and mode."""
+    tensors = {**{f"state:{k}": v for k, v in model.state_dict(keep_vars=True).items()},
+               **{f"buffer:{k}": v for k, v in model.named_buffers()}}
+    return {
+        "tensors": {k: (v.detach().clone(), v.dtype, v.device, v.data_ptr(), v.shape, v.stride())
+                    for k, v in tensors.items()},
+        "params": {k: (id(p), p.requires_grad) for k, p in model.named_parameters()},
+        "modules": {name: (type(m), m.training, sorted(vars(m)), sorted(m._parameters), sorted(m._buffers),
+                           {k: v for k, v in vars(m).items() if isinstance(v, (bool, int, float, str, type(None)))})
+                    for name, m in model.named_modules()},
+    }
+
+
+def _assert_same_state(before: dict, after: dict) -> None:
+    assert after["params"] == before["params"] and after["modules"] == before["modules"]
+    assert after["tensors"].keys() == before["tensors"].keys()
+    for key, (value, *meta) in before["tensors"].items():
+        got, *got_meta = after["tensors"][key]
+        assert got_meta == meta, key  # dtype, device, storage, shape, strides
+        assert torch.equal(got.view(torch.uint8) if got.dtype != torch.bool else got,
+                           value.view(torch.uint8) if value.dtype != torch.bool else value), key  # bit for bit
+
+
+@pytest.mark.parametrize("fmt", ["nvfp4", "none"])
+@pytest.mark.parametrize("fused", [True, False])
+def test_building_and_generating_leave_the_model_as_it_was(fmt, fused):
+    """The engine reads the model and never writes to it: after building it (the fused plan's
+    copies), generating (prefill, decode, compaction, sampling) and an AQN sync, the state dict,
+    the buffers, the parameter objects and every module's attributes are what they were, bit for bit."""
+    from qerl_kit.aqn import AQN
+
+    model = _model("qwen3-tiny", fmt, seed=6)
+    model.train()  # the engine runs in eval mode and must give the flags back
+    before = _model_state(model)
+    engine = StaticEngine(model, check_every=2, length_bucket=8, fused=fused)
+    assert (engine.decoder.path == "fused") == fused
+    prompts = _prompts(torch.Generator().manual_seed(6), [4, 9, 6])
+    engine.generate_ids(prompts, 2, SamplingParams(max_new_tokens=12, temperature=1.0, seed=1),
+                        stop_after=[2, 12, 3, 5, 1, 12])
+    aqn = AQN(sigma_start=0.5, sigma_end=0.1, stages=3, total_steps=3)
+    with engine.sync(model, noise=aqn, step=1):
+        engine.generate_ids(prompts, 1, SamplingParams(max_new_tokens=5, temperature=0), ignore_eos=True)
+    _assert_same_state(before, _model_state(model))
+
+
+@pytest.mark.parametrize("fmt", ["nvfp4", "none"])
+def test_the_fused_copies_follow_a_change_of_the_models_base_weights(fmt):
+    """The fused plan decodes on its own copies of q/k/v and gate/up; a base weight written in
+    place (reloaded, trained) is copied again at the next call, so fused and generic paths agree."""
+    model = _model("qwen2-tiny", fmt, lora=False, seed=7)
+    fused, generic = StaticEngine(model), StaticEngine(model, fused=False)
+    prompts, sp = [[5, 6, 7, 8, 9]], SamplingParams(max_new_tokens=6, temperature=0)
+    first = fused.generate_ids(prompts, 1, sp, ignore_eos=True)
+    k_proj = model.model.layers[0].self_attn.k_proj
+    name = "packed" if fmt == "nvfp4" else "weight"
+    with torch.no_grad():
+        tensor = getattr(k_proj, name)
+        tensor.copy_(torch.flip(tensor, dims=[0]))
+    got = fused.generate_ids(prompts, 1, sp, ignore_eos=True)
+    want = generic.generate_ids(prompts, 1, sp, ignore_eos=True)
+    assert not torch.equal(got.logprobs, first.logprobs)  # the change reached the fused step
+    assert torch.equal(got.completion_ids, want.completion_ids)
+    torch.testing.assert_close(got.logprobs, want.logprobs, atol=2e-4, rtol=1e-4)
+
+
+def test_a_renamed_keyword_says_its_new_name(tiny):
+    model, tok = tiny
+    with pytest.raises(TypeError, match="sync_every is now called check_every"):
+        StaticEngine(model, tok, sync_every=8)
+    with pytest.raises(TypeError, match="unexpected keyword argument 'chek_every'"):
+        StaticEngine(model, tok, chek_every=8)

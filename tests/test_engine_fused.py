@@ -1,5 +1,5 @@
 """The engine's fused decode step: Triton kernels vs their references (CPU interpreter, or the GPU),
-and the fused plan vs the generic path on whole models (views change nothing the model computes).
+and the fused plan vs the generic path on whole models (the plan's copies change nothing in the model).
 
 Like tests/test_kernels.py, the kernel tests need TRITON_INTERPRET=1 before Triton's first import;
 in a full run this module re-runs itself in a subprocess with it set.
@@ -15,8 +15,8 @@ IN_PROCESS = triton_interp.enable()  # before Triton's first import
 triton = pytest.importorskip("triton", reason="the fused kernels need triton")
 
 from qerl_kit.rollout import StaticEngine  # noqa: E402
-from qerl_kit.kernels.engine_fused import (add_rmsnorm, add_rmsnorm_ref, rope_to_cache,  # noqa: E402
-                                           rope_to_cache_ref, silu_mul, silu_mul_ref)
+from qerl_kit.rollout.static.fused import (add_rmsnorm, add_rmsnorm_ref, rope_to_cache,  # noqa: E402
+                                            rope_to_cache_ref, silu_mul, silu_mul_ref)
 from qerl_kit.kernels.lora_triton import kernels_take, lora_apply_, lora_apply_ref_  # noqa: E402
 from qerl_kit.lora import attach_lora  # noqa: E402
 from qerl_kit.models import build_model  # noqa: E402
@@ -108,12 +108,14 @@ def test_fused_step_matches_generic_step_and_leaves_the_model_unchanged(preset, 
     with torch.no_grad():
         before = model(input_ids=ids).logits
     keys = set(model.state_dict())
+    ptrs = {k: v.data_ptr() for k, v in model.state_dict().items()}
     generic = StaticEngine(model, fused=False)
-    fused = StaticEngine(model)  # fuses q/k/v and gate/up in place (views)
+    fused = StaticEngine(model)  # concatenates q/k/v and gate/up into its own buffers
     assert generic.decoder.path.startswith("generic") and fused.decoder.path == "fused"
     with torch.no_grad():
         after = model(input_ids=ids).logits
     assert torch.equal(before, after) and set(model.state_dict()) == keys
+    assert {k: v.data_ptr() for k, v in model.state_dict().items()} == ptrs  # the model's storage is untouched
     sp = SamplingParams(max_new_tokens=8, temperature=1.0, seed=2)
     prompts = ids.tolist()
     a = generic.generate_ids(prompts, 2, sp, ignore_eos=True)
@@ -123,12 +125,14 @@ def test_fused_step_matches_generic_step_and_leaves_the_model_unchanged(preset, 
         torch.testing.assert_close(a.logprobs, b.logprobs, atol=tol, rtol=0)
     else:  # bf16 rounding may flip a sample; then the first differing token is a near tie
         assert dtype == torch.bfloat16
-    # a second engine reuses the fused buffers instead of concatenating again
-    def fused_tensor(engine):
-        g = engine.decoder.plan.layers[0].qkv
-        return g.packed if g.kind == "nvfp4" else g.weight
-
-    assert fused_tensor(StaticEngine(model)).data_ptr() == fused_tensor(fused).data_ptr()
+    # q/k/v is a copy the plan owns; o_proj (a group of one) is the model's own tensor
+    layer, attn = fused.decoder.plan.layers[0], fused.decoder.layers[0].self_attn
+    attr = "packed" if layer.qkv.kind == "nvfp4" else "weight"
+    base = attn.q_proj.get_base_layer() if hasattr(attn.q_proj, "get_base_layer") else attn.q_proj
+    o_base = attn.o_proj.get_base_layer() if hasattr(attn.o_proj, "get_base_layer") else attn.o_proj
+    assert layer.qkv.fused[attr].untyped_storage().data_ptr() != getattr(base, attr).untyped_storage().data_ptr()
+    assert torch.equal(layer.qkv.fused[attr][:getattr(base, attr).shape[0]], getattr(base, attr))
+    assert layer.o.fused[attr] is getattr(o_base, attr)
 
 
 def test_unsupported_layers_fall_back_to_the_generic_path():
@@ -144,7 +148,7 @@ def test_fused_model_exports_and_reloads(tmp_path):
 
     model = build_model("qwen2-tiny", seed=2, device=DEVICE, dtype=torch.bfloat16)
     quantize_model(model, "nvfp4")
-    StaticEngine(model)  # views into fused buffers from here on
+    StaticEngine(model)  # the fused plan's copies: the model saves as it would without an engine
     save_nvfp4(model, tmp_path / "ckpt")
     back = load_nvfp4(tmp_path / "ckpt")
     ids = torch.randint(3, 500, (1, 7), generator=torch.Generator().manual_seed(1))
@@ -198,13 +202,13 @@ def test_gpu_compaction_replays_its_own_graphs_like_eager():
     sp = SamplingParams(max_new_tokens=40, temperature=0)
     runs = {}
     for graphs in (True, False):
-        engine = StaticEngine(model, length_bucket=8, sync_every=4, cuda_graphs=graphs)
+        engine = StaticEngine(model, length_bucket=8, check_every=4, cuda_graphs=graphs)
         runs[graphs] = [engine.generate_ids(prompts, 2, sp, ignore_eos=True, stop_after=lengths) for _ in range(2)]
     for out in runs[True] + runs[False]:
         assert out.completion_mask.sum(1).tolist() == lengths and out.stats["rollout/compactions"] >= 2
     assert torch.equal(runs[True][0].completion_ids, runs[False][0].completion_ids)
     assert torch.equal(runs[True][1].completion_ids, runs[True][0].completion_ids)  # graphs reused
-    dense = StaticEngine(model, length_bucket=8, sync_every=4, compact=False).generate_ids(
+    dense = StaticEngine(model, length_bucket=8, check_every=4, compact=False).generate_ids(
         prompts, 2, sp, ignore_eos=True, stop_after=lengths)
     same = (dense.completion_ids == runs[True][0].completion_ids)[dense.completion_mask.bool()].float().mean()
     assert same > 0.9  # other batch shapes may round bf16 differently; greedy agrees almost everywhere

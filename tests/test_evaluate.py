@@ -167,19 +167,24 @@ def test_evaluation_applies_the_lora_adapter():
     assert evaluate(model, tok, rows, match, temperature=0, max_new_tokens=8).accuracy == 1.0
 
 
-def test_a_generate_only_engine_works_and_pass_at_k_and_by_column():
-    class Bare:  # no sync: fine without AQN noise
+def test_a_minimal_engine_works_and_pass_at_k_and_by_column():
+    class Minimal:  # the rollout interface and nothing else: sync (nothing to do) and generate
+        def sync(self, policy=None, *, noise=None, step=0):
+            return contextlib.nullcontext({})
+
         def generate(self, prompts, n, sampling):
             return ScriptedEngine({prompts.texts[0]: ["#### 2", "#### 6"]}).generate(prompts, n, sampling)
 
     tok = make_tokenizer()
-    res = evaluate(None, tok, ROWS, exact_reward, samples=2, temperature=1.0, engine=Bare(), batch_size=1)
+    res = evaluate(None, tok, ROWS, exact_reward, samples=2, temperature=1.0, engine=Minimal(), batch_size=1)
     assert [p["pass_rate"] for p in res.per_problem] == [0.5, 0.5, 0.0]  # "#### 2" right once, "#### 6" once
     assert res.pass_at_k == pytest.approx(2 / 3) and res.accuracy == pytest.approx(1 / 3)
     assert res.by("level") == {1: {"accuracy": 0.5, "pass_at_k": 1.0, "n": 1},
                                2: {"accuracy": 0.5, "pass_at_k": 1.0, "n": 1},
                                3: {"accuracy": 0.0, "pass_at_k": 0.0, "n": 1}}
-    from qerl_kit.rollout.base import engine_sync
 
-    with pytest.raises(TypeError, match="no sync.*AQN noise cannot"):
-        engine_sync(Bare(), None, noise=object())
+    class GenerateOnly:  # no sync: AQN noise or an adapter upload could never reach it
+        generate = Minimal.generate
+
+    with pytest.raises(TypeError, match="GenerateOnly is not a rollout engine: it has no sync method"):
+        evaluate(None, tok, ROWS, exact_reward, samples=2, temperature=1.0, engine=GenerateOnly(), batch_size=1)

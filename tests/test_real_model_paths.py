@@ -92,7 +92,7 @@ def test_the_cache_keys_on_the_tensor_and_never_outlives_its_block():
 
 def test_a_dropped_engine_state_is_freed_at_once_without_the_cyclic_gc():
     model = build_model("qwen2-tiny", seed=0)
-    engine = StaticEngine(model, None, sync_every=2)
+    engine = StaticEngine(model, None, check_every=2)
     from qerl_kit.rollout.types import SamplingParams
 
     prompts = [[5, 6, 7], [8, 9, 10, 11], [12, 13], [14, 15, 16]]

@@ -261,8 +261,8 @@ def test_sync_generate_and_sleep_sequence(fake_vllm, tmp_path):
     with pytest.raises(RuntimeError, match="asleep"):
         engine.generate(["ab"], 2)
     with engine.awake():
-        req1 = engine.sync_adapter(peft)
-        req2 = engine.sync_adapter(peft)
+        req1 = engine._upload_adapter(peft)
+        req2 = engine._upload_adapter(peft)
         out = engine.generate(["ab", "xyz"], n=3, sampling=SamplingParams(max_new_tokens=8, temperature=0.7,
                                                                           top_p=0.9, top_k=0, seed=3))
     assert (req1.lora_int_id, req2.lora_int_id) == (1, 2) and req2.lora_path.endswith("adapter-2")
@@ -287,7 +287,7 @@ def test_sync_generate_and_sleep_sequence(fake_vllm, tmp_path):
     assert torch.allclose(out.logprobs[1], torch.tensor([-1.1, -1.2, -1.3, -1.4]))
     assert out.logprobs[0, 3] == 0 and out.stats["rollout/tokens"] == int(out.completion_mask.sum())
     with pytest.raises(ValueError, match="max_lora_rank"):
-        engine.sync_adapter(_peft(train_norms=False, r=128))
+        engine._upload_adapter(_peft(train_norms=False, r=128))
     engine.close()
 
 
@@ -302,21 +302,21 @@ def test_aqn_and_trained_norms_reach_vllms_own_norms(fake_vllm, tmp_path):
     engine = VLLMEngine(tmp_path, Tok())
     vnorm = engine.llm.model.model.layers[1].post_attention_layernorm.weight
     aqn = AQN(total_steps=10, stages=10, seed=7)
-    engine.sync_adapter(peft, aqn=aqn, step=0)  # stage 0: trained norms, no noise
+    engine._upload_adapter(peft, aqn=aqn, step=0)  # stage 0: trained norms, no noise
     assert torch.equal(vnorm, clean)
     assert torch.equal(engine.llm.model.model.norm.weight, torch.ones(64, dtype=torch.bfloat16))  # final norm untouched
-    engine.sync_adapter(peft, aqn=aqn, step=5)
+    engine._upload_adapter(peft, aqn=aqn, step=5)
     assert torch.equal(hf_norm(1, "post_attention_layernorm"), clean)  # the HF model is restored
     twin = AQN(total_steps=10, stages=10, seed=7)
     with twin.noise(peft, step=5):
         expected = hf_norm(1, "post_attention_layernorm").detach().clone()
     assert torch.equal(vnorm, expected) and not torch.equal(vnorm, clean)
-    engine.sync_adapter(peft, aqn=aqn, step=0)  # back to noise-free: nothing accumulates
+    engine._upload_adapter(peft, aqn=aqn, step=0)  # back to noise-free: nothing accumulates
     assert torch.equal(vnorm, clean)
     assert [c[0] for c in engine.llm.calls].count("apply_model") == 3
     engine.llm.model = fake_vllm_model(drop=0)  # a vLLM model whose norms do not all resolve
     with pytest.raises(ValueError, match="no module"):
-        engine.sync_adapter(peft, aqn=aqn, step=5)
+        engine._upload_adapter(peft, aqn=aqn, step=5)
     engine.close()
 
 

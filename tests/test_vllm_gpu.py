@@ -520,7 +520,7 @@ def test_vllm_texts_match_the_tokenizers_decode(vllm_setup, results):
 
 # ---- 5. what a sync costs ---------------------------------------------------------------------------
 def test_adapter_sync_time(vllm_setup, results):
-    """sync_adapter alone (write to tmpfs, drop the old id), with AQN norms, the LoRA load on the
+    """_upload_adapter alone (write to tmpfs, drop the old id), with AQN norms, the LoRA load on the
     next generate, and full sync cycles (wake, upload, sleep) as the Trainer runs them."""
     from qerl_kit.aqn import AQN
     from qerl_kit.rollout import SamplingParams
@@ -534,11 +534,11 @@ def test_adapter_sync_time(vllm_setup, results):
                                                         "generate_new_adapter", "cycle_total")}
     engine.wake_up()
     try:
-        engine.sync_adapter(probe)  # clean norms in vLLM: the uploads below send the LoRA files only
+        engine._upload_adapter(probe)  # clean norms in vLLM: the uploads below send the LoRA files only
         engine.generate(one, 1, tiny)
         for _ in range(8):
             t0 = time.perf_counter()
-            engine.sync_adapter(probe)
+            engine._upload_adapter(probe)
             timings["upload"].append(time.perf_counter() - t0)
             t0 = time.perf_counter()
             engine.generate(one, 1, tiny)  # loads the new adapter first
@@ -548,7 +548,7 @@ def test_adapter_sync_time(vllm_setup, results):
             timings["generate_same_adapter"].append(time.perf_counter() - t0)
         for _ in range(8):  # the adapter plus AQN's noisy norms through LLM.apply_model
             t0 = time.perf_counter()
-            engine.sync_adapter(probe, aqn=aqn, step=1)
+            engine._upload_adapter(probe, aqn=aqn, step=1)
             timings["upload_with_norms"].append(time.perf_counter() - t0)
     finally:
         engine.sleep()

@@ -1,7 +1,8 @@
 """Decode attention: one new query token per row, over a KV cache whose prompt part is shared.
 
 In a GRPO batch every prompt is decoded n times, so n rows share the prompt's keys and values.
-The rollout engine's cache therefore has two parts per layer (``qerl_kit.engine.decoder.KVCache``):
+The rollout engine's cache therefore has two parts per layer
+(``qerl_kit.rollout.static.decoder.KVCache``):
 
 * the **prefix**, ``pk``/``pv`` [prompts, kv_heads, P, D]: each prompt's P (padded) positions,
   stored once, not n times (the cache's memory for the prompt falls n-fold);

@@ -33,9 +33,8 @@ from qerl_kit.config_types import short_repr
 from qerl_kit.finite import check_logprobs
 from qerl_kit.rollout.types import Generation, Prompts, Rollouts, SamplingParams, as_prompts, check_n
 
-__all__ = ["RolloutEngine", "Engine", "ModelEngine", "engine_sync", "check_context", "check_token_ids", "check_stop_ids",
-           "inference", "seeded", "special_ids",
-           "stop_mask", "decode_completions"]
+__all__ = ["RolloutEngine", "Engine", "ModelEngine", "check_engine", "check_context", "check_token_ids",
+           "check_stop_ids", "inference", "seeded", "special_ids", "stop_mask", "decode_completions"]
 
 
 @runtime_checkable
@@ -105,17 +104,18 @@ class ModelEngine(Engine):
             yield {"aqn/norms": count}
 
 
-def engine_sync(engine: Any, policy: Any = None, noise: Any = None, step: int = 0):
-    """``engine.sync(policy, noise=noise, step=step)``; for an engine without ``sync`` (a minimal one
-    with only ``generate``), nothing to do, unless there is noise to apply, which it could not receive."""
-    sync = getattr(engine, "sync", None)
-    if sync is None:
-        if noise is not None:
-            raise TypeError(f"{type(engine).__name__} has no sync(policy, noise=, step=) method, so AQN noise cannot "
-                            "reach its rollouts; subclass qerl_kit.rollout.ModelEngine (an engine that reads the "
-                            "policy's tensors) or implement sync")
-        return contextlib.nullcontext({})
-    return sync(policy, noise=noise, step=step)
+def check_engine(engine: Any) -> Any:
+    """``engine`` itself when it has the rollout interface (``sync`` and ``generate``), else a TypeError
+    naming what it lacks. The Trainer and ``evaluate`` check an engine they are given with it, then
+    call ``engine.sync(policy, noise=, step=)``: the one way to prepare a rollout."""
+    missing = [name for name in ("sync", "generate") if not callable(getattr(engine, name, None))]
+    if missing:
+        raise TypeError(f"{type(engine).__name__} is not a rollout engine: it has no {' or '.join(missing)} "
+                        "method. An engine needs sync(policy, noise=, step=) (a context manager: the step before "
+                        "generation, where AQN noise and adapter uploads happen) and generate(prompts, n, "
+                        "sampling); subclass qerl_kit.rollout.ModelEngine (an engine that reads the policy's own "
+                        "tensors: its sync is written) or implement both")
+    return engine
 
 
 def _same_model(a: torch.nn.Module, b: torch.nn.Module) -> bool:

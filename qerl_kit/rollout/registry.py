@@ -5,7 +5,7 @@ in a config may be any registered name or ``auto``, and config validation reads 
 here. A new backend is one ``register_engine("mine", factory)`` call (docs/architecture.md).
 
 ``auto`` picks the StaticEngine when the policy is on a GPU and its layout is one the engine
-knows (``qerl_kit.engine.decoder.unsupported_layout``), transformers' generate otherwise (on the
+knows (``qerl_kit.rollout.static.decoder.unsupported_layout``), transformers' generate otherwise (on the
 CPU generate is as fast for small models). A layout the static engine does not cover is known
 before building it; an error while building it is a bug and surfaces.
 """
@@ -58,7 +58,7 @@ def resolve_engine(name: str, policy) -> str:
         if name not in ENGINES:
             raise ValueError(f"unknown rollout engine {name!r}: use one of {', '.join(engine_names())}")
         return name
-    from qerl_kit.engine.decoder import unsupported_layout
+    from qerl_kit.rollout.static.decoder import unsupported_layout
 
     on_gpu = any(p.is_cuda for p in policy.parameters())
     return "static" if on_gpu and unsupported_layout(policy) is None else "hf"

@@ -8,10 +8,10 @@ norms) then ``generate(prompts, n, sampling) -> Rollouts`` with each sampled tok
 ``VLLMEngine.from_policy(policy, tokenizer)`` exports the policy's NVFP4 base to a temporary
 directory first; ``make_engine("vllm", policy, tokenizer)`` (``rollout.engine: vllm``) calls it.
 
-* ``sync_adapter(peft_model, aqn=None, step=None)`` after each update: the LoRA matrices go to a
-  fresh directory on tmpfs (``/dev/shm``) and the next ``generate`` uses a ``LoRARequest`` with a
-  fresh int id; the previous id is removed from vLLM and its directory deleted. The base is never
-  rewritten. Trained norms (``train_norms=True``) and AQN noise go into vLLM's norm weights, found
+* ``sync`` uploads after each update (``_upload_adapter``, ``_upload_norms``: its private steps):
+  the LoRA matrices go to a fresh directory on tmpfs (``/dev/shm``) and the next ``generate`` uses
+  a ``LoRARequest`` with a fresh int id; the previous id is removed from vLLM and its directory
+  deleted. The base is never rewritten. Trained norms (``train_norms=True``) and AQN noise go into vLLM's norm weights, found
   by structure on the HF side (``qerl_kit.aqn``) and resolved by name on vLLM's model, with the
   count asserted (the official code matched transformers' class names and never hit vLLM's own).
 * ``sleep()`` / ``wake_up()`` (or ``with engine.awake():``) free vLLM's memory while training.
@@ -265,7 +265,7 @@ class VLLMEngine(Engine):
         try:
             if policy is not None:
                 t0 = time.perf_counter()
-                self.sync_adapter(policy, aqn=noise, step=step)
+                self._upload_adapter(policy, aqn=noise, step=step)
                 info["sync/upload_seconds"] = time.perf_counter() - t0
                 if noise is not None:
                     info["aqn/norms"] = self.last_norm_count if noise.sigma(step) > 0 else 0
@@ -277,7 +277,7 @@ class VLLMEngine(Engine):
             info["sync/sleep_seconds"] = time.perf_counter() - t0
 
     # -- weights ---------------------------------------------------------------------------------
-    def sync_adapter(self, peft_model, *, aqn=None, step: int | None = None, adapter_name: str = "default"):
+    def _upload_adapter(self, peft_model, *, aqn=None, step: int | None = None, adapter_name: str = "default"):
         """Send the current adapter (and norms: trained copies and/or AQN noise) to vLLM."""
         rank = peft_model.peft_config[adapter_name].r
         if rank > self.max_lora_rank:
@@ -290,7 +290,7 @@ class VLLMEngine(Engine):
         # the last sync left noise in vLLM's: a sync without AQN (an evaluation) then puts the clean
         # norms back instead of generating with the previous rollout's noise.
         if aqn is not None or peft_model.peft_config[adapter_name].modules_to_save or self.noisy_norms:
-            self.sync_norms(peft_model, aqn=aqn, step=step)
+            self._upload_norms(peft_model, aqn=aqn, step=step)
         if hasattr(self.llm, "reset_prefix_cache"):
             self.llm.reset_prefix_cache()
         return self.lora_request
@@ -301,14 +301,14 @@ class VLLMEngine(Engine):
                 owner.remove_lora(lora_id)
                 return
 
-    def sync_norms(self, hf_model: nn.Module, *, aqn=None, step: int | None = None) -> int:
+    def _upload_norms(self, hf_model: nn.Module, *, aqn=None, step: int | None = None) -> int:
         """Copy the HF model's projection norms (plus AQN noise at ``step``) into vLLM's; returns the count."""
         from qerl_kit.aqn import find_noise_norms
 
         norms = aqn.norms(hf_model) if aqn is not None else find_noise_norms(hf_model)
         names = [self.name_map(n) for n in vllm_norm_names(hf_norm_names(hf_model, norms))]
         if aqn is not None and step is None:
-            raise ValueError("sync_norms with aqn needs the training step (for the noise schedule)")
+            raise ValueError("uploading norms with AQN noise needs the training step (for the noise schedule)")
         context = aqn.noise(hf_model, step) if aqn is not None else contextlib.nullcontext()
         with context as perturbed:  # noise is drawn around clean weights and removed from the HF model after
             values = {n: m.weight.detach().to("cpu", copy=True) for n, m in zip(names, norms)}
@@ -339,7 +339,7 @@ class VLLMEngine(Engine):
 
     @contextlib.contextmanager
     def awake(self):
-        """``with engine.awake(): engine.sync_adapter(...); engine.generate(...)``; sleeps after."""
+        """``with engine.awake(): engine._upload_adapter(...); engine.generate(...)``; sleeps after."""
         self.wake_up()
         try:
             yield self

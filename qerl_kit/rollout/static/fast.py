@@ -1,21 +1,25 @@
-"""The fused decode step: fewer, larger kernels per layer, on the model's own weights.
+"""The fused decode step: fewer, larger kernels per layer, reading the model's weights.
 
 For each layer, q/k/v and gate/up become one matmul each, and each group's LoRA runs in two
 launches whatever the number of adapters in it:
 
-* **Fused base weights, no extra memory.** The q, k, v (and gate, up) projections read the same
-  input, so their weights are concatenated once into one buffer and each layer's own tensors are
-  re-pointed to row slices (views) of it: ``NVFP4Linear`` buffers (``packed``, ``scales``,
-  ``bias``) when the group shares one global scale (``quantize_model`` makes fused groups share
-  it), or ``nn.Linear`` weights for a bf16 model. The model computes exactly what it computed
-  before (training, export and state dicts see the same values), and the engine runs one NVFP4
-  kernel / cuBLAS call over the concatenated weight.
+* **Fused base weights, in the plan's own buffers.** The q, k, v (and gate, up) projections read
+  the same input, so their weights are copied once into one buffer per group: ``NVFP4Linear``
+  buffers (``packed``, ``scales``, ``bias``) when the group shares one global scale
+  (``quantize_model`` makes fused groups share it), or ``nn.Linear`` weights for a bf16 model; the
+  engine runs one NVFP4 kernel / cuBLAS call over the concatenated weight. The model is never
+  written to: its tensors keep their storage, values and attributes. The copy costs the memory of
+  those projections (about two thirds of a transformer's linear weights; ``fused=False`` has none);
+  ``FusedPlan.refresh()``, at the start of every generation call, re-copies a projection whose
+  tensor changed (trained, reloaded or replaced: its version counter or storage moved), so the
+  plan decodes the model as it is now. o_proj and down_proj are single projections: their own
+  tensors are used.
 * **LoRA unmerged, read live.** peft's matrices are used in place: ``t = x @ [A_q; A_k; A_v]^T``,
   then ``y[:, q] += s * t[:, :r] @ B_q^T`` for every projection into the fused output, as two
   Triton launches per group (``qerl_kit.kernels.lora_triton``; the torch version was a
   concatenation, a matmul and one ``addmm`` per projection: five kernels for q/k/v). Captured
   CUDA graphs therefore never go stale when the adapter trains.
-* Elementwise chains are ``qerl_kit.kernels.engine_fused`` kernels (residual add + RMSNorm, RoPE +
+* Elementwise chains are ``qerl_kit.rollout.static.fused`` kernels (residual add + RMSNorm, RoPE +
   cache write, SiLU x up); attention is ``qerl_kit.kernels.decode_attention`` (split-KV, the
   prompt's keys shared by its rows) with the grouped query heads laid out as
   [rows, kv_heads, group, head_dim], so K/V are never expanded.
@@ -34,7 +38,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from qerl_kit.kernels.decode_attention import decode_attention
-from qerl_kit.kernels.engine_fused import add_rmsnorm, rope_to_cache, silu_mul
+from qerl_kit.rollout.static.fused import add_rmsnorm, rope_to_cache, silu_mul
 from qerl_kit.kernels.lora_triton import lora_apply_
 
 
@@ -72,12 +76,17 @@ def _unwrap(module: nn.Module) -> tuple[nn.Module, _Lora | None]:
 
 
 class _Group:
-    """Projections that read one input, computed as one matmul (+ LoRA) with outputs side by side."""
+    """Projections that read one input, computed as one matmul (+ LoRA) with outputs side by side.
 
-    def __init__(self, modules: list[nn.Module], owner: nn.Module, tag: str):
+    With several projections the base weights are copied into one buffer the group owns
+    (``refresh`` re-copies a part whose tensor changed); a single projection's tensors are used as
+    they are. The model's own tensors are only read."""
+
+    def __init__(self, modules: list[nn.Module], tag: str):
         from qerl_kit.linear import NVFP4Linear
 
         pairs = [_unwrap(m) for m in modules]
+        self.tag = tag
         self.bases = [b for b, _ in pairs]
         self.loras = [lo for _, lo in pairs]
         self.splits = [b.out_features for b in self.bases]
@@ -86,42 +95,78 @@ class _Group:
             gs = self.bases[0].global_scale
             if not all(torch.equal(b.global_scale, gs) for b in self.bases):
                 raise ValueError(f"{tag}: NVFP4 layers with different global scales cannot share one matmul")
-            self.kind = "nvfp4"
-            self.global_scale = gs
-            self.packed = self._fuse(owner, tag, "packed")
-            self.scales = self._fuse(owner, tag, "scales")
-            self.bias = self._fuse(owner, tag, "bias") if self.bases[0].bias is not None else None
+            self.kind, self.global_scale = "nvfp4", gs
+            self.attrs = ("packed", "scales") + (("bias",) if self.bases[0].bias is not None else ())
         elif all(type(b) is nn.Linear for b in self.bases):
             self.kind = "dense"
-            self.weight = self._fuse(owner, tag, "weight")
-            self.bias = self._fuse(owner, tag, "bias") if self.bases[0].bias is not None else None
+            self.attrs = ("weight",) + (("bias",) if self.bases[0].bias is not None else ())
         else:
             raise ValueError(f"{tag}: projections of type {sorted({type(b).__name__ for b in self.bases})}")
+        self.fused: dict[str, Tensor] = {}
+        self._seen: dict[str, tuple] = {}
+        for attr in self.attrs:
+            self.fused[attr] = self._concat(attr)
         self.lora_idx = [i for i, lo in enumerate(self.loras) if lo is not None]
         present = [self.loras[i] for i in self.lora_idx]  # the live peft tensors, read at every call
         self.lora_args = ([lo.A for lo in present], [lo.B for lo in present],
                           [self.offsets[i] for i in self.lora_idx], [lo.scale for lo in present])
 
-    def _fuse(self, owner: nn.Module, tag: str, attr: str) -> Tensor:
-        """One buffer holding every base's ``attr``, the bases re-pointed to row slices of it
-        (done once per model: a second engine finds the views and reuses the buffer)."""
-        key = f"_qerl_fused_{tag}_{attr}"
-        parts = [getattr(b, attr) for b in self.bases]
-        fused = owner.__dict__.get(key)
-        if fused is not None and all(p.untyped_storage().data_ptr() == fused.untyped_storage().data_ptr()
-                                     for p in parts):
-            return fused
+    @property
+    def packed(self) -> Tensor:
+        return self.fused["packed"]
+
+    @property
+    def scales(self) -> Tensor:
+        return self.fused["scales"]
+
+    @property
+    def weight(self) -> Tensor:
+        return self.fused["weight"]
+
+    @property
+    def bias(self) -> Tensor | None:
+        return self.fused.get("bias")
+
+    def _parts(self, attr: str) -> list[Tensor]:
+        return [getattr(b, attr) for b in self.bases]
+
+    @staticmethod
+    def _stamp(parts: list[Tensor]) -> tuple:
+        """What identifies the parts' current values: the tensor objects, their storage and their
+        version counters (an in-place write, an optimizer step or ``load_state_dict``, bumps it)."""
+        return tuple((id(p), p.data_ptr(), p._version) for p in parts)
+
+    def _concat(self, attr: str) -> Tensor:
+        """The group's buffer for ``attr``: the model's tensor itself for one projection, else a copy
+        of every projection's tensor, row blocks side by side."""
+        parts = self._parts(attr)
+        if len(parts) == 1:
+            return parts[0]
         if len({p.dtype for p in parts}) != 1 or len({tuple(p.shape[1:]) for p in parts}) != 1:
-            raise ValueError(f"{tag}: {attr} tensors differ in dtype or width")
-        fused = torch.cat([p.detach() for p in parts], dim=0)
-        for b, lo, hi in zip(self.bases, self.offsets[:-1], self.offsets[1:]):
-            old = getattr(b, attr)
-            if isinstance(old, nn.Parameter):
-                old.data = fused[lo:hi]
-            else:
-                setattr(b, attr, fused[lo:hi])
-        owner.__dict__[key] = fused  # a plain attribute: not a buffer, not in any state dict
+            raise ValueError(f"{self.tag}: {attr} tensors differ in dtype or width")
+        with torch.no_grad():
+            fused = torch.cat([p.detach() for p in parts], dim=0)
+        self._seen[attr] = self._stamp(parts)
         return fused
+
+    def refresh(self) -> None:
+        """Copy into the group's buffers the parts that changed since the last copy (a base weight
+        trained, reloaded or replaced); nothing when none did, so kernels that cache a repacked
+        weight by the buffer's version (humming) keep it."""
+        for attr in self.attrs:
+            parts = self._parts(attr)
+            if len(parts) == 1:
+                if parts[0] is not self.fused[attr]:  # a replaced tensor (its values: read live otherwise)
+                    self.fused[attr] = parts[0]
+                continue
+            stamp = self._stamp(parts)
+            if stamp == self._seen[attr]:
+                continue
+            with torch.no_grad():
+                for part, lo, hi, old in zip(parts, self.offsets[:-1], self.offsets[1:], self._seen[attr]):
+                    if (id(part), part.data_ptr(), part._version) != old:
+                        self.fused[attr][lo:hi].copy_(part.detach())
+            self._seen[attr] = stamp
 
     def __call__(self, x: Tensor) -> Tensor:
         if self.kind == "nvfp4":
@@ -150,12 +195,16 @@ class _LayerPlan:
             raise ValueError(f"layer {index}: MLP activation {type(act).__name__} (the fused step does SiLU)")
         self.ln1, self.ln2 = layer.input_layernorm, layer.post_attention_layernorm
         self.eps1, self.eps2 = _eps(self.ln1), _eps(self.ln2)
-        self.qkv = _Group([attn.q_proj, attn.k_proj, attn.v_proj], attn, "qkv")
-        self.o = _Group([attn.o_proj], attn, "o")
-        self.gate_up = _Group([mlp.gate_proj, mlp.up_proj], mlp, "gate_up")
-        self.down = _Group([mlp.down_proj], mlp, "down")
+        self.qkv = _Group([attn.q_proj, attn.k_proj, attn.v_proj], "qkv")
+        self.o = _Group([attn.o_proj], "o")
+        self.gate_up = _Group([mlp.gate_proj, mlp.up_proj], "gate_up")
+        self.down = _Group([mlp.down_proj], "down")
         self.q_norm = getattr(attn, "q_norm", None)
         self.k_norm = getattr(attn, "k_norm", None)
+
+    @property
+    def groups(self) -> tuple[_Group, ...]:
+        return self.qkv, self.o, self.gate_up, self.down
 
 
 class FusedPlan:
@@ -167,7 +216,7 @@ class FusedPlan:
         self.final_eps = _eps(decoder.norm)
         # The fused NVFP4 weights' GEMM kernels compile now (humming-kernels: 13-15 s per new shape,
         # with a progress bar), not inside the first rollout; each weight repacks at its first call.
-        groups = [g for lp in self.layers for g in (lp.qkv, lp.o, lp.gate_up, lp.down) if g.kind == "nvfp4"]
+        groups = [g for lp in self.layers for g in lp.groups if g.kind == "nvfp4"]
         if groups and groups[0].packed.is_cuda:
             from qerl_kit import kernels
 
@@ -180,6 +229,13 @@ class FusedPlan:
             return cls(decoder), "fused"
         except (ValueError, AttributeError) as err:
             return None, f"generic decode path ({err})"
+
+    def refresh(self) -> None:
+        """Bring the concatenated weights up to date with the model's (``_Group.refresh``); the
+        engine calls it at the start of every generation call."""
+        for lp in self.layers:
+            for group in lp.groups:
+                group.refresh()
 
     def decode(self, tokens: Tensor, positions: Tensor, slot: Tensor, key_bias: Tensor, cache, length: int) -> Tensor:
         dec = self.dec

@@ -12,16 +12,15 @@ How one call runs:
    in chunks of at most ``max_prefill_tokens``; keys/values are written once per prompt, to the
    cache's shared prefix that the prompt's n rows all read (``shared_prefix=False``: copied to
    each of the n rows). The first completion token of every row is sampled from the prefill's logits.
-2. Each decode step (one token for every row) runs the model's own modules through
-   ``qerl_kit.engine.decoder``, samples on the device (``qerl_kit.engine.sampler``), writes the
-   token and its log-prob into output buffers and advances its own counters (slot, positions,
-   step) on the device. On CUDA the step is captured once per attention length bucket
-   (``length_bucket`` slots: attention reads only the part of the cache in use) and replayed;
-   the host loop does nothing else but check, every ``sync_every`` steps, whether every row has
-   stopped.
+2. Each decode step (one token for every row) runs the model's own modules through ``decoder``,
+   samples on the device (``sampler``), writes the token and its log-prob into output buffers and
+   advances its own counters (slot, positions, step) on the device. On CUDA the step is captured
+   once per attention length bucket (``length_bucket`` slots: attention reads only the part of the
+   cache in use) and replayed; the host loop does nothing else but check, every ``check_every``
+   steps, whether every row has stopped.
 3. Rows stop at a stop token (EOS, the model's ``generation_config`` EOS ids, ``stop_token_ids``)
    or at ``max_new_tokens``; ``ignore_eos=True`` (benchmarks) runs every row to the full length.
-4. Live rows only (``compact=True``): at each ``sync_every`` check, when the rows still decoding fit
+4. Live rows only (``compact=True``): at each ``check_every`` check, when the rows still decoding fit
    in half the rows in use or fewer, they move to the front of the buffers (KV cache, tokens,
    outputs) and decoding continues on a view of the next power of two of rows, with its own
    graphs, so finished rows stop costing compute (the longest row's tail still costs a small
@@ -31,11 +30,16 @@ How one call runs:
    steps) against ``rollout/dense_row_steps`` says what it saved.
 
 What the graphs bake in, and what they read live: tensor *storage* is fixed at capture, values
-are read at replay. LoRA matrices updated in place by an optimizer, AQN's in-place norm noise and
-``NVFP4Linear`` buffers are therefore live. Python-level state is baked in: sampling parameters
+are read at replay. LoRA matrices updated in place by an optimizer and AQN's in-place norm noise
+are therefore live; a base weight changed in place reaches the graphs too (o/down: read live;
+q/k/v and gate/up: re-copied into the fused plan's buffers at the next call). Python-level state is baked in: sampling parameters
 (part of the graph key), which adapter is active, ``disable_adapter()``, module hooks. Forward
 hooks (e.g. AQN's ``resample="forward"``) would not rerun at replay, so a model that has any runs
 eagerly, with a warning. Replacing a parameter object (not its values) needs ``reset()``.
+
+The model is only read: the engine's buffers (cache, fused weight copies, rotary module) are its
+own, ``inference`` restores every module's train/eval flag, and AQN noise is ``sync``'s, taken out
+when its block ends.
 
 Sampling RNG: ``seed`` forks and seeds the default generators, as ``HFEngine`` does; samples
 depend on seed, prompts, rows and device.
@@ -46,82 +50,30 @@ from __future__ import annotations
 import gc
 import time
 import warnings
-from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 import torch
 from torch import Tensor
 
-from qerl_kit.engine.decoder import Decoder, KVCache
-from qerl_kit.engine.sampler import sample
 from qerl_kit.rollout.base import ModelEngine, check_context, inference, seeded, special_ids, stop_mask
+from qerl_kit.rollout.static.decoder import Decoder
+from qerl_kit.rollout.static.sampler import sample
+from qerl_kit.rollout.static.state import DecodeState
 from qerl_kit.rollout.types import Generation, Prompts, SamplingParams, as_prompts, check_n, pad_rows
 
 __all__ = ["StaticEngine"]
-
-
-@dataclass
-class _State:
-    """Buffers for one (rows, prompt width, completion length) shape; graphs captured on them."""
-
-    cache: KVCache
-    tok: Tensor        # [R] the token fed at the next step
-    pos: Tensor        # [R] its position id
-    slot: Tensor       # [1] the cache column it is written to
-    step: Tensor       # [1] the output column of the token sampled next
-    done: Tensor       # [R] bool: row has emitted a stop token
-    key_bias: Tensor   # [R, L] additive attention bias: 0 on keys a row may attend to, -inf elsewhere
-    out_tok: Tensor    # [R, C]
-    out_lp: Tensor     # [R, C] float32
-    stop: Tensor       # [S] stop ids (at least one entry; -1 when there is none)
-    stop_at: Tensor    # [R] long: a row's forced length (stop_after), a large value otherwise
-    graphs: dict = field(default_factory=dict)
-    forced: bool = False  # whether this call forces lengths (a Python flag: part of the graph key)
-    pool: Any = None   # the memory pool this state's graphs share; it dies with them
-    root: Any = None   # for a view: the state whose first rows it is (and whose pool its graphs use)
-    views: dict = field(default_factory=dict)  # rows -> the view of this state's first rows
-
-    def front(self, rows: int) -> "_State":
-        """The state of the first ``rows`` rows: views of these buffers (no copy), its own graphs."""
-        if rows == self.tok.shape[0]:
-            return self
-        if rows not in self.views:
-            self.views[rows] = _State(
-                cache=self.cache.front(rows),
-                tok=self.tok[:rows], pos=self.pos[:rows], slot=self.slot, step=self.step, done=self.done[:rows],
-                key_bias=self.key_bias[:rows], out_tok=self.out_tok[:rows], out_lp=self.out_lp[:rows], stop=self.stop,
-                stop_at=self.stop_at[:rows], root=self)
-        self.views[rows].forced = self.forced
-        return self.views[rows]
-
-    def release(self) -> None:
-        """Drop this state's graphs and views now. A view points back at its root (``root``), so a
-        dropped state is a reference cycle that only Python's cyclic GC frees, at a moment of its
-        choosing; when that moment fell inside a later graph capture, destroying the old graphs
-        there invalidated the capture (Trainer.evaluate() after 11-13 GRPO steps, issue #42)."""
-        for view in self.views.values():
-            view.graphs.clear()
-            view.root = None
-        self.views.clear()
-        self.graphs.clear()
-        self.pool = None
-
-    def snapshot(self) -> dict[str, Tensor]:
-        return {k: getattr(self, k).clone() for k in ("tok", "pos", "slot", "step", "done", "key_bias")}
-
-    def load(self, snap: dict[str, Tensor]) -> None:
-        for k, v in snap.items():
-            getattr(self, k).copy_(v)
 
 
 class StaticEngine(ModelEngine):
     """Static-KV-cache rollout engine; see the module docstring.
 
     ``cuda_graphs``: capture decode steps on CUDA (ignored on the CPU, where steps run eagerly).
+    ``check_every``: decode steps between the host's checks for stopped rows (each check waits for
+    the device; it is also when live rows are compacted).
     ``max_rows``: most rows (prompts x n) decoded together; more are split into batches.
     ``ignore_eos``: run every row to ``max_new_tokens`` in ``generate`` (fixed-length benchmarks).
     ``fused``: decode through the fused plan where the model allows (``engine.decoder.path`` says
-    which path runs); it re-points q/k/v and gate/up weights to views of one concatenated buffer.
+    which path runs); it holds its own copy of the q/k/v and gate/up weights, concatenated.
     ``keep_cache``: keep the KV cache and graphs between calls (fast); False frees them after each
     call, so a training step that follows has the cache's memory back (graphs are re-captured).
     ``compact``: decode live rows only (step 4 of the module docstring); False runs every row until
@@ -138,12 +90,13 @@ class StaticEngine(ModelEngine):
 
     def __init__(self, model: torch.nn.Module, tokenizer: Any = None, *, cuda_graphs: bool = True,
                  max_rows: int | None = None, length_bucket: int = 128, prompt_bucket: int = 64,
-                 max_prefill_tokens: int = 16384, sync_every: int = 32,
+                 max_prefill_tokens: int = 16384, check_every: int = 32,
                  stop_token_ids: Sequence[int] | None = None, add_special_tokens: bool = False,
                  ignore_eos: bool = False, keep_cache: bool = True, fused: bool = True, compact: bool = True,
-                 shared_prefix: bool = True, attention: str = "auto"):
+                 shared_prefix: bool = True, attention: str = "auto", **unknown: Any):
+        _check_unknown(unknown)
         for name, value in (("length_bucket", length_bucket), ("prompt_bucket", prompt_bucket),
-                            ("max_prefill_tokens", max_prefill_tokens), ("sync_every", sync_every)):
+                            ("max_prefill_tokens", max_prefill_tokens), ("check_every", check_every)):
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an int >= 1; got {value!r}")
         if max_rows is not None and (not isinstance(max_rows, int) or max_rows < 1):
@@ -156,12 +109,12 @@ class StaticEngine(ModelEngine):
         self.shared_prefix = shared_prefix
         self.cuda_graphs, self.max_rows = cuda_graphs, max_rows
         self.length_bucket, self.prompt_bucket = length_bucket, prompt_bucket
-        self.max_prefill_tokens, self.sync_every = max_prefill_tokens, sync_every
+        self.max_prefill_tokens, self.check_every = max_prefill_tokens, check_every
         self.add_special_tokens, self.ignore_eos, self.keep_cache = add_special_tokens, ignore_eos, keep_cache
         self.compact = compact
         pad, self.stop_token_ids = special_ids(tokenizer, self.decoder.model, stop_token_ids)
         self.pad_token_id = 0 if pad is None else pad  # generate_ids works without a tokenizer
-        self._state: tuple[tuple, _State] | None = None
+        self._state: tuple[tuple, DecodeState] | None = None
 
     @property
     def device(self) -> torch.device:
@@ -174,7 +127,7 @@ class StaticEngine(ModelEngine):
             torch.cuda.empty_cache()
 
     def _drop_state(self) -> None:
-        """Free the cache and its graphs now, outside any capture (``_State.release``)."""
+        """Free the cache and its graphs now, outside any capture (``DecodeState.release``)."""
         if self._state is not None:
             self._state[1].release()
         self._state = None
@@ -202,6 +155,7 @@ class StaticEngine(ModelEngine):
                 raise ValueError("stop_after needs all rows in one batch (max_rows=None)")
         per_batch = len(prompt_ids) if self.max_rows is None else max(1, self.max_rows // n)
         parts = []
+        self.decoder.refresh()  # the fused weight copies follow the model's weights
         with inference(self.model), seeded(sampling.seed, self.device):
             for i in range(0, len(prompt_ids), per_batch):
                 chunk = prompt_ids[i:i + per_batch]
@@ -215,7 +169,7 @@ class StaticEngine(ModelEngine):
         return Generation.concat(parts, self.pad_token_id)
 
     # -- one batch ------------------------------------------------------------------------------
-    def _state_for(self, rows: int, n: int, width: int, new: int) -> _State:
+    def _state_for(self, rows: int, n: int, width: int, new: int) -> DecodeState:
         key = (rows, n, width, new)
         if self._state is not None and self._state[0] == key:
             return self._state[1]
@@ -223,7 +177,7 @@ class StaticEngine(ModelEngine):
         dev = self.device
         stop = torch.tensor(self.stop_token_ids or [-1], dtype=torch.long, device=dev)
         prompts = rows // n if self.shared_prefix else 0
-        st = _State(cache=self.decoder.allocate(rows, width + new, dev, prompts, width),
+        st = DecodeState(cache=self.decoder.allocate(rows, width + new, dev, prompts, width),
                     tok=torch.zeros(rows, dtype=torch.long, device=dev),
                     pos=torch.zeros(rows, dtype=torch.long, device=dev),
                     slot=torch.zeros(1, dtype=torch.long, device=dev),
@@ -236,7 +190,7 @@ class StaticEngine(ModelEngine):
         self._state = (key, st)
         return st
 
-    def _step(self, st: _State, length: int, sampling: SamplingParams, ignore_eos: bool) -> None:
+    def _step(self, st: DecodeState, length: int, sampling: SamplingParams, ignore_eos: bool) -> None:
         """One decode step on the state's buffers; every shape and Python value fixed (graph body)."""
         st.key_bias.index_fill_(1, st.slot, 0.0)
         logits = self.decoder.decode(st.tok, st.pos, st.slot, st.key_bias, st.cache, length)
@@ -268,7 +222,7 @@ class StaticEngine(ModelEngine):
             return False
         return True
 
-    def _replay(self, st: _State, length: int, sampling: SamplingParams, ignore_eos: bool) -> None:
+    def _replay(self, st: DecodeState, length: int, sampling: SamplingParams, ignore_eos: bool) -> None:
         key = (length, sampling.temperature, sampling.top_k, sampling.top_p, ignore_eos, st.forced)
         graph = st.graphs.get(key)
         if graph is None:
@@ -302,29 +256,62 @@ class StaticEngine(ModelEngine):
 
     def _generate_batch(self, prompt_ids: list[list[int]], n: int, sampling: SamplingParams,
                         ignore_eos: bool, stop_after: list[int] | None = None) -> Generation:
-        dev, dec = self.device, self.decoder
-        B, new = len(prompt_ids), sampling.max_new_tokens
+        """One batch: prefill, decode, and the completions cut at their stops (module docstring)."""
+        ids, mask, width = self._pad_prompts(prompt_ids)
+        B, new, rows = len(prompt_ids), sampling.max_new_tokens, len(prompt_ids) * n
+        st = self._state_for(rows, n, width, new)
+        if st.cache.prompt_row is not None:  # an earlier call's compaction moved rows
+            st.cache.prompt_row.copy_(torch.arange(B, device=self.device).repeat_interleave(n))
+        t0 = time.perf_counter()
+        tok, lp = self._prefill(st, ids, mask, n, sampling)
+        forced_len = self._start(st, tok, lp, mask, n, width, new, ignore_eos, stop_after)
+        self._wait()
+        t1 = time.perf_counter()
+        steps, out_tok, out_lp, stats = self._decode(st, width, new, sampling, ignore_eos)
+        self._wait()
+        t2 = time.perf_counter()
+        c_ids, cmask, logprobs, stopped = self._completions(out_tok, out_lp, steps, ignore_eos, forced_len)
         longest = max(len(p) for p in prompt_ids)
+        stats.update({"rollout/prefill_seconds": t1 - t0, "rollout/decode_seconds": t2 - t1,
+                      "rollout/dense_row_steps": rows * (steps - 1)})
+        return Generation(ids[:, width - longest:].repeat_interleave(n, 0),
+                          mask[:, width - longest:].repeat_interleave(n, 0), c_ids, cmask, logprobs, stopped, stats)
+
+    def _wait(self) -> None:
+        """Wait for the device's queued work (so host timers measure it)."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def _pad_prompts(self, prompt_ids: list[list[int]]) -> tuple[Tensor, Tensor, int]:
+        """(ids [B, P], attention mask [B, P], P): the prompts left-padded to P, the longest rounded up
+        to ``prompt_bucket``, on the engine's device."""
+        B, longest = len(prompt_ids), max(len(p) for p in prompt_ids)
         width = -(-longest // self.prompt_bucket) * self.prompt_bucket
         ids = pad_rows([torch.tensor(p, dtype=torch.long) for p in prompt_ids], self.pad_token_id, left=True)
         mask = pad_rows([torch.ones(len(p), dtype=torch.long) for p in prompt_ids], 0, left=True)
-        ids = torch.cat([ids.new_full((B, width - longest), self.pad_token_id), ids], 1).to(dev)
-        mask = torch.cat([mask.new_zeros((B, width - longest)), mask], 1).to(dev)
-        rows = B * n
-        st = self._state_for(rows, n, width, new)
-        if st.cache.prompt_row is not None:  # an earlier call's compaction moved rows
-            st.cache.prompt_row.copy_(torch.arange(B, device=dev).repeat_interleave(n))
-        t0 = time.perf_counter()
-        # prefill, in chunks of whole prompts
+        ids = torch.cat([ids.new_full((B, width - longest), self.pad_token_id), ids], 1).to(self.device)
+        mask = torch.cat([mask.new_zeros((B, width - longest)), mask], 1).to(self.device)
+        return ids, mask, width
+
+    def _prefill(self, st: DecodeState, ids: Tensor, mask: Tensor, n: int,
+                 sampling: SamplingParams) -> tuple[Tensor, Tensor]:
+        """Prefill in chunks of whole prompts (at most ``max_prefill_tokens``), writing the cache;
+        returns every row's first token and its log-prob ([B * n] each)."""
+        B, width = ids.shape
         chunk = max(1, self.max_prefill_tokens // width)
         first_tok, first_lp = [], []
         for i in range(0, B, chunk):
             j = min(B, i + chunk)
-            logits = dec.prefill(ids[i:j], mask[i:j], st.cache, slice(i * n, j * n), n)
+            logits = self.decoder.prefill(ids[i:j], mask[i:j], st.cache, slice(i * n, j * n), n)
             tok, lp = sample(logits.repeat_interleave(n, dim=0), sampling.temperature, sampling.top_k, sampling.top_p)
             first_tok.append(tok)
             first_lp.append(lp)
-        tok, lp = torch.cat(first_tok), torch.cat(first_lp)
+        return torch.cat(first_tok), torch.cat(first_lp)
+
+    def _start(self, st: DecodeState, tok: Tensor, lp: Tensor, mask: Tensor, n: int, width: int, new: int,
+               ignore_eos: bool, stop_after: list[int] | None) -> Tensor | None:
+        """Set the state's buffers for decoding after the prefill (first token in column 0, counters
+        at the first own slot); returns the forced lengths as a tensor (``stop_after``) or None."""
         row_mask = mask.repeat_interleave(n, dim=0)
         st.key_bias.fill_(float("-inf"))
         st.key_bias[:, :width].masked_fill_(row_mask.bool(), 0.0)
@@ -334,23 +321,29 @@ class StaticEngine(ModelEngine):
         st.done.copy_(torch.zeros_like(st.done) if ignore_eos else (tok[:, None] == st.stop[None, :]).any(1))
         st.forced = stop_after is not None  # views take it when _compact asks for them (front)
         st.stop_at.fill_(new + 1)
-        forced_len = torch.tensor(stop_after, dtype=torch.long, device=dev) if st.forced else None
-        if st.forced:
+        forced_len = torch.tensor(stop_after, dtype=torch.long, device=self.device) if st.forced else None
+        if forced_len is not None:
             st.stop_at.copy_(forced_len)
             st.done |= st.stop_at <= 1
         st.tok.copy_(tok)
         st.pos.copy_(row_mask.sum(1))
         st.slot.fill_(width)
         st.step.fill_(1)
-        if dev.type == "cuda":
-            torch.cuda.synchronize(dev)
-        t1 = time.perf_counter()
+        return forced_len
+
+    def _decode(self, st: DecodeState, width: int, new: int, sampling: SamplingParams,
+                ignore_eos: bool) -> tuple[int, Tensor, Tensor, dict]:
+        """The decode loop: a step per token (replayed from a graph or eager), every ``check_every``
+        steps a check for stopped rows (all stopped: the loop ends; few live: they are compacted).
+        Returns (steps run + 1, output tokens [R, C], their log-probs [R, C] in the original row
+        order, stats)."""
         graphs = self._use_graphs()
-        steps, view, row_map, final = new, st, torch.arange(rows, device=dev), None
+        rows = st.tok.shape[0]
+        steps, view, row_map, final = new, st, torch.arange(rows, device=self.device), None
         row_steps, compactions = 0, 0
         for t in range(1, new):
-            if (not ignore_eos or st.forced) and t % self.sync_every == 0:
-                live = (~view.done).nonzero().flatten()  # the host waits here, every sync_every steps
+            if (not ignore_eos or st.forced) and t % self.check_every == 0:
+                live = (~view.done).nonzero().flatten()  # the host waits here, every check_every steps
                 if len(live) == 0:
                     steps = t
                     break
@@ -364,15 +357,18 @@ class StaticEngine(ModelEngine):
             else:
                 self._step(view, length, sampling, ignore_eos)
             row_steps += view.tok.shape[0]
-        if final is not None:  # the rows still in the front go back to their places
-            final[0].index_copy_(0, row_map, view.out_tok)
-            final[1].index_copy_(0, row_map, view.out_lp)
-        out_tok, out_lp = final if final is not None else (st.out_tok, st.out_lp)
-        if dev.type == "cuda":
-            torch.cuda.synchronize(dev)
-        t2 = time.perf_counter()
-        c_ids = out_tok[:, :steps].clone()
-        logprobs = out_lp[:, :steps].clone()
+        if final is None:
+            return steps, st.out_tok, st.out_lp, {"rollout/row_steps": row_steps, "rollout/compactions": 0}
+        final[0].index_copy_(0, row_map, view.out_tok)  # the rows still in the front go back to their places
+        final[1].index_copy_(0, row_map, view.out_lp)
+        return steps, final[0], final[1], {"rollout/row_steps": row_steps, "rollout/compactions": compactions}
+
+    def _completions(self, out_tok: Tensor, out_lp: Tensor, steps: int, ignore_eos: bool,
+                     forced_len: Tensor | None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """(ids, mask, log-probs, stopped) of the completions: cut after each row's stop token (or
+        forced length), padding after it, the all-padding tail dropped."""
+        rows, dev = out_tok.shape[0], out_tok.device
+        c_ids, logprobs = out_tok[:, :steps].clone(), out_lp[:, :steps].clone()
         if ignore_eos:
             cmask = torch.ones_like(c_ids)
             stopped = torch.zeros(rows, dtype=torch.bool, device=dev)
@@ -387,15 +383,11 @@ class StaticEngine(ModelEngine):
             cmask, c_ids, logprobs = cmask[:, :width_used], c_ids[:, :width_used], logprobs[:, :width_used]
             c_ids = torch.where(cmask.bool(), c_ids, self.pad_token_id)
             logprobs = torch.where(cmask.bool(), logprobs, 0.0)
-        return Generation(ids[:, width - longest:].repeat_interleave(n, 0), mask[:, width - longest:].repeat_interleave(n, 0),
-                          c_ids, cmask, logprobs, stopped,
-                          {"rollout/prefill_seconds": t1 - t0, "rollout/decode_seconds": t2 - t1,
-                           "rollout/row_steps": row_steps, "rollout/dense_row_steps": rows * (steps - 1),
-                           "rollout/compactions": compactions})
+        return c_ids, cmask, logprobs, stopped
 
     @staticmethod
-    def _compact(root: _State, view: _State, live: Tensor, rows: int, row_map: Tensor,
-                 final: tuple[Tensor, Tensor] | None, filled: int) -> tuple[_State, Tensor, tuple[Tensor, Tensor]]:
+    def _compact(root: DecodeState, view: DecodeState, live: Tensor, rows: int, row_map: Tensor,
+                 final: tuple[Tensor, Tensor] | None, filled: int) -> tuple[DecodeState, Tensor, tuple[Tensor, Tensor]]:
         """Move the ``live`` rows of ``view`` to the first ``rows`` rows of ``root``'s buffers and decode
         on the view of those from now on (its own graphs); the remaining places are filled with copies
         of a finished row, which decode nothing. Outputs of every row so far are kept in ``final`` (by
@@ -416,6 +408,18 @@ class StaticEngine(ModelEngine):
         if small.cache.prompt_row is not None:
             small.cache.prompt_row.copy_(view.cache.prompt_row[idx])
         return small, row_map[idx], final
+
+
+# Keywords the constructor once took, with what replaced them.
+_RENAMED = {"sync_every": "check_every (decode steps between the host's checks for stopped rows)"}
+
+
+def _check_unknown(unknown: dict) -> None:
+    """A clear error for a keyword StaticEngine does not take (a renamed one says its new name)."""
+    for key in unknown:
+        if key in _RENAMED:
+            raise TypeError(f"StaticEngine: {key} is now called {_RENAMED[key]}; got {key}={unknown[key]!r}")
+        raise TypeError(f"StaticEngine got an unexpected keyword argument {key!r}")
 
 
 # Hooks that do nothing under no_grad: transformers' and peft's enable_input_require_grads (needed

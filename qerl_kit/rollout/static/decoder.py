@@ -8,7 +8,8 @@ or wrapped by peft) and runs them itself, so the rollout engine controls every t
   low-rank path, so a new adapter (the optimizer updates it in place) needs no re-capture;
 * the RMSNorms are the model's modules too, so AQN's in-place noise on their weights is read by
   every replay of a captured CUDA graph;
-* rotary embeddings come from the model's ``rotary_emb`` (every RoPE variant transformers has);
+* rotary embeddings come from a copy of the model's ``rotary_emb`` (every RoPE variant
+  transformers has; a dynamic variant updates its own buffers as lengths grow, the copy's here);
 * attention is ours: ``prefill`` runs the B unique prompts through ``scaled_dot_product_attention``
   and writes their keys/values to the cache, once per prompt into a shared prefix (``KVCache``
   with ``pk``/``pv``) or once per sample row (``repeat_interleave(n)``) without one; ``decode``
@@ -17,15 +18,18 @@ or wrapped by peft) and runs them itself, so the rollout engine controls every t
   style, through ``qerl_kit.kernels.decode_attention`` (split-KV Triton kernel on the GPU, its
   PyTorch reference on the CPU).
 
-``fused=True`` (default) decodes through ``qerl_kit.engine.fast.FusedPlan`` where the model allows
-(fused q/k/v and gate/up matmuls, LoRA as shared down-projections, fused elementwise kernels);
-``decoder.path`` says which path runs and, if generic, why.
+``fused=True`` (default) decodes through ``qerl_kit.rollout.static.fast.FusedPlan`` where the
+model allows (fused q/k/v and gate/up matmuls, LoRA as shared down-projections, fused elementwise
+kernels); ``decoder.path`` says which path runs and, if generic, why. Nothing here writes to the
+model: its modules are called in eval mode under no_grad, its tensors only read.
 
 Only full attention is supported (no sliding window); an unknown layout raises a clear error.
 """
 
 from __future__ import annotations
 
+import copy
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -33,6 +37,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from qerl_kit.kernels.decode_attention import IMPLS, Prefix, decode_attention
+from qerl_kit.rollout.static.fast import FusedPlan
 
 
 @dataclass
@@ -134,7 +139,9 @@ class Decoder:
         inner, config = base.model, base.config
         self.model, self.config = base, config
         self.embed, self.layers, self.norm = inner.embed_tokens, list(inner.layers), inner.norm
-        self.rotary, self.lm_head = inner.rotary_emb, base.lm_head
+        # Our own rotary module: a dynamic RoPE (transformers' dynamic_rope_update) rewrites its
+        # inv_freq buffer and length attributes as lengths grow; the model's stays untouched.
+        self.rotary, self.lm_head = copy.deepcopy(inner.rotary_emb), base.lm_head
         attn = self.layers[0].self_attn
         self.heads = config.num_attention_heads
         self.kv_heads = getattr(config, "num_key_value_heads", None) or self.heads
@@ -145,8 +152,6 @@ class Decoder:
         self.use_plan = True  # the engine turns it off for a call on a model with forward hooks
         self.attention = "auto"  # decode attention's implementation (kernels.decode_attention.IMPLS)
         if fused:
-            from qerl_kit.engine.fast import FusedPlan
-
             self.plan, self.path = FusedPlan.build(self)
 
     @property
@@ -161,6 +166,11 @@ class Decoder:
                  prefix_len: int = 0) -> KVCache:
         return KVCache.allocate(self.num_layers, rows, self.kv_heads, max_len, self.head_dim,
                                 self.dtype, device, prompts, prefix_len)
+
+    def refresh(self) -> None:
+        """Before a generation call: the fused plan's weight copies brought up to date (``FusedPlan.refresh``)."""
+        if self.plan is not None:
+            self.plan.refresh()
 
     def set_attention(self, impl: str) -> None:
         if impl not in IMPLS:
@@ -230,8 +240,6 @@ class Decoder:
                 self._plan_ok = True
                 return logits
             except Exception as err:  # noqa: BLE001 - e.g. a kernel that does not compile here
-                import warnings
-
                 warnings.warn(f"the fused decode step failed ({err!r:.300}); using the generic path", stacklevel=2)
                 self.plan, self.path = None, f"generic decode path (fused step failed: {type(err).__name__})"
         R = tokens.shape[0]
