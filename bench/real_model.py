@@ -6,7 +6,7 @@
     python -m bench.real_model regress DIR --out OUT [--steps 14]
 
 ``eval``: greedy pass@1 on every row of each task (GSM8K test 1319 at 512 new tokens, MATH-500 at
-1024), through the same path ``qerl eval`` takes (``Task.evaluate`` on the StaticEngine, all rows
+1024), through the same path ``qerl eval`` takes (``evaluate_task`` on the StaticEngine, all rows
 in one engine call); with ``--pass-k K`` also K samples per problem at the paper's evaluation
 sampling (temperature 0.6, top-p 0.95). One JSON per (format, task, mode) under OUT with accuracy,
 pass@k, mean length, truncation rate, tokens/s, wall time, peak memory, and the first 20
@@ -71,6 +71,7 @@ def _load(path: str, fmt: str, device: str):
 def evaluate_formats(path: str, out: str, formats, tasks, pass_k: int, limit: int | None,
                      only_pass_k: bool = False) -> list[dict]:
     from qerl_kit.config import DataConfig
+    from qerl_kit.evaluate import evaluate_task
     from qerl_kit.rollout.static import StaticEngine
     from qerl_kit.tasks import make_task
 
@@ -90,7 +91,7 @@ def evaluate_formats(path: str, out: str, formats, tasks, pass_k: int, limit: in
                 if device == "cuda":
                     torch.cuda.reset_peak_memory_stats()
                 t0 = time.perf_counter()
-                res = task.evaluate(model, tok, engine=engine, max_new_tokens=TASK_LENGTH[name], **kw)
+                res = evaluate_task(task, model, tok, engine=engine, max_new_tokens=TASK_LENGTH[name], **kw)
                 wall = time.perf_counter() - t0
                 row = {"format": fmt, "task": name, "mode": mode, "problems": res.num_problems,
                        "samples": res.samples, "accuracy": res.accuracy, "pass_at_k": res.pass_at_k,

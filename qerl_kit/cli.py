@@ -239,8 +239,11 @@ def _cmd_eval(args: argparse.Namespace) -> int:
     max_new = args.max_new_tokens or task.max_new_tokens or 256
     print(f"qerl eval: {len(rows)} {task.name} problems, {max_new} new tokens, {device}, engine "
           f"{type(engine).__name__}, model loaded and quantized in {load_s:.1f} s", flush=True)
-    result = task.evaluate(model, tokenizer, rows=rows, engine=engine, samples=args.samples, temperature=args.temperature,
-                           top_p=args.top_p, max_new_tokens=max_new, batch_size=args.batch_size)
+    from qerl_kit.evaluate import evaluate_task
+
+    result = evaluate_task(task, model, tokenizer, rows, engine=engine, samples=args.samples,
+                           temperature=args.temperature, top_p=args.top_p, max_new_tokens=max_new,
+                           batch_size=args.batch_size)
     print(result)
     print(result.speed_line())
     if args.out:

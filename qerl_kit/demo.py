@@ -23,18 +23,53 @@ def run_demo(model: str = "tiny", dataset: str = "arith", steps: int | None = No
              progress: str = "auto") -> dict:
     """Run the demo and return its summary (also written to ``output_dir/summary.json``)."""
     from qerl_kit.build import build_policy
-    from qerl_kit.config import preset, save_config
-    from qerl_kit.plots import plot_metrics
-    from qerl_kit.table import text_table
+    from qerl_kit.config import save_config
     from qerl_kit.tasks import make_task
     from qerl_kit.trainer import Trainer
 
+    start = time.perf_counter()
+    cfg = demo_config(model, dataset, steps, seed, output_dir, eval_size, fmt)
+    out = Path(output_dir)
+    from qerl_kit import runs
+
+    print(f"qerl demo: a new run in {out}" + (f"; the run found there moves to {out / runs.PREVIOUS}/"
+                                              if runs.run_files(out) else ""))
+    runs.lock(out)  # this process's directory (a second live run is refused) before the model loads
+    torch.manual_seed(seed)
+    policy, tokenizer, report = build_policy(cfg.model, seed=seed)
+    if report is not None:
+        print(report.summary())
+    task = make_task(cfg.data)  # the same problems for every seed
+    trainer = Trainer(policy, tokenizer, task, cfg, progress=progress)
+    trainer.claim_output_dir("demo")  # a fresh run each time: an earlier one moves aside, nothing is deleted
+    save_config(cfg, out / "config.yaml")
+    print(f"held-out split: {len(task.eval)} problems; measuring the quantized base (greedy) ...")
+    base = trainer.evaluate(batch_size=64)
+    print(f"base accuracy {base.accuracy:.3f}; training {cfg.total_steps} GRPO steps "
+          f"({cfg.rollout.batch_size} completions each, AQN {cfg.aqn.sigma_start:g} -> {cfg.aqn.sigma_end:g})")
+    trainer.train()
+    final = trainer.evaluate(batch_size=64)
+    trainer.save()
+    wall = time.perf_counter() - start
+    _plot_curves(trainer.history, base.accuracy, final.accuracy, fmt, out)
+    summary = _summary(trainer, base.accuracy, final.accuracy, wall,
+                       dict(seed=seed, model=model, dataset=dataset, format=fmt, eval_problems=len(task.eval)))
+    (out / "summary.json").write_text(json.dumps(summary, indent=2))
+    _print_result(summary, fmt, trainer.step, out)
+    return summary
+
+
+def demo_config(model: str, dataset: str, steps: int | None, seed: int, output_dir: str, eval_size: int | None,
+                fmt: str):
+    """The demo's TrainConfig (the ``tiny-cpu`` preset and the arguments), checked before any loading;
+    on a CPU, the thread count the tiny model runs fastest with."""
+    from qerl_kit.config import preset
     from qerl_kit.config_types import check_seed, check_steps
+    from qerl_kit.models import BASE_NAMES, check_model_source
 
     if steps is not None:  # the checks every entry point shares, before minutes of loading
         check_steps("steps", steps)
     check_seed("seed", seed, rng=False)  # the config's seed (per-step seeds are derived from it)
-    start = time.perf_counter()
     if not torch.cuda.is_available():
         # The tiny model's matmuls are too small to gain from intra-op threads, and extra threads
         # compete with everything else on a small machine (measured: 3x slower with 2 threads
@@ -53,56 +88,45 @@ def run_demo(model: str = "tiny", dataset: str = "arith", steps: int | None = No
     if eval_size is not None:
         overrides["data"]["eval_size"] = eval_size
     cfg = preset("tiny-cpu", **overrides)
-    from qerl_kit.models import BASE_NAMES, check_model_source
-
     check_model_source(model, presets=BASE_NAMES)  # a typo or a missing path fails before anything moves
-    out = Path(output_dir)
-    from qerl_kit import runs
+    return cfg
 
-    print(f"qerl demo: a new run in {out}" + (f"; the run found there moves to {out / runs.PREVIOUS}/"
-                                              if runs.run_files(out) else ""))
-    runs.lock(out)  # this process's directory (a second live run is refused) before the model loads
-    torch.manual_seed(seed)
-    policy, tokenizer, report = build_policy(cfg.model, seed=seed)
-    if report is not None:
-        print(report.summary())
-    task = make_task(cfg.data)  # the same problems for every seed
-    heldout = task.eval
-    trainer = Trainer(policy, tokenizer, task, cfg, progress=progress)
-    trainer.claim_output_dir("demo")  # a fresh run each time: an earlier one moves aside, nothing is deleted
-    save_config(cfg, out / "config.yaml")
-    print(f"held-out split: {len(heldout)} problems; measuring the quantized base (greedy) ...")
-    base = trainer.evaluate(batch_size=64)
-    print(f"base accuracy {base.accuracy:.3f}; training {cfg.total_steps} GRPO steps "
-          f"({cfg.rollout.batch_size} completions each, AQN {cfg.aqn.sigma_start:g} -> {cfg.aqn.sigma_end:g})")
-    trainer.train()
-    final = trainer.evaluate(batch_size=64)
-    trainer.save()
-    wall = time.perf_counter() - start
 
-    history = trainer.history
+def _plot_curves(history: list[dict], base: float, final: float, fmt: str, out: Path) -> None:
+    """``out/curves.png``: reward, accuracy and entropy against step, held-out accuracy as lines."""
+    from qerl_kit.plots import plot_metrics
+
     fig = plot_metrics(history, ("reward", "accuracy", "entropy"),
-                       title=f"QeRL demo ({fmt} + LoRA + AQN): held-out {base.accuracy:.1%} -> {final.accuracy:.1%}")
+                       title=f"QeRL demo ({fmt} + LoRA + AQN): held-out {base:.1%} -> {final:.1%}")
     for ax in fig.axes:
         if ax.get_title() == "accuracy":
-            ax.axhline(base.accuracy, linestyle="--", color="gray", label="held-out, base")
-            ax.axhline(final.accuracy, linestyle="--", color="green", label="held-out, trained")
+            ax.axhline(base, linestyle="--", color="gray", label="held-out, base")
+            ax.axhline(final, linestyle="--", color="green", label="held-out, trained")
             ax.legend(fontsize=7)
     fig.savefig(out / "curves.png", dpi=110)
-    summary = {
-        "base_accuracy": base.accuracy, "final_accuracy": final.accuracy,
-        "improvement_points": 100 * (final.accuracy - base.accuracy),
-        "steps": trainer.step, "wall_seconds": wall, "seed": seed, "model": model, "dataset": dataset,
-        "format": fmt, "eval_problems": len(heldout), "decoding": "greedy",
+
+
+def _summary(trainer, base: float, final: float, wall: float, run: dict) -> dict:
+    """What ``summary.json`` holds: accuracies, steps, timing, the run's arguments and the machine."""
+    history = trainer.history
+    return {
+        "base_accuracy": base, "final_accuracy": final, "improvement_points": 100 * (final - base),
+        "steps": trainer.step, "wall_seconds": wall, "seed": run["seed"], "model": run["model"],
+        "dataset": run["dataset"], "format": run["format"], "eval_problems": run["eval_problems"],
+        "decoding": "greedy",
         "mean_seconds": {k: sum(r[k] for r in history) / len(history)
                          for k in ("time/rollout", "time/logprob", "time/update", "time/step")},
         "final_reward": history[-1]["reward"], "machine": platform.machine(), "torch": torch.__version__,
         "threads": torch.get_num_threads(),
     }
-    (out / "summary.json").write_text(json.dumps(summary, indent=2))
-    rows = [{"": "quantized base (NVFP4)" if fmt == "nvfp4" else f"base ({fmt})", "held-out accuracy": base.accuracy},
-            {"": f"after {trainer.step} GRPO steps", "held-out accuracy": final.accuracy}]
+
+
+def _print_result(summary: dict, fmt: str, steps: int, out: Path) -> None:
+    from qerl_kit.table import text_table
+
+    rows = [{"": "quantized base (NVFP4)" if fmt == "nvfp4" else f"base ({fmt})",
+             "held-out accuracy": summary["base_accuracy"]},
+            {"": f"after {steps} GRPO steps", "held-out accuracy": summary["final_accuracy"]}]
     print("\n" + text_table(rows))
-    print(f"\nimprovement: {summary['improvement_points']:+.1f} points in {wall / 60:.1f} min; "
+    print(f"\nimprovement: {summary['improvement_points']:+.1f} points in {summary['wall_seconds'] / 60:.1f} min; "
           f"wrote {out / 'summary.json'}, {out / 'curves.png'}, {out / 'metrics.jsonl'}")
-    return summary

@@ -1,23 +1,26 @@
-"""Evaluate a policy: pass@1 over a dataset with a TRL-style reward function.
+"""Evaluate a policy on a task: pass@1 and pass@k, a function over a ``Task``.
 
-``evaluate(model, tokenizer, rows, gsm8k_reward, samples=4)`` renders each row's prompt, samples
-``samples`` completions per problem through a rollout engine (``HFEngine`` by default), scores
-them with the reward function, and returns an ``EvalResult``: accuracy (mean pass@1), per-problem
+``evaluate_task(task, model, tokenizer, samples=4)`` evaluates on the task's held-out rows (or
+``rows=``): the task renders and tokenizes each chunk of prompts once (``task.encode``), a rollout
+engine (``HFEngine`` by default) samples ``samples`` completions per problem, the task's accuracy
+reward scores them, and it returns an ``EvalResult``: accuracy (mean pass@1), per-problem
 completions and scores, mean completion length. It prints a summary in a terminal and renders a
-table in a notebook.
+table in a notebook. ``evaluate(model, tokenizer, rows, reward_fn)`` is the same on plain rows and
+one reward function (a ``Task`` is made of them, prompts rendered by ``prompt_fn``, by default
+``qerl_kit.data.chat_prompt``).
 
 * The model is evaluated as given: a peft ``PeftModel`` is evaluated **with its adapter**. (The
   official QeRL evaluation loaded the base weights and forgot the LoRA adapter, so it measured the
   base model; ``tests/test_evaluate.py`` pins that an adapter changes the result.)
-* Correct means ``reward >= 1.0``; ``None`` ("not applicable") counts as incorrect. pass@1 of a
-  problem is its fraction of correct samples; ``accuracy`` is the mean over problems.
-* The reward function is called and checked as in training (``qerl_kit.scoring.reward_scores``):
-  a dict, None, strings, NaN, inf or the wrong number of scores is an error naming the function,
-  and an exception it raises comes back as a ``RewardError`` naming it.
+* Scoring is training's (``qerl_kit.scoring``): the reward function gets the same keyword
+  arguments (``reward_kwargs``: ``prompts`` is the rows' raw ``prompt`` column, the question, as in
+  training and TRL; ``completions``, ``completion_ids`` and every other column aligned with them),
+  is called and checked the same way (``reward_scores``: a dict, None, strings, NaN, inf or the
+  wrong number of scores is an error naming the function; an exception comes back as a
+  ``RewardError`` naming it), and correct means what the training ``accuracy`` metric counts
+  (``is_correct``: reward >= 1.0; None is incorrect). pass@1 of a problem is its fraction of correct
+  samples; ``accuracy`` is the mean over problems.
 * Greedy (``temperature=0``) samples once per problem: the samples would all be the same.
-* The reward function gets TRL's keyword arguments: ``prompts`` (the rows' ``prompt`` column),
-  ``completions`` (texts), ``completion_ids`` (lists of ids, stop token included) and every other
-  dataset column as a list aligned with the completions (``answer=[...]``).
 * Problems are sent to the engine ``batch_size`` at a time (each becomes ``batch_size * samples``
   sequences); chunk i is seeded with ``seed + i``. The default (None) sends ``EVAL_ROWS // samples``
   problems per call to an engine that batches rows itself and drops finished ones (``batches_rows``:
@@ -26,7 +29,7 @@ table in a notebook.
 * ``pass_at_k`` is the share of problems with a correct sample among the ``samples``; ``by(column)``
   splits accuracy and pass@k by a dataset column (the arithmetic task's ``level``; a column no row has
   is an error listing the columns).
-* The dataset is checked as a ``Task``'s rows (``qerl_kit.data.check_rows``: a list of rows, each
+* The rows are checked as a ``Task``'s (``qerl_kit.data.check_rows``: a list of rows, each
   ``prompt`` a non-empty string), ``seed`` and ``temperature`` by the shared rules, before anything runs.
 """
 
@@ -35,27 +38,22 @@ from __future__ import annotations
 import html
 import warnings
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Sequence
 
 from qerl_kit.config_types import check_names, check_seed, check_temperature, check_value, short_repr
-from qerl_kit.data import check_rows
+from qerl_kit.data import chat_prompt, check_rows
 from qerl_kit.rollout.base import RolloutEngine, check_engine
-from qerl_kit.rollout.types import Prompts, SamplingParams
-from qerl_kit.scoring import reward_scores
+from qerl_kit.rollout.types import SamplingParams
+from qerl_kit.scoring import CORRECT_THRESHOLD, accuracy_scores, is_correct, reward_kwargs
 from qerl_kit.table import html_table, text_table
+from qerl_kit.tasks.task import Task
 
-__all__ = ["evaluate", "EvalResult", "CORRECT_THRESHOLD"]
-
-CORRECT_THRESHOLD = 1.0  # a completion is correct iff its reward is >= this
+__all__ = ["evaluate", "evaluate_task", "EvalResult", "CORRECT_THRESHOLD"]
 HF_BATCH = 32  # problems per call for an engine without its own row batching (transformers' generate pads them all)
 # rows (problems x samples) per call for the StaticEngine / vLLM: every GSM8K test problem greedily in one
 # call; 8 samples of all 1319 (10,552 rows) in one call ran out of an H200's memory (a 0.5B model's
 # CUDA-graph pools alone took 63 GiB: each live-row count captures its own graphs)
 EVAL_ROWS = 2048
-
-
-def _is_correct(score: float | None) -> bool:
-    return score is not None and score >= CORRECT_THRESHOLD
 
 
 def _short(text: Any, limit: int = 80) -> str:
@@ -158,22 +156,70 @@ class EvalResult:
         return pd.DataFrame(self.per_problem)
 
 
+def evaluate_task(task: Task, model: Any, tokenizer: Any, rows: Sequence[dict] | None = None, *,
+                  samples: int = 1, temperature: float = 0.6, top_p: float = 0.95, max_new_tokens: int | None = None,
+                  batch_size: int | None = None, engine: RolloutEngine | None = None,
+                  seed: int | None = 0) -> EvalResult:
+    """pass@1 of ``model`` (adapter applied, if any) on ``task``'s held-out rows (or ``rows``), with the
+    task's prompts and accuracy reward.
+
+    ``engine`` overrides the default ``HFEngine(model, tokenizer)`` (e.g. a vLLM engine, which is
+    synced with ``model``'s adapter first; ``model`` may be None when the engine holds it already).
+    ``max_new_tokens`` None: the task's budget, else 512.
+    """
+    if not isinstance(task, Task):
+        raise TypeError(f"evaluate_task(task, model, tokenizer, ...) takes a qerl_kit.tasks.Task first; got "
+                        f"{type(task).__name__} (for plain rows and a reward function: evaluate(model, tokenizer, "
+                        "rows, reward_fn))")
+    rows = task.eval if rows is None else [dict(r) for r in check_rows("rows", rows)]
+    if not rows:
+        raise ValueError(f"task {task.name!r} has no held-out rows to evaluate on; pass rows=")
+    seed, temperature, samples = _checked(seed, temperature, samples, batch_size)
+    engine = _engine(engine, model, tokenizer)
+    if max_new_tokens is None:
+        max_new_tokens = task.max_new_tokens or 512
+    if batch_size is None:  # few engine calls: the engine batches rows itself and compacts finished ones
+        batch_size = max(1, EVAL_ROWS // samples) if getattr(engine, "batches_rows", False) else HF_BATCH
+    per_problem: list[dict] = []
+    stats: dict[str, float] = {}
+    for chunk_index, start in enumerate(range(0, len(rows), batch_size)):
+        chunk = rows[start:start + batch_size]
+        sampling = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature,
+                                  top_p=top_p if temperature > 0 else 1.0,
+                                  seed=None if seed is None else seed + chunk_index)
+        prompts = task.encode(tokenizer, chunk)  # rendered by the task and tokenized once, as in training
+        with engine.sync(model):
+            out = engine.generate(prompts, samples, sampling)
+        per_problem += _score_chunk(task, chunk, start, out, samples)
+        _add_stats(stats, getattr(out, "stats", {}))
+    if stats.get("rollout/seconds"):
+        stats["rollout/tokens_per_s"] = stats.get("rollout/tokens", 0.0) / stats["rollout/seconds"]
+    all_lengths = [L for p in per_problem for L in p["lengths"]]
+    return EvalResult(accuracy=sum(p["pass_rate"] for p in per_problem) / len(per_problem),
+                      per_problem=per_problem, samples=samples,
+                      mean_length=sum(all_lengths) / len(all_lengths), temperature=float(temperature),
+                      stats=stats)
+
+
 def evaluate(model: Any, tokenizer: Any, dataset: Iterable[dict], reward_fn: Callable[..., list],
              *, samples: int = 1, temperature: float = 0.6, top_p: float = 0.95,
              max_new_tokens: int = 512, batch_size: int | None = None, engine: RolloutEngine | None = None,
              prompt_fn: Callable[[Any, dict], str] | None = None, seed: int | None = 0) -> EvalResult:
-    """pass@1 of ``model`` (adapter applied, if any) on ``dataset`` rows with a ``prompt`` column.
-
-    ``engine`` overrides the default ``HFEngine(model, tokenizer)`` (e.g. a vLLM engine, which is
-    synced with ``model``'s adapter first; ``model`` may be None when the engine holds it already).
-    ``prompt_fn(tokenizer, row)`` renders a row; the default is ``qerl_kit.data.chat_prompt``
-    (the chat template when there is one, GSM8K's instruction suffix). ``Task.evaluate`` passes a
-    task's prompt function and accuracy reward.
-    """
+    """pass@1 of ``model`` on ``dataset`` rows with a ``prompt`` column, scored by ``reward_fn``:
+    ``evaluate_task`` on a Task of these rows, ``reward_fn`` and ``prompt_fn(tokenizer, row)`` (default
+    ``qerl_kit.data.chat_prompt``: the chat template when there is one, GSM8K's instruction suffix).
+    Keyword arguments as there."""
     # a list of rows with a non-empty 'prompt' (never one dict, whose keys would be the rows): Task's check
     rows = [dict(r) for r in check_rows("dataset", dataset)]
     if not rows:
         raise ValueError("the dataset is empty: nothing to evaluate")
+    task = Task("evaluate", [], rows, reward_fn, chat_prompt if prompt_fn is None else prompt_fn)
+    return evaluate_task(task, model, tokenizer, samples=samples, temperature=temperature, top_p=top_p,
+                         max_new_tokens=max_new_tokens, batch_size=batch_size, engine=engine, seed=seed)
+
+
+def _checked(seed: Any, temperature: Any, samples: Any, batch_size: Any) -> tuple:
+    """(seed, temperature, samples) checked by the shared rules; greedy samples once."""
     seed = None if seed is None else check_seed("seed", seed)  # each chunk is seeded with seed + its index
     temperature = check_temperature("temperature", temperature, greedy=True)
     if not isinstance(samples, int) or samples < 1:
@@ -182,52 +228,42 @@ def evaluate(model: Any, tokenizer: Any, dataset: Iterable[dict], reward_fn: Cal
         raise ValueError(f"batch_size must be None (all problems at once) or an int >= 1; got {batch_size!r}")
     if temperature == 0 and samples > 1:
         warnings.warn(f"temperature=0 is greedy: the {samples} samples would be identical; sampling once",
-                      stacklevel=2)
+                      stacklevel=3)
         samples = 1
-    if engine is None:
-        if model is None:
-            raise ValueError("pass a model (evaluated with HFEngine) or an engine")
-        from qerl_kit.rollout.hf import HFEngine
+    return seed, temperature, samples
 
-        engine = HFEngine(model, tokenizer)
-    check_engine(engine)
-    if prompt_fn is None:
-        from qerl_kit.data import chat_prompt as prompt_fn
-    if batch_size is None:  # few engine calls: the engine batches rows itself and compacts finished ones
-        batch_size = max(1, EVAL_ROWS // samples) if getattr(engine, "batches_rows", False) else HF_BATCH
-    columns = [k for k in dict.fromkeys(k for r in rows for k in r) if k != "prompt"]
-    per_problem: list[dict] = []
-    stats: dict[str, float] = {}
-    for chunk_index, start in enumerate(range(0, len(rows), batch_size)):
-        chunk = rows[start:start + batch_size]
-        sampling = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature,
-                                  top_p=top_p if temperature > 0 else 1.0,
-                                  seed=None if seed is None else seed + chunk_index)
-        prompts = Prompts.encode(tokenizer, [prompt_fn(tokenizer, r) for r in chunk])
-        with engine.sync(model):
-            out = engine.generate(prompts, samples, sampling)
-        repeated = [r for r in chunk for _ in range(samples)]
-        ids = out.completion_id_lists()
-        # the Trainer's one call-and-check: a dict, None, strings, NaN, inf or a raise names the function
-        kwargs = dict(prompts=[r["prompt"] for r in repeated], completions=list(out.texts), completion_ids=ids,
-                      **{k: [r.get(k) for r in repeated] for k in columns})
-        scores = reward_scores(reward_fn, kwargs, len(repeated))
-        lengths = out.completion_lengths.tolist()
-        for j, row in enumerate(chunk):
-            s = slice(j * samples, (j + 1) * samples)
-            got = [None if x is None else float(x) for x in scores[s]]
-            per_problem.append({"index": start + j, "prompt": row["prompt"], "answer": row.get("answer"),
-                                "completions": list(out.texts[s]), "scores": got, "lengths": lengths[s],
-                                "finish_reasons": list(out.finish_reasons[s]),
-                                "pass_rate": sum(map(_is_correct, got)) / samples,
-                                "columns": {k: v for k, v in row.items() if k not in ("prompt", "answer")}})
-        for key, value in getattr(out, "stats", {}).items():
-            if key != "rollout/tokens_per_s":
-                stats[key] = stats.get(key, 0.0) + value
-    if stats.get("rollout/seconds"):
-        stats["rollout/tokens_per_s"] = stats.get("rollout/tokens", 0.0) / stats["rollout/seconds"]
-    all_lengths = [L for p in per_problem for L in p["lengths"]]
-    return EvalResult(accuracy=sum(p["pass_rate"] for p in per_problem) / len(per_problem),
-                      per_problem=per_problem, samples=samples,
-                      mean_length=sum(all_lengths) / len(all_lengths), temperature=float(temperature),
-                      stats=stats)
+
+def _engine(engine: RolloutEngine | None, model: Any, tokenizer: Any) -> RolloutEngine:
+    if engine is not None:
+        check_engine(engine)  # sync and generate, or a clear TypeError
+        return engine
+    if model is None:
+        raise ValueError("pass a model (evaluated with HFEngine) or an engine")
+    from qerl_kit.rollout.hf import HFEngine
+
+    return HFEngine(model, tokenizer)
+
+
+def _score_chunk(task: Task, chunk: list[dict], start: int, out: Any, samples: int) -> list[dict]:
+    """The per-problem records of one chunk's rollouts, scored by the task's accuracy reward with
+    training's keyword arguments, call-and-check and correctness rule (``qerl_kit.scoring``)."""
+    n = len(chunk) * samples
+    scores = accuracy_scores(task, reward_kwargs(chunk, samples, out.texts, out.completion_id_lists()), n)
+    lengths = out.completion_lengths.tolist()
+    records = []
+    for j, row in enumerate(chunk):
+        s = slice(j * samples, (j + 1) * samples)
+        got = [None if x is None else float(x) for x in scores[s]]
+        records.append({"index": start + j, "prompt": row["prompt"], "answer": row.get("answer"),
+                        "completions": list(out.texts[s]), "scores": got, "lengths": lengths[s],
+                        "finish_reasons": list(out.finish_reasons[s]),
+                        "pass_rate": sum(map(is_correct, got)) / samples,
+                        "columns": {k: v for k, v in row.items() if k not in ("prompt", "answer")}})
+    return records
+
+
+def _add_stats(stats: dict, chunk_stats: dict) -> None:
+    """Sum a chunk's rollout/* timing into ``stats`` (tokens/s is recomputed from the sums)."""
+    for key, value in chunk_stats.items():
+        if key != "rollout/tokens_per_s":
+            stats[key] = stats.get(key, 0.0) + value

@@ -266,8 +266,6 @@ def run_grid(configs: Sequence[GridConfig | str], seeds: Sequence[int], *, steps
     (``qerl_kit.export.RefusedToOverwrite``, raised before any training). Under the project's
     ``docs/`` it is refused unless ``allow_docs=True``.
     """
-    import pandas as pd
-
     from qerl_kit.tasks import make_task
 
     base_lr = TINY_LR if model == "tiny" else PAPER_LR
@@ -289,41 +287,65 @@ def run_grid(configs: Sequence[GridConfig | str], seeds: Sequence[int], *, steps
     runs.mkdir(parents=True, exist_ok=True)
     data, base_cache, metrics, summaries = None, {}, [], []
     for i, (gc, seed, cfg) in enumerate(plan, 1):
-        stem = runs / f"{gc.name}_seed{seed}"
-        done = Path(f"{stem}_summary.csv")
-        if done.exists():
-            summary = pd.read_csv(done).iloc[0].to_dict()
-            want = dict(format=gc.format, aqn=gc.aqn, lr=gc.lr, steps=steps, batch_size=batch_size,
-                        group_size=group_size, eval_size=eval_size, max_new_tokens=max_new_tokens, model=model,
-                        dataset=dataset, eval_every=eval_every)
-            summary.setdefault("eval_every", 0)  # runs recorded before eval_every existed evaluated start and end only
-            diff = {k: (summary.get(k), v) for k, v in want.items() if not _same(summary.get(k), v)}
-            if diff:
-                raise ValueError(f"{done} was recorded with other settings (recorded, asked): {diff}; "
-                                 "use another output_dir or delete it")
-            log(f"[{i}/{len(plan)}] {gc.name} seed {seed}: finished earlier, read {done.name}")
-            metrics.append(pd.read_csv(f"{stem}_metrics.csv"))
-            summaries.append(summary)
-            continue
-        if data is None:
-            data = make_task(cfg.data)  # seed 0: the same problems for every run
-        work = Path(cfg.output_dir)  # runs/.work/<run>: the trainer's scratch directory, the grid's own
-        shutil.rmtree(work, ignore_errors=True)  # a crashed run's partial metrics.jsonl
-        log(f"[{i}/{len(plan)}] {gc.name} seed {seed}: training {steps} steps ({gc.label}, lr {gc.lr:g}) ...")
-        rows, summary = run_one(gc, seed, cfg, data, dev, base_cache, progress=progress, eval_every=eval_every)
-        shutil.rmtree(work, ignore_errors=True)
-        frame = pd.DataFrame(rows)
-        frame.to_csv(grid.claim(f"runs/{stem.name}_metrics.csv"), index=False)
-        tmp = grid.claim(f"runs/{stem.name}_summary.csv.tmp")
-        pd.DataFrame([summary]).to_csv(tmp, index=False)
-        tmp.replace(grid.claim(f"runs/{done.name}"))  # written last, atomically: its presence means the run finished
-        log(f"    base {summary['base_accuracy']:.3f} -> final {summary['final_accuracy']:.3f}, initial entropy "
-            f"{summary['initial_entropy']:.4f}, mean reward {summary['mean_reward']:.3f}, "
-            f"{summary['wall_seconds']:.0f} s")
+        stem, where = runs / f"{gc.name}_seed{seed}", f"[{i}/{len(plan)}] {gc.name} seed {seed}"
+        if Path(f"{stem}_summary.csv").exists():
+            frame, summary = _finished_run(stem, gc, budget, model, dataset)
+            log(f"{where}: finished earlier, read {stem.name}_summary.csv")
+        else:
+            if data is None:
+                data = make_task(cfg.data)  # seed 0: the same problems for every run
+            log(f"{where}: training {steps} steps ({gc.label}, lr {gc.lr:g}) ...")
+            frame, summary = _train_run(grid, stem, gc, seed, cfg, data, dev, base_cache, progress, eval_every)
+            log(f"    base {summary['base_accuracy']:.3f} -> final {summary['final_accuracy']:.3f}, initial entropy "
+                f"{summary['initial_entropy']:.4f}, mean reward {summary['mean_reward']:.3f}, "
+                f"{summary['wall_seconds']:.0f} s")
         metrics.append(frame)
         summaries.append(summary)
     shutil.rmtree(runs / ".work", ignore_errors=True)
-    rank = {gc.name: i for i, gc in enumerate(configs)}  # tables in grid order, seeds ascending
+    return _grid_tables(grid, configs, metrics, summaries)
+
+
+def _finished_run(stem: Path, gc: GridConfig, budget: Budget, model: str, dataset: str):
+    """(metrics, summary) of a run a previous call finished, read back; recorded with other settings
+    than these is an error rather than a silent mix."""
+    import pandas as pd
+
+    done = Path(f"{stem}_summary.csv")
+    summary = pd.read_csv(done).iloc[0].to_dict()
+    want = dict(format=gc.format, aqn=gc.aqn, lr=gc.lr, steps=budget.steps, batch_size=budget.batch_size,
+                group_size=budget.group_size, eval_size=budget.eval_size, max_new_tokens=budget.max_new_tokens,
+                model=model, dataset=dataset, eval_every=budget.eval_every)
+    summary.setdefault("eval_every", 0)  # runs recorded before eval_every existed evaluated start and end only
+    diff = {k: (summary.get(k), v) for k, v in want.items() if not _same(summary.get(k), v)}
+    if diff:
+        raise ValueError(f"{done} was recorded with other settings (recorded, asked): {diff}; "
+                         "use another output_dir or delete it")
+    return pd.read_csv(f"{stem}_metrics.csv"), summary
+
+
+def _train_run(grid: _GridDir, stem: Path, gc: GridConfig, seed: int, cfg, data, dev: torch.device,
+               base_cache: dict, progress: str, eval_every: int):
+    """Train one run (``run_one``) and write its two CSVs, the summary last and atomically (its
+    presence means the run finished); returns (metrics DataFrame, summary)."""
+    import pandas as pd
+
+    work = Path(cfg.output_dir)  # runs/.work/<run>: the trainer's scratch directory, the grid's own
+    shutil.rmtree(work, ignore_errors=True)  # a crashed run's partial metrics.jsonl
+    rows, summary = run_one(gc, seed, cfg, data, dev, base_cache, progress=progress, eval_every=eval_every)
+    shutil.rmtree(work, ignore_errors=True)
+    frame = pd.DataFrame(rows)
+    frame.to_csv(grid.claim(f"runs/{stem.name}_metrics.csv"), index=False)
+    tmp = grid.claim(f"runs/{stem.name}_summary.csv.tmp")
+    pd.DataFrame([summary]).to_csv(tmp, index=False)
+    tmp.replace(grid.claim(f"runs/{stem.name}_summary.csv"))
+    return frame, summary
+
+
+def _grid_tables(grid: _GridDir, configs: list[GridConfig], metrics: list, summaries: list[dict]):
+    """The grid's (metrics, summary) DataFrames in grid order, seeds ascending, written as CSV."""
+    import pandas as pd
+
+    rank = {gc.name: i for i, gc in enumerate(configs)}
     key = lambda col: col.map(rank) if col.name == "config" else col  # noqa: E731
     metrics_df = pd.concat(metrics).sort_values(["config", "seed", "step"], key=key, ignore_index=True)
     summary_df = pd.DataFrame(summaries).sort_values(["config", "seed"], key=key, ignore_index=True)
@@ -347,11 +369,8 @@ def _task_budget(dataset: str) -> int:
         return 512
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def _parser():
     import argparse
-    import platform
-    import shlex
-    import sys
 
     p = argparse.ArgumentParser(prog="python -m qerl_kit.experiments", description=__doc__.split("\n\n")[0])
     p.add_argument("--grid", choices=sorted(GRIDS), default="reduced",
@@ -371,6 +390,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                         "files the grid did not write are never overwritten")
     p.add_argument("--allow-docs", action="store_true",
                    help="allow an output directory under the project's docs/ (the committed results)")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = _parser()
     args = p.parse_args(argv)
     names, budget = GRIDS[args.grid]
     from qerl_kit.export import RefusedToOverwrite
@@ -397,7 +421,20 @@ def main(argv: Sequence[str] | None = None) -> int:
         grid.check(*CLI_OUTPUTS)
     except (ValueError, TypeError, RefusedToOverwrite) as err:
         p.error(str(err))
-    out = Path(args.out)
+    resolved = {**kw, "device": str(dev), "model": args.model, "dataset": args.dataset}
+    _write_views(grid, metrics, summary, resolved, argv)
+    print(f"\n\nwrote {Path(args.out)}/metrics.csv, summary.csv, curves.png, curves_smoothed.png, "
+          "summary.png, table.md, command.json")
+    return 0
+
+
+def _write_views(grid: _GridDir, metrics, summary, resolved: dict, argv: Sequence[str] | None) -> None:
+    """The grid's plots, ``table.md`` (also printed) and ``command.json`` (the command, what it resolved
+    to and the machine), each claimed in the grid directory."""
+    import platform
+    import shlex
+    import sys
+
     plot_curves(metrics).savefig(grid.claim("curves.png"), dpi=110)
     plot_curves(metrics, curve_metrics(metrics), smooth=5).savefig(grid.claim("curves_smoothed.png"), dpi=110)
     plot_summary(summary).savefig(grid.claim("summary.png"), dpi=110)
@@ -406,12 +443,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     grid.claim("command.json").write_text(json.dumps({
         "command": "python -m qerl_kit.experiments " + shlex.join(sys.argv[1:] if argv is None else argv),
         "resolved": {"configs": list(summary["config"].unique()), "seeds": sorted(summary["seed"].unique().tolist()),
-                     **kw, "device": str(dev), "model": args.model, "dataset": args.dataset},
+                     **resolved},
         "machine": platform.machine(), "torch": torch.__version__, "threads": torch.get_num_threads(),
         "finished": time.strftime("%Y-%m-%d %H:%M:%S")}, indent=2) + "\n")
-    print("\n" + table + f"\n\nwrote {out}/metrics.csv, summary.csv, curves.png, curves_smoothed.png, "
-          "summary.png, table.md, command.json")
-    return 0
+    print("\n" + table, end="")
 
 
 if __name__ == "__main__":

@@ -22,8 +22,8 @@ converts every linear layer but ``lm_head`` with ``qerl_kit.quantize.quantize_mo
   sample at temperature 1 is right 55% of the time and 8 samples include a right one for 99% of
   the problems: the gap RL closes.
 
-Its accuracy (greedy or sampled, pass@k, by level) is measured with ``qerl_kit.evaluate.evaluate``
-on the arithmetic Task: ``make_task().evaluate(model, tok)``, ``result.by("level")``; the prompts it
+Its accuracy (greedy or sampled, pass@k, by level) is measured with ``qerl_kit.evaluate.evaluate_task``
+on the arithmetic Task: ``evaluate_task(make_task(), model, tok)``, ``result.by("level")``; the prompts it
 answers are the task's (``qerl_kit.tasks.arith.PROMPT_SUFFIX``). This module sits in the model layer
 and imports nothing of the tasks above it.
 """

@@ -14,7 +14,7 @@ step is five phases:
    read the policy's memory; vLLM gets both), and the noise is gone before any training forward.
    With ``filters.dynamic_sampling``, groups whose rewards are all equal are dropped and more
    rounds are generated (``sampling_filters.accumulate_groups``, filling at the round limit);
-2. **score**: TRL-style reward functions, DAPO overlong shaping if asked;
+2. **score**: TRL-style reward functions scored as evaluation scores them (``qerl_kit.scoring``), DAPO overlong shaping;
 3. **prepare**: group-normalized advantages over the global batch; the clean policy's log-probs
    (``old``), the reference's (adapter disabled) when ``beta > 0``, entropy, and truncated
    importance weights between the rollout log-probs (noisy, sampled) and the clean ones;
@@ -47,6 +47,7 @@ from qerl_kit import divergence, finite, grpo, runs, trainer_state
 from qerl_kit.aqn import AQN
 from qerl_kit.config import TrainConfig, check_lr, upgrade_dict
 from qerl_kit.data import DataError
+from qerl_kit.evaluate import evaluate_task
 from qerl_kit.logprobs import batched_logprobs, completion_logprobs
 from qerl_kit.optim import lr_lambda, make_optimizer, steps_to_run
 from qerl_kit.rollout.base import check_engine
@@ -393,7 +394,7 @@ class Trainer:
             raise ValueError(f"no evaluation rows: task {self.task.name!r} has none; pass dataset=")
         kwargs.setdefault("temperature", 0.0)
         kwargs.setdefault("max_new_tokens", self.config.rollout.max_new_tokens)
-        return self.task.evaluate(self.model, self.tokenizer, data, engine=self.engine, **kwargs)
+        return evaluate_task(self.task, self.model, self.tokenizer, data, engine=self.engine, **kwargs)
 
     # ---- the run directory and checkpoints ----------------------------------------------------
     def claim_output_dir(self, command: str = "train") -> Path | None:

@@ -46,7 +46,6 @@ _PENDING: set[tuple[str, str]] = {
     ("qerl_kit.config_types", "qerl_kit.rollout.registry"),
     ("qerl_kit.config_types", "qerl_kit.tasks.registry"),
     ("qerl_kit.tasks.registry", "qerl_kit.config"),
-    ("qerl_kit.tasks.task", "qerl_kit.evaluate"),
 }
 
 

@@ -136,15 +136,15 @@ def test_evaluation_sends_all_problems_in_one_call_to_an_engine_that_batches_row
 def test_eval_scores_the_first_limit_rows_with_the_tasks_length_and_writes_json(tmp_path, capsys, monkeypatch):
     data = _jsonl(tmp_path / "mine.jsonl", 12)
     seen = {}
-    from qerl_kit.tasks import Task
+    import qerl_kit.evaluate
 
-    real = Task.evaluate
+    real = qerl_kit.evaluate.evaluate_task
 
-    def spy(self, model, tok, rows=None, **kw):
+    def spy(task, model, tok, rows=None, **kw):
         seen.update(rows=rows, **kw)
-        return real(self, model, tok, rows=rows, **kw)
+        return real(task, model, tok, rows, **kw)
 
-    monkeypatch.setattr(Task, "evaluate", spy)
+    monkeypatch.setattr(qerl_kit.evaluate, "evaluate_task", spy)
     out = tmp_path / "res.json"
     assert main(["eval", "--dataset", str(data), "--limit", "3", "--format", "none", "--device", "cpu",
                  "--engine", "static", "--max-new-tokens", "8", "--out", str(out)]) == 0

@@ -10,6 +10,7 @@ import torch
 
 from qerl_kit.config import DataConfig, ModelConfig, from_dict, preset
 from qerl_kit.data import GSM8K_SUFFIX, build_prompt, load_gsm8k
+from qerl_kit.evaluate import evaluate_task
 from qerl_kit.rewards import gsm8k_reward
 from qerl_kit.tasks import TASKS, Task, arith_prompt, make_task, register_task
 from tests.test_rollout import make_tokenizer
@@ -62,15 +63,16 @@ def test_demo_train_and_eval_prompt_the_tiny_model_the_same_way(monkeypatch, tmp
     train_task, _ = _captured_task(monkeypatch, lambda: main(["train", "--preset", "tiny-cpu", "--output-dir",
                                                               str(tmp_path / "t"), "--no-widgets"]))
     evaluated = {}
+    import qerl_kit.evaluate
     from qerl_kit.evaluate import EvalResult
 
-    def fake_evaluate(self, model, tok, rows=None, **kw):
-        evaluated.setdefault("task", self)
+    def fake_evaluate(task, model, tok, rows=None, **kw):
+        evaluated.setdefault("task", task)
         return EvalResult(accuracy=0.0, per_problem=[{"index": 0, "prompt": "p", "answer": "1", "completions": ["c"],
                                                        "pass_rate": 0.0, "finish_reasons": ["stop"]}],
                           samples=1, mean_length=1.0)
 
-    monkeypatch.setattr(Task, "evaluate", fake_evaluate)
+    monkeypatch.setattr(qerl_kit.evaluate, "evaluate_task", fake_evaluate)
     assert main(["eval", "--limit", "4"]) == 0
     row = demo_task.eval[0]
     assert demo_task.prompt(tok, row) == train_task.prompt(tok, row) == evaluated["task"].prompt(tok, row)
@@ -110,7 +112,9 @@ def test_task_validation_names_the_problem():
     with pytest.raises(TypeError, match="returned int, not the prompt text"):
         bad.prompt(None, {"prompt": "q"})
     with pytest.raises(ValueError, match="no held-out rows"):
-        bad.evaluate(None, None)
+        evaluate_task(bad, None, None)
+    with pytest.raises(TypeError, match="takes a qerl_kit.tasks.Task first"):
+        evaluate_task([{"prompt": "q"}], None, None)
 
 
 def test_build_policy_loads_on_the_device_in_the_dtype():

@@ -14,6 +14,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 from qerl_kit.rewards import gsm8k_reward  # noqa: E402
 from qerl_kit.tasks.arith import (LEVELS, TEST_PERCENT, careless_solution, make_dataset,  # noqa: E402
                                   make_problem, split_of)
+from qerl_kit.evaluate import evaluate_task  # noqa: E402
 from qerl_kit.tasks import make_task  # noqa: E402
 from qerl_kit.tiny import TINY_DIR, build_tokenizer, load_tiny  # noqa: E402
 
@@ -133,7 +134,7 @@ def test_every_linear_but_lm_head_quantizes():
 def test_quick_greedy_accuracy_after_nvfp4_is_in_band():
     model, tok = load_tiny(quantize="nvfp4")
     task = make_task()  # the arithmetic task: its held-out rows, prompts and reward
-    res = task.evaluate(model, tok, make_dataset("test", 64, seed=0), temperature=0, batch_size=64)
+    res = evaluate_task(task, model, tok, make_dataset("test", 64, seed=0), temperature=0, batch_size=64)
     assert 0.10 <= res.accuracy <= 0.60, res.by("level")
     assert res.by("level")[1]["accuracy"] >= 0.8  # one-step problems are solved
 
@@ -146,8 +147,8 @@ def test_calibration_on_heldout_split():
     model, tok = load_tiny(quantize="nvfp4")
     task = make_task()
     rows = make_dataset("test", 200, seed=0)
-    greedy = task.evaluate(model, tok, rows, temperature=0, batch_size=100)
+    greedy = evaluate_task(task, model, tok, rows, temperature=0, batch_size=100)
     assert 0.20 <= greedy.accuracy <= 0.50
-    sampled = task.evaluate(model, tok, rows, samples=8, temperature=1.0, top_p=1.0, batch_size=25)
+    sampled = evaluate_task(task, model, tok, rows, samples=8, temperature=1.0, top_p=1.0, batch_size=25)
     assert sampled.pass_at_k >= 0.70
     assert sampled.accuracy > greedy.accuracy

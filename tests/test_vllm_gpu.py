@@ -341,14 +341,15 @@ def static_run(results, tmp_path_factory):
 
 
 def test_trainer_on_vllm_learns_like_the_static_engine(static_run, vllm_setup, results, tmp_path_factory):
+    from qerl_kit.evaluate import evaluate_task
     from qerl_kit.rollout.hf import HFEngine
 
     engine, policy, tok = vllm_setup.engine, vllm_setup.policy, vllm_setup.tok
     run = _train("vllm", policy, tok, tmp_path_factory.mktemp("vllm"), results, engine=engine)
     trainer = run.pop("trainer")
     # The trained policy's accuracy measured without vLLM too (transformers' generate on the policy).
-    cross = _optional(results, "train_vllm", "hf_eval", lambda: _task().evaluate(
-        policy, tok, engine=HFEngine(policy, tok), temperature=0.0, batch_size=64, max_new_tokens=64).accuracy)
+    cross = _optional(results, "train_vllm", "hf_eval", lambda: evaluate_task(
+        _task(), policy, tok, engine=HFEngine(policy, tok), temperature=0.0, batch_size=64, max_new_tokens=64).accuracy)
     results.record("train_vllm", {"final_accuracy_hf_engine": cross, "norms_clean_after_eval": not engine.noisy_norms})
     keys = ("base_accuracy", "final_accuracy", "mean_reward_last_10")
     results.record("training_comparison", {"static": {k: static_run.get(k) for k in keys},

@@ -80,7 +80,7 @@ def engine_options(rollout, policy, tokenizer, task, lora_r: int, sample: int = 
     import torch
 
     rows = list(task.train[:sample]) + list(task.eval[:sample])
-    longest = max(len(tokenizer(task.prompt_fn(tokenizer, r), add_special_tokens=False)["input_ids"]) for r in rows)
+    longest = max(map(len, task.encode(tokenizer, rows).ids))  # rendered and tokenized as the rollouts will be
     max_len = -(-(longest + rollout.max_new_tokens) // 64) * 64
     share = rollout.vllm_gpu_memory
     if share is None:

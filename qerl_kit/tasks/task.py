@@ -1,10 +1,12 @@
 """``Task``: what an RL run trains on, in one object.
 
-A task is its training rows, its held-out rows, its reward functions, the function that turns a
-row into the prompt text the policy sees, and which reward counts as "correct". The Trainer, the
-evaluation, the demo, the experiment grid and the notebooks all take a Task, so a prompt is
+A task is data: its training rows, its held-out rows, its reward functions, the function that
+turns a row into the prompt text the policy sees, and which reward counts as "correct". The
+Trainer, the evaluation (``qerl_kit.evaluate.evaluate_task(task, model, tokenizer)``, a function
+over a task), the demo, the experiment grid and the notebooks all take a Task, so a prompt is
 rendered the same way everywhere (``task.prompt(tokenizer, row)``) and tokenized once
-(``task.encode(tokenizer, rows)`` -> ``qerl_kit.rollout.Prompts``).
+(``task.encode(tokenizer, rows)`` -> ``qerl_kit.rollout.Prompts``); the completions are scored
+the same way too (``qerl_kit.scoring``).
 
 Rows are dicts with at least a ``prompt`` (the question) column; every other column (``answer``,
 ``level``, ...) reaches the reward functions as a keyword argument, as in TRL. Every row of a split
@@ -81,7 +83,7 @@ class Task:
 
     @property
     def accuracy(self) -> Callable:
-        """The reward function whose score >= 1 counts as a correct completion."""
+        """The reward function whose score decides a correct completion (``qerl_kit.scoring.is_correct``: >= 1)."""
         return self.accuracy_fn or self.rewards[0]
 
     def prompt(self, tokenizer: Any, row: dict) -> str:
@@ -96,18 +98,6 @@ class Task:
         from qerl_kit.rollout.types import Prompts
 
         return Prompts.encode(tokenizer, [self.prompt(tokenizer, row) for row in rows])
-
-    def evaluate(self, model: Any, tokenizer: Any, rows: Sequence[dict] | None = None, **kwargs):
-        """``qerl_kit.evaluate.evaluate`` on the held-out rows (or ``rows``) with this task's prompts and
-        accuracy reward; keyword arguments as there (samples, temperature, engine, ...)."""
-        from qerl_kit.evaluate import evaluate
-
-        rows = self.eval if rows is None else rows
-        if not rows:
-            raise ValueError(f"task {self.name!r} has no held-out rows to evaluate on; pass rows=")
-        if self.max_new_tokens is not None:
-            kwargs.setdefault("max_new_tokens", self.max_new_tokens)
-        return evaluate(model, tokenizer, rows, self.accuracy, prompt_fn=self.prompt, **kwargs)
 
     def with_rows(self, train: Sequence[dict] | None = None, eval: Sequence[dict] | None = None) -> "Task":
         """The same task on other rows (a subset, a curriculum)."""

@@ -8,7 +8,7 @@ Rows 14-18, 30-33 of the second trial (2026-12-04):
 * a JSON Lines row with a key twice, or with its own ``prompt``/``solution`` column that the loader
   would overwrite, is a DataError naming file:line and the key;
 * a reward function is called and checked the same way in training and in evaluation
-  (``qerl_kit.scoring.reward_scores``: ``evaluate``, ``Task.evaluate``, ``Trainer.evaluate`` and
+  (``qerl_kit.scoring.reward_scores``: ``evaluate``, ``evaluate_task``, ``Trainer.evaluate`` and
   ``qerl eval``): a dict, None, strings, NaN or inf is an error naming the function, and an
   exception it raises is re-raised naming it.
 """
