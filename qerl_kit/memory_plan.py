@@ -174,11 +174,10 @@ def plan_memory(model: Any = "Qwen2.5-7B", fmt: str = "nvfp4", lora_r: int = 32,
     argument is checked where it enters (a ConfigError naming it): sizes and counts are ints >= 1,
     ``micro_batch`` at most ``rollout_batch`` (default: 8 or the whole batch if smaller), bytes per value
     1, 2 or 4, ``overhead`` in [0, 10], ``targets`` projection names (one name as a string is that name)."""
-    from qerl_kit.formats import FORMATS
+    from qerl_kit.formats import DENSE, format_names, get_format
 
-    fmt = check_value("fmt", fmt, str, choices=(*FORMATS, "none"))
-    if fmt != "none":
-        from qerl_kit.formats import get_format
+    fmt = check_value("fmt", fmt, str, choices=format_names())
+    if fmt != DENSE:
 
         bits = get_format(fmt).bits_per_weight
     optimizer = check_value("optimizer", optimizer, str, choices=OPTIMIZERS)
