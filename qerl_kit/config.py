@@ -46,21 +46,21 @@ from qerl_kit.config_types import (EVAL_SIZE_RULE, LR_RULE, NEW_TOKENS_RULE, OPT
 # The registries whose names the config's choices are: all of them sit below the config, which reads
 # their names when a config is checked (so a name registered at runtime is a valid value at once).
 from qerl_kit.formats import format_names
-from qerl_kit.grpo import IS_MODES, LOSSES, SCALES
+from qerl_kit import grpo
 from qerl_kit.rollout.registry import engine_names
 from qerl_kit.tasks.registry import DEFAULT_EVAL_SIZE, DEFAULT_TASK, DEFAULT_TRAIN_SIZE, task_names
 
 
-def _losses() -> tuple[str, ...]:
-    return tuple(LOSSES)
+def _losses() -> tuple[str, ...]:  # read through the module: the names in grpo.LOSSES now
+    return tuple(grpo.LOSSES)
 
 
 def _scales() -> tuple[str, ...]:
-    return tuple(SCALES)
+    return tuple(grpo.SCALES)
 
 
 def _is_modes() -> tuple[str, ...]:
-    return tuple(IS_MODES)
+    return tuple(grpo.IS_MODES)
 
 
 # Ranges of values that enter through the config only (the shared ones live in config_types).
