@@ -246,3 +246,17 @@ def test_the_kernel_registry_is_what_the_switch_the_report_and_the_docs_read(mon
 
     report = KernelReport(backend="auto", device="cpu", kernels=(), rows=(1,), layers=(("q", 64, 64, ("mine",)),))
     assert "Mine" in str(report)  # the report's label comes from the registry row
+
+
+def test_the_formats_table_of_the_docs_is_the_registry():
+    """docs/formats.md's table has one row per ``FORMATS`` row, with its block size and bits per weight."""
+    rows = {}
+    for line in (ROOT / "docs" / "formats.md").read_text().splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) == 6 and cells[-1].startswith("`qerl_kit."):
+            rows[cells[0].lower()] = cells
+    assert set(rows) == set(formats.FORMATS)
+    for name, fmt in formats.FORMATS.items():
+        _, _, block, _, bits, module = rows[name]
+        assert int(block) == fmt.block_size and float(bits.split()[0]) == fmt.bits_per_weight, name
+        assert module == f"`qerl_kit.{name}`"
