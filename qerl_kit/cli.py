@@ -213,8 +213,10 @@ def _eval_size(args: argparse.Namespace) -> int:
     check_rule("--top-p", args.top_p, float, TOP_P_RULE)
     if args.max_new_tokens is not None:
         check_rule("--max-new-tokens", args.max_new_tokens, int, NEW_TOKENS_RULE)
-    generated = not (args.dataset in ("gsm8k", "math500") or args.dataset.endswith(".jsonl"))
-    return args.limit or (DataConfig().eval_size if generated else DATA_ROWS_MAX)
+    from qerl_kit.tasks.registry import FILE_TASKS
+
+    from_file = args.dataset in FILE_TASKS or args.dataset.endswith(".jsonl")
+    return args.limit or (DATA_ROWS_MAX if from_file else DataConfig().eval_size)
 
 
 def _eval_model(args: argparse.Namespace, device: str):

@@ -173,6 +173,15 @@ def test_a_new_task_is_one_register_task_call(monkeypatch, capsys):
     assert train_config(GridConfig("x", "nvfp4", False, 1e-3), 0, Budget(2, 8, 4, 3, (0,)),
                         dataset="mine").data.dataset == "mine"
 
+    from qerl_kit.cli import _eval_size
+    from qerl_kit.config_types import DATA_ROWS_MAX
+
+    eval_args = build_parser().parse_args(["eval", "--dataset", "mine"])
+    assert _eval_size(eval_args) == DataConfig().eval_size  # a generated task: "all rows" has no end
+    monkeypatch.setattr(registry, "FILE_TASKS", set(registry.FILE_TASKS))
+    registry.register_task("mine", factory, from_file=True)  # its rows come from a file: qerl eval takes all
+    assert _eval_size(eval_args) == DATA_ROWS_MAX and "mine" in registry.FILE_TASKS
+
 
 def test_make_task_takes_any_object_with_data_configs_fields():
     """tasks/ sits below the config: a factory receives DataConfig duck-typed, and the default is

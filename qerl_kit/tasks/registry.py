@@ -136,16 +136,21 @@ def _jsonl(cfg, seed: int) -> Task:
 
 TASKS: dict[str, Callable[..., Task]] = {"arith": _arith, "countdown": _countdown, "gsm8k": _gsm8k,
                                          "math500": _math500}
+# The tasks that read their rows from a data file, so that "all rows" has an end (`qerl eval` without
+# --limit scores all of them; a generated task gets data.eval_size's default, its rows have no end).
+FILE_TASKS: set[str] = {"gsm8k", "math500"}
 
 
-def register_task(name: str, factory: Callable[..., Task]) -> None:
+def register_task(name: str, factory: Callable[..., Task], from_file: bool = False) -> None:
     """Make ``name`` a value of ``data.dataset``: ``factory(cfg, seed: int)`` returns the Task (``cfg``:
-    a ``DataConfig`` or anything with its fields)."""
+    a ``DataConfig`` or anything with its fields). ``from_file``: its rows come from a data file
+    (``FILE_TASKS``), so ``qerl eval`` without ``--limit`` scores all of them."""
     if not isinstance(name, str) or not name or name.endswith(".jsonl"):
         raise ValueError(f"a task name must be a non-empty string not ending in .jsonl; got {name!r}")
     if not callable(factory):
         raise TypeError(f"the factory of task {name!r} must be callable; got {type(factory).__name__}")
     TASKS[name] = factory
+    (FILE_TASKS.add if from_file else FILE_TASKS.discard)(name)
 
 
 def task_names() -> tuple[str, ...]:
