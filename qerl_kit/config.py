@@ -45,8 +45,8 @@ from qerl_kit.config_types import (EVAL_SIZE_RULE, LR_RULE, NEW_TOKENS_RULE, OPT
                                    check_steps, check_temperature, check_value, short_repr)
 # The registries whose names the config's choices are: all of them sit below the config, which reads
 # their names when a config is checked (so a name registered at runtime is a valid value at once).
-from qerl_kit.formats import format_names
 from qerl_kit import grpo
+from qerl_kit.formats import format_names
 from qerl_kit.rollout.registry import engine_names
 from qerl_kit.tasks.registry import DEFAULT_EVAL_SIZE, DEFAULT_TASK, DEFAULT_TRAIN_SIZE, task_names
 
