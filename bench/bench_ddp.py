@@ -59,10 +59,12 @@ class IdTokenizer:
 
 
 def _args(argv=None):
+    from qerl_kit.formats import format_names
+
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", default="Qwen2.5-7B", help="a qerl_kit.models preset (random weights)")
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
-    p.add_argument("--format", default="nvfp4", choices=["nvfp4", "mxfp4", "nf4", "none"])
+    p.add_argument("--format", default="nvfp4", choices=format_names())
     p.add_argument("--lora-r", type=int, default=32)
     p.add_argument("--prompts", type=int, default=8, help="prompts per GPU per step (weak scaling)")
     p.add_argument("--group", type=int, default=8, help="samples per prompt (GRPO group size)")

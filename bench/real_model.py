@@ -31,8 +31,11 @@ from pathlib import Path
 
 import torch
 
+from qerl_kit.formats import DENSE
+from qerl_kit.formats import FORMATS as _REGISTERED
+
 TASK_LENGTH = {"gsm8k": 512, "math500": 1024}
-FORMATS = ("none", "nvfp4", "mxfp4", "nf4")
+FORMATS = (DENSE, *_REGISTERED)  # bf16 first, then every registered format (qerl_kit.formats.FORMATS)
 
 
 def _env() -> dict:

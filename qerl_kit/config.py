@@ -19,9 +19,10 @@ so a config built from YAML, a dict, a preset with overrides, ``TrainConfig.repl
   ``"false"`` is False (a plain ``bool("false")`` would be True).
 * ``X | None``: ``None`` and the strings ``"null"``/``"none"`` (any case) are None; else as X.
 * ``str``: a non-empty string (or an ``os.PathLike``, stored as a string); a field with choices
-  must be one of them, taken from the registries that define them where there is one
-  (``grpo.LOSSES``, ``grpo.SCALES``, ``grpo.IS_MODES``, ``formats.FORMATS``, ``rollout.ENGINES``,
-  ``tasks.TASKS``).
+  must be one of them. Names that a registry defines are read from it when a config is checked
+  (``formats.FORMATS`` + ``none``, ``grpo.LOSSES``, ``grpo.SCALES``, ``grpo.IS_MODES``,
+  ``rollout.ENGINES`` + ``auto``, ``tasks.TASKS``): this module sits above them all, and
+  ``config_types`` (the coercion and value rules) imports none of them.
 
 An unknown key, a value of the wrong type or a value out of range is a ``ConfigError`` (a
 ``ValueError``) whose message names the dotted key, what is allowed and the value given:
@@ -31,17 +32,36 @@ An unknown key, a value of the wrong type or a value out of range is a ``ConfigE
 from __future__ import annotations
 
 import dataclasses
+import difflib
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
-from qerl_kit.config_types import (EVAL_SIZE_RULE, TRAIN_SIZE_RULE, check_lora_alpha, LR_RULE, NEW_TOKENS_RULE, OPTIMIZERS, RESAMPLE, SCHEDULES,  # noqa: F401
+from qerl_kit.config_types import (EVAL_SIZE_RULE, LR_RULE, NEW_TOKENS_RULE, OPTIMIZERS, RESAMPLE, SCHEDULES,  # noqa: F401
                                    SEED_MAX, SEED_RULE, STEPS_RULE, TEMPERATURE_RULE, TOP_K_RULE, TOP_P_RULE,
-                                   _SIGMA, ConfigError, _bad, _check, _check_keys, _engines, _formats, _is_modes,
-                                   _losses, _rule, _scales, _section, _tasks, _validate, check_aqn_sigmas,
-                                   check_lr, check_seed, check_sigma, check_steps, check_temperature,
-                                   check_value, short_repr)
+                                   TRAIN_SIZE_RULE, _SIGMA, ConfigError, _bad, _check, _check_keys, _rule, _section,
+                                   _validate, check_aqn_sigmas, check_lora_alpha, check_lr, check_seed, check_sigma,
+                                   check_steps, check_temperature, check_value, short_repr)
+# The registries whose names the config's choices are: all of them sit below the config, which reads
+# their names when a config is checked (so a name registered at runtime is a valid value at once).
+from qerl_kit import grpo
+from qerl_kit.formats import format_names
+from qerl_kit.rollout.registry import engine_names
+from qerl_kit.tasks.registry import DEFAULT_EVAL_SIZE, DEFAULT_TASK, DEFAULT_TRAIN_SIZE, task_names
+
+
+def _losses() -> tuple[str, ...]:  # read through the module: the names in grpo.LOSSES now
+    return tuple(grpo.LOSSES)
+
+
+def _scales() -> tuple[str, ...]:
+    return tuple(grpo.SCALES)
+
+
+def _is_modes() -> tuple[str, ...]:
+    return tuple(grpo.IS_MODES)
+
 from qerl_kit.config_types import LORA_ALPHA_RULE, LORA_R_RULE  # the rules lora.attach_lora applies too
 
 # Ranges of values that enter through the config only (the shared ones live in config_types).
@@ -55,7 +75,7 @@ GRAD_NORM_MIN = 1e-6  # below it Adam's eps (1e-8) swamps every element of the c
 class ModelConfig:
     _prefix = "model"
     name: str = "tiny"  # "tiny" (the shipped model), a preset of qerl_kit.models, or a local HF directory
-    format: str = _rule("nvfp4", choices=_formats)  # nvfp4 | mxfp4 | nf4 | none (bf16 LoRA)
+    format: str = _rule("nvfp4", choices=format_names)  # a name of formats.FORMATS, or none (bf16 LoRA)
     # LoRA rank (config_types.LORA_R_RULE, shared with attach_lora and a saved adapter's config)
     lora_r: int = field(default=16, metadata={"rule": LORA_R_RULE})
     # None: alpha = r. The adapter's scale is alpha / r: 0 makes it a no-op, < 0 flips its sign, and
@@ -73,20 +93,22 @@ class ModelConfig:
 @dataclass(frozen=True)
 class DataConfig:
     _prefix = "data"
-    dataset: str = "arith"  # a task of qerl_kit.tasks.TASKS (arith, gsm8k, math500) or a GSM8K-style .jsonl path
+    dataset: str = DEFAULT_TASK  # a task of qerl_kit.tasks.TASKS (arith, gsm8k, math500) or a GSM8K-style .jsonl path
     # a .jsonl dataset's held-out rows from another .jsonl file; default: the file's first eval_size rows
     eval_dataset: str | None = None
     # held-out problems; 0 would make accuracy 0/0. At most DATA_ROWS_MAX: a generated task (arith,
     # countdown) makes every row up front (~70 us each), so 10**12 would never finish
-    eval_size: int = field(default=200, metadata={"rule": EVAL_SIZE_RULE})
+    eval_size: int = field(default=DEFAULT_EVAL_SIZE, metadata={"rule": EVAL_SIZE_RULE})
     # generated tasks: exactly this many; files: at most (the first rows). 0 cannot be sampled
-    train_size: int = field(default=20000, metadata={"rule": TRAIN_SIZE_RULE})
+    train_size: int = field(default=DEFAULT_TRAIN_SIZE, metadata={"rule": TRAIN_SIZE_RULE})
 
     def __post_init__(self):
         _validate(self)
-        names = _tasks()
+        names = task_names()
+        close = difflib.get_close_matches(self.dataset, names, n=1) if len(self.dataset) < 200 else []
         _check(self.dataset in names or self.dataset.endswith(".jsonl"), "data.dataset", self.dataset,
-               f"one of {', '.join(repr(n) for n in names)} (qerl_kit.tasks.TASKS) or a path ending in .jsonl")
+               f"one of {', '.join(repr(n) for n in names)} (qerl_kit.tasks.TASKS) or a path ending in .jsonl",
+               f"did you mean {close[0]!r}?" if close else "")
         # the tasks by name hold out their own split and would ignore it
         _check(self.eval_dataset is None or (self.dataset.endswith(".jsonl") and self.eval_dataset.endswith(".jsonl")),
                "data.eval_dataset", self.eval_dataset, "null, or a GSM8K-style .jsonl path when data.dataset is one",
@@ -110,7 +132,7 @@ class RolloutConfig:
     top_p: float = field(default=1.0, metadata={"rule": TOP_P_RULE})  # in (0, 1], 1 = off
     top_k: int = field(default=0, metadata={"rule": TOP_K_RULE})  # >= 0, 0 = off
     # auto (StaticEngine on a GPU, transformers' generate elsewhere) | static | hf | vllm (rollout.ENGINES)
-    engine: str = _rule("auto", choices=_engines)
+    engine: str = _rule("auto", choices=engine_names)
     # engine: vllm only. The share of the GPU vLLM may take (gpu_memory_utilization); None: planned
     # from the model, the batch and the longest prompt (memory_plan.vllm_memory_share)
     vllm_gpu_memory: float | None = _rule(None, gt=0, le=0.95, why="a share of the GPU's memory; vLLM "
@@ -258,17 +280,12 @@ class TrainConfig:
 
     def replace(self, **sections) -> "TrainConfig":
         """A copy with sections replaced: ``cfg.replace(optim={"lr": 3e-5}, total_steps=50)``."""
-        return from_dict(_merge(self.to_dict(), upgrade_dict(sections)))
+        return from_dict(_merge(self.to_dict(), sections))
 
 
 _SECTIONS = {f.name: f.type for f in fields(TrainConfig)}
 _SECTION_CLASSES = {"model": ModelConfig, "data": DataConfig, "rollout": RolloutConfig,
                     "loss": LossConfig, "filters": FilterConfig, "optim": OptimConfig, "aqn": AQNConfig}
-# Keys that lived in ``loss`` before FilterConfig split off (configs and checkpoints written then).
-MOVED_KEYS = {("loss", k): ("filters", k) for k in
-              ("dynamic_sampling", "max_sampling_rounds", "overlong_buffer", "overlong_penalty", "mask_truncated")}
-
-
 def _merge(base: dict, over: dict) -> dict:
     """``over`` on top of ``base``, section by section. An empty section (``None``: a YAML ``model:``
     whose keys are all commented out) overrides nothing: the base's (the preset's) values stay, never
@@ -284,35 +301,10 @@ def _merge(base: dict, over: dict) -> dict:
     return out
 
 
-def upgrade_dict(d: Mapping[str, Any]) -> dict[str, Any]:
-    """A config dict written before a key moved (``MOVED_KEYS``), with the key in its new section.
-
-    ``loss: {dynamic_sampling: true}`` becomes ``filters: {dynamic_sampling: true}``, with a
-    DeprecationWarning; a key given in both places is an error."""
-    import warnings
-
-    out = {k: dict(v) if isinstance(v, Mapping) else v for k, v in d.items()}
-    for (old_section, key), (new_section, new_key) in MOVED_KEYS.items():
-        section = out.get(old_section)
-        if isinstance(section, Mapping) and key in section:
-            target = out.setdefault(new_section, {})
-            if not isinstance(target, dict):
-                continue  # a section object: the old key is reported as unknown
-            if new_key in target:
-                raise ConfigError(f"{old_section}.{key} and {new_section}.{new_key} are both set; "
-                                  f"{old_section}.{key} moved to {new_section}.{new_key}: keep only that one",
-                                  f"{old_section}.{key}", section[key])
-            target[new_key] = section.pop(key)
-            warnings.warn(f"config key {old_section}.{key} is now {new_section}.{new_key}", DeprecationWarning,
-                          stacklevel=3)
-    return out
-
-
 def from_dict(d: Mapping[str, Any]) -> TrainConfig:
     """Build a TrainConfig from nested dicts; unknown keys are an error naming them."""
     if not isinstance(d, Mapping):
         raise _bad("config", d, "a mapping of config keys")
-    d = upgrade_dict(d)
     _check_keys("", d, list(_SECTIONS))
     return TrainConfig(**{k: _section(k, _SECTION_CLASSES[k], v) if k in _SECTION_CLASSES else v
                           for k, v in d.items()})
@@ -365,7 +357,7 @@ PRESETS: dict[str, dict[str, Any]] = {
 
 def preset(name: str, **overrides) -> TrainConfig:
     """A named preset (``tiny-cpu``, ``paper-gsm8k``, ``paper-bigmath``) with nested overrides."""
-    return from_dict(_merge(_preset_dict(name), upgrade_dict(overrides)))
+    return from_dict(_merge(_preset_dict(name), overrides))
 
 
 def _preset_dict(name: Any) -> dict[str, Any]:
@@ -381,7 +373,6 @@ def load_config(path: str | Path) -> TrainConfig:
     data = read_yaml(path) or {}  # a key given twice, bad YAML syntax: a ConfigError naming path:line
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: a config file must be a mapping; got {short_repr(data)}")
-    data = upgrade_dict(data)  # before the merge, so an old key cannot shadow the preset's new one
     has_preset = "preset" in data
     name = data.pop("preset", None)
     try:
@@ -403,6 +394,6 @@ def save_config(config: TrainConfig, path: str | Path) -> None:
 
 
 __all__ = ["TrainConfig", "ModelConfig", "DataConfig", "RolloutConfig", "LossConfig", "FilterConfig", "OptimConfig",
-           "AQNConfig", "upgrade_dict", "MOVED_KEYS", "ConfigError", "PRESETS", "preset", "from_dict", "load_config", "save_config",
+           "AQNConfig", "ConfigError", "PRESETS", "preset", "from_dict", "load_config", "save_config",
            "check_value", "check_aqn_sigmas", "check_lr", "check_seed", "check_sigma", "check_steps",
            "check_temperature", "replace"]

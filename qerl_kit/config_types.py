@@ -2,6 +2,10 @@
 
 See ``qerl_kit.config``'s docstring for the rules; every failure is a ``ConfigError`` naming the
 dotted key, what is allowed and the value given.
+
+This module is the bottom of the package: it imports no qerl_kit module at all, so every layer can
+check its values with it. A field whose choices are a registry's names (formats, losses, tasks,
+rollout backends) gets them as a function from ``qerl_kit.config``, which sits above the registries.
 """
 
 from __future__ import annotations
@@ -206,8 +210,9 @@ def _coerce(key: str, value: Any, tp: Any, rule: _Rule | None, active: bool = Tr
     if tp is str:
         out = os.fspath(value) if isinstance(value, os.PathLike) else value
         _check(isinstance(out, str) and out != "", key, value, allowed, rule.why)
-        if rule.choices is not None:
-            _check(out in rule.options(), key, value, allowed, rule.why)
+        if rule.choices is not None and out not in rule.options():  # a typo is named with its nearest choice
+            close = difflib.get_close_matches(out, [str(c) for c in rule.options()], n=1) if len(out) < 200 else []
+            raise _bad(key, value, allowed, "; ".join(w for w in (rule.why, close and f"did you mean {close[0]!r}?") if w))
         return out
     out = _as_int(value) if tp is int else _as_float(value)
     _check(out is not None and (tp is int or math.isfinite(out)), key, value, allowed, rule.why)
@@ -228,43 +233,7 @@ def _rule(default: Any, **rule) -> Any:
     return field(default=default, metadata={"rule": _Rule(**rule)})
 
 
-# ---- choices: from the registries that define them, read when a config is checked -----------------
-def _formats() -> tuple:
-    from qerl_kit.formats import FORMATS
-
-    return (*FORMATS, "none")  # none: a bf16 base with LoRA (no quantization)
-
-
-def _losses() -> tuple:
-    from qerl_kit.grpo import LOSSES
-
-    return tuple(LOSSES)
-
-
-def _scales() -> tuple:
-    from qerl_kit.grpo import SCALES
-
-    return tuple(SCALES)
-
-
-def _is_modes() -> tuple:
-    from qerl_kit.grpo import IS_MODES
-
-    return tuple(IS_MODES)
-
-
-def _tasks() -> tuple:
-    from qerl_kit.tasks.registry import task_names
-
-    return task_names()
-
-
-def _engines() -> tuple:
-    from qerl_kit.rollout.registry import engine_names
-
-    return engine_names()
-
-
+# ---- choices that are plain values (the registries' names are checked in qerl_kit.config) ---------------
 SCHEDULES = ("constant", "linear", "cosine")  # qerl_kit.optim.lr_lambda
 OPTIMIZERS = ("adamw", "adamw8bit")  # qerl_kit.optim.make_optimizer
 RESAMPLE = ("step", "forward")  # qerl_kit.aqn.AQN (checked there too)

@@ -43,6 +43,7 @@ import torch
 from qerl_kit.config import PRESETS
 # the views are re-exported: ex.plot_curves, ex.summary_table ... as notebooks call them
 from qerl_kit.experiment_views import curve_metrics, markdown_table, plot_curves, plot_summary, summary_table  # noqa: F401
+from qerl_kit.formats import DENSE, format_names
 from qerl_kit.grid_dir import CLI_OUTPUTS, GRID_OUTPUTS, _GridDir
 
 # Paper Table 4 and the released scripts: lr 1e-5 for QeRL (NVFP4) and QLoRA (NF4), 5e-6 for
@@ -50,7 +51,6 @@ from qerl_kit.grid_dir import CLI_OUTPUTS, GRID_OUTPUTS, _GridDir
 BF16_LR_RATIO = 0.5
 PAPER_LR = 1e-5
 TINY_LR = PRESETS["tiny-cpu"]["optim"]["lr"]  # 2e-3: the tiny task's 4-bit lr; bf16 gets 1e-3
-FORMATS = ("none", "nf4", "mxfp4", "nvfp4")
 METRIC_COLUMNS = ("reward", "accuracy", "entropy", "rollout_nll", "reward_std", "frac_reward_zero_std",
                   "completions/mean_length", "clip_ratio/region_mean", "aqn/sigma", "lr", "grad_norm",
                   "update/skipped", "time/step", "eval/accuracy")
@@ -68,8 +68,8 @@ class GridConfig:
     def __post_init__(self):
         if not self.name or not all(c.isalnum() or c in "-_." for c in self.name):
             raise ValueError(f"config name {self.name!r} must be non-empty letters, digits, '-', '_' or '.'")
-        if self.format not in FORMATS:
-            raise ValueError(f"config {self.name!r}: format must be one of {FORMATS}; got {self.format!r}")
+        if self.format not in format_names():  # formats.FORMATS, read now, and none (bf16 weights)
+            raise ValueError(f"config {self.name!r}: format must be one of {format_names()}; got {self.format!r}")
         if not (isinstance(self.lr, (int, float)) and self.lr > 0):
             raise ValueError(f"config {self.name!r}: lr must be > 0; got {self.lr!r}")
 
@@ -77,7 +77,7 @@ class GridConfig:
     def label(self) -> str:
         if self.title:
             return self.title
-        base = {"none": "bf16", "nf4": "NF4", "mxfp4": "MXFP4", "nvfp4": "NVFP4"}[self.format] + "-LoRA"
+        base = ("bf16" if self.format == DENSE else self.format.upper()) + "-LoRA"
         return base + (" + AQN" if self.aqn else "")
 
 

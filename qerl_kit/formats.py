@@ -1,8 +1,13 @@
-"""One small interface over the weight formats, so experiments swap formats with one argument.
+"""The weight formats by name: ``FORMATS``, the one list of them, so experiments swap formats with one argument.
 
 ``get_format("nvfp4" | "mxfp4" | "nf4")`` returns a ``Format`` with ``quantize(w)``,
-``dequantize(qt, dtype)``, ``block_size`` and ``bits_per_weight``; every quantized tensor has
-``packed``, ``scales``, ``shape``, ``nbytes`` and ``dequantize(dtype)``.
+``dequantize(qt, dtype)``, ``block_size``, ``bits_per_weight`` and ``linear``, the frozen layer
+class (a ``qerl_kit.linear.QuantLinear`` subclass) that ``quantize_model`` swaps in and LoRA wraps;
+every quantized tensor has ``packed``, ``scales``, ``shape``, ``nbytes`` and ``dequantize(dtype)``.
+
+Every name list of formats is read from here: the config's ``model.format``, the CLI's ``--format``
+choices and the experiment grid take ``format_names(dense=True)`` (the formats plus ``none``, a bf16
+base). A new format is one ``FORMATS`` row (docs/architecture.md).
 """
 
 from __future__ import annotations
@@ -14,6 +19,9 @@ import torch
 
 from qerl_kit import mxfp4, nf4, nvfp4
 from qerl_kit.config_types import short_repr
+from qerl_kit.linear import MXFP4Linear, NF4Linear, NVFP4Linear, QuantLinear
+
+DENSE = "none"  # the value of model.format (and --format) for a bf16 base with LoRA: no quantization
 
 
 @dataclass(frozen=True)
@@ -24,6 +32,7 @@ class Format:
     quantize: Callable[..., Any]
     dequantize: Callable[..., torch.Tensor]
     description: str
+    linear: type[QuantLinear]  # the frozen layer that holds a weight in this format
 
     def error(self, w: torch.Tensor) -> float:
         """Relative Frobenius error ||W - deq(q(W))|| / ||W|| of this format on ``w``."""
@@ -34,11 +43,11 @@ class Format:
 
 FORMATS: dict[str, Format] = {
     "nvfp4": Format("nvfp4", nvfp4.BLOCK_SIZE, nvfp4.BITS_PER_WEIGHT, nvfp4.quantize, nvfp4.dequantize,
-                    "E2M1, blocks of 16, FP8-E4M3 scales, FP32 tensor scale"),
+                    "E2M1, blocks of 16, FP8-E4M3 scales, FP32 tensor scale", NVFP4Linear),
     "mxfp4": Format("mxfp4", mxfp4.BLOCK_SIZE, mxfp4.BITS_PER_WEIGHT, mxfp4.quantize, mxfp4.dequantize,
-                    "E2M1, blocks of 32, power-of-two E8M0 scales"),
+                    "E2M1, blocks of 32, power-of-two E8M0 scales", MXFP4Linear),
     "nf4": Format("nf4", nf4.BLOCK_SIZE, nf4.BITS_PER_WEIGHT, nf4.quantize, nf4.dequantize,
-                  "NormalFloat-4 codebook, blocks of 64, FP32 absmax"),
+                  "NormalFloat-4 codebook, blocks of 64, FP32 absmax", NF4Linear),
 }
 
 
@@ -48,3 +57,9 @@ def get_format(name: str) -> Format:
     if key not in FORMATS:
         raise ValueError(f"unknown weight format {short_repr(name)}; choose one of {sorted(FORMATS)}")
     return FORMATS[key]
+
+
+def format_names(dense: bool = True) -> tuple[str, ...]:
+    """The registered format names, read now (a format registered at runtime is in), followed by
+    ``none`` (a bf16 base, no quantization) when ``dense``."""
+    return (*FORMATS, DENSE) if dense else tuple(FORMATS)

@@ -40,12 +40,6 @@ def check_rows(rows) -> tuple[int, ...]:
     return tuple(check_value(f"rows[{i}]", m, int, ge=1, le=ROWS_MAX, why="rows of activations in one forward")
                  for i, m in enumerate(rows))
 
-# Kernel (a key of qerl_kit.kernels.routes.KERNELS) -> what the report calls it.
-LABELS = {"reference": "reference", "humming": "humming", "cuda_decode": "CUDA decode",
-          "triton_gemv": "Triton decode", "triton_tiles": "Triton tiles", "dense": "dequant + cuBLAS",
-          "triton_dgrad": "Triton dgrad"}
-
-
 @dataclass(frozen=True)
 class KernelReport:
     backend: str                                   # the switch: auto, ours, triton, humming or reference
@@ -56,7 +50,8 @@ class KernelReport:
 
     def _table(self) -> tuple[list[str], list[list[str]]]:
         head = ["layers", "N x K"] + [f"{m} rows" for m in self.rows]
-        return head, [[names, f"{n} x {k}", *(LABELS[p] for p in paths)] for names, n, k, paths in self.layers]
+        return head, [[names, f"{n} x {k}", *(kernels.routes.KERNELS[p].label for p in paths)]
+                      for names, n, k, paths in self.layers]
 
     def __str__(self) -> str:
         lines = [f"kernel backend: {self.backend}, device: {self.device}"]
@@ -84,7 +79,7 @@ class KernelReport:
 
 
 def layer_kernel(m: int, layer: NVFP4Linear, dtype: torch.dtype = torch.bfloat16, backend=None) -> str:
-    """The kernel ``nvfp4_linear`` runs for ``m`` rows through an ``NVFP4Linear`` (a key of LABELS)."""
+    """The kernel ``nvfp4_linear`` runs for ``m`` rows through an ``NVFP4Linear`` (a key of ``kernels.routes.KERNELS``)."""
     x = torch.empty(m, layer.in_features, device=layer.packed.device, dtype=dtype)
     return kernels.route("forward", x, layer.packed, layer.scales, backend)
 

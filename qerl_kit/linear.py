@@ -162,7 +162,3 @@ class NF4Linear(QuantLinear):
     def quant_tensor(self) -> nf4.NF4Tensor:
         return nf4.NF4Tensor(self.packed, self.absmax)
 
-
-LINEAR_CLASSES: dict[str, type[QuantLinear]] = {
-    "nvfp4": NVFP4Linear, "mxfp4": MXFP4Linear, "nf4": NF4Linear,
-}

@@ -39,7 +39,8 @@ from peft.tuners.tuners_utils import BaseTunerLayer
 from qerl_kit.adapter_files import CheckpointError, load_adapter_weights, read_adapter
 from qerl_kit.config_types import (LORA_ALPHA_RULE, LORA_R_RULE, ConfigError, _Rule, check_lora_alpha, check_names,
                                    check_rule, check_seed, short_repr)
-from qerl_kit.linear import LINEAR_CLASSES, QuantLinear
+from qerl_kit.formats import FORMATS
+from qerl_kit.linear import QuantLinear
 
 ALL_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 NORMS_BEFORE_PROJECTIONS = ("input_layernorm", "post_attention_layernorm")
@@ -60,8 +61,9 @@ class QuantLoraLinear(PeftLoraLinear):
 
 
 def register_quant_layers(config: LoraConfig) -> LoraConfig:
-    """Teach a peft LoraConfig to wrap qerl_kit's quantized layers (returns the same config)."""
-    config._register_custom_module({cls: QuantLoraLinear for cls in LINEAR_CLASSES.values()})
+    """Teach a peft LoraConfig to wrap qerl_kit's quantized layers, the layer class of every format of
+    ``formats.FORMATS`` (returns the same config)."""
+    config._register_custom_module({fmt.linear: QuantLoraLinear for fmt in FORMATS.values()})
     return config
 
 

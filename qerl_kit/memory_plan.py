@@ -195,9 +195,9 @@ def _checked_settings(*, fmt, optimizer, lora_r, rollout_batch, prompt_len, max_
                       gradient_checkpointing, kv_bytes, act_bytes, lora_bytes, overhead, gpu_bytes,
                       group_size) -> dict:
     """``plan_memory``'s settings, each checked and coerced (a ConfigError naming the first bad one)."""
-    from qerl_kit.formats import FORMATS
+    from qerl_kit.formats import format_names
 
-    a = {"fmt": check_value("fmt", fmt, str, choices=(*FORMATS, "none")),
+    a = {"fmt": check_value("fmt", fmt, str, choices=format_names()),
          "optimizer": check_value("optimizer", optimizer, str, choices=OPTIMIZERS),
          "lora_r": check_value("lora_r", lora_r, int, ge=1, why="the LoRA rank")}
     rollout_batch = a["rollout_batch"] = check_value("rollout_batch", rollout_batch, int, ge=1,
@@ -229,11 +229,11 @@ def _weight_parts(s: dict, proj: dict, fmt: str) -> dict[str, int]:
     """The frozen weights: the projections in ``fmt`` (4-bit codes + a scale per block), the rest bf16."""
     L, h, V = s["layers"], s["hidden"], s["vocab"]
     n_proj = L * sum(i * o for i, o in proj.values())
-    if fmt == "none":
+    from qerl_kit.formats import DENSE, get_format
+
+    if fmt == DENSE:
         proj_bytes = n_proj * 2
     else:
-        from qerl_kit.formats import get_format
-
         proj_bytes = int(n_proj * get_format(fmt).bits_per_weight / 8) + 4 * L * len(proj)
     dense = V * h * (1 if s["tied"] else 2) + L * 2 * h + h  # embeddings (+ head), norms
     if s["qkv_bias"]:

@@ -1,8 +1,8 @@
 """Convert every ``nn.Linear`` of a Hugging Face causal LM to a 4-bit layer, in place.
 
 ``quantize_model(model, fmt="nvfp4")`` walks the model, swaps each linear layer (except those
-named in ``skip``, by default ``lm_head``) for the format's frozen layer from
-``qerl_kit.linear``, and returns a ``QuantReport``: layers converted, bytes before and after,
+named in ``skip``, by default ``lm_head``) for the format's frozen layer
+(``formats.FORMATS[fmt].linear``, a ``qerl_kit.linear.QuantLinear``), and returns a ``QuantReport``: layers converted, bytes before and after,
 and the relative weight error ``||W - deq(q(W))|| / ||W||`` of every layer.
 
 Fused groups share one NVFP4 global scale, as vLLM requires when it fuses q/k/v into qkv_proj
@@ -21,7 +21,7 @@ from torch import nn
 from qerl_kit import nvfp4
 from qerl_kit.config_types import check_names
 from qerl_kit.formats import get_format
-from qerl_kit.linear import LINEAR_CLASSES, NVFP4Linear, QuantLinear
+from qerl_kit.linear import NVFP4Linear, QuantLinear
 from qerl_kit.table import html_table, human_bytes, text_table
 
 DEFAULT_SKIP = ("lm_head",)  # the output head stays dense (vLLM's NVFP4 checkpoints keep it so)
@@ -150,7 +150,7 @@ def quantize_model(model: nn.Module, fmt: str = "nvfp4", skip: tuple[str, ...] |
     full names or name parts; a name that matches no linear layer is an error listing those there are.
     A layer tied to an embedding is refused (keep it dense or untie it first)."""
     spec = get_format(fmt)
-    layer_cls = LINEAR_CLASSES[spec.name]
+    layer_cls = spec.linear  # the format's frozen layer (formats.FORMATS)
     skip = DEFAULT_SKIP if skip is None else check_skip(model, skip)
     todo, skipped = _linear_children(model, tuple(skip))
     if not todo:  # refused before anything changes, saying why there is nothing

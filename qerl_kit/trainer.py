@@ -45,7 +45,7 @@ from qerl_kit import checkpoint as ckpt
 from qerl_kit import distributed
 from qerl_kit import divergence, finite, grpo, runs, trainer_state
 from qerl_kit.aqn import AQN
-from qerl_kit.config import TrainConfig, check_lr, upgrade_dict
+from qerl_kit.config import TrainConfig, check_lr
 from qerl_kit.data import DataError
 from qerl_kit.evaluate import evaluate_task
 from qerl_kit.logprobs import batched_logprobs, completion_logprobs
@@ -448,9 +448,7 @@ class Trainer:
         defaults = json.loads(json.dumps(TrainConfig().to_dict()))  # for keys newer than the checkpoint
         changes = {}
         if "config" in state:
-            with warnings.catch_warnings():  # a checkpoint written before a key moved (config.MOVED_KEYS)
-                warnings.simplefilter("ignore", DeprecationWarning)
-                saved = upgrade_dict(json.loads(state["config"]))
+            saved = json.loads(state["config"])
             changes = ckpt.config_changes(saved, current, defaults)
         if changes and not allow_config_change:
             shown = "; ".join(f"{k}: {old!r} -> {new!r}" for k, (old, new) in list(changes.items())[:6])

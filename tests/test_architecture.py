@@ -38,17 +38,6 @@ LAYERS: list[tuple[str, list[str]]] = [
                "qerl_kit.kernel_report", "qerl_kit.plots", "qerl_kit.widgets", "qerl_kit"]),
 ]
 
-# Known violations that other branches of issue #44 remove (the merge empties this set): config validation
-# reading the registries above it, tasks/ reading config, a task evaluating itself through evaluate.
-_PENDING: set[tuple[str, str]] = {
-    ("qerl_kit.config_types", "qerl_kit.formats"),
-    ("qerl_kit.config_types", "qerl_kit.grpo"),
-    ("qerl_kit.config_types", "qerl_kit.rollout.registry"),
-    ("qerl_kit.config_types", "qerl_kit.tasks.registry"),
-    ("qerl_kit.tasks.registry", "qerl_kit.config"),
-}
-
-
 def _modules() -> dict[str, Path]:
     out = {}
     for path in ROOT.rglob("*.py"):
@@ -161,8 +150,8 @@ def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 
 
 def _graph(import_time_only: bool = False) -> dict[str, set[str]]:
-    """qerl_kit's import graph (lazy imports included unless ``import_time_only``), less ``_PENDING``."""
-    return {m: {d for d in imports(m, import_time_only) if (m, d) not in _PENDING} for m in MODULES}
+    """qerl_kit's import graph (lazy imports included unless ``import_time_only``)."""
+    return {m: imports(m, import_time_only) for m in MODULES}
 
 
 def test_every_module_is_on_exactly_one_layer():
@@ -185,9 +174,6 @@ def test_no_import_time_cycles():
     assert _cycles(_graph(import_time_only=True)) == []
 
 
-def test_every_pending_allowance_is_still_needed():
-    """An allowance whose import is gone must leave ``_PENDING`` (the merge of issue #44 empties it)."""
-    assert sorted(e for e in _PENDING if e[1] not in imports(e[0], import_time_only=False)) == []
 
 
 def test_the_checker_finds_a_cycle():

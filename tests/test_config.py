@@ -477,19 +477,23 @@ def test_sampling_params_allow_greedy_and_unseeded():
     assert not math.isnan(SamplingParams(temperature=0.6).temperature)
 
 
-# ---- keys that moved, and the registries the choices come from ------------------------------------
-def test_a_key_that_moved_to_filters_is_read_there_with_a_warning(tmp_path):
-    with pytest.warns(DeprecationWarning, match="loss.dynamic_sampling is now filters.dynamic_sampling"):
-        cfg = from_dict(dict(loss=dict(dynamic_sampling=True, mu=2)))
-    assert cfg.filters.dynamic_sampling is True and cfg.loss.mu == 2
-    path = tmp_path / "old.yaml"  # an old YAML on a preset that sets the new key itself: the file wins
+# ---- the filters' keys live in their section, and the registries the choices come from -------------
+def test_a_filter_key_in_the_loss_section_is_an_unknown_key(tmp_path):
+    assert from_dict(dict(filters=dict(dynamic_sampling=True), loss=dict(mu=2))).filters.dynamic_sampling is True
+    with pytest.raises(ConfigError, match=r"unknown config key 'loss\.dynamic_sampling'; allowed in 'loss'"):
+        from_dict(dict(loss=dict(dynamic_sampling=True, mu=2)))
+    path = tmp_path / "old.yaml"
     path.write_text("preset: paper-bigmath\nloss:\n  dynamic_sampling: false\n")
-    with pytest.warns(DeprecationWarning):
-        assert load_config(path).filters.dynamic_sampling is False
-    with pytest.raises(ConfigError, match="both set"):
-        from_dict(dict(loss=dict(mask_truncated=True), filters=dict(mask_truncated=False)))
-    with pytest.raises(ConfigError, match="unknown config key 'loss.dynamic_sampling'"):
-        from_dict({"loss": {"dynamic_sampling": True}, "filters": FilterConfig()})  # a section object stays as given
+    with pytest.raises(ConfigError, match=r"old\.yaml: unknown config key 'loss\.dynamic_sampling'"):
+        load_config(path)
+
+
+def test_a_name_typo_is_answered_with_the_nearest_registered_name():
+    with pytest.raises(ConfigError, match=r"model\.format must be one of .*'nf4', 'none' \(did you mean 'nvfp4'\?\); "
+                                          r"got 'nvpf4'$"):
+        from_dict(dict(model=dict(format="nvpf4")))
+    with pytest.raises(ConfigError, match=r"data\.dataset must be one of .* \(did you mean 'countdown'\?\)"):
+        from_dict(dict(data=dict(dataset="countdwn")))
 
 
 def test_choices_are_read_from_the_registries_they_name(monkeypatch):

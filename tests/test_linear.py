@@ -4,7 +4,8 @@ import pytest
 import torch
 from torch import nn
 
-from qerl_kit.linear import LINEAR_CLASSES, NVFP4Linear
+from qerl_kit.formats import FORMATS
+from qerl_kit.linear import NVFP4Linear
 
 
 def _linear(in_f=64, out_f=32, bias=True, dtype=torch.float32, seed=0):
@@ -17,11 +18,11 @@ def _linear(in_f=64, out_f=32, bias=True, dtype=torch.float32, seed=0):
     return lin
 
 
-@pytest.mark.parametrize("fmt", sorted(LINEAR_CLASSES))
+@pytest.mark.parametrize("fmt", sorted(FORMATS))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_forward_and_input_grad_match_dense_reference(fmt, dtype):
     lin = _linear(128, 48, dtype=dtype, seed=1)
-    q = LINEAR_CLASSES[fmt].from_linear(lin)
+    q = FORMATS[fmt].linear.from_linear(lin)
     w_ref = q.dequantized_weight(dtype).detach().requires_grad_(False)
     x = torch.randn(3, 5, 128, dtype=dtype, requires_grad=True)
     x_ref = x.detach().clone().requires_grad_(True)

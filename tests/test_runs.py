@@ -196,25 +196,3 @@ def test_a_prompt_longer_than_the_context_is_an_error_not_garbage(engine):
     with pytest.raises(ValueError, match=r"prompt 1 has 500 tokens; with max_new_tokens=20 it needs 520 positions, "
                                          r"more than the model's context \(max_position_embeddings=512\)"):
         eng.generate(["ab", "ab" * 250], 1, sampling)
-
-
-def test_a_checkpoint_from_before_the_filters_section_resumes_without_a_config_change(tmp_path):
-    """Checkpoints saved while dynamic sampling & co. were loss.* keys carry them there; resuming reads
-    them in their new section (config.MOVED_KEYS), so an unchanged run is not refused."""
-    import json
-
-    from qerl_kit.checkpoint import STATE_FILE
-
-    first = _trainer(tmp_path, save_every=2, filters=dict(overlong_buffer=2))
-    first.train(2)
-    state_path = tmp_path / "run" / "checkpoint-2" / STATE_FILE
-    state = torch.load(state_path, weights_only=True)
-    config = json.loads(state["config"])
-    config["loss"].update(config.pop("filters"))  # the layout of an older checkpoint
-    state["config"] = json.dumps(config)
-    torch.save(state, state_path)
-    resumed = _trainer(tmp_path, save_every=2, filters=dict(overlong_buffer=2))
-    assert resumed.resume() == 2 and not (tmp_path / "run" / "config_changes.jsonl").exists()
-    changed = _trainer(tmp_path, save_every=2, filters=dict(overlong_buffer=3))  # a real change is still one
-    with pytest.raises(CheckpointError, match=r"filters\.overlong_buffer: 2 -> 3"):
-        changed.resume()

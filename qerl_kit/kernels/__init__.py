@@ -43,9 +43,6 @@ __all__ = [
     "triton_status", "nvfp4_linear", "nvfp4_dgrad", "nvfp4_linear_ref", "nvfp4_dgrad_ref",
 ]
 
-TRITON_ONLY = frozenset({"triton_gemv", "triton_tiles", "dense", "triton_dgrad"})
-_ALLOWED = {Backend.AUTO: routes.KERNELS, Backend.OURS: routes.OURS, Backend.TRITON: TRITON_ONLY,
-            Backend.HUMMING: TRITON_ONLY | {"humming"}}
 
 
 # -- what can run here ----------------------------------------------------------------------------
@@ -76,20 +73,21 @@ def kernel_status() -> tuple[tuple[str, bool, str], ...]:
 
 def _runs(kernel: str, x2: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor) -> bool:
     """Whether ``kernel`` can take this call on this machine (installed, compiled, tensors fit)."""
-    if kernel in TRITON_ONLY:
+    family = routes.KERNELS[kernel].family
+    if family == "triton":
         if not triton_status()[0]:
             return False
         if not x2.is_cuda:  # Triton's CPU interpreter: the fused kernels only (as before the table)
             return interpreting() and kernel != "dense"
         return True
     if not x2.is_cuda:
-        return kernel == "reference"
+        return family == "reference"
     if kernel == "humming":
         h = _hm or _humming()
         return h.humming_status()[0] and h.shape_ok(packed.shape[0], packed.shape[1] * 2, x2.dtype)
     if kernel == "cuda_decode":
         return _dec().supports(x2, packed, scales) and _dec().cuda_decode_status()[0]
-    return kernel == "reference"
+    return family == "reference"
 
 
 _decisions: dict[tuple, str] = {}
@@ -124,7 +122,7 @@ def _route(op, x2, packed, scales, choice: Backend) -> str:
         return "humming"
     if choice is not Backend.AUTO:
         resolve(x2, Backend.TRITON)  # a forced backend of our kernels must run here: raises why not
-    allowed = _ALLOWED[choice] | {"reference"}
+    allowed = routes.allowed(choice.value)  # the kernels of the families this backend lets run
     m, n, k = x2.shape[0], packed.shape[0], packed.shape[1] * 2
     for row in routes.candidates(op, m, n, k, x2.dtype):
         if row.kernel in allowed and _runs(row.kernel, x2, packed, scales):
@@ -139,31 +137,49 @@ def _forget_routes() -> None:
 
 # -- the entry points -------------------------------------------------------------------------------
 
-def _forward(kernel: str, x2, packed, scales, global_scale, bias):
-    if kernel == "humming":
-        h = _hm or _humming()
-        gemm = h.cached(packed, x2.dtype) or h.gemm_for(packed, scales, global_scale, x2.dtype)
-        if gemm is None:  # humming failed for this weight: it is off now, route again without it
-            _forget_routes()
-            return None
-        y = gemm(x2)
-        return y.add_(bias) if bias is not None else y
-    compiling = torch.compiler.is_compiling()  # torch.compile traces the custom ops; eager skips their cost
-    if kernel == "cuda_decode":
-        return (torch.ops.qerl_kit.nvfp4_decode_cuda if compiling else _dec().nvfp4_decode_cuda)(
-            x2, packed, scales, global_scale, bias)
-    if kernel == "triton_gemv":
-        from qerl_kit.kernels import nvfp4_gemv_triton as gv
+def _humming_forward(x2, packed, scales, global_scale, bias):
+    h = _hm or _humming()
+    gemm = h.cached(packed, x2.dtype) or h.gemm_for(packed, scales, global_scale, x2.dtype)
+    if gemm is None:  # humming failed for this weight: it is off now, route again without it
+        _forget_routes()
+        return None
+    y = gemm(x2)
+    return y.add_(bias) if bias is not None else y
 
-        return (torch.ops.qerl_kit.nvfp4_gemv if compiling else gv.nvfp4_gemv)(x2, packed, scales, global_scale, bias)
-    if kernel in ("triton_tiles", "dense"):
+
+def _cuda_decode_forward(x2, packed, scales, global_scale, bias):
+    compiling = torch.compiler.is_compiling()  # torch.compile traces the custom ops; eager skips their cost
+    return (torch.ops.qerl_kit.nvfp4_decode_cuda if compiling else _dec().nvfp4_decode_cuda)(
+        x2, packed, scales, global_scale, bias)
+
+
+def _gemv_forward(x2, packed, scales, global_scale, bias):
+    from qerl_kit.kernels import nvfp4_gemv_triton as gv
+
+    return (torch.ops.qerl_kit.nvfp4_gemv if torch.compiler.is_compiling() else gv.nvfp4_gemv)(
+        x2, packed, scales, global_scale, bias)
+
+
+def _gemm_forward(strategy: str):
+    def forward(x2, packed, scales, global_scale, bias):
         from qerl_kit.kernels import nvfp4_gemm_triton as gm
 
-        if compiling:
+        if torch.compiler.is_compiling():
             return torch.ops.qerl_kit.nvfp4_gemm(x2, packed, scales, global_scale, bias)
-        return gm.nvfp4_gemm(x2, packed, scales, global_scale, bias,
-                             strategy="fused" if kernel == "triton_tiles" else "dense")
-    return nvfp4_linear_ref(x2, packed, scales, global_scale, bias)
+        return gm.nvfp4_gemm(x2, packed, scales, global_scale, bias, strategy=strategy)
+    return forward
+
+
+# The forward launcher of each kernel of ``routes.KERNELS`` that takes forwards (a test keeps the two in
+# step); each returns y [M, N], or None where the kernel gave up on this weight and the call routes again.
+_FORWARD = {"humming": _humming_forward, "cuda_decode": _cuda_decode_forward, "triton_gemv": _gemv_forward,
+            "triton_tiles": _gemm_forward("fused"), "dense": _gemm_forward("dense"), "reference": nvfp4_linear_ref}
+# The input-gradient strategy of nvfp4_dgrad_triton for each Triton kernel the dgrad rows name.
+_DGRAD = {"triton_dgrad": "fused", "dense": "dense"}
+
+
+def _forward(kernel: str, x2, packed, scales, global_scale, bias):
+    return _FORWARD[kernel](x2, packed, scales, global_scale, bias)
 
 
 def nvfp4_linear(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor,
@@ -195,7 +211,7 @@ def nvfp4_dgrad(dy: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor,
     else:
         from qerl_kit.kernels import nvfp4_dgrad_triton as dg
 
-        dx = dg.nvfp4_dgrad(dy2, packed, scales, global_scale, strategy="dense" if kernel == "dense" else "fused")
+        dx = dg.nvfp4_dgrad(dy2, packed, scales, global_scale, strategy=_DGRAD[kernel])
     return dx.reshape(*dy.shape[:-1], k)
 
 

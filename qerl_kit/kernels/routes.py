@@ -10,18 +10,11 @@ Each row cites the measurement it comes from (``why``); docs/kernels.md prints t
 kernel that is missing here (humming not installed, not a Hopper GPU for wgmma) is skipped, so
 the rows below it are the fallback: without humming the table is exactly qerl_kit's own kernels.
 
-Kernels (``KERNELS``):
-
-* ``humming``: humming-kernels' JIT W4A16 GEMM (``nvfp4_humming``; bf16/fp16, SM75+).
-* ``cuda_decode``: our CUDA C ``mma.sync`` decode kernel, 1-16 rows, bf16 (``nvfp4_decode_cuda``).
-  (Our Hopper wgmma kernel for 17-64 rows lost to humming on every layer it was routed to and
-  lives in lab/ now.)
-* ``triton_gemv``: the Triton decode kernel, up to 64 rows (``nvfp4_gemv_triton``).
-* ``triton_tiles``: the Triton fused-dequantization tiled GEMM (``nvfp4_gemm_triton``, fused).
-* ``dense``: Triton dequantization into a transient bf16 weight, then cuBLAS (``nvfp4_gemm_triton``,
-  dense; ``nvfp4_dgrad_triton`` for the input gradient).
-* ``triton_dgrad``: the Triton fused input-gradient kernel (``nvfp4_dgrad_triton``, fused).
-* ``reference``: dequantize with PyTorch, then matmul (any device; the oracle).
+The kernels a row may name are the registry ``KERNELS`` (name -> ``Kernel``: its family, its label
+in reports, library, what it is, module), the one list of them: the dispatcher's backend switch
+reads the families (``BACKENDS``: which families each of ``auto``, ``ours``, ``triton``, ``humming``,
+``reference`` lets run), ``qerl_kit.kernel_report`` the labels, and docs/kernels.md prints
+``kernels_markdown()`` (a test keeps them equal).
 """
 
 from __future__ import annotations
@@ -53,6 +46,63 @@ class Route:
         return (op == self.op and dtype in self.dtypes and self.rows[0] <= m < self.rows[1]
                 and self.n[0] <= n < self.n[1] and self.k[0] <= k < self.k[1]
                 and self.weights[0] <= n * k < self.weights[1])
+
+
+@dataclass(frozen=True)
+class Kernel:
+    """One kernel the routing table may name. ``family`` decides which backend switches let it run
+    (``BACKENDS``): ``humming``, ``cuda`` (our CUDA C), ``triton`` (ours) or ``reference``."""
+
+    name: str
+    family: str
+    label: str      # what kernel_report calls it
+    library: str    # docs/kernels.md's "library" column
+    about: str      # what it is
+    module: str     # where it lives (under qerl_kit/kernels/)
+
+
+_HUMMING_LIB = ("[humming-kernels](https://pypi.org/project/humming-kernels/) (vLLM's W4A16 GEMM library), "
+                "`pip install 'qerl_kit[gpu]'`")
+KERNELS: dict[str, Kernel] = {k.name: k for k in (
+    Kernel("humming", "humming", "humming", _HUMMING_LIB,
+           "JIT-compiled (nvcc/NVRTC) GEMM reading our tensors through its compressed-tensors schema "
+           "(`nvfp4-pack-quantized`, `tensor_group`, group 16), repacked once per weight", "`nvfp4_humming.py`"),
+    Kernel("cuda_decode", "cuda", "CUDA decode", "ours, CUDA C compiled at first use with the NVRTC PyTorch ships",
+           "`mma.sync` decode kernel for 1-16 rows, bf16, exact dequantization by bit placement",
+           "`nvfp4_decode_cuda.py` (+ `nvrtc.py`)"),
+    Kernel("triton_gemv", "triton", "Triton decode", "ours, Triton",
+           "decode kernel for up to 64 rows (block-dot at 1-4 rows, tensor cores above)", "`nvfp4_gemv_triton.py`"),
+    Kernel("triton_tiles", "triton", "Triton tiles", "ours, Triton", "fused-dequantization tiled GEMM",
+           "`nvfp4_gemm_triton.py`"),
+    Kernel("dense", "triton", "dequant + cuBLAS", "ours (Triton dequantization) + cuBLAS",
+           "dequantize into a transient bf16 weight, then `F.linear` / `dy @ W`; on layers with N >= 32768 from "
+           "2048 rows, 4096 weight rows at a time", "`nvfp4_gemm_triton.py`, `nvfp4_dgrad_triton.py`"),
+    Kernel("triton_dgrad", "triton", "Triton dgrad", "ours, Triton", "fused input-gradient kernel",
+           "`nvfp4_dgrad_triton.py`"),
+    Kernel("reference", "reference", "reference", "PyTorch",
+           "dequantize, then matmul: the CPU path and the oracle every test compares against", "`reference.py`"),
+)}
+# The backend switch (kernels.backend.Backend's values) -> the kernel families it lets run; the
+# reference can always run. humming forces humming for the forward and keeps Triton for the gradient.
+BACKENDS: dict[str, tuple[str, ...]] = {"auto": ("humming", "cuda", "triton"), "ours": ("cuda", "triton"),
+                                        "triton": ("triton",), "humming": ("humming", "triton"), "reference": ()}
+
+
+def kernels_of(*families: str) -> frozenset[str]:
+    """The names of the registered kernels of these families (read now: a kernel registered at runtime is in)."""
+    return frozenset(name for name, k in KERNELS.items() if k.family in families)
+
+
+def allowed(backend: str) -> frozenset[str]:
+    """The kernels the backend switch ``backend`` lets the table route to (the reference included)."""
+    return kernels_of(*BACKENDS[backend]) | {"reference"}
+
+
+def kernels_markdown() -> str:
+    """The registry as docs/kernels.md prints it (a test keeps the two equal)."""
+    lines = ["| kernel (route name) | library | what it is | module |", "|---|---|---|---|"]
+    lines += [f"| `{k.name}` | {k.library} | {k.about} | {k.module} |" for k in KERNELS.values()]
+    return "\n".join(lines)
 
 
 BF16 = (torch.bfloat16,)
@@ -101,8 +151,7 @@ ROUTES: tuple[Route, ...] = (
     Route("reference", op="dgrad", why="no kernel can take the call here"),
 )
 
-OURS = frozenset({"cuda_decode", "triton_gemv", "triton_tiles", "dense", "triton_dgrad"})
-KERNELS = OURS | {"humming", "reference"}
+OURS = kernels_of("cuda", "triton")  # the built-in kernels of ours (backend "ours" reads BACKENDS)
 
 
 def candidates(op: str, m: int, n: int, k: int, dtype: torch.dtype, table=ROUTES) -> list[Route]:

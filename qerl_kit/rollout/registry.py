@@ -3,6 +3,9 @@
 ``ENGINES`` maps a name to a factory ``(policy, tokenizer, **kwargs) -> engine``; ``rollout.engine``
 in a config may be any registered name or ``auto``, and config validation reads the names from
 here. A new backend is one ``register_engine("mine", factory)`` call (docs/architecture.md).
+What a backend takes from the run beyond the policy (vLLM: its context length and GPU memory
+share, from ``rollout.vllm_gpu_memory`` or the memory planner) is its own module's business:
+``ENGINE_OPTIONS`` maps its name to the function that reads it, and nothing backend-specific lives here.
 
 ``auto`` picks the StaticEngine when the policy is on a GPU and its layout is one the engine
 knows (``qerl_kit.rollout.static.decoder.unsupported_layout``), transformers' generate otherwise (on the
@@ -14,7 +17,8 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-__all__ = ["ENGINES", "register_engine", "make_engine", "engine_names", "resolve_engine", "engine_options"]
+__all__ = ["ENGINES", "ENGINE_OPTIONS", "register_engine", "make_engine", "engine_names", "resolve_engine",
+           "engine_options"]
 
 
 def _hf(policy, tokenizer, **kwargs):
@@ -35,16 +39,32 @@ def _vllm(policy, tokenizer, **kwargs):
     return VLLMEngine.from_policy(policy, tokenizer, **kwargs)
 
 
+def _vllm_options(rollout, policy, tokenizer, task, lora_r: int, sample: int) -> dict:
+    from qerl_kit.rollout.vllm import vllm_options
+
+    return vllm_options(rollout, policy, tokenizer, task, lora_r=lora_r, sample=sample)
+
+
 ENGINES: dict[str, Callable[..., Any]] = {"hf": _hf, "static": _static, "vllm": _vllm}
+# A backend's options function: (rollout config, policy, tokenizer, task, lora_r=, sample=) -> the keyword
+# arguments its factory takes from the run (vLLM: the context length and GPU memory share, rollout/vllm.py).
+ENGINE_OPTIONS: dict[str, Callable[..., dict]] = {"vllm": _vllm_options}
 
 
-def register_engine(name: str, factory: Callable[..., Any]) -> None:
-    """Make ``name`` a rollout backend: ``factory(policy, tokenizer, **kwargs)`` returns the engine."""
+def register_engine(name: str, factory: Callable[..., Any], options: Callable[..., dict] | None = None) -> None:
+    """Make ``name`` a rollout backend: ``factory(policy, tokenizer, **kwargs)`` returns the engine;
+    ``options`` (optional) gives the keyword arguments it takes from a run (see ``engine_options``)."""
     if not isinstance(name, str) or not name or name == "auto":
         raise ValueError(f"an engine name must be a non-empty string other than 'auto'; got {name!r}")
     if not callable(factory):
         raise TypeError(f"the factory of engine {name!r} must be callable; got {type(factory).__name__}")
+    if options is not None and not callable(options):
+        raise TypeError(f"the options of engine {name!r} must be callable or None; got {type(options).__name__}")
     ENGINES[name] = factory
+    if options is not None:
+        ENGINE_OPTIONS[name] = options
+    else:
+        ENGINE_OPTIONS.pop(name, None)
 
 
 def engine_names() -> tuple[str, ...]:
@@ -70,25 +90,8 @@ def make_engine(name: str, policy, tokenizer, **kwargs):
 
 
 def engine_options(rollout, policy, tokenizer, task, lora_r: int, sample: int = 2000) -> dict:
-    """The keyword arguments the Trainer gives ``make_engine`` for ``rollout`` (a RolloutConfig).
-    For vLLM: ``max_model_len`` = the longest prompt of the task (its first ``sample`` train and eval
-    rows, as the task formats them) + ``max_new_tokens``, and ``gpu_memory_utilization`` =
-    ``rollout.vllm_gpu_memory`` or the share the memory planner gives for that length and
-    ``rollout.batch_size`` (``memory_plan.vllm_memory_share``). Nothing for the other engines."""
-    if resolve_engine(rollout.engine, policy) != "vllm":
-        return {}
-    import torch
-
-    rows = list(task.train[:sample]) + list(task.eval[:sample])
-    longest = max(map(len, task.encode(tokenizer, rows).ids))  # rendered and tokenized as the rollouts will be
-    max_len = -(-(longest + rollout.max_new_tokens) // 64) * 64
-    share = rollout.vllm_gpu_memory
-    if share is None:
-        from qerl_kit.memory_plan import vllm_memory_share
-
-        if not torch.cuda.is_available():  # VLLMEngine refuses to start without one, with its own message
-            return {"max_model_len": max_len}
-        config = getattr(policy, "config", None)
-        share = vllm_memory_share(config, torch.cuda.get_device_properties(0).total_memory, lora_r=lora_r,
-                                  rollout_batch=rollout.batch_size, max_model_len=max_len)
-    return {"max_model_len": max_len, "gpu_memory_utilization": share}
+    """The keyword arguments the Trainer gives ``make_engine`` for ``rollout`` (a RolloutConfig): what
+    the backend's options function (``ENGINE_OPTIONS``, ``register_engine(options=)``) reads from the
+    run's rollout config, task and LoRA rank; ``{}`` for a backend without one (hf, static)."""
+    options = ENGINE_OPTIONS.get(resolve_engine(rollout.engine, policy))
+    return options(rollout, policy, tokenizer, task, lora_r=lora_r, sample=sample) if options else {}

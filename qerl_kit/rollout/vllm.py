@@ -40,7 +40,7 @@ from qerl_kit.rollout.base import Engine, _vocab_size, check_stop_ids, decode_co
 from qerl_kit.rollout.types import Generation, Prompts, SamplingParams, as_prompts, check_n
 
 __all__ = ["VLLMEngine", "AdapterWriter", "vllm_norm_names", "hf_norm_names", "resolve_norms",
-           "import_vllm", "require_cuda"]
+           "import_vllm", "require_cuda", "vllm_options"]
 
 INSTALL_HINT = "pip install 'qerl_kit[vllm]'"
 VLLM_LORA_RANKS = (8, 16, 32, 64, 128, 256, 320, 512)
@@ -62,6 +62,27 @@ def require_cuda() -> None:
 
 
 # ---- norm names: HF (peft) -> vLLM ------------------------------------------------------------
+def vllm_options(rollout, policy, tokenizer, task, lora_r: int, sample: int = 2000) -> dict:
+    """The keyword arguments ``VLLMEngine.from_policy`` takes from a run (``rollout``, a RolloutConfig):
+    ``max_model_len`` = the longest prompt of the task (its first ``sample`` train and eval rows, as the
+    task formats them) + ``max_new_tokens``, and ``gpu_memory_utilization`` = ``rollout.vllm_gpu_memory``
+    or the share the memory planner gives for that length and ``rollout.batch_size``
+    (``memory_plan.vllm_memory_share``). ``rollout.registry.engine_options`` calls it for ``vllm``."""
+    rows = list(task.train[:sample]) + list(task.eval[:sample])
+    longest = max(map(len, task.encode(tokenizer, rows).ids))  # rendered and tokenized as the rollouts will be
+    max_len = -(-(longest + rollout.max_new_tokens) // 64) * 64
+    share = rollout.vllm_gpu_memory
+    if share is None:
+        from qerl_kit.memory_plan import vllm_memory_share
+
+        if not torch.cuda.is_available():  # VLLMEngine refuses to start without one, with its own message
+            return {"max_model_len": max_len}
+        config = getattr(policy, "config", None)
+        share = vllm_memory_share(config, torch.cuda.get_device_properties(0).total_memory, lora_r=lora_r,
+                                  rollout_batch=rollout.batch_size, max_model_len=max_len)
+    return {"max_model_len": max_len, "gpu_memory_utilization": share}
+
+
 def vllm_norm_names(hf_norm_names: Sequence[str]) -> list[str]:
     """Module names on vLLM's model of the HF norms: peft's prefix and wrappers stripped.
 

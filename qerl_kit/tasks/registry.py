@@ -1,6 +1,9 @@
 """Tasks by name: ``make_task(DataConfig)`` and the registry ``data.dataset`` is checked against.
 
-``TASKS`` maps a name to a factory ``(cfg: DataConfig, seed: int) -> Task``. Built in:
+``TASKS`` maps a name to a factory ``(cfg, seed: int) -> Task``, where ``cfg`` is a
+``config.DataConfig`` or anything with its fields (``dataset``, ``eval_dataset``, ``eval_size``,
+``train_size``): the tasks sit below the config and never import it; the config reads ``TASKS``
+(and the defaults below) to check ``data.dataset``. Built in:
 
 * ``arith``: the synthetic multi-step arithmetic of ``qerl_kit.tasks.arith`` (the shipped tiny
   model's task), ``train_size`` / ``eval_size`` rows generated from ``seed`` with disjoint
@@ -38,11 +41,15 @@ A new task is one ``register_task("mine", factory)`` call (docs/architecture.md)
 from __future__ import annotations
 
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any, Callable
 
 from qerl_kit.tasks.task import Task, chat_prompt
 
 __all__ = ["TASKS", "register_task", "make_task", "task_names", "arith_prompt", "math_prompt"]
+
+# DataConfig's defaults (config.DataConfig reads them): the arithmetic task, 200 held-out problems, 20000 to train on
+DEFAULT_TASK, DEFAULT_EVAL_SIZE, DEFAULT_TRAIN_SIZE = "arith", 200, 20000
 
 
 def arith_prompt(tokenizer: Any, row: dict) -> str:
@@ -129,15 +136,21 @@ def _jsonl(cfg, seed: int) -> Task:
 
 TASKS: dict[str, Callable[..., Task]] = {"arith": _arith, "countdown": _countdown, "gsm8k": _gsm8k,
                                          "math500": _math500}
+# The tasks that read their rows from a data file, so that "all rows" has an end (`qerl eval` without
+# --limit scores all of them; a generated task gets data.eval_size's default, its rows have no end).
+FILE_TASKS: set[str] = {"gsm8k", "math500"}
 
 
-def register_task(name: str, factory: Callable[..., Task]) -> None:
-    """Make ``name`` a value of ``data.dataset``: ``factory(cfg: DataConfig, seed: int)`` returns the Task."""
+def register_task(name: str, factory: Callable[..., Task], from_file: bool = False) -> None:
+    """Make ``name`` a value of ``data.dataset``: ``factory(cfg, seed: int)`` returns the Task (``cfg``:
+    a ``DataConfig`` or anything with its fields). ``from_file``: its rows come from a data file
+    (``FILE_TASKS``), so ``qerl eval`` without ``--limit`` scores all of them."""
     if not isinstance(name, str) or not name or name.endswith(".jsonl"):
         raise ValueError(f"a task name must be a non-empty string not ending in .jsonl; got {name!r}")
     if not callable(factory):
         raise TypeError(f"the factory of task {name!r} must be callable; got {type(factory).__name__}")
     TASKS[name] = factory
+    (FILE_TASKS.add if from_file else FILE_TASKS.discard)(name)
 
 
 def task_names() -> tuple[str, ...]:
@@ -145,13 +158,14 @@ def task_names() -> tuple[str, ...]:
 
 
 def make_task(cfg=None, seed: int = 0) -> Task:
-    """The Task ``cfg.dataset`` names (a ``DataConfig``; default: the arithmetic task).
+    """The Task ``cfg.dataset`` names (a ``DataConfig``, or anything with its fields; default: the
+    arithmetic task with DataConfig's default sizes).
 
     ``seed`` only picks which synthetic problems are generated; runs that compare training seeds
     keep it fixed so that every run sees the same held-out problems."""
-    from qerl_kit.config import DataConfig
-
-    cfg = cfg if cfg is not None else DataConfig()
+    if cfg is None:
+        cfg = SimpleNamespace(dataset=DEFAULT_TASK, eval_dataset=None, eval_size=DEFAULT_EVAL_SIZE,
+                              train_size=DEFAULT_TRAIN_SIZE)
     if cfg.dataset in TASKS:
         return TASKS[cfg.dataset](cfg, seed)
     if cfg.dataset.endswith(".jsonl"):

@@ -19,7 +19,8 @@ from torch import nn
 from qerl_kit.aqn import AQN
 from qerl_kit.cli import main
 from qerl_kit.config import ConfigError, from_dict, load_config
-from qerl_kit.linear import LINEAR_CLASSES, NVFP4Linear
+from qerl_kit.formats import FORMATS
+from qerl_kit.linear import NVFP4Linear
 from qerl_kit.lora import attach_lora
 from qerl_kit.models import build_model
 from qerl_kit.quantize import quantize_model
@@ -89,7 +90,7 @@ def test_case_33_rel_error_with_a_huge_weight_is_finite():
     assert math.isfinite(report.layers[0].rel_error)
 
 
-@pytest.mark.parametrize("fmt", sorted(LINEAR_CLASSES))
+@pytest.mark.parametrize("fmt", sorted(FORMATS))
 def test_case_34_quantized_linear_refuses_an_integer_input(fmt):
     model = _linear()
     quantize_model(model, fmt=fmt)
