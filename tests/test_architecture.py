@@ -38,6 +38,7 @@ LAYERS: list[tuple[str, list[str]]] = [
                "qerl_kit.kernel_report", "qerl_kit.plots", "qerl_kit.widgets", "qerl_kit"]),
 ]
 
+
 def _modules() -> dict[str, Path]:
     out = {}
     for path in ROOT.rglob("*.py"):
