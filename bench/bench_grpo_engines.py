@@ -31,8 +31,8 @@ from pathlib import Path
 import torch
 
 from bench.bench_ddp import IdTokenizer  # prompts are whitespace-separated token ids
-from bench.bench_rollout import T0, build, free, log, random_prompts, with_lora
-from bench.bench_rollout import sync as sync_device
+from bench.common import T0, build, free, log, random_prompts, with_lora
+from bench.common import sync as sync_device
 from qerl_kit.rollout import SamplingParams, StaticEngine
 
 

@@ -37,7 +37,7 @@ from pathlib import Path
 import torch
 
 from bench.bench_live_rows import add_length_args, hash_lengths, lengths_for
-from bench.bench_rollout import build, free, log, random_prompts, with_lora
+from bench.common import build, free, log, random_prompts, with_lora
 
 
 def export(peft, fmt: str, root: Path, weights: bool = True) -> Path:
