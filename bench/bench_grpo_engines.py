@@ -1,4 +1,4 @@
-"""One whole GRPO step with each rollout engine, in one run: issue #26's "StaticEngine vs vLLM".
+"""One whole GRPO step with each rollout engine, in one run: StaticEngine against vLLM.
 
     python -m bench.bench_grpo_engines --formats nvfp4 --out OUT   # on the H200, vLLM importable
     python -m bench.bench_grpo_engines --smoke --engines static    # CPU: the code path, tiny model
