@@ -1,7 +1,7 @@
 """Every link and cited results path in the docs points at a file that exists: README.md,
 CHANGELOG.md (where a removed file is named without backticks), docs/*.md, lab/README.md and the
-committed results' own .md files. A results file
-moved or removed without updating its readers fails here."""
+committed results' own .md files. A results file moved or removed without updating its readers
+fails here."""
 import re
 from pathlib import Path
 
