@@ -1,4 +1,4 @@
-"""One whole GRPO step with each rollout engine, in one run: issue #26's "StaticEngine vs vLLM".
+"""One whole GRPO step with each rollout engine, in one run: StaticEngine against vLLM.
 
     python -m bench.bench_grpo_engines --formats nvfp4 --out OUT   # on the H200, vLLM importable
     python -m bench.bench_grpo_engines --smoke --engines static    # CPU: the code path, tiny model
@@ -31,8 +31,8 @@ from pathlib import Path
 import torch
 
 from bench.bench_ddp import IdTokenizer  # prompts are whitespace-separated token ids
-from bench.bench_rollout import T0, build, free, log, random_prompts, with_lora
-from bench.bench_rollout import sync as sync_device
+from bench.common import T0, build, free, log, random_prompts, with_lora
+from bench.common import sync as sync_device
 from qerl_kit.rollout import SamplingParams, StaticEngine
 
 

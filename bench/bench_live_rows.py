@@ -31,7 +31,7 @@ from pathlib import Path
 
 import torch
 
-from bench.bench_rollout import build, free, log, random_prompts, sync, with_lora
+from bench.common import build, free, log, random_prompts, sync, with_lora
 from qerl_kit.rollout import SamplingParams, StaticEngine
 
 

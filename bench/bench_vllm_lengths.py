@@ -10,10 +10,10 @@ with ``quantization="bitsandbytes"``, the QLoRA baseline), one ``vllm.LLM`` with
 a ``LoRARequest``, as ``qerl_kit.rollout.vllm`` sends it) and per-token log-probs on, as an RL
 rollout needs. Each request gets ``min_tokens = max_tokens = L`` and ``ignore_eos`` (its forced
 length); vLLM batches continuously, so finished rows leave the batch. Also, at ``--fixed-batches``
-(issue #25's 1, 8, 64, 256), a fixed-length run (every row ``--fixed`` = 512 tokens, and 1 token
+(1, 8, 64, 256), a fixed-length run (every row ``--fixed`` = 512 tokens, and 1 token
 for the prefill; best of ``--repeats``) for vLLM's ms per decode step at that batch.
 
-At 32B (fixed lengths only, as issue #25 asks):
+At 32B (fixed lengths only):
 
     python -m bench.bench_vllm_lengths --model Qwen2.5-32B --formats nvfp4 --batches --gpu-util 0.6
     python -m bench.bench_vllm_lengths --model Qwen2.5-32B --formats bf16 --batches --dummy-weights --gpu-util 0.93
@@ -37,7 +37,7 @@ from pathlib import Path
 import torch
 
 from bench.bench_live_rows import add_length_args, hash_lengths, lengths_for
-from bench.bench_rollout import build, free, log, random_prompts, with_lora
+from bench.common import build, free, log, random_prompts, with_lora
 
 
 def export(peft, fmt: str, root: Path, weights: bool = True) -> Path:

@@ -1,6 +1,6 @@
 """Relative weight error of each 4-bit format on Gaussian and heavy-tailed weights (CPU).
 
-    python -m bench.format_error > docs/results/format_error.md
+    python -m bench.format_error > bench/results/format_error.md
 """
 
 import platform

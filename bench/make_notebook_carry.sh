@@ -4,7 +4,7 @@
 # the repository root (needs pip and the network). Left out: numpy and pandas, which the image has
 # (the cdsweep part ran pandas there), and their own dependencies. On the H200 side,
 # bench/install_missing_wheels.py installs only the wheels whose packages the image lacks
-# (bench/run_h200_rollout.sh nb05). About 40 MB: carry [".whl"] in a call of its own, not with a vLLM piece.
+# (bench/device.sh nb05). About 40 MB: carry [".whl"] in a call of its own, not with a vLLM piece.
 set -euo pipefail
 if [ -n "$(ls -A .whl/nb 2>/dev/null)" ]; then echo ".whl/nb is not empty: remove it first" >&2; exit 1; fi
 W=$(mktemp -d) && trap 'rm -rf "$W"' EXIT

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Builds .vllm/uns/slim.tgz: Unsloth 2026.10.9's install folder for the H200 (bench/probe_unsloth.py),
 # small enough to travel with a device call (~10 MB). Run here, from the repository root (needs pip
-# and the network); the H200 side unpacks it to /tmp/slim (bench/run_h200_rollout.sh unsloth|vllm nf4).
+# and the network); the H200 side unpacks it to /tmp/slim (bench/device.sh unsloth|vllm nf4).
 # What is cut: unsloth's web UI (studio/, unsloth_cli/: 80 MB, never imported by FastLanguageModel)
 # and every bitsandbytes library but CUDA 13.0's (the image's torch is cu130) and the CPU one.
 set -euo pipefail

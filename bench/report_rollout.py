@@ -116,7 +116,7 @@ def main(argv: list[str]) -> None:
         write_to, argv = Path(argv[i + 1]), argv[:i] + argv[i + 2:]
     res = merge([json.loads((Path(p) / "results.json").read_text()) for p in (argv or ["bench/results/rollout"])])
     if write_to is not None:
-        from bench.bench_rollout import write
+        from bench.common import write
 
         write({k: v for k, v in res.items() if v}, write_to, log=False)
     print(report(res))

@@ -120,7 +120,7 @@ def _check_probe_forward(model: nn.Module) -> None:
 def check_step(step, key: str = "step") -> int:
     """A schedule step, the one rule of every method that takes one (``stage``, ``sigma``, ``apply``,
     ``noise``, the panel's ``readout``): an int >= 0 (a numpy or torch integer too), never a bool, float
-    or string. A negative, NaN or fractional step used to land silently in the noise-free stage 0; a
+    or string (any of those would otherwise land silently in the noise-free stage 0); a
     step past ``total_steps`` is allowed (the last stage's sigma), as a run past its schedule is."""
     from qerl_kit.config_types import ConfigError, short_repr
 

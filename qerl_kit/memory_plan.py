@@ -25,7 +25,7 @@ with ``torch.cuda.max_memory_allocated()`` after a step (notebook 05 does). Not 
 repacked copy of the 4-bit weights that humming-kernels keeps (docs/kernels.md), the
 ``StaticEngine``'s fused copy of the q/k/v and gate/up weights (``fused=True``: about two thirds
 of the projection weights again) and fixed per-process buffers; on an H200 a 7B GRPO step peaked 1.1x above its plan and the tiny model 4x
-(bench/results/same_day_h200_2026-12-03b.md).
+(bench/results/same_day_h200/2026-12-03b.md).
 """
 
 from __future__ import annotations

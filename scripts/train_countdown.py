@@ -27,7 +27,7 @@ with greedy 18.3% (NVFP4 19.0%) and pass@8 53.7% on 300 held-out problems; ``--s
 replays it (docs/experiments.md has the command, docs/results/experiments-countdown/calibration/ the
 logs and the shards' sha256). The replay is reproducible in distribution, not bit for bit (GPU
 training is not deterministic): two later replays gave other shards and greedy 18.7% / 21.0%, pass@8
-57.0% / 57.0% (bench/run_h200_rollout.sh cdtrain compares the sums and says so). The CPU smoke test
+57.0% / 57.0% (bench/device.sh cdtrain compares the sums and says so). The CPU smoke test
 is tests/test_countdown.py.
 """
 

@@ -8,7 +8,7 @@ size and sha256), or ``$QERL_REAL_MODEL``; without either the tests are skipped 
   ``<|im_end|>`` among the stop ids, GGUF block types as fetched;
 * the bf16 base (the file dequantized) and its NVFP4 quantization answer GSM8K test problems 1 and
   16 as they did on the H200: teacher-forced on the H200's
-  greedy bf16 completion (bench/results/real_model_h200_2026-12-04/eval_greedy), the CPU model's
+  greedy bf16 completion (bench/results/real_model_h200/eval_greedy), the CPU model's
   greedy next token agrees on most positions, and, continued greedily from 80% of that completion,
   it reaches the gold answer (scored by the task's own reward).
 Generating all ~200-310 tokens of each answer would take several minutes per format on a 2-core
@@ -31,7 +31,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 NAME = "qwen2.5-coder-0.5b-instruct"
 FETCH = ROOT.parent / "shared" / "tools" / "fetch-real-model"
-H200 = ROOT / "bench" / "results" / "real_model_h200_2026-12-04" / "eval_greedy" / "none_gsm8k_greedy.json"
+H200 = ROOT / "bench" / "results" / "real_model_h200" / "eval_greedy" / "none_gsm8k_greedy.json"
 DATA = ROOT.parent / "shared" / "data"
 PROBLEMS = (1, 16)
 

@@ -6,7 +6,7 @@ the dense-weight cache (``qerl_kit.dense_cache``), and checks that the cache cha
     QERL_DATA=../shared/data python -m lab.real_model.cpu_generation [MODEL] [--tokens 32] [--save]
 
 MODEL: a .gguf file or a converted directory (default: the fetched 0.5B GGUF). --save writes
-lab/results/real_model_cpu_generation.json.
+lab/results/real_model_generation_cpu.json.
 """
 from __future__ import annotations
 
@@ -71,7 +71,7 @@ def main() -> None:
     out["speedup"] = out["cases"]["nvfp4, no cache"]["seconds"] / out["cases"]["nvfp4, cache"]["seconds"]
     print(json.dumps({k: out[k] for k in ("load_s", "same_tokens_with_and_without_cache", "speedup")}))
     if a.save:
-        Path("lab/results/real_model_cpu_generation.json").write_text(json.dumps(out, indent=1) + "\n")
+        Path("lab/results/real_model_generation_cpu.json").write_text(json.dumps(out, indent=1) + "\n")
 
 
 if __name__ == "__main__":

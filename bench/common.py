@@ -1,0 +1,172 @@
+"""What every rollout benchmark shares: the run clock and log, device sync and free, random
+Qwen2.5-shaped models (bf16, NVFP4 built from meta, bitsandbytes NF4), a trained-looking LoRA, the
+bytes a decode step reads, copy bandwidth, random prompts and the results writer. The benchmarks
+(``bench_rollout``, ``bench_grpo_engines``, ``bench_live_rows``, ``bench_vllm_lengths``,
+``bench_lora_engine``) import from here and never from each other's helpers, so bench/ has no
+import circle."""
+
+from __future__ import annotations
+
+import csv
+import gc
+import json
+import time
+from pathlib import Path
+
+import torch
+from torch import nn
+
+T0 = time.perf_counter()
+LOG: list[str] = []
+
+
+def log(msg: str) -> None:
+    line = f"[{time.perf_counter() - T0:7.1f}s] {msg}"
+    print(line, flush=True)
+    LOG.append(line)
+
+
+def sync():
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def free():
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+# -- models -----------------------------------------------------------------------------------
+def _linear_children(model: nn.Module, skip=("lm_head",)):
+    return [(parent, name, child) for parent in model.modules() for name, child in parent.named_children()
+            if isinstance(child, nn.Linear) and name not in skip]
+
+
+def build(preset: str, fmt: str, device: str) -> nn.Module:
+    """A random model of ``preset``'s shape: ``bf16`` dense, or ``nvfp4`` built layer by layer from
+    meta (a bf16 copy of the whole model never exists, so 72B fits)."""
+    from transformers import AutoModelForCausalLM
+
+    from qerl_kit.linear import NVFP4Linear
+    from qerl_kit.models import make_config
+
+    config = make_config(preset)
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    if fmt in ("bf16", "none"):
+        from qerl_kit.models import build_model
+
+        return build_model(preset, dtype=dtype, device=device)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    from qerl_kit import nvfp4
+    from qerl_kit.quantize import FUSED_GROUPS
+
+    def dense_like(lin):
+        d = nn.Linear(lin.in_features, lin.out_features, bias=lin.bias is not None, device=device, dtype=dtype)
+        nn.init.normal_(d.weight, std=0.02)
+        if d.bias is not None:
+            nn.init.normal_(d.bias, std=0.02)
+        return d
+
+    for parent in list(model.modules()):  # fused groups share one global scale, as quantize_model does
+        children = dict(parent.named_children())
+        for group in FUSED_GROUPS:
+            if all(isinstance(children.get(g), nn.Linear) for g in group):
+                dense = {g: dense_like(children[g]) for g in group}
+                gs = nvfp4.shared_global_scale(*(d.weight for d in dense.values()))
+                for g, d in dense.items():
+                    setattr(parent, g, NVFP4Linear.from_linear(d, global_scale=gs))
+                del dense
+    for parent, name, lin in _linear_children(model):
+        setattr(parent, name, NVFP4Linear.from_linear(dense_like(lin)))
+    inner = model.model
+    with torch.device(device):  # inv_freq is computed in __init__ (a non-persistent buffer)
+        inner.rotary_emb = type(inner.rotary_emb)(config=config)
+    for module in model.modules():
+        for pname, p in list(module.named_parameters(recurse=False)):
+            if p.is_meta:
+                t = torch.empty(p.shape, dtype=p.dtype, device=device)
+                t.fill_(1.0) if t.dim() == 1 else t.normal_(0, 0.02)
+                setattr(module, pname, nn.Parameter(t, requires_grad=p.requires_grad))
+        for bname, b in list(module.named_buffers(recurse=False)):
+            if b is not None and b.is_meta:
+                raise RuntimeError(f"buffer {bname} of {type(module).__name__} left on meta")
+    if model.config.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    return model.eval()
+
+
+def to_nf4(model: nn.Module) -> nn.Module:
+    """bitsandbytes NF4 (double quant off, bf16 compute): the QLoRA baseline, in place."""
+    import bitsandbytes as bnb
+
+    for parent, name, lin in _linear_children(model):
+        q = bnb.nn.Linear4bit(lin.in_features, lin.out_features, bias=lin.bias is not None,
+                              compute_dtype=torch.bfloat16, quant_type="nf4", device="meta")
+        q.weight = bnb.nn.Params4bit(lin.weight.data, requires_grad=False, quant_type="nf4").to(lin.weight.device)
+        if lin.bias is not None:
+            q.bias = nn.Parameter(lin.bias.data, requires_grad=False)
+        setattr(parent, name, q)
+    free()
+    return model
+
+
+def with_lora(model: nn.Module, r: int):
+    from qerl_kit.lora import attach_lora
+
+    peft = attach_lora(model, r=r, seed=0)
+    with torch.no_grad():
+        for n, p in peft.named_parameters():
+            if "lora_B" in n:
+                p.normal_(0, 0.01)  # a trained-looking adapter, never zeros
+    return peft
+
+
+def weight_bytes(model: nn.Module) -> int:
+    """Bytes a decode step reads: every parameter and quantized buffer but the embedding table
+    (one row per token) and LoRA's small matrices counted in full."""
+    skip = {id(p) for n, p in model.named_parameters() if "embed_tokens" in n}
+    total = sum(p.numel() * p.element_size() for p in model.parameters() if id(p) not in skip)
+    total += sum(b.numel() * b.element_size() for n, b in model.named_buffers() if "rotary" not in n)
+    head = model.get_output_embeddings().weight if hasattr(model, "get_output_embeddings") else None
+    if head is not None and id(head) in skip:  # tied head: it is read every step
+        total += head.numel() * head.element_size()
+    return total
+
+
+def copy_bandwidth(device: str) -> float:
+    """Bytes (read + written) per second of a large device-to-device copy, same run."""
+    n = (1 << 30) if device == "cuda" else (1 << 24)
+    a = torch.randn(n // 4, device=device)
+    b = torch.empty_like(a)
+    for _ in range(3):
+        b.copy_(a)
+    sync()
+    reps = 20
+    t = time.perf_counter()
+    for _ in range(reps):
+        b.copy_(a)
+    sync()
+    return 2 * a.numel() * 4 * reps / (time.perf_counter() - t)
+
+
+# -- prompts -------------------------------------------------------------------------------------
+def random_prompts(batch: int, length: int, vocab: int, seed: int = 0) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(10, vocab - 10, (batch, length), generator=g).tolist()
+
+
+# -- output -------------------------------------------------------------------------------------
+def write(results: dict, out: Path, log: bool = True) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.json").write_text(json.dumps(results, indent=1, default=str))
+    for key in ("rollout", "step"):
+        rows = results.get(key) or []
+        if rows:
+            with open(out / f"{key}.csv", "w", newline="") as f:
+                w = csv.DictWriter(f, fieldnames=list(dict.fromkeys(k for r in rows for k in r)))
+                w.writeheader()
+                w.writerows(rows)
+    if log:
+        (out / "log.txt").write_text("\n".join(LOG))

@@ -1,0 +1,196 @@
+#!/usr/bin/env bash
+# The one device script: plumbing for a run on a lent GPU machine (environment, carried wheels,
+# the real model carried in pieces, the Countdown model, bitsandbytes) and one command per benchmark.
+# Every command writes under $OUT and prints a short tail; /tmp survives between calls only while the
+# machine is held, so commands that build on each other run in one hold.
+#
+#   OUT=... bash bench/device.sh COMMAND [ARGS]
+#
+# Our engine and the baselines (Qwen2.5 shapes, random weights; results: bench/results/engine_h200.md,
+#  live_rows_h200.md, same_day_h200.md):
+#   engine7b                  compiled engine-kernel tests (ENGINE_TESTS=0 skips them), then 7B fixed lengths
+#                             (BATCHES, default "1 8 64 256"; groups of 8)
+#   engine32b ["VARIANTS"]    32B fixed lengths; VARIANTS default "engine-bf16 engine-nvfp4"
+#   live7b                    7B realistic lengths (live-row compaction)
+#   vllm FMT [ARGS]           vLLM 0.26 (FMT nvfp4|bf16|nf4) after the vLLM pieces' install.sh
+#                             (bash bench/vllm_carry.sh cuts them and prints each call's carry);
+#                             ARGS go to bench.bench_vllm_lengths; nf4 needs .vllm/uns/slim.tgz or .vllm/bnb/*.whl
+#   grpo-engines FMT          one whole GRPO step on StaticEngine and on vLLM (FMT nvfp4|bf16)
+#   nb05                      notebook 05 on the GPU with vLLM; the Jupyter wheels from
+#                             bench/make_notebook_carry.sh (.whl/nb, a call of its own)
+#   unsloth                   Unsloth's GRPO rollout path (bench/probe_unsloth.py); carry .vllm/uns
+#                             (bench/make_unsloth_carry.sh)
+# The Countdown model and grid (docs/experiments.md):
+#   countdown                 three calibrations side by side, the best kept (bench.countdown_pick)
+#   cdtrain                   the shipped calibration alone, its shards' sha256 checked against the committed ones
+#   cdgrid [MODEL] [LIMIT_S] [STEPS] [LR]   the grid (resumable: call again, or carry .vllm/cdgrid/parts.tgz);
+#                             LR "best" takes cdsweep's choice; CD_CONFIGS / SEED_GROUPS pick configs and seeds
+#   cdsweep [LIMIT_S] [STEPS] ["LRS"]       bf16 and NVFP4 at the same lr, seeds 0 1; picks the lr
+# The real 0.5B (GGUF) in 44 MiB pieces (bench/results/real_model_h200.md): prepare here
+#   ../shared/tools/fetch-real-model qwen2.5-coder-0.5b-instruct
+#   mkdir -p .rm && (cd .rm && split -b 44M -d -a 2 --numeric-suffixes=1 ~/.cache/qerl-models/qwen2.5-coder-0.5b-instruct.gguf part \
+#     && for f in part*; do mkdir p${f#part} && mv $f p${f#part}/part; done)
+#   mkdir -p .rdata && cp ../shared/data/*.jsonl .rdata/
+#   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+#     --platform manylinux_2_28_x86_64 --platform any -d .whl/real gguf humming-kernels==0.1.19 math-verify \
+#     latex2sympy2_extended antlr4-python3-runtime==4.13.2
+# (.rm, .rdata and .whl ignored in .git/info/exclude), then one call each:
+#   model-piece NN            (carry .rm/pNN) for 01 ... 10
+#   model-setup NN            (carry .rm/pNN .rdata .whl) the last piece, sha256, data, convert
+#   real-eval [ARGS]          bench.real_model eval (EVAL_TAG names the output; ARGS e.g. --pass-k 8)
+#   real-regress [ARGS]       bench.real_model regress
+#   real-grpo [ARGS]          bench.real_grpo run, resumable: call again to continue
+set -uo pipefail
+cmd="${1:?command}"; shift
+OUT="${OUT:?set OUT}"
+MODEL_SHA=1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32  # qwen2.5-coder-0.5b-instruct.gguf
+
+# -- plumbing -------------------------------------------------------------------------------------
+export PYTHONPATH="/tmp/site:${PYTHONPATH:-}:$PWD" HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1 HUMMING_CACHE_DIR=/tmp/hc \
+  QERL_DATA=/tmp/data
+
+carried_wheels() {  # the pinned wheels this repository carries (humming-kernels, gguf, math-verify, ...)
+  local wheels=()
+  for d in .whl/h19 .whl/common .whl/real; do [ -d "$d" ] && wheels+=("$d"/*.whl); done
+  [ ${#wheels[@]} -eq 0 ] || python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site "${wheels[@]}" 2>/dev/null
+}
+
+bitsandbytes() {  # an unpacked install folder that holds bitsandbytes, else its carried wheel
+  if [ -f .vllm/uns/slim.tgz ]; then
+    tar -xzf .vllm/uns/slim.tgz -C /tmp && export PYTHONPATH="/tmp/slim:$PYTHONPATH"
+  else
+    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/bnb .vllm/bnb/*.whl \
+      && export PYTHONPATH="/tmp/bnb:$PYTHONPATH"
+  fi
+}
+
+cd_model() {  # the Countdown model: this hold's countdown/cdtrain, else the one carried in .vllm/cd
+  if [ -f /tmp/cd/chosen_path ]; then cat /tmp/cd/chosen_path; return; fi
+  if ls .vllm/cd/model.tar.part_* > /dev/null 2>&1; then
+    mkdir -p /tmp/cd && cat .vllm/cd/model.tar.part_* | tar -x -C /tmp/cd && d=$(ls -d /tmp/cd/m* | head -1) \
+      && echo "$d" > /tmp/cd/chosen_path && echo "$d"
+  fi
+}
+
+carried_wheels
+nvidia-smi --query-gpu=name,memory.used,memory.total,clocks.sm --format=csv,noheader
+
+# -- benchmarks -----------------------------------------------------------------------------------
+case "$cmd" in
+engine7b)
+  if [ "${ENGINE_TESTS:-1}" != 0 ]; then  # the fused kernels compiled (CPU CI runs them in Triton's interpreter)
+    timeout 150 python3 -m pytest tests/test_engine_fused.py -q -x -p no:cacheprovider \
+      > "$OUT/gpu_tests_log.txt" 2>&1; echo "engine-kernel tests rc=$?"; tail -3 "$OUT/gpu_tests_log.txt"
+  fi
+  read -r -a batches <<< "${BATCHES:-1 8 64 256}"
+  timeout 360 python3 -m bench.bench_rollout --parts rollout --models Qwen2.5-7B --nvfp4-only \
+    --variants engine-bf16 engine-nvfp4 --batches "${batches[@]}" --n 8 --budget 300 --out "$OUT/r7" > /tmp/r7_log.txt 2>&1
+  cp /tmp/r7_log.txt "$OUT/r7/stdout_log.txt"
+  grep -v Warning /tmp/r7_log.txt | grep -E "ms/step|failed|Error" | tail -20 ;;
+engine32b)
+  read -r -a variants <<< "${1:-engine-bf16 engine-nvfp4}"
+  timeout 330 python3 -m bench.bench_rollout --parts rollout --models Qwen2.5-32B --nvfp4-only --variants "${variants[@]}" \
+    --batches 1 8 64 256 --n 8 --budget 230 --out "$OUT/r32" > /tmp/r32_log.txt 2>&1
+  cp /tmp/r32_log.txt "$OUT/r32/stdout_log.txt"
+  grep -v Warning /tmp/r32_log.txt | tail -14 ;;
+live7b)
+  python3 -m bench.bench_live_rows --models Qwen2.5-7B --formats nvfp4 bf16 --batches 64 256 --budget 220 \
+    --out "$OUT/live" > "$OUT/live_log.txt" 2>&1
+  tail -6 "$OUT/live_log.txt" ;;
+vllm)
+  fmt="${1:?format}"; shift
+  [ "$fmt" != nf4 ] || bitsandbytes
+  timeout "${VLLM_TIMEOUT:-330}" python3 -m bench.bench_vllm_lengths --formats "$fmt" --budget 260 --out "$OUT/vllm" "$@" \
+    > "$OUT/vllm_${fmt}_log.txt" 2>&1
+  grep -E "vLLM|Error|error|Maximum concurrency" "$OUT/vllm_${fmt}_log.txt" | tail -20 ;;
+grpo-engines)
+  fmt="${1:?format}"
+  timeout 330 python3 -m bench.bench_grpo_engines --formats "$fmt" --out "$OUT/grpo" > "$OUT/grpo_${fmt}_log.txt" 2>&1
+  grep -E "step #|adapter|failed|Error" "$OUT/grpo_${fmt}_log.txt" | tail -20 ;;
+nb05)
+  python3 -m bench.install_missing_wheels .whl/nb --target /tmp/nbsite && export PYTHONPATH="/tmp/nbsite:$PYTHONPATH"
+  timeout "${NB_TIMEOUT:-500}" python3 scripts/execute_notebooks.py notebooks/05_gpu_real_model.ipynb --out "$OUT/nb05" \
+    > "$OUT/nb05_log.txt" 2>&1; echo "notebook 05 rc=$?"; tail -20 "$OUT/nb05_log.txt" ;;
+unsloth)
+  tar -xzf .vllm/uns/slim.tgz -C /tmp && export PYTHONPATH="/tmp/slim:$PYTHONPATH"
+  TMPDIR=/dev/shm timeout 420 python3 -m bench.probe_unsloth --out "$OUT/unsloth" --budget 330 > "$OUT/unsloth_log.txt" 2>&1
+  grep "^\[probe\]" "$OUT/unsloth_log.txt" | tail -20 ;;
+countdown)
+  mkdir -p /tmp/cd "$OUT/cd"
+  # the knob is the near-miss share; each stops once held-out greedy accuracy reaches 30% (the band is 10-40%)
+  for miss in 0.0 0.4 0.7; do
+    HUMMING_CACHE_DIR=/tmp/hc_cd$miss python3 scripts/train_countdown.py --device cuda --out /tmp/cd/m$miss \
+      --miss $miss --time-budget 120 --stop-at-acc 0.3 --eval-every 300 --final-eval-n 300 > /tmp/cd/log_m$miss.txt 2>&1 &
+  done
+  wait
+  python3 -m bench.countdown_pick calibration "$OUT"
+  tar -C /tmp/cd -czf "$OUT/cd/logs.tgz" $(cd /tmp/cd && ls log_*.txt)
+  tail -n 3 /tmp/cd/log_*.txt ;;
+cdtrain)
+  mkdir -p /tmp/cd "$OUT/cd"
+  python3 scripts/train_countdown.py --device cuda --out /tmp/cd/m0.0 --miss 0.0 --stop-at-step 747 \
+    --eval-every 300 --final-eval-n 300 > /tmp/cd/log_m0.0.txt 2>&1 || { tail -5 /tmp/cd/log_m0.0.txt; exit 1; }
+  echo /tmp/cd/m0.0 > /tmp/cd/chosen_path
+  grep -E "accuracy|stopped" /tmp/cd/log_m0.0.txt; cp /tmp/cd/log_m0.0.txt /tmp/cd/m0.0/train_report.json "$OUT/cd/"
+  (cd /tmp/cd/m0.0 && sha256sum *.safetensors) > "$OUT/cd/model_sha256.txt"
+  diff <(awk '{print $1}' docs/results/experiments-countdown/calibration/model_sha256.txt | sort) \
+       <(awk '{print $1}' "$OUT/cd/model_sha256.txt" | sort) > /dev/null \
+    && echo "shards: identical to the committed sha256" || echo "shards: differ from the committed sha256"
+  tar -C /tmp/cd -cf /tmp/cd/model.tar m0.0 && split -b 15m /tmp/cd/model.tar "$OUT/cd/model.tar.part_" ;;
+cdgrid)
+  model="${1:-$(cd_model)}"
+  [ -n "$model" ] || { echo "cdgrid: no model (run countdown or cdtrain first, carry .vllm/cd, or name one)" >&2; exit 2; }
+  lr="${4:-2e-3}"; [ "$lr" != best ] || lr=$(cat /tmp/cd/best_lr) || exit 2
+  dir="cdgrid-s${3:-150}-lr$lr"  # one directory per setting: a grid never mixes steps or lrs
+  [ -z "${CD_CONFIGS:-}" ] || dir="$dir-sub"
+  [ -d "/tmp/$dir" ] || [ ! -f .vllm/cdgrid/parts.tgz ] || tar -xzf .vllm/cdgrid/parts.tgz -C /tmp  # earlier holds' runs
+  GRID_CONFIGS="${CD_CONFIGS:-}" SEED_GROUPS="${SEED_GROUPS:-0,1,2 3,4}" bash scripts/grid_parallel.sh "/tmp/$dir" full \
+    "${2:-480}" --device cuda --model "$model" --dataset countdown --steps "${3:-150}" --lr "$lr" --eval-every 25 \
+    > /tmp/cdgrid_log.txt 2>&1
+  echo "grid $dir rc=$?"; tail -12 /tmp/cdgrid_log.txt
+  tar -C /tmp -czf "$OUT/cdgrid_parts.tgz" "$dir" ;;
+cdsweep)
+  model="$(cd_model)"
+  [ -n "$model" ] || { echo "cdsweep: no model (run countdown or cdtrain first, or carry .vllm/cd)" >&2; exit 2; }
+  read -r -a lrs <<< "${3:-2.5e-4 5e-4 1e-3}"
+  mkdir -p /tmp/cdsweep
+  for lr in "${lrs[@]}"; do
+    for c in nvfp4-lora bf16-lora-4bit-lr; do  # the same lr for both: bf16's control runs at the 4-bit lr
+      for seed in 0 1; do
+        OMP_NUM_THREADS=1 timeout "${1:-300}" python3 -m qerl_kit.experiments --grid full --configs "$c" --seeds $seed \
+          --device cuda --model "$model" --dataset countdown --steps "${2:-150}" --eval-every 25 --lr "$lr" \
+          --out "/tmp/cdsweep/lr$lr/$c-s$seed" > "/tmp/cdsweep/lr${lr}_$c-s$seed.log" 2>&1 &
+      done
+    done
+  done
+  wait
+  python3 -m bench.countdown_pick lr
+  tar -C /tmp -czf "$OUT/cdsweep.tgz" cdsweep ;;
+model-piece)
+  n="${1:?piece number}"
+  [ "$n" = 01 ] && rm -f /tmp/model.gguf
+  cat ".rm/p$n/part" >> /tmp/model.gguf && ls -l /tmp/model.gguf ;;
+model-setup)
+  n="${1:?last piece number}"
+  cat ".rm/p$n/part" >> /tmp/model.gguf
+  echo "$MODEL_SHA  /tmp/model.gguf" | sha256sum -c - || exit 1
+  mkdir -p /tmp/data && cp .rdata/*.jsonl /tmp/data/
+  python3 -c "import torch, transformers, gguf; print(torch.__version__, transformers.__version__)"
+  python3 -m bench.real_model convert /tmp/model.gguf /tmp/m05 2>&1 | grep -v "it/s\]" ;;
+real-eval)
+  tag="${EVAL_TAG:-eval}"  # the JSONs travel as one archive ($OUT returns a few files)
+  timeout "${LIMIT_S:-560}" python3 -m bench.real_model eval /tmp/m05 --out "/tmp/$tag" "$@" 2>&1 | grep -v "it/s\]"
+  cp "/tmp/$tag/summary.md" "$OUT/$tag-summary.md"; tar czf "$OUT/$tag.tgz" -C /tmp "$tag" ;;
+real-regress)
+  timeout "${LIMIT_S:-560}" python3 -m bench.real_model regress /tmp/m05 --out /tmp/regress "$@" 2>&1 | grep -v "it/s\]"
+  cp /tmp/regress/regress.json "$OUT/" ;;
+real-grpo)
+  mkdir -p /tmp/grpo
+  timeout "${LIMIT_S:-540}" python3 -m bench.real_grpo run /tmp/m05 --out /tmp/grpo "$@" 2>&1 | grep -v "it/s\]"
+  python3 -m bench.real_grpo report /tmp/grpo
+  mkdir -p "$OUT/grpo" && cp /tmp/grpo/study.md /tmp/grpo/curves.json "$OUT/grpo/" 2>/dev/null
+  (cd /tmp/grpo && tar czf "$OUT/grpo/runs.tgz" --exclude='checkpoint-*' */metrics.jsonl */final.json */log.txt 2>/dev/null) ;;
+*) echo "unknown command $cmd (the list is at the top of bench/device.sh)" >&2; exit 2 ;;
+esac
+ls -R "$OUT" | head -30
