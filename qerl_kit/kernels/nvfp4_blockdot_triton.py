@@ -168,7 +168,14 @@ if HAS_TRITON:
     ):
         """y[M, N] = x[M, K] @ W[N, K]^T (+ bias) for M <= ROWS <= 4, without tensor cores.
         ``q_ptr`` is ``packed`` viewed as int32 words [N, K/8]; program (i, s) owns columns
-        [i*BN, (i+1)*BN) and the s-th of SPLIT_K slices of K."""
+        [i*BN, (i+1)*BN) and the s-th of SPLIT_K slices of K.
+
+        Long because: one @triton.jit kernel is one GPU program; Triton has no list of tensors, so
+        the up to four rows' pointers, prescales, accumulators and stores are written out once per
+        row (ROWS is a constexpr: rows past it compile away), and a helper could not update the
+        caller's accumulators, only return them. The per-row work is already in helpers (_bd_load,
+        _row_step, _row_prescale, _blockdot_out); a separate reduction kernel is what the
+        last-arriving slice replaces (one launch, no memset)."""
         pid_n = tl.program_id(0)
         pid_k = tl.program_id(1)
         k_start, k_end = k_slice(pid_k, K, BLOCK_K, SPLIT_K)

@@ -86,7 +86,14 @@ if HAS_TRITON:
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     ):
         """y[M, N] = x[M, K] @ W[N, K]^T (+ bias); program (i, s) owns columns [i*BN, (i+1)*BN)
-        and the s-th of SPLIT_K slices of K."""
+        and the s-th of SPLIT_K slices of K.
+
+        Long because: one @triton.jit kernel is one GPU program whose 14-line signature is its
+        launch ABI; the prefetching and plain K loops and the split-K epilogue share the offsets,
+        pointers and accumulator, which a helper could only take as arguments and hand back as a
+        tuple (a Triton helper cannot update its caller's variables). The separable steps are
+        already helpers (k_slice, _load_next, _fma_step, dequant_nvfp4, mma); a separate reduction
+        kernel is what the last-arriving slice replaces (one launch, no memset)."""
         pid_n = tl.program_id(0)
         pid_k = tl.program_id(1)
         k_start, k_end = k_slice(pid_k, K, BLOCK_K, SPLIT_K)
