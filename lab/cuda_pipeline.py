@@ -303,7 +303,7 @@ def launch(kernel, x, packed, scales, global_scale, bias, ips: int, mt: int, sta
     blocks of ``threads`` (default 32 warps) with ``shared_mem`` bytes (default this loop's
     ``shared_bytes``); ``x_arg`` is what the kernel reads as x (by default x itself). Returns
     y [M, N] bf16."""
-    from qerl_kit.kernels.nvfp4_gemv_triton import _counters
+    from qerl_kit.kernels.splitk import arrival_counters
 
     m, n, k = x.shape[0], packed.shape[0], packed.shape[1] * 2
     rows = 16 * nt * warps
@@ -315,6 +315,6 @@ def launch(kernel, x, packed, scales, global_scale, bias, ips: int, mt: int, sta
            args=[x if x_arg is None else x_arg, m, x.stride(0), packed, packed.stride(0),
                  scales.view(torch.uint8), scales.stride(0),
                  global_scale, bias if bias is not None else y, int(bias is not None), y, y.stride(0), ws,
-                 _counters(x.device), n, k, ips],
+                 arrival_counters(x.device), n, k, ips],
            stream=torch.cuda.current_stream(x.device))
     return y

@@ -289,9 +289,9 @@ def choose_ips(m: int, n: int, k: int, sms: int | None = None) -> int:
     """K steps per slice: K is split until the grid covers the GPU about once, one block per SM.
     On all 32 cells of the route table that ``preferred`` sends here, the best of this split and
     half and twice as many slices was this one."""
-    from qerl_kit.kernels.nvfp4_gemv_triton import _sm_count  # cached once per process
+    from qerl_kit.kernels.splitk import sm_count  # cached once per process
 
-    sms = sms or _sm_count()
+    sms = sms or sm_count()
     steps = k // K_STEP
     slices = max(1, min(steps, sms // -(-n // ROWS)))
     return -(-steps // slices)

@@ -94,7 +94,9 @@ def applies(c, m: int) -> bool:  # a GEMM row tile taller than the padded M only
 
 
 def split_k(c, n: int, k: int) -> int:
-    return kernels()[1].choose_split_k(n, k, c["BLOCK_N"], c["BLOCK_K"], c["CTAS"]) if c["kernel"] == "decode" else 1
+    from qerl_kit.kernels.splitk import choose_split_k
+
+    return choose_split_k(n, k, c["BLOCK_N"], c["BLOCK_K"], c["CTAS"]) if c["kernel"] == "decode" else 1
 
 
 def ws_elems(c, m, n, split) -> int:
@@ -103,6 +105,8 @@ def ws_elems(c, m, n, split) -> int:
 
 def make_launch(c, x, w, y, ws, split):
     """A no-argument closure launching config c's kernel once: y = x @ W^T."""
+    from qerl_kit.kernels.splitk import arrival_counters
+
     gm, gv = kernels()
     packed, scales, gs = w
     (m, k), n = x.shape, packed.shape[0]
@@ -113,7 +117,7 @@ def make_launch(c, x, w, y, ws, split):
                 **gm.launch_options(x.device))
     if c["kernel"] == "decode":
         kern = gv._nvfp4_gemv_kernel.fn[(-(-n // c["BLOCK_N"]), split)]
-        args = head + (ws, gv._counters(x.device), m, n, k, gm.m_bucket(m)) + strides + (2,)
+        args = head + (ws, arrival_counters(x.device), m, n, k, gm.m_bucket(m)) + strides + (2,)
         meta.update(USE_DOT=True, PREFETCH=False, SPLIT_K=split)
     else:
         kern = gm._nvfp4_gemm_kernel.fn[(-(-m // c["BLOCK_M"]) * -(-n // c["BLOCK_N"]),)]

@@ -217,3 +217,57 @@ def test_the_rollout_backends_know_nothing_of_each_other():
     crossing = sorted(f"{m} -> {d}" for m in home for d in imports(m, import_time_only=False)
                       if d in home and home[d] != home[m])
     assert crossing == []
+
+
+# ---- code size: modules and functions a reader can hold -------------------------------------------
+
+MAX_MODULE_LINES = 500
+MAX_FUNCTION_LINES = 60
+LONG_REASON = "Long because:"  # a docstring line starting so explains a longer function
+
+
+def long_functions(source: str, limit: int = MAX_FUNCTION_LINES) -> dict[str, tuple[int, bool]]:
+    """{qualified name: (lines from ``def`` to its last line, whether its docstring gives a
+    ``Long because:`` reason)} for every function, method and nested function over ``limit``."""
+    out = {}
+
+    def walk(node, prefix):
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                lines = child.end_lineno - child.lineno + 1
+                if lines > limit:
+                    doc = ast.get_docstring(child) or ""
+                    reason = any(line.strip().startswith(LONG_REASON) for line in doc.splitlines())
+                    out[prefix + child.name] = (lines, reason)
+                walk(child, f"{prefix}{child.name}.")
+            elif isinstance(child, ast.ClassDef):
+                walk(child, f"{prefix}{child.name}.")
+            else:
+                walk(child, prefix)
+
+    walk(ast.parse(source), "")
+    return out
+
+
+def _package_files() -> dict[str, str]:
+    return {p.relative_to(ROOT.parent).as_posix(): p.read_text() for p in sorted(ROOT.rglob("*.py"))}
+
+
+def test_no_module_over_500_lines():
+    sizes = {path: len(text.splitlines()) for path, text in _package_files().items()}
+    assert {path: n for path, n in sizes.items() if n > MAX_MODULE_LINES} == {}
+
+
+def test_no_function_over_60_lines_without_a_reason_in_its_docstring():
+    unexplained = {f"{path}:{name}": lines for path, text in _package_files().items()
+                   for name, (lines, reason) in long_functions(text).items() if not reason}
+    assert unexplained == {}
+
+
+def test_the_size_checker_measures_nested_functions_and_reads_the_reason():
+    body = "".join(f"    x{i} = {i}\n" for i in range(60))
+    source = (f"def short():\n{body[:40]}\n"
+              f"class C:\n    def long(self):\n        '''Does it.\n\n        Long because: a table.'''\n"
+              + body.replace("    ", "        ")
+              + f"\ndef outer():\n    def inner():\n{body.replace('    ', '        ')}    return inner\n")
+    assert long_functions(source) == {"C.long": (64, True), "outer": (63, False), "outer.inner": (61, False)}

@@ -11,11 +11,14 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
+# one intra-op thread in the bench processes, as tests/conftest.py gives this one: the tiny models
+# gain nothing from more, and on a busy 2-core machine extra threads only fight other processes
+ENV = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
 
 
 def _bench(out, *extra):
     proc = subprocess.run([sys.executable, "-m", "bench.bench_rollout", "--smoke", "--parts", "rollout",
-                           "--out", str(out), *extra], cwd=ROOT, capture_output=True, text=True, timeout=600)
+                           "--out", str(out), *extra], cwd=ROOT, capture_output=True, text=True, timeout=600, env=ENV)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     return proc.stdout
 
@@ -41,7 +44,7 @@ def test_skip_done_runs_only_missing_cases_and_reports_merge(tmp_path):
 
     report = subprocess.run([sys.executable, "-m", "bench.report_rollout", str(tmp_path / "a"),
                              str(tmp_path / "b"), "--write", str(tmp_path / "merged")],
-                            cwd=ROOT, capture_output=True, text=True, timeout=120)
+                            cwd=ROOT, capture_output=True, text=True, timeout=120, env=ENV)
     assert report.returncode == 0, report.stderr[-2000:]
     assert "(run 1:" in report.stdout and "(run 2:" in report.stdout and "### qwen2-tiny" in report.stdout
     merged = json.loads((tmp_path / "merged" / "results.json").read_text())
@@ -53,8 +56,7 @@ def test_skip_done_runs_only_missing_cases_and_reports_merge(tmp_path):
 
 def test_lora_engine_bench_smoke_writes_its_table(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "bench.bench_lora_engine", "--smoke", "--out", str(tmp_path)],
-                          cwd=ROOT, capture_output=True, text=True, timeout=600,
-                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+                          cwd=ROOT, capture_output=True, text=True, timeout=600, env=ENV)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     rows = [line for line in (tmp_path / "lora_engine_h200.md").read_text().splitlines()
             if line.startswith(("| nvfp4 |", "| bf16 |"))]
@@ -102,8 +104,7 @@ def test_vllm_bench_dummy_export_writes_the_config_alone(tmp_path):
 def test_grpo_engines_bench_smoke_times_whole_steps(tmp_path):
     # the StaticEngine half on the CPU (vLLM's half needs the GPU: tests/test_vllm_gpu.py covers the engine)
     proc = subprocess.run([sys.executable, "-m", "bench.bench_grpo_engines", "--smoke", "--engines", "static",
-                           "--out", str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=600,
-                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+                           "--out", str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=600, env=ENV)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     rows = json.loads((tmp_path / "grpo_engines_nvfp4.json").read_text())["rows"]
     assert [(r["engine"], r["step_index"]) for r in rows] == [("static", 1)] and "error" not in rows[0]

@@ -6,7 +6,7 @@ from qerl_kit.cli import build_parser, main
 
 
 def test_demo_command_runs_a_short_job(capsys, tmp_path):
-    assert main(["demo", "--steps", "2", "--eval-size", "8", "--no-widgets",
+    assert main(["demo", "--steps", "1", "--eval-size", "8", "--no-widgets",
                  "--output-dir", str(tmp_path / "demo")]) == 0
     out = capsys.readouterr().out
     assert "28 linear layers converted" in out and "held-out accuracy" in out

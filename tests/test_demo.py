@@ -2,15 +2,22 @@
 
 import json
 import os
+import shutil
 
 import pytest
 
 from qerl_kit.demo import run_demo
 
 
-def test_demo_smoke_writes_summary_plot_and_metrics(tmp_path):
-    out = tmp_path / "run"
-    summary = run_demo(steps=3, eval_size=16, output_dir=str(out), progress="none")
+@pytest.fixture(scope="module")
+def smoke_run(tmp_path_factory):
+    """One 3-step demo run (AQN on, three stages) that the tests below read; (its dir, its summary)."""
+    out = tmp_path_factory.mktemp("demo") / "run"
+    return out, run_demo(steps=3, eval_size=16, output_dir=str(out), progress="none")
+
+
+def test_demo_smoke_writes_summary_plot_and_metrics(smoke_run):
+    out, summary = smoke_run
     for key in ("base_accuracy", "final_accuracy", "steps", "wall_seconds"):
         assert key in summary
     assert summary["steps"] == 3 and 0 <= summary["base_accuracy"] <= 1
@@ -20,15 +27,16 @@ def test_demo_smoke_writes_summary_plot_and_metrics(tmp_path):
     assert (out / "checkpoint-3" / "adapter_model.safetensors").is_file()
 
 
-def test_demo_keeps_other_files_and_moves_an_earlier_run_aside(tmp_path):
+def test_demo_keeps_other_files_and_moves_an_earlier_run_aside(smoke_run, tmp_path):
+    first_dir, first = smoke_run
+    shutil.copytree(first_dir, tmp_path, dirs_exist_ok=True)  # an earlier run's files, left as the demo wrote them
     (tmp_path / "notes.txt").write_text("keep me")
-    run_demo(steps=1, eval_size=4, output_dir=str(tmp_path), progress="none")
-    first = json.loads((tmp_path / "summary.json").read_text())
     run_demo(steps=1, eval_size=4, output_dir=str(tmp_path), progress="none")   # before: the first run was deleted
     assert (tmp_path / "notes.txt").read_text() == "keep me"
     [earlier] = (tmp_path / "previous-runs").iterdir()
     assert json.loads((earlier / "summary.json").read_text()) == first
-    assert (earlier / "checkpoint-1" / "adapter_model.safetensors").is_file()
+    assert (earlier / "checkpoint-3" / "adapter_model.safetensors").is_file()
+    assert json.loads((tmp_path / "summary.json").read_text())["steps"] == 1
     (tmp_path / "own").mkdir()
     (tmp_path / "own" / "config.yaml").write_text("mine: 1\n")          # our file name, not a run's
     with pytest.raises(FileExistsError, match="not a qerl run's files"):

@@ -116,7 +116,7 @@ def test_fused_step_matches_generic_step_and_leaves_the_model_unchanged(preset, 
         after = model(input_ids=ids).logits
     assert torch.equal(before, after) and set(model.state_dict()) == keys
     assert {k: v.data_ptr() for k, v in model.state_dict().items()} == ptrs  # the model's storage is untouched
-    sp = SamplingParams(max_new_tokens=8, temperature=1.0, seed=2)
+    sp = SamplingParams(max_new_tokens=4, temperature=1.0, seed=2)  # prefill + 3 decode steps: every path
     prompts = ids.tolist()
     a = generic.generate_ids(prompts, 2, sp, ignore_eos=True)
     b = fused.generate_ids(prompts, 2, sp, ignore_eos=True)

@@ -155,7 +155,7 @@ def test_blockdot_code_placement_in_its_ptx_is_e2m1_times_2_pow_minus_14():
     for every pair of code bytes: pair p holds codes p and p + 4 of the word as fp16 e2m1 * 2^-14."""
     import re
 
-    from qerl_kit.kernels import nvfp4_gemv_triton as g
+    from qerl_kit.kernels import nvfp4_blockdot_triton as g
 
     ptx = g._PAIRS_F16
     rot = int(re.search(r"shf\.r\.wrap\.b32 r, \$1, \$1, (\d+);", ptx).group(1))

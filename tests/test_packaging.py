@@ -52,3 +52,33 @@ def test_torch_is_not_pinned_to_a_cuda_build():
     assert torch_req == ["torch>=2.4"]  # 2.13.0 (CPU, on disk) satisfies it; GPUs get CUDA builds
     run = (ROOT / "run").read_text()
     assert 'pip install -q "torch==2.13.0"' in run and "nvidia-smi" in run
+
+
+def _run_test_command(tmp_path, *args) -> str:
+    """What ``./run test ARGS`` executes, through a stand-in venv whose python prints its arguments
+    (the install stamp is current, so nothing is installed)."""
+    import hashlib
+    import os
+    import subprocess
+
+    venv = tmp_path / "venv"
+    (venv / "bin").mkdir(parents=True, exist_ok=True)
+    (venv / "bin" / "activate").write_text(f'export PATH="{venv / "bin"}:$PATH"\n')
+    python = venv / "bin" / "python"
+    python.write_text('#!/bin/sh\necho "$@"\n')
+    python.chmod(0o755)
+    stamp = hashlib.sha256((ROOT / "pyproject.toml").read_bytes() + (ROOT / "run").read_bytes()).hexdigest()[:16]
+    (venv / ".qerl-test").write_text(stamp + "\n")
+    env = {**os.environ, "QERL_VENV": str(venv), "QERL_NO_APT": "1"}
+    done = subprocess.run(["bash", str(ROOT / "run"), "test", *args], env=env, capture_output=True, text=True,
+                          timeout=60)
+    assert done.returncode == 0, done.stderr
+    return done.stdout.strip()
+
+
+def test_run_test_leaves_the_slow_tests_to_run_test_all(tmp_path):
+    """CI's ``./run test`` deselects the tests marked slow; ``./run test --all`` runs every test."""
+    assert _run_test_command(tmp_path) == "-m pytest -m not slow"
+    assert _run_test_command(tmp_path, "-x", "tests/test_demo.py") == "-m pytest -m not slow -x tests/test_demo.py"
+    assert _run_test_command(tmp_path, "--all") == "-m pytest"
+    assert _run_test_command(tmp_path, "--all", "-k", "demo") == "-m pytest -k demo"

@@ -344,9 +344,9 @@ def choose_config(m: int, n: int, k: int, sms: int | None = None) -> tuple[int, 
     16M weights and more and about 8 blocks per SM; 2..8 rows one tile and about 4 blocks per SM,
     6 when K has 100 steps of 256 or more (72B down: 6-10% faster at 2-8 rows, 32B down 1%; 7B
     down, 74 steps, is 0-3% slower with 6: lab/results/cuda_decode_slices_h200.md)."""
-    from qerl_kit.kernels.nvfp4_gemv_triton import _sm_count  # cached once per process
+    from qerl_kit.kernels.splitk import sm_count  # cached once per process
 
-    sms = sms or _sm_count()
+    sms = sms or sm_count()
     nt = 2 if m == 1 and n * k >= (16 << 20) else 1
     blocks_n = -(-n // (64 * nt))
     steps = -(-k // K_STEP)
@@ -379,13 +379,13 @@ def nvfp4_decode_cuda(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tenso
 
 
 def _launch(kernel, x, packed, scales, global_scale, bias, y, ws, nt, ips, slices) -> None:
-    from qerl_kit.kernels.nvfp4_gemv_triton import _counters
+    from qerl_kit.kernels.splitk import arrival_counters
 
     m, n, k = x.shape[0], packed.shape[0], packed.shape[1] * 2
     kernel(grid=(-(-n // (64 * nt)), slices, 1), block=(32 * WARPS, 1, 1),
            args=[x, m, x.stride(0), packed, packed.stride(0), scales.view(torch.uint8), scales.stride(0),
                  global_scale, bias if bias is not None else y, int(bias is not None), y, y.stride(0), ws,
-                 _counters(x.device), n, k, ips],
+                 arrival_counters(x.device), n, k, ips],
            stream=torch.cuda.current_stream(x.device))
 
 

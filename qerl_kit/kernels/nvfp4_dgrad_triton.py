@@ -50,7 +50,13 @@ if HAS_TRITON:
         EVEN_N: tl.constexpr, SWAP_AB: tl.constexpr, BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     ):
-        """dx[M, K] = dy[M, N] @ W[N, K]; one BLOCK_M x BLOCK_K tile of dx per program."""
+        """dx[M, K] = dy[M, N] @ W[N, K]; one BLOCK_M x BLOCK_K tile of dx per program.
+
+        Long because: one @triton.jit kernel is one GPU program whose 12-line signature is its
+        launch ABI; the tile order, the N loop and the column interleave share the offsets, pointers
+        and two accumulators, which a helper could only take as arguments and hand back as a tuple
+        (a Triton helper cannot update its caller's variables). The separable steps are already
+        helpers (dequant_nvfp4, mma, acc_fix)."""
         pid = tl.program_id(0)
         num_pid_m = tl.cdiv(M, BLOCK_M)
         num_pid_k = tl.cdiv(K, BLOCK_K)

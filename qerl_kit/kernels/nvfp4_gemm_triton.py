@@ -192,7 +192,14 @@ if HAS_TRITON:
         SWAP_AB: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
         BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     ):
-        """y[M, N] = x[M, K] @ W[N, K]^T (+ bias[N]); one BLOCK_M x BLOCK_N tile per program."""
+        """y[M, N] = x[M, K] @ W[N, K]^T (+ bias[N]); one BLOCK_M x BLOCK_N tile per program.
+
+        Long because: one @triton.jit kernel is one GPU program whose 13-line signature is its
+        launch ABI; the tile order, the K loop and the epilogue share the offsets, pointers and the
+        accumulator, which a helper could only take as arguments and hand back as a tuple (a Triton
+        helper cannot update its caller's variables). The separable steps are already helpers
+        (dequant_nvfp4, split_even_odd, mma, acc_fix); a second kernel would cost a launch and a
+        round trip of the tile through memory."""
         # ---- tile ordering: GROUP_M row-tiles share the same weight columns in L2 ----
         pid = tl.program_id(0)
         num_pid_m = tl.cdiv(M, BLOCK_M)
