@@ -16,7 +16,7 @@ that run's older checkpoints. Loading checks what it reads: a missing, unexpecte
 shaped adapter tensor, an integer or NaN/inf adapter tensor, a truncated file, or a trainer state missing
 a key, holding one of the wrong type or a value a resume cannot use (``qerl_kit.trainer_state``), is a
 ``CheckpointError`` naming the file (and the tensor or key).
-``read_adapter`` and ``load_adapter_weights`` (``qerl_kit.adapter_files``, named here too) are the one
+``qerl_kit.adapter_files.read_adapter`` and ``load_adapter_weights`` are the one
 checked loader of adapter files: resume and ``qerl_kit.lora.load_lora`` (``qerl eval --adapter``,
 ``load_nvfp4(adapter_dir=)``) use them. What the state holds and how it is restored is
 ``qerl_kit.trainer_state``'s (this module builds on it; it knows nothing of this one).
@@ -32,10 +32,9 @@ from pathlib import Path
 import torch
 
 from qerl_kit import file_writes, runs, trainer_state
-# the adapter files' checked loader and the state's RNG helpers: defined below this layer, named here too
-from qerl_kit.adapter_files import ADAPTER_FILE, CheckpointError, load_adapter_weights, read_adapter  # noqa: F401
+from qerl_kit.adapter_files import CheckpointError
 from qerl_kit.config_types import short_repr
-from qerl_kit.trainer_state import STATE_FILE, rng_state, set_rng_state  # noqa: F401
+from qerl_kit.trainer_state import STATE_FILE
 _PATTERN = re.compile(r"^checkpoint-(\d+)$")
 
 

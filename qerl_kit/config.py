@@ -39,7 +39,7 @@ from pathlib import Path
 from typing import Any
 
 from qerl_kit.config_types import (EVAL_SIZE_RULE, LR_RULE, NEW_TOKENS_RULE, OPTIMIZERS, RESAMPLE, SCHEDULES,  # noqa: F401
-                                   SEED_MAX, SEED_RULE, STEPS_RULE, TEMPERATURE_RULE, TOP_K_RULE, TOP_P_RULE,
+                                   SEED_RULE, STEPS_RULE, TEMPERATURE_RULE, TOP_K_RULE, TOP_P_RULE,
                                    TRAIN_SIZE_RULE, _SIGMA, ConfigError, _bad, _check, _check_keys, _rule, _section,
                                    _validate, check_aqn_sigmas, check_lora_alpha, check_lr, check_seed, check_sigma,
                                    check_steps, check_temperature, check_value, short_repr)

@@ -22,9 +22,8 @@ import torch
 
 from qerl_kit.config_types import short_repr
 from qerl_kit.finite import check_weights
-# a model directory's files, checked: defined below this module (export reads them too), named here too
-from qerl_kit.model_files import (TOKENIZER_VOCAB_FILES, ModelSourceError, check_tokenizer_files,  # noqa: F401
-                                  check_weight_files, is_nvfp4_checkpoint, read_model_config)
+from qerl_kit.model_files import (ModelSourceError, check_tokenizer_files, check_weight_files, is_nvfp4_checkpoint,
+                                  read_model_config)
 
 # Shapes from the models' published config.json files.
 _QWEN25 = dict(arch="qwen2", vocab_size=152064, rope_theta=1000000.0, rms_norm_eps=1e-6,

@@ -422,7 +422,7 @@ class Trainer:
         if self.dist.main:
             finite.check_weights(self.model, path, "the adapter for", True, "the checkpoint was not written")
             state = {"step": self.step, "optimizer": self.optimizer.state_dict(),
-                     "scheduler": self.scheduler.state_dict(), "rng": ckpt.rng_state(),
+                     "scheduler": self.scheduler.state_dict(), "rng": trainer_state.rng_state(),
                      "aqn": self.aqn.state_dict() if self.aqn else None, "world_size": self.dist.world,
                      "history": json.dumps(self.history), "config": json.dumps(self.config.to_dict()),
                      "run_id": self.run_id}

@@ -4,7 +4,6 @@ import pytest
 import torch
 
 from qerl_kit import kernels
-from qerl_kit.kernels import Backend
 from qerl_kit.kernel_report import KernelReport, kernel_report
 
 CUDA = torch.cuda.is_available()

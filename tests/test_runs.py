@@ -8,6 +8,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from qerl_kit.adapter_files import ADAPTER_FILE
 from qerl_kit import checkpoint as ckpt
 from qerl_kit import runs
 from qerl_kit.checkpoint import CheckpointError
@@ -109,27 +110,27 @@ def saved(tmp_path):
 
 def test_a_checkpoint_missing_an_adapter_tensor_is_refused_with_its_name(tmp_path, saved):
     _, path = saved
-    weights = load_file(str(path / ckpt.ADAPTER_FILE))
+    weights = load_file(str(path / ADAPTER_FILE))
     dropped = sorted(weights)[0]
     del weights[dropped]
-    save_file(weights, str(path / ckpt.ADAPTER_FILE))
-    with pytest.raises(CheckpointError, match=re.escape(f"{path / ckpt.ADAPTER_FILE} does not match the model's adapter: "
+    save_file(weights, str(path / ADAPTER_FILE))
+    with pytest.raises(CheckpointError, match=re.escape(f"{path / ADAPTER_FILE} does not match the model's adapter: "
                                                         f"1 adapter tensors missing (e.g. {dropped})")):
         _trainer(tmp_path).resume(path)
 
 
 def test_unexpected_or_wrongly_shaped_tensors_are_refused(tmp_path, saved):
     _, path = saved
-    weights = load_file(str(path / ckpt.ADAPTER_FILE))
+    weights = load_file(str(path / ADAPTER_FILE))
     key = sorted(weights)[0]
     weights[key] = torch.zeros(weights[key].shape[0] + 1, *weights[key].shape[1:])
     weights["base_model.model.extra.lora_A.weight"] = torch.zeros(2, 2)
-    save_file(weights, str(path / ckpt.ADAPTER_FILE))
+    save_file(weights, str(path / ADAPTER_FILE))
     with pytest.raises(CheckpointError, match="1 tensors the model has no place for.*1 of another shape"):
         _trainer(tmp_path).resume(path)
 
 
-@pytest.mark.parametrize("name", [ckpt.ADAPTER_FILE, ckpt.STATE_FILE])
+@pytest.mark.parametrize("name", [ADAPTER_FILE, ckpt.STATE_FILE])
 def test_a_truncated_file_names_its_path(tmp_path, saved, name):
     _, path = saved
     data = (path / name).read_bytes()

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from qerl_kit.config import DataConfig, ModelConfig, from_dict, preset
+from qerl_kit.config import DataConfig, ModelConfig, from_dict
 from qerl_kit.data import GSM8K_SUFFIX, build_prompt, load_gsm8k
 from qerl_kit.evaluate import evaluate_task
 from qerl_kit.rewards import gsm8k_reward

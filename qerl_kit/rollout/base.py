@@ -28,7 +28,7 @@ from typing import Any, Iterator, Protocol, Sequence, runtime_checkable
 import torch
 from torch import Tensor
 
-from qerl_kit.chat_tokens import chat_stop_ids  # noqa: F401  (named here too: special_ids reads it)
+from qerl_kit.chat_tokens import chat_stop_ids
 from qerl_kit.config_types import short_repr
 from qerl_kit.finite import check_logprobs
 from qerl_kit.rollout.types import Generation, Prompts, Rollouts, SamplingParams, as_prompts, check_n

@@ -25,6 +25,7 @@ from safetensors.torch import load_file, save_file
 
 from qerl_kit import checkpoint as ckpt
 from qerl_kit import runs
+from qerl_kit.adapter_files import ADAPTER_FILE
 from qerl_kit.checkpoint import CheckpointError
 from qerl_kit.cli import main
 from tests.test_trainer import _trainer
@@ -53,8 +54,8 @@ def _damaged(adapter, tmp_path, edit):
     """A copy of the good adapter with its tensors changed by ``edit(weights) -> weights``."""
     path = tmp_path / "ev"
     shutil.copytree(adapter, path)
-    weights = load_file(str(path / ckpt.ADAPTER_FILE))
-    save_file(edit(weights), str(path / ckpt.ADAPTER_FILE))
+    weights = load_file(str(path / ADAPTER_FILE))
+    save_file(edit(weights), str(path / ADAPTER_FILE))
     return path
 
 
@@ -67,19 +68,19 @@ def _eval(path, capsys):
 def test_case_63_eval_truncated_adapter_names_the_file(adapter, tmp_path, capsys):
     path = tmp_path / "trunc"
     shutil.copytree(adapter, path)
-    data = (path / ckpt.ADAPTER_FILE).read_bytes()
-    (path / ckpt.ADAPTER_FILE).write_bytes(data[: len(data) // 2])
+    data = (path / ADAPTER_FILE).read_bytes()
+    (path / ADAPTER_FILE).write_bytes(data[: len(data) // 2])
     rc, err = _eval(path, capsys)
     assert rc == 2
-    assert f"{path / ckpt.ADAPTER_FILE} cannot be read" in err and "damaged or truncated" in err
+    assert f"{path / ADAPTER_FILE} cannot be read" in err and "damaged or truncated" in err
 
 
 def test_case_64_eval_missing_weights_file_is_named_never_a_hub_lookup(adapter, tmp_path, capsys):
     path = tmp_path / "noweights"
     shutil.copytree(adapter, path)
-    (path / ckpt.ADAPTER_FILE).unlink()
+    (path / ADAPTER_FILE).unlink()
     rc, err = _eval(path, capsys)
-    assert rc == 2 and f"{path / ckpt.ADAPTER_FILE} is missing" in err
+    assert rc == 2 and f"{path / ADAPTER_FILE} is missing" in err
 
 
 def test_eval_adapter_dir_that_does_not_exist_is_named(tmp_path, capsys):
@@ -94,14 +95,14 @@ def test_case_65_eval_adapter_missing_a_layers_tensors_is_refused(adapter, tmp_p
 
     path = _damaged(adapter, tmp_path, drop_a_layer)
     rc, err = _eval(path, capsys)
-    assert rc == 2 and f"{path / ckpt.ADAPTER_FILE} does not match the model's adapter" in err
+    assert rc == 2 and f"{path / ADAPTER_FILE} does not match the model's adapter" in err
     assert re.search(r"\d+ adapter tensors missing \(e\.g\. .*layers\.\d+\.", err)
 
 
 def test_case_98_eval_all_nan_adapter_is_refused(adapter, tmp_path, capsys):
     path = _damaged(adapter, tmp_path, lambda w: {k: torch.full_like(v, float("nan")) for k, v in w.items()})
     rc, err = _eval(path, capsys)
-    assert rc == 2 and f"{path / ckpt.ADAPTER_FILE} holds NaN or inf values" in err and "lora_" in err
+    assert rc == 2 and f"{path / ADAPTER_FILE} holds NaN or inf values" in err and "lora_" in err
 
 
 def test_case_99_eval_adapter_with_an_extra_tensor_is_refused(adapter, tmp_path, capsys):
@@ -162,9 +163,9 @@ def test_case_96_damaged_trainer_state_names_path_and_key(saved, tmp_path, damag
 
 def test_case_97_resume_from_an_all_nan_adapter_is_refused(saved, tmp_path):
     path = _copy(saved, tmp_path)
-    weights = load_file(str(path / ckpt.ADAPTER_FILE))
-    save_file({k: torch.full_like(v, float("nan")) for k, v in weights.items()}, str(path / ckpt.ADAPTER_FILE))
-    with pytest.raises(CheckpointError, match=re.escape(str(path / ckpt.ADAPTER_FILE)) + " holds NaN or inf values"):
+    weights = load_file(str(path / ADAPTER_FILE))
+    save_file({k: torch.full_like(v, float("nan")) for k, v in weights.items()}, str(path / ADAPTER_FILE))
+    with pytest.raises(CheckpointError, match=re.escape(str(path / ADAPTER_FILE)) + " holds NaN or inf values"):
         _trainer(tmp_path).resume(path)
 
 

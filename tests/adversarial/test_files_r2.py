@@ -19,6 +19,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from qerl_kit.adapter_files import ADAPTER_FILE
 from qerl_kit import checkpoint as ckpt
 from qerl_kit.checkpoint import CheckpointError
 from qerl_kit.config import ModelConfig
@@ -136,8 +137,8 @@ def test_r2_26_a_step_past_total_steps_is_refused(saved, tmp_path):
 
 
 def _nan_adapter(path):
-    weights = load_file(str(path / ckpt.ADAPTER_FILE))
-    save_file({k: torch.full_like(v, math.nan) for k, v in weights.items()}, str(path / ckpt.ADAPTER_FILE))
+    weights = load_file(str(path / ADAPTER_FILE))
+    save_file({k: torch.full_like(v, math.nan) for k, v in weights.items()}, str(path / ADAPTER_FILE))
 
 
 @pytest.mark.parametrize("damage,files,word", [
@@ -182,7 +183,7 @@ def _edited(adapter, tmp_path, config=None, raw=None, weights=None):
         text = json.dumps({**json.loads(text), **(config or {})}) if config else raw(text)
         (path / "adapter_config.json").write_text(text)
     if weights:
-        save_file(weights(load_file(str(path / ckpt.ADAPTER_FILE))), str(path / ckpt.ADAPTER_FILE))
+        save_file(weights(load_file(str(path / ADAPTER_FILE))), str(path / ADAPTER_FILE))
     return path
 
 
@@ -232,7 +233,7 @@ def test_r2_35_adapter_lora_alpha_nan_or_huge_follows_the_config_rule(base, adap
 def test_r2_36_integer_adapter_tensors_are_refused(base, adapter, tmp_path):
     """adapter_model.safetensors with int64 tensors of the right shapes (was: loaded after a silent cast)."""
     path = _edited(adapter, tmp_path, weights=lambda w: {k: (v * 10).round().to(torch.int64) for k, v in w.items()})
-    _load_refused(base, path, str(path / ckpt.ADAPTER_FILE), "not floating point", "torch.int64", "lora_")
+    _load_refused(base, path, str(path / ADAPTER_FILE), "not floating point", "torch.int64", "lora_")
 
 
 def test_r2_37_dora_adapter_is_refused_naming_the_path(base, adapter, tmp_path):
