@@ -134,7 +134,7 @@ cdtrain)
   echo /tmp/cd/m0.0 > /tmp/cd/chosen_path
   grep -E "accuracy|stopped" /tmp/cd/log_m0.0.txt; cp /tmp/cd/log_m0.0.txt /tmp/cd/m0.0/train_report.json "$OUT/cd/"
   (cd /tmp/cd/m0.0 && sha256sum *.safetensors) > "$OUT/cd/model_sha256.txt"
-  diff <(awk '{print $1}' docs/results/experiments-countdown/calibration/model_sha256.txt | sort) \
+  diff <(awk '{print $1}' bench/results/experiments_countdown_h200/calibration/model_sha256.txt | sort) \
        <(awk '{print $1}' "$OUT/cd/model_sha256.txt" | sort) > /dev/null \
     && echo "shards: identical to the committed sha256" || echo "shards: differ from the committed sha256"
   tar -C /tmp/cd -cf /tmp/cd/model.tar m0.0 && split -b 15m /tmp/cd/model.tar "$OUT/cd/model.tar.part_" ;;

@@ -18,8 +18,8 @@ The output directory is the grid's own: new, empty, or an earlier grid (``.qerl_
 list of files the grid wrote, or the layout of a grid made before that marker existed). A file the
 grid did not write is never overwritten or deleted: a foreign non-empty directory, or a foreign
 file where the grid would write, raises ``RefusedToOverwrite`` before any training. A directory
-under the project's ``docs/`` (the committed results) is refused unless ``allow_docs=True``
-(``--allow-docs``).
+under the project's committed results (``bench/results/``, ``lab/results/``) is refused unless
+``allow_results=True`` (``--allow-results``).
 
 Two entropies are recorded per step: ``entropy`` (the trainer's, TRL's: exact mean entropy of the
 clean training policy over the completion tokens) and ``rollout_nll`` (mean negative log-prob of
@@ -253,7 +253,7 @@ def run_grid(configs: Sequence[GridConfig | str], seeds: Sequence[int], *, steps
              group_size: int = 8, eval_size: int = 200, max_new_tokens: int = 64,
              output_dir: str | os.PathLike = "runs/experiments", device: str = "auto", model: str = "tiny",
              dataset: str = "arith", progress: str = "none", log: Callable[[str], None] = print,
-             allow_docs: bool = False, eval_every: int = 0):
+             allow_results: bool = False, eval_every: int = 0):
     """Train every (config, seed); returns ``(metrics, summary)`` DataFrames, also written as
     ``output_dir/metrics.csv`` and ``output_dir/summary.csv``.
 
@@ -264,7 +264,7 @@ def run_grid(configs: Sequence[GridConfig | str], seeds: Sequence[int], *, steps
     ``output_dir`` must be new, empty or an earlier grid's (``.qerl_grid.json`` lists the files the
     grid wrote); a file the grid did not write is never overwritten or deleted
     (``qerl_kit.export.RefusedToOverwrite``, raised before any training). Under the project's
-    ``docs/`` it is refused unless ``allow_docs=True``.
+    committed results (``bench/results/``, ``lab/results/``) it is refused unless ``allow_results=True``.
     """
     from qerl_kit.tasks import make_task
 
@@ -279,7 +279,7 @@ def run_grid(configs: Sequence[GridConfig | str], seeds: Sequence[int], *, steps
     plan = [(gc, s, train_config(gc, s, budget, model=model, dataset=dataset,  # validates all before training
                                  output_dir=str(runs / ".work" / f"{gc.name}_seed{s}")))
             for s in seeds for gc in configs]  # seed-major: a grid stopped early still has every config
-    grid = _GridDir.inspect(out, allow_docs=allow_docs)
+    grid = _GridDir.inspect(out, allow_results=allow_results)
     todo = [f"{gc.name}_seed{s}" for gc, s, _ in plan if not (runs / f"{gc.name}_seed{s}_summary.csv").exists()]
     grid.check(*GRID_OUTPUTS, *(f"runs/{n}{end}" for n in todo for end in
                                 ("_metrics.csv", "_summary.csv.tmp", "_summary.csv")))
@@ -388,8 +388,9 @@ def _parser():
     p.add_argument("--out", default="runs/experiments",
                    help="output directory: new, empty or an earlier grid's (finished runs in it are reused); "
                         "files the grid did not write are never overwritten")
-    p.add_argument("--allow-docs", action="store_true",
-                   help="allow an output directory under the project's docs/ (the committed results)")
+    p.add_argument("--allow-results", action="store_true",
+                   help="allow an output directory under the project's committed results (bench/results/, "
+                        "lab/results/)")
     return p
 
 
@@ -408,7 +409,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         kw = {k: getattr(budget, k) if getattr(args, k) is None else getattr(args, k)
               for k in ("steps", "batch_size", "group_size", "eval_size", "eval_every")}
         kw["max_new_tokens"] = budget.max_new_tokens if args.dataset == "arith" else _task_budget(args.dataset)
-        _GridDir.inspect(args.out, allow_docs=args.allow_docs).check(*CLI_OUTPUTS)  # before any training
+        _GridDir.inspect(args.out, allow_results=args.allow_results).check(*CLI_OUTPUTS)  # before any training
         configs = args.configs or names  # names: run_grid picks the learning rate by model
         if args.lr is not None:
             if not args.lr > 0:
@@ -416,8 +417,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             configs = resolve_configs(configs, base_lr=args.lr)
         metrics, summary = run_grid(configs, args.seeds or budget.seeds, output_dir=args.out,
                                     device=args.device, model=args.model, dataset=args.dataset,
-                                    allow_docs=args.allow_docs, **kw)
-        grid = _GridDir.inspect(args.out, allow_docs=args.allow_docs)
+                                    allow_results=args.allow_results, **kw)
+        grid = _GridDir.inspect(args.out, allow_results=args.allow_results)
         grid.check(*CLI_OUTPUTS)
     except (ValueError, TypeError, RefusedToOverwrite) as err:
         p.error(str(err))

@@ -3,8 +3,8 @@
 A grid records every file it writes in a marker (``GRID_MARKER``) before writing it, so a later
 grid in the same directory resumes and replaces only its own files. A directory that is neither
 empty, nor marked, nor laid out like a grid (an older grid, or scripts/grid_parallel.sh's output)
-is refused, and so is the project's docs/ unless asked (``allow_docs``): committed results are
-never rewritten by a default run.
+is refused, and so are the project's committed results (``bench/results/`` and ``lab/results/``)
+unless asked (``allow_results``): committed results are never rewritten by a default run.
 """
 
 from __future__ import annotations
@@ -20,7 +20,8 @@ _GRID_FORMAT, _GRID_VERSION = "qerl_kit.experiments grid", 1
 GRID_OUTPUTS = ("metrics.csv", "summary.csv")  # run_grid's, beside runs/
 CLI_OUTPUTS = ("curves.png", "curves_smoothed.png", "summary.png", "table.md", "command.json")  # main's
 _RUN_FILE = re.compile(r"[A-Za-z0-9._-]+_seed\d+_(metrics|summary)\.csv(\.tmp)?")
-_DOCS = Path(__file__).resolve().parents[1] / "docs"  # the project's docs/ (committed results) in a checkout
+_ROOT = Path(__file__).resolve().parents[1]  # the project's checkout (site-packages when installed)
+_COMMITTED_RESULTS = (_ROOT / "bench" / "results", _ROOT / "lab" / "results")  # the committed results, in a checkout
 
 
 def _refused(message: str):
@@ -39,14 +40,16 @@ class _GridDir:
         self.root, self.files = root, files
 
     @classmethod
-    def inspect(cls, output_dir: str | os.PathLike, allow_docs: bool = False) -> "_GridDir":
+    def inspect(cls, output_dir: str | os.PathLike, allow_results: bool = False) -> "_GridDir":
         root = Path(output_dir)
-        real, docs = Path(os.path.realpath(root)), Path(os.path.realpath(_DOCS))
-        if not allow_docs and (docs / "experiments.md").is_file() and (real == docs or real.is_relative_to(docs)):
-            raise _refused(f"output_dir {root} is inside the project's docs/ ({docs}), where the committed results "
-                           "live; nothing was written. Write the grid under runs/ (the default, runs/experiments) "
-                           "and copy what should be committed, or pass allow_docs=True (--allow-docs) to write a "
-                           "new grid there on purpose.")
+        real = Path(os.path.realpath(root))
+        for committed in _COMMITTED_RESULTS if not allow_results else ():
+            results = Path(os.path.realpath(committed))
+            if results.is_dir() and (real == results or real.is_relative_to(results)):
+                raise _refused(f"output_dir {root} is inside the project's committed results ({results}); "
+                               "nothing was written. Write the grid under runs/ (the default, runs/experiments) "
+                               "and copy what should be committed, or pass allow_results=True (--allow-results) "
+                               "to write a new grid there on purpose.")
         if os.path.lexists(root) and not root.is_dir():
             raise _refused(f"output_dir {root} exists and is not a directory; nothing was written")
         if not root.is_dir() or not any(root.iterdir()):

@@ -24,7 +24,7 @@ What it does:
 
 On the H200 (2026-12-02), ``--miss 0.0 --time-budget 120`` stopped at step 747 (~3 minutes in all)
 with greedy 18.3% (NVFP4 19.0%) and pass@8 53.7% on 300 held-out problems; ``--stop-at-step 747``
-replays it (docs/experiments.md has the command, docs/results/experiments-countdown/calibration/ the
+replays it (docs/experiments.md has the command, bench/results/experiments_countdown_h200/calibration/ the
 logs and the shards' sha256). The replay is reproducible in distribution, not bit for bit (GPU
 training is not deterministic): two later replays gave other shards and greedy 18.7% / 21.0%, pass@8
 57.0% / 57.0% (bench/device.sh cdtrain compares the sums and says so). The CPU smoke test

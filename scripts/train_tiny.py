@@ -81,7 +81,7 @@ def parse_args(argv=None):
     p.add_argument("--samples", type=int, default=8, help="k of pass@k in the final calibration")
     p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:1 ...")
     p.add_argument("--out", default=str(TINY_DIR))
-    p.add_argument("--curve", default=str(ROOT / "docs" / "results" / "tiny_train_curve.csv"))
+    p.add_argument("--curve", default=str(ROOT / "bench" / "results" / "tiny_train_h200" / "curve.csv"))
     p.add_argument("--report", default=None, help="also write the calibration numbers as JSON here")
     p.add_argument("--time-limit", type=float, default=None,
                    help="stop training after this many seconds (the run is then not the default one)")

@@ -9,7 +9,7 @@ both change, and presses "measure at this sigma" until the probe's table (entrop
 samples, accuracy) appears. For 04 it runs a chunk from the "run chunk" button (disabled while it
 runs), checks that the plot and the table change, presses stop while idle (a no-op: the next chunk
 still trains) and stops a running chunk. Screenshots of the panels go to the test's tmp dir, and
-to ``docs/results/browser_notebook{3,4}.png`` only with ``QERL_UPDATE_SCREENSHOTS=1`` (a default
+to ``docs/images/browser_notebook{3,4}.png`` only with ``QERL_UPDATE_SCREENSHOTS=1`` (a default
 test run never rewrites tracked files).
 
 Needs Debian's Chromium at /usr/bin/chromium (``apt-get install -y chromium``) and Playwright for
@@ -34,7 +34,7 @@ from tests.browser.jupyter import CHROMIUM, TOKEN, lab_server, launch_chromium
 ROOT = Path(__file__).resolve().parents[1]
 NOTEBOOK = ROOT / "notebooks" / "03_aqn_exploration.ipynb"
 DASHBOARD_NOTEBOOK = ROOT / "notebooks" / "04_grpo_loop.ipynb"
-SCREENSHOTS = ROOT / "docs" / "results"
+SCREENSHOTS = ROOT / "docs" / "images"
 
 pytestmark = [
     pytest.mark.slow,
@@ -61,7 +61,7 @@ def _smoke_copy(dst: Path, notebook: Path = NOTEBOOK) -> Path:
 
 
 def _keep_screenshot(src: Path, name: str) -> None:
-    """Copy a screenshot into docs/results only when asked (QERL_UPDATE_SCREENSHOTS=1)."""
+    """Copy a screenshot into docs/images only when asked (QERL_UPDATE_SCREENSHOTS=1)."""
     if os.environ.get("QERL_UPDATE_SCREENSHOTS") == "1":
         SCREENSHOTS.mkdir(parents=True, exist_ok=True)
         shutil.copyfile(src, SCREENSHOTS / name)

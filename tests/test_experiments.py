@@ -319,13 +319,16 @@ def test_grid_into_a_foreign_non_empty_dir_is_refused_and_its_files_are_intact(t
 
 
 def test_grid_refuses_the_committed_results_dir(tmp_path, monkeypatch):
-    """The committed results (docs/results/experiments, no runs/ in git) are not a grid to resume:
-    a copy of them is refused, and the real one is under docs/, which needs allow_docs=True."""
+    """The committed results (bench/results/experiments_cpu, no runs/ in git) are not a grid to resume:
+    a copy of them is refused, and the real one is under bench/results/, which needs allow_results=True
+    (so is anything under lab/results/)."""
     import shutil
 
     trained = []
     monkeypatch.setattr(ex, "run_one", _fake_run_one(trained))
-    committed = Path(__file__).resolve().parents[1] / "docs" / "results" / "experiments"
+    root = Path(__file__).resolve().parents[1]
+    committed = root / "bench" / "results" / "experiments_cpu"
+    assert (committed / "summary.csv").is_file()  # the grid this test guards is where the docs cite it
     copy = tmp_path / "experiments"
     shutil.copytree(committed, copy)
     before = _files(copy)
@@ -333,15 +336,19 @@ def test_grid_refuses_the_committed_results_dir(tmp_path, monkeypatch):
         ex.run_grid(["nvfp4-lora"], [0], output_dir=copy, log=lambda s: None, **TINY)
     assert _files(copy) == before
     committed_before = _files(committed)
+    targets = (committed, committed / "new-grid", root / "bench" / "results", root / "lab" / "results" / "new-grid")
     try:
-        for target in (committed, committed / "new-grid"):
-            with pytest.raises(_refused(), match="docs"):
+        for target in targets:
+            with pytest.raises(_refused(), match="committed results"):
                 ex.run_grid(["nvfp4-lora"], [0], output_dir=target, log=lambda s: None, **TINY)
         with pytest.raises(SystemExit):
             ex.main(["--grid", "smoke", "--device", "cpu", "--out", str(committed)])
-        assert not (committed / "new-grid").exists() and not (committed / "runs").exists()
+        assert not any(t.name == "new-grid" and t.exists() for t in targets)
+        assert not (committed / "runs").exists() and not (committed / ".qerl_grid.json").exists()
     finally:  # should the guard ever fail, leave no grid in the checkout
-        shutil.rmtree(committed / "new-grid", ignore_errors=True)
+        for target in targets:
+            if target.name == "new-grid":
+                shutil.rmtree(target, ignore_errors=True)
     assert _files(committed) == committed_before and trained == []
 
 

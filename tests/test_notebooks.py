@@ -95,22 +95,22 @@ def test_notebook_executes(name, tmp_path, monkeypatch):
 
 
 @pytest.mark.slow
-def test_paper_claims_default_run_reads_the_committed_results_and_writes_nothing_under_docs(tmp_path):
+def test_paper_claims_default_run_reads_the_committed_results_and_writes_nothing_there(tmp_path):
     """Notebook 06 with its defaults on a CPU (as a student opens it): seconds, not a retraining, and
-    the tracked results under docs/ byte-identical afterwards (it used to rewrite them)."""
+    the tracked results in bench/results/ byte-identical afterwards (it used to rewrite them)."""
     papermill = pytest.importorskip("papermill")
     pytest.importorskip("ipykernel")
     import torch
 
     if torch.cuda.is_available():
         pytest.skip("on a GPU the default runs the full grid")
-    docs = NOTEBOOKS.parent / "docs" / "results" / "experiments"
-    before = {p: p.read_bytes() for p in docs.rglob("*") if p.is_file()}
+    committed = NOTEBOOKS.parent / "bench" / "results" / "experiments_cpu"
+    before = {p: p.read_bytes() for p in committed.rglob("*") if p.is_file()}
     start = time.perf_counter()
     papermill.execute_notebook(str(NOTEBOOKS / "06_paper_claims.ipynb"), str(tmp_path / "06.ipynb"),
                                cwd=str(tmp_path), kernel_name="python3", progress_bar=False, execution_timeout=600)
     assert time.perf_counter() - start < 300
-    after = {p: p.read_bytes() for p in docs.rglob("*") if p.is_file()}
+    after = {p: p.read_bytes() for p in committed.rglob("*") if p.is_file()}
     assert after == before
     assert not (tmp_path / "runs").exists()                       # nothing trained
 
