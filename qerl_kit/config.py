@@ -43,6 +43,7 @@ from qerl_kit.config_types import (EVAL_SIZE_RULE, LR_RULE, NEW_TOKENS_RULE, OPT
                                    TRAIN_SIZE_RULE, _SIGMA, ConfigError, _bad, _check, _check_keys, _rule, _section,
                                    _validate, check_aqn_sigmas, check_lora_alpha, check_lr, check_seed, check_sigma,
                                    check_steps, check_temperature, check_value, short_repr)
+from qerl_kit.config_types import LORA_ALPHA_RULE, LORA_R_RULE  # the rules lora.attach_lora applies too
 # The registries whose names the config's choices are: all of them sit below the config, which reads
 # their names when a config is checked (so a name registered at runtime is a valid value at once).
 from qerl_kit import grpo
@@ -62,7 +63,6 @@ def _scales() -> tuple[str, ...]:
 def _is_modes() -> tuple[str, ...]:
     return tuple(grpo.IS_MODES)
 
-from qerl_kit.config_types import LORA_ALPHA_RULE, LORA_R_RULE  # the rules lora.attach_lora applies too
 
 # Ranges of values that enter through the config only (the shared ones live in config_types).
 BATCH_MAX = 2**20  # completions per step: each is generated and held in memory every step
