@@ -7,7 +7,8 @@ every quantized tensor has ``packed``, ``scales``, ``shape``, ``nbytes`` and ``d
 
 Every name list of formats is read from here: the config's ``model.format``, the CLI's ``--format``
 choices and the experiment grid take ``format_names(dense=True)`` (the formats plus ``none``, a bf16
-base). A new format is one ``FORMATS`` row (docs/architecture.md).
+base). A new format is one ``register_format(Format(...))`` call, as a loss, a task or a rollout
+backend is one ``register_*`` call (docs/architecture.md); the shipped ones are ``FORMATS``' rows.
 """
 
 from __future__ import annotations
@@ -57,6 +58,23 @@ def get_format(name: str) -> Format:
     if key not in FORMATS:
         raise ValueError(f"unknown weight format {short_repr(name)}; choose one of {sorted(FORMATS)}")
     return FORMATS[key]
+
+
+def register_format(fmt: Format) -> Format:
+    """Make ``fmt.name`` a value of ``model.format``, ``--format``, ``quantize_model(fmt=)`` and the
+    experiment grid, with ``fmt.linear`` the layer ``quantize_model`` swaps in (LoRA wraps it too).
+    The name is a lowercase identifier other than ``none`` (the bf16 base); registering a name again
+    replaces its row."""
+    if not isinstance(fmt, Format):
+        raise TypeError(f"register_format takes a qerl_kit.formats.Format; got {type(fmt).__name__}")
+    if not (isinstance(fmt.name, str) and fmt.name.isidentifier() and fmt.name == fmt.name.lower()) or fmt.name == DENSE:
+        raise ValueError(f"a format name must be a lowercase identifier other than {DENSE!r} (the bf16 base); "
+                         f"got {short_repr(fmt.name)}")
+    if not (isinstance(fmt.linear, type) and issubclass(fmt.linear, QuantLinear)):
+        raise TypeError(f"format {fmt.name!r}: linear must be a qerl_kit.linear.QuantLinear subclass; got "
+                        f"{short_repr(fmt.linear)}")
+    FORMATS[fmt.name] = fmt
+    return fmt
 
 
 def format_names(dense: bool = True) -> tuple[str, ...]:

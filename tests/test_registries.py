@@ -91,14 +91,20 @@ FAKE4 = formats.Format("fake4", nf4.BLOCK_SIZE, nf4.BITS_PER_WEIGHT, nf4.quantiz
                        "a test format", Fake4Linear)
 
 
-def test_a_new_format_is_one_formats_row(monkeypatch, capsys):
+@pytest.fixture
+def fake4():
+    yield lambda: formats.register_format(FAKE4)  # the one change
+    formats.FORMATS.pop("fake4", None)
+
+
+def test_a_new_format_is_one_register_format_call(fake4, capsys):
     with pytest.raises(ConfigError, match=r"model\.format must be one of"):
         ModelConfig(format="fake4")
     assert not _parses(["eval", "--format", "fake4"])
     with pytest.raises(ValueError, match="format must be one of"):
         GridConfig("fake4-lora", "fake4", False, 1e-3)
 
-    monkeypatch.setitem(formats.FORMATS, "fake4", FAKE4)  # the one change
+    assert fake4() is FAKE4
     assert ModelConfig(format="fake4").format == "fake4"
     assert from_dict(dict(model=dict(format="fake4"))).model.format == "fake4"
     for argv in (["demo", "--format", "fake4"], ["eval", "--format", "fake4"], ["quantize", "tiny", "--format", "fake4"]):
@@ -123,6 +129,19 @@ def test_a_new_format_is_one_formats_row(monkeypatch, capsys):
 
     config = register_quant_layers(LoraConfig(r=4, target_modules=["0"]))
     assert config._custom_modules[Fake4Linear] is QuantLoraLinear  # LoRA wraps the new layer class too
+
+
+@pytest.mark.parametrize("bad, error, match", [
+    ("not a Format", TypeError, "takes a qerl_kit.formats.Format; got str"),
+    (FAKE4.__class__(**{**FAKE4.__dict__, "name": "none"}), ValueError, "other than 'none'"),
+    (FAKE4.__class__(**{**FAKE4.__dict__, "name": "Fake4"}), ValueError, "lowercase identifier.*'Fake4'"),
+    (FAKE4.__class__(**{**FAKE4.__dict__, "linear": nn.Linear}), TypeError, "QuantLinear subclass"),
+])
+def test_register_format_refuses_what_could_not_work(bad, error, match):
+    before = dict(formats.FORMATS)
+    with pytest.raises(error, match=match):
+        formats.register_format(bad)
+    assert formats.FORMATS == before  # nothing registered
 
 
 def test_the_format_rows_carry_their_layer_classes_and_every_name_list_reads_them(capsys):
