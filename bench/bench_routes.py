@@ -229,7 +229,7 @@ def final_kernel(row: dict) -> str:
 
     m, n, k = int(row["M"]), int(row["N"]), int(row["K"])
     return next(r.kernel for r in routes.candidates("forward", m, n, k, torch.bfloat16)
-                if r.kernel in routes.KERNELS - {"reference"})
+                if r.kernel != "reference")
 
 
 def report(csvs: list[str], eager_csv: str | None, out: Path) -> None:
