@@ -163,8 +163,8 @@ class _Group:
             if stamp == self._seen[attr]:
                 continue
             with torch.no_grad():
-                for part, lo, hi, old in zip(parts, self.offsets[:-1], self.offsets[1:], self._seen[attr]):
-                    if (id(part), part.data_ptr(), part._version) != old:
+                for part, lo, hi, new, old in zip(parts, self.offsets[:-1], self.offsets[1:], stamp, self._seen[attr]):
+                    if new != old:
                         self.fused[attr][lo:hi].copy_(part.detach())
             self._seen[attr] = stamp
 
