@@ -5,8 +5,8 @@ the registry's own module and nothing else is touched; the test then shows it is
 everywhere that kind is named: the config (``qerl_kit.config``), the CLI's choices and help
 (``qerl_kit.cli.build_parser()``), the experiment grid, and what the entry is for (a format's layer
 class in ``quantize_model``, a task's rows in ``make_task``, a backend's factory and options in
-``make_engine`` / ``engine_options``, a kernel's family in the backend switch). And the arrows point
-down: ``config_types`` imports no qerl_kit module (not even lazily), ``tasks/`` never imports the config.
+``make_engine`` / ``engine_options``, a kernel's family in the backend switch). That the arrows point
+down (``config_types`` imports nothing, ``tasks/`` never the config) is tests/test_architecture.py's.
 """
 
 from __future__ import annotations
@@ -23,22 +23,9 @@ from qerl_kit.cli import build_parser
 from qerl_kit.config import ConfigError, DataConfig, LossConfig, ModelConfig, RolloutConfig, from_dict
 from qerl_kit.experiments import Budget, GridConfig, train_config
 from qerl_kit.linear import NF4Linear
+from tests.test_architecture import imports
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def _qerl_imports(path: Path) -> set[str]:
-    """Every qerl_kit module ``path`` imports, lazy imports inside functions included."""
-    out = set()
-    for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.Import):
-            out.update(a.name for a in node.names if a.name.split(".")[0] == "qerl_kit")
-        elif isinstance(node, ast.ImportFrom):
-            if node.level:  # a relative import inside qerl_kit
-                out.add("." * node.level + (node.module or ""))
-            elif (node.module or "").split(".")[0] == "qerl_kit":
-                out.update(f"{node.module}.{a.name}" for a in node.names)
-    return out
 
 
 def _parses(argv: list[str]) -> bool:
@@ -56,17 +43,6 @@ def _help(command: str, capsys) -> str:
 
 
 # ---- the arrows ------------------------------------------------------------------------------------
-def test_config_types_imports_no_qerl_kit_module_not_even_lazily():
-    assert _qerl_imports(ROOT / "qerl_kit" / "config_types.py") == set()
-
-
-def test_the_tasks_never_import_the_config():
-    found = {p.name: sorted(i for i in _qerl_imports(p) if i == "qerl_kit.config" or i.startswith("qerl_kit.config."))
-             for p in (ROOT / "qerl_kit" / "tasks").glob("*.py")}
-    assert {k: v for k, v in found.items() if v} == {}
-    assert _qerl_imports(ROOT / "qerl_kit" / "tasks" / "registry.py")  # the check reads real imports
-
-
 def test_the_generic_rollout_registry_holds_nothing_of_vllm():
     """vLLM's options (its context length, the GPU memory share from rollout.vllm_gpu_memory or the
     memory planner) live in rollout/vllm.py; the registry only dispatches to them."""
@@ -75,9 +51,8 @@ def test_the_generic_rollout_registry_holds_nothing_of_vllm():
 
     assert "vllm_gpu_memory" not in attributes(ROOT / "qerl_kit" / "rollout" / "registry.py")
     assert "vllm_gpu_memory" in attributes(ROOT / "qerl_kit" / "rollout" / "vllm.py")
-    assert {"qerl_kit.memory_plan", "qerl_kit.memory_plan.vllm_memory_share"}.isdisjoint(
-        _qerl_imports(ROOT / "qerl_kit" / "rollout" / "registry.py"))
-    assert "qerl_kit.memory_plan.vllm_memory_share" in _qerl_imports(ROOT / "qerl_kit" / "rollout" / "vllm.py")
+    assert "qerl_kit.memory_plan" not in imports("qerl_kit.rollout.registry", import_time_only=False)
+    assert "qerl_kit.memory_plan" in imports("qerl_kit.rollout.vllm", import_time_only=False)
 
 
 # ---- a weight format --------------------------------------------------------------------------------
