@@ -44,23 +44,40 @@ from qerl_kit.config_types import (EVAL_SIZE_RULE, LR_RULE, NEW_TOKENS_RULE, OPT
                                    _validate, check_aqn_sigmas, check_lora_alpha, check_lr, check_seed, check_sigma,
                                    check_steps, check_temperature, check_value, short_repr)
 from qerl_kit.config_types import LORA_ALPHA_RULE, LORA_R_RULE  # the rules lora.attach_lora applies too
-# The registries whose names the config's choices are: all of them sit below the config, which reads
-# their names when a config is checked (so a name registered at runtime is a valid value at once).
-from qerl_kit import grpo
-from qerl_kit.formats import format_names
-from qerl_kit.rollout.registry import engine_names
 from qerl_kit.tasks.registry import DEFAULT_EVAL_SIZE, DEFAULT_TASK, DEFAULT_TRAIN_SIZE, task_names
 
 
+# The registries whose names the config's choices are: all of them sit below the config, which reads
+# their names when a config is checked (so a name registered at runtime is a valid value at once).
+# formats, grpo and the rollout registry import torch: imported at the first check, not with the
+# config, so a bad YAML file is refused before torch loads.
+def _formats() -> tuple[str, ...]:
+    from qerl_kit.formats import format_names
+
+    return format_names()
+
+
+def _engines() -> tuple[str, ...]:
+    from qerl_kit.rollout.registry import engine_names
+
+    return engine_names()
+
+
 def _losses() -> tuple[str, ...]:  # read through the module: the names in grpo.LOSSES now
+    from qerl_kit import grpo
+
     return tuple(grpo.LOSSES)
 
 
 def _scales() -> tuple[str, ...]:
+    from qerl_kit import grpo
+
     return tuple(grpo.SCALES)
 
 
 def _is_modes() -> tuple[str, ...]:
+    from qerl_kit import grpo
+
     return tuple(grpo.IS_MODES)
 
 
@@ -75,7 +92,7 @@ GRAD_NORM_MIN = 1e-6  # below it Adam's eps (1e-8) swamps every element of the c
 class ModelConfig:
     _prefix = "model"
     name: str = "tiny"  # "tiny" (the shipped model), a preset of qerl_kit.models, or a local HF directory
-    format: str = _rule("nvfp4", choices=format_names)  # a name of formats.FORMATS, or none (bf16 LoRA)
+    format: str = _rule("nvfp4", choices=_formats)  # a name of formats.FORMATS, or none (bf16 LoRA)
     # LoRA rank (config_types.LORA_R_RULE, shared with attach_lora and a saved adapter's config)
     lora_r: int = field(default=16, metadata={"rule": LORA_R_RULE})
     # None: alpha = r. The adapter's scale is alpha / r: 0 makes it a no-op, < 0 flips its sign, and
@@ -132,7 +149,7 @@ class RolloutConfig:
     top_p: float = field(default=1.0, metadata={"rule": TOP_P_RULE})  # in (0, 1], 1 = off
     top_k: int = field(default=0, metadata={"rule": TOP_K_RULE})  # >= 0, 0 = off
     # auto (StaticEngine on a GPU, transformers' generate elsewhere) | static | hf | vllm (rollout.ENGINES)
-    engine: str = _rule("auto", choices=engine_names)
+    engine: str = _rule("auto", choices=_engines)
     # engine: vllm only. The share of the GPU vLLM may take (gpu_memory_utilization); None: planned
     # from the model, the batch and the longest prompt (memory_plan.vllm_memory_share)
     vllm_gpu_memory: float | None = _rule(None, gt=0, le=0.95, why="a share of the GPU's memory; vLLM "
