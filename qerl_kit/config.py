@@ -32,7 +32,6 @@ An unknown key, a value of the wrong type or a value out of range is a ``ConfigE
 from __future__ import annotations
 
 import dataclasses
-import difflib
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
@@ -43,7 +42,7 @@ from qerl_kit.config_types import (EVAL_SIZE_RULE, LR_RULE, NEW_TOKENS_RULE, OPT
                                    TRAIN_SIZE_RULE, _SIGMA, ConfigError, _bad, _check, _check_keys, _rule, _section,
                                    _validate, check_aqn_sigmas, check_lora_alpha, check_lr, check_seed, check_sigma,
                                    check_steps, check_temperature, check_value, short_repr)
-from qerl_kit.config_types import LORA_ALPHA_RULE, LORA_R_RULE  # the rules lora.attach_lora applies too
+from qerl_kit.config_types import LORA_ALPHA_RULE, LORA_R_RULE, nearest  # LoRA: the rules attach_lora applies too
 from qerl_kit.tasks.registry import DEFAULT_EVAL_SIZE, DEFAULT_TASK, DEFAULT_TRAIN_SIZE, task_names
 
 
@@ -122,10 +121,11 @@ class DataConfig:
     def __post_init__(self):
         _validate(self)
         names = task_names()
-        close = difflib.get_close_matches(self.dataset, names, n=1) if len(self.dataset) < 200 else []
-        _check(self.dataset in names or self.dataset.endswith(".jsonl"), "data.dataset", self.dataset,
-               f"one of {', '.join(repr(n) for n in names)} (qerl_kit.tasks.TASKS) or a path ending in .jsonl",
-               f"did you mean {close[0]!r}?" if close else "")
+        if not (self.dataset in names or self.dataset.endswith(".jsonl")):
+            close = nearest(self.dataset, names)
+            raise _bad("data.dataset", self.dataset,
+                       f"one of {', '.join(repr(n) for n in names)} (qerl_kit.tasks.TASKS) or a path ending in .jsonl",
+                       f"did you mean {close!r}?" if close else "")
         # the tasks by name hold out their own split and would ignore it
         _check(self.eval_dataset is None or (self.dataset.endswith(".jsonl") and self.eval_dataset.endswith(".jsonl")),
                "data.eval_dataset", self.eval_dataset, "null, or a GSM8K-style .jsonl path when data.dataset is one",

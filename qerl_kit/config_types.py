@@ -73,6 +73,15 @@ def _check(cond: bool, key: str, value: Any, allowed: str, why: str = "") -> Non
         raise _bad(key, value, allowed, why)
 
 
+def nearest(text: Any, options, cutoff: float = 0.6) -> str | None:
+    """The option closest to ``text`` (difflib), for a "did you mean ...?" hint; None when nothing is
+    close, or ``text`` is no string or is 200 characters or longer (difflib is quadratic)."""
+    if not isinstance(text, str) or len(text) >= 200:
+        return None
+    close = difflib.get_close_matches(text, [str(o) for o in options], n=1, cutoff=cutoff)
+    return close[0] if close else None
+
+
 # ---- coercion of one value to a declared type ----------------------------------------------------
 _TRUE, _FALSE, _NONE = {"true", "yes", "on", "1"}, {"false", "no", "off", "0"}, {"null", "none"}
 BOOL_ALLOWED = "a boolean (true/false, or the strings yes/no, on/off, 1/0 in any case)"
@@ -211,8 +220,8 @@ def _coerce(key: str, value: Any, tp: Any, rule: _Rule | None, active: bool = Tr
         out = os.fspath(value) if isinstance(value, os.PathLike) else value
         _check(isinstance(out, str) and out != "", key, value, allowed, rule.why)
         if rule.choices is not None and out not in rule.options():  # a typo is named with its nearest choice
-            close = difflib.get_close_matches(out, [str(c) for c in rule.options()], n=1) if len(out) < 200 else []
-            raise _bad(key, value, allowed, "; ".join(w for w in (rule.why, close and f"did you mean {close[0]!r}?") if w))
+            close = nearest(out, rule.options())
+            raise _bad(key, value, allowed, "; ".join(w for w in (rule.why, close and f"did you mean {close!r}?") if w))
         return out
     out = _as_int(value) if tp is int else _as_float(value)
     _check(out is not None and (tp is int or math.isfinite(out)), key, value, allowed, rule.why)
@@ -361,8 +370,8 @@ def check_names(key: str, given: Any, available: Any, matches: Callable[[str, st
     missing = [n for n in names if not any(matches(n, a) for a in available)]
     if missing:
         listed = sorted(set(shown)) if shown is not None else available
-        close = {n: difflib.get_close_matches(n, listed, n=1) for n in missing[:5] if len(n) < 200}
-        hint = "; ".join(f"did you mean {c[0]!r} for {short_repr(n)}?" for n, c in close.items() if c)
+        close = {n: nearest(n, listed) for n in missing[:5]}
+        hint = "; ".join(f"did you mean {c!r} for {short_repr(n)}?" for n, c in close.items() if c)
         shown = ", ".join(short_repr(a, 60) for a in listed[:40]) + (" ..." if len(listed) > 40 else "")
         raise ConfigError(f"{key}: {', '.join(short_repr(n, 60) for n in missing[:5])} "
                           f"match{'es' if len(missing) == 1 else ''} no {what}; the {what} names are: {shown}"
@@ -412,8 +421,7 @@ def _check_keys(prefix: str, given: Mapping, known: list[str]) -> None:
     # keys as given may be anything YAML makes (long strings, numbers): every one printed bounded
     dotted = [(f"{prefix}.{k}" if prefix else k) if isinstance(k, str) else short_repr(k) for k in bad]
     shown = ", ".join(short_repr(d, 80) for d in dotted[:5]) + (f" and {len(bad) - 5} more" if len(bad) > 5 else "")
-    close = {k: m[0] for k in bad[:5] if isinstance(k, str) and len(k) < 200
-             for m in [difflib.get_close_matches(k, known, n=1)] if m}
+    close = {k: m for k in bad[:5] if (m := nearest(k, known))}
     msg = (f"unknown config key{'s' if len(bad) > 1 else ''} {shown}; "
            f"allowed{f' in {prefix!r}' if prefix else ''}: {', '.join(repr(k) for k in known)}")
     if close:

@@ -20,7 +20,7 @@ from typing import Any, Iterable
 
 import torch
 
-from qerl_kit.config_types import short_repr
+from qerl_kit.config_types import nearest, short_repr
 from qerl_kit.finite import check_weights
 from qerl_kit.model_files import (ModelSourceError, check_tokenizer_files, check_weight_files, is_nvfp4_checkpoint,
                                   read_model_config)
@@ -97,8 +97,6 @@ def check_model_source(name: str | os.PathLike, presets: Iterable[str] = ()) -> 
     missing path, a file that is not .gguf, a name close to a preset (a typo, never a hub lookup), an
     architecture preset where the caller takes none, or a hub id while offline. Cheap: every command
     that takes a model calls it before anything slow (the task's data, a quantization)."""
-    import difflib
-
     from qerl_kit.gguf_model import check_gguf_header, is_gguf_path
 
     presets = tuple(presets)
@@ -124,13 +122,13 @@ def check_model_source(name: str | os.PathLike, presets: Iterable[str] = ()) -> 
     # Not here. Local, not a hub id, when it is written as a path, when its first folder exists here
     # ("runs/nope" with runs/ present), or when it is one typo away from a name this command takes.
     known = list(presets) + list(PRESETS)
-    close = difflib.get_close_matches(text, known, n=1, cutoff=0.75) if "/" not in text else []
+    close = nearest(text, known, cutoff=0.75) if "/" not in text else None
     first = text.split("/", 1)[0]
     looks_local = (text.startswith((".", "/", "~")) or text.count("/") > 1 or os.sep in text.replace("/", "")
                    or ("/" in text and Path(first).expanduser().is_dir()) or bool(close))
     if looks_local or _offline():
         why = "no such file or directory" + ("" if looks_local else " (and the hub is off: HF_HUB_OFFLINE is set)")
-        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        hint = f" (did you mean {close!r}?)" if close else ""
         raise ModelSourceError(f"model {shown}: {why}{hint}; expected {describe_sources(presets)}")
     return "hub"
 

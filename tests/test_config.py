@@ -509,3 +509,13 @@ def test_choices_are_read_from_the_registries_they_name(monkeypatch):
     monkeypatch.setitem(tasks.TASKS, "mine", lambda cfg, seed: None)
     cfg = from_dict(dict(rollout=dict(engine="mine"), loss=dict(loss="mine"), data=dict(dataset="mine")))
     assert (cfg.rollout.engine, cfg.loss.loss, cfg.data.dataset) == ("mine", "mine", "mine")
+
+
+def test_nearest_names_the_closest_option_or_nothing():
+    from qerl_kit.config_types import nearest
+
+    assert nearest("nvpf4", ("nvfp4", "mxfp4", "nf4")) == "nvfp4"
+    assert nearest("qwen2-tyni", ["tiny", "qwen2-tiny"], cutoff=0.75) == "qwen2-tiny"
+    assert nearest("zzzz", ("nvfp4", "mxfp4")) is None  # nothing close: no hint
+    assert nearest("nvfp4" * 40, ("nvfp4",)) is None  # 200 characters: not compared (difflib is quadratic)
+    assert nearest(3, ("3",)) is None  # not a string
