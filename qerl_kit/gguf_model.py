@@ -24,6 +24,8 @@ from pathlib import Path
 
 import torch
 
+from qerl_kit.finite import check_weights
+
 __all__ = ["GGUFError", "GGUFInfo", "SUPPORTED_ARCHITECTURES", "check_gguf_header", "inspect_gguf", "load_gguf",
            "is_gguf_path"]
 
@@ -191,7 +193,9 @@ def _check_architecture(path: Path, arch) -> None:
 
 
 def load_gguf(path: str | os.PathLike, dtype: torch.dtype = torch.bfloat16, device: str | torch.device | None = None):
-    """``(model, tokenizer)`` from a GGUF file: checked by ``inspect_gguf``, dequantized to ``dtype``."""
+    """``(model, tokenizer)`` from a GGUF file: checked by ``inspect_gguf``, dequantized to ``dtype``,
+    its weights finite (``finite.check_weights``: a NaN/inf tensor is named here, not seen later as
+    empty completions)."""
     import warnings
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -210,6 +214,7 @@ def load_gguf(path: str | os.PathLike, dtype: torch.dtype = torch.bfloat16, devi
     finally:
         hf_logging.set_verbosity(verbosity)
     _as_plain_dense(model, info)
+    check_weights(model, str(info.path))
     if info.tied_head and model.get_output_embeddings() is not None:
         model.config.tie_word_embeddings = True
         model.tie_weights()

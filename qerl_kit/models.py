@@ -147,8 +147,7 @@ def load_pretrained(name: str | os.PathLike, *, dtype: torch.dtype | str = "auto
 
         model, tokenizer = load_gguf(Path(str(name)).expanduser(), dtype=torch.bfloat16 if dtype == "auto" else dtype,
                                      device=device)
-        check_weights(model, str(name))  # NaN/inf weights: named here, not as empty completions later
-        return model, tokenizer
+        return model, tokenizer  # its weights checked finite by load_gguf
     source = str(Path(str(name)).expanduser()) if kind == "dir" else str(name)
     if kind == "dir":  # before minutes of loading: the tokenizer is there, no weight file is truncated
         check_tokenizer_files(source)
@@ -180,11 +179,10 @@ def load_model(path: str, dtype: torch.dtype | str = "auto", trust_remote_code: 
     from qerl_kit.gguf_model import is_gguf_path, load_gguf
 
     if is_gguf_path(path):
-        model = load_gguf(path, dtype=torch.bfloat16 if dtype == "auto" else dtype)[0]
-    else:
-        from transformers import AutoModelForCausalLM
+        return load_gguf(path, dtype=torch.bfloat16 if dtype == "auto" else dtype)[0]  # checked finite there
+    from transformers import AutoModelForCausalLM
 
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, use_safetensors=True,
-                                                     trust_remote_code=trust_remote_code, **kwargs)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, use_safetensors=True,
+                                                 trust_remote_code=trust_remote_code, **kwargs)
     check_weights(model, str(path))  # every format, "none" included (the quantizer checks only what it converts)
     return model

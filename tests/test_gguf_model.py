@@ -22,6 +22,7 @@ import torch
 from torch import nn
 from transformers import AutoTokenizer
 
+from qerl_kit.finite import NonFiniteError
 from qerl_kit.gguf_model import GGUFError, add_turn_end, inspect_gguf, load_gguf
 from qerl_kit.models import build_model, check_model_source, load_model, load_pretrained
 from qerl_kit.rollout.base import chat_stop_ids, special_ids
@@ -168,6 +169,17 @@ def test_file_without_output_weight_loads_with_tied_head(tmp_path, tiny_tok, bat
     assert model.gguf_info.tied_head is True and model.config.tie_word_embeddings is True
     assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
     torch.testing.assert_close(logits(model, batch), logits(source, batch), rtol=1e-5, atol=1e-5)
+
+
+def test_a_gguf_file_with_a_nan_weight_is_refused_by_load_gguf_naming_it(tmp_path, tiny_tok):
+    """load_gguf itself checks the weights, so every caller (load_pretrained, load_model, the bench
+    scripts) gets the refusal, naming the tensor and the file."""
+    source = tiny_source(seed=2)
+    with torch.no_grad():
+        source.model.layers[1].mlp.down_proj.weight[3, 5] = float("nan")
+    path = write_tiny_gguf(tmp_path / "nan.gguf", source, tiny_tok)
+    with pytest.raises(NonFiniteError, match=r"layers\.1\.mlp\.down_proj\.weight.*nan\.gguf|nan\.gguf.*layers\.1\.mlp\.down_proj"):
+        load_gguf(path, dtype=torch.float32)
 
 
 def test_file_with_output_weight_loads_untied(tiny_file):
