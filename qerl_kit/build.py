@@ -12,7 +12,7 @@ import torch
 
 from qerl_kit.config import ModelConfig
 
-__all__ = ["load_base", "build_policy"]
+__all__ = ["load_base", "quantize_base", "build_policy"]
 
 
 def load_base(cfg: ModelConfig, *, device: str | torch.device | None = None, dtype: torch.dtype | None = None):
@@ -27,6 +27,21 @@ def load_base(cfg: ModelConfig, *, device: str | torch.device | None = None, dty
     return load_pretrained(cfg.name, dtype=dtype or "auto", device=device, trust_remote_code=cfg.trust_remote_code)
 
 
+def quantize_base(model, fmt: str, key: str = "model.format", name: str = "the model"):
+    """Quantize a loaded base to ``fmt`` unless it is a bf16 run (``none``) or already in ``fmt``; the
+    quantization report, or None. A base that loads already quantized (an NVFP4 export, ``qerl
+    quantize --out``) is used as it is; asking it for another format is a ``ConfigError`` naming
+    ``key`` (``--format`` for the CLI), not a second quantization."""
+    from qerl_kit.config_types import ConfigError
+    from qerl_kit.formats import DENSE
+    from qerl_kit.quantize import quantize_model, quantized_format
+
+    have = quantized_format(model)
+    if have is not None and fmt not in (have, DENSE):
+        raise ConfigError(f"{key} {fmt}: {name} is already quantized to {have}; use {key} {have}", key, fmt, have)
+    return None if fmt == DENSE or have is not None else quantize_model(model, fmt=fmt)
+
+
 def build_policy(cfg: ModelConfig, *, device: str | torch.device | None = None, dtype: torch.dtype | None = None,
                  seed: int = 0):
     """(peft model, tokenizer, quantization report or None): load on ``device``, quantize, attach LoRA.
@@ -34,12 +49,9 @@ def build_policy(cfg: ModelConfig, *, device: str | torch.device | None = None, 
     ``seed`` seeds LoRA's initialization, so runs with the same seed start from the same adapter."""
     from qerl_kit.config_types import check_seed
     from qerl_kit.lora import attach_lora
-    from qerl_kit.quantize import quantize_model, quantized_format
 
     seed = check_seed("seed", seed)  # LoRA's init generator: refused before the model loads
     model, tokenizer = load_base(cfg, device=device, dtype=dtype)
-    # an NVFP4 export loads already quantized: used as it is (quantize_model refuses another format)
-    done = cfg.format == "none" or quantized_format(model) == cfg.format
-    report = None if done else quantize_model(model, fmt=cfg.format)
+    report = quantize_base(model, cfg.format, name=f"model {cfg.name}")
     policy = attach_lora(model, r=cfg.lora_r, alpha=cfg.lora_alpha, train_norms=cfg.train_norms, seed=seed)
     return policy, tokenizer, report

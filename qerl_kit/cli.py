@@ -224,21 +224,13 @@ def _eval_model(args: argparse.Namespace, device: str):
     --adapter applied; (model, tokenizer)."""
     import torch
 
-    from qerl_kit.build import load_base
+    from qerl_kit.build import load_base, quantize_base
     from qerl_kit.config import ModelConfig
-    from qerl_kit.config_types import ConfigError
-    from qerl_kit.formats import DENSE
-    from qerl_kit.quantize import quantize_model, quantized_format
 
     mcfg = ModelConfig(name=args.model, format=args.format, trust_remote_code=args.trust_remote_code)
     dtype = torch.bfloat16 if device.startswith("cuda") and args.model != "tiny" else None
     model, tokenizer = load_base(mcfg, device=device, dtype=dtype)
-    have = quantized_format(model)  # an NVFP4 export (qerl quantize --out) loads already quantized
-    if have is not None and args.format not in (have, DENSE):
-        raise ConfigError(f"--format {args.format}: model {args.model} is already quantized to {have}; use "
-                          f"--format {have}", "--format", args.format, have)
-    if args.format != DENSE and have is None:
-        quantize_model(model, fmt=args.format)
+    quantize_base(model, args.format, "--format", f"model {args.model}")  # an export loads already quantized
     if args.adapter:
         from qerl_kit.lora import load_lora
 

@@ -174,6 +174,22 @@ def test_r3_06_eval_runs_on_an_export_of_qerl_quantize(src, tmp_path, capsys):
                   "--format nf4", "already quantized to nvfp4")
 
 
+def test_training_on_an_export_in_another_format_is_the_same_refusal_as_eval(src, tmp_path):
+    """build_policy and qerl eval share quantize_base: an NVFP4 export asked for nf4 is a ConfigError
+    naming the key, not quantize_model's ValueError (which qerl train printed as a traceback)."""
+    from qerl_kit.build import build_policy
+    from qerl_kit.config import ModelConfig
+    from qerl_kit.config_types import ConfigError
+
+    q1 = tmp_path / "q1"
+    assert main(["quantize", str(src), "--out", str(q1)]) == 0
+    with pytest.raises(ConfigError, match=r"model\.format nf4: model .*q1 is already quantized to nvfp4; "
+                                          r"use model\.format nvfp4"):
+        build_policy(ModelConfig(name=str(q1), format="nf4"))
+    policy, _, report = build_policy(ModelConfig(name=str(q1), format="nvfp4"))
+    assert report is None  # used as it loads, not quantized twice
+
+
 def test_r3_07_model_dir_without_tokenizer_is_refused(src, tmp_path, capsys):
     """A model folder without tokenizer.json/tokenizer_config.json; qerl quantize notok --out q_notok,
     and qerl eval --model notok."""
