@@ -166,7 +166,7 @@ def load_state(checkpoint: str | Path) -> dict:
 
 # Config keys whose change does not alter the training computation: a resume may change them freely.
 RESUME_NEUTRAL = frozenset({"output_dir", "save_every", "keep_checkpoints", "eval_every", "log_tensorboard",
-                            "data.eval_size"})
+                            "data.eval_size", "loss.old_logp"})  # fold and pass give the same numbers
 
 
 def config_changes(saved: dict, current: dict, defaults: dict | None = None, prefix: str = "") -> dict[str, tuple]:

@@ -37,7 +37,8 @@ from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
-from qerl_kit.config_types import (EVAL_SIZE_RULE, LR_RULE, NEW_TOKENS_RULE, OPTIMIZERS, RESAMPLE, SCHEDULES,  # noqa: F401
+from qerl_kit.config_types import (EVAL_SIZE_RULE, LR_RULE, NEW_TOKENS_RULE, OLD_LOGP_MODES, OPTIMIZERS,  # noqa: F401
+                                   RESAMPLE, SCHEDULES,
                                    SEED_RULE, STEPS_RULE, TEMPERATURE_RULE, TOP_K_RULE, TOP_P_RULE,
                                    TRAIN_SIZE_RULE, _SIGMA, ConfigError, _bad, _check, _check_keys, _rule, _section,
                                    _validate, check_aqn_sigmas, check_lora_alpha, check_lr, check_seed, check_sigma,
@@ -196,6 +197,9 @@ class LossConfig:
     # is_correction: null.
     is_cap: float = _rule(3.0, ge=1, why="on-policy tokens have rho = 1, a lower cap truncates or masks them and "
                                          "a cap <= 0 flips the loss; to turn TIS off set loss.is_correction: null")
+    # where the clean policy's log-probs come from: "fold" = the first update iteration's forward (no separate
+    # pass; a model with active dropout falls back to "pass"), "pass" = a separate no-grad pass (qerl_kit.old_policy)
+    old_logp: str = _rule("fold", choices=OLD_LOGP_MODES)
 
     def __post_init__(self):
         _validate(self)

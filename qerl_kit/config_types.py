@@ -246,6 +246,7 @@ def _rule(default: Any, **rule) -> Any:
 SCHEDULES = ("constant", "linear", "cosine")  # qerl_kit.optim.lr_lambda
 OPTIMIZERS = ("adamw", "adamw8bit")  # qerl_kit.optim.make_optimizer
 RESAMPLE = ("step", "forward")  # qerl_kit.aqn.AQN (checked there too)
+OLD_LOGP_MODES = ("fold", "pass")  # qerl_kit.old_policy: where a step's old log-probs come from
 SEED_MAX = 2**32 - 1
 
 

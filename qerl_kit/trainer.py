@@ -15,12 +15,15 @@ step is five phases:
    With ``filters.dynamic_sampling``, groups whose rewards are all equal are dropped and more
    rounds are generated (``sampling_filters.accumulate_groups``, filling at the round limit);
 2. **score**: TRL-style reward functions scored as evaluation scores them (``qerl_kit.scoring``), DAPO overlong shaping;
-3. **prepare**: group-normalized advantages over the global batch; the clean policy's log-probs
-   (``old``), the reference's (adapter disabled) when ``beta > 0``, entropy, and truncated
-   importance weights between the rollout log-probs (noisy, sampled) and the clean ones;
+3. **prepare**: group-normalized advantages over the global batch and the reference's log-probs
+   (adapter disabled) when ``beta > 0``; with ``loss.old_logp = "pass"`` also a separate no-grad pass
+   for the clean policy's log-probs (``old``), entropy and truncated importance weights between the
+   rollout log-probs (noisy, sampled) and the clean ones (``qerl_kit.old_policy``);
 4. **update**: ``mu`` optimizer steps on the batch in micro-batches, the loss normalized as its
    ``grpo.LossSpec`` says, with gradient clipping and the lr schedule (a non-finite loss stops the
-   run; a NaN/inf gradient norm skips the update, named and counted in ``update/skipped``: ``finite``);
+   run; a NaN/inf gradient norm skips the update, named and counted in ``update/skipped``: ``finite``).
+   With ``loss.old_logp = "fold"`` (default) the first iteration's forward, at the pre-update
+   parameters, also gives each micro-batch's old log-probs, entropy and IS weights;
 5. **metrics**: TRL's names where one exists, a warning when the run diverges (``divergence``);
    every ``save_every`` steps a checkpoint (finite only) from which ``resume()`` continues exactly.
 
@@ -48,7 +51,8 @@ from qerl_kit.aqn import AQN
 from qerl_kit.config import TrainConfig, check_lr
 from qerl_kit.data import DataError
 from qerl_kit.evaluate import evaluate_task
-from qerl_kit.logprobs import batched_logprobs, completion_logprobs
+from qerl_kit.logprobs import batched_logprobs
+from qerl_kit.old_policy import OldPolicy, resolve_mode
 from qerl_kit.optim import lr_lambda, make_optimizer, steps_to_run
 from qerl_kit.rollout.base import check_engine
 from qerl_kit.rollout.registry import engine_options, make_engine
@@ -67,10 +71,9 @@ class _Prepared:
     all_rewards: torch.Tensor  # [W*n] the global batch's
     mask: torch.Tensor         # [n, C] float: completion tokens in the loss
     adv: torch.Tensor          # [n]
-    old_logp: torch.Tensor     # [n, C] the clean policy's, before the update
-    entropy: torch.Tensor      # [n, C]
+    old: OldPolicy             # the clean policy's log-probs, entropy, IS weights (filled by the update when folded)
     ref_logp: torch.Tensor | None
-    is_weights: torch.Tensor | None
+
 
 
 class Trainer:
@@ -123,6 +126,7 @@ class Trainer:
             if hasattr(model, "enable_input_require_grads"):
                 model.enable_input_require_grads()
         self._ddp = distributed.wrap_ddp(model, self.dist)  # None on one process
+        self._old_logp = resolve_mode(config.loss.old_logp, model)  # "fold" unless a dropout needs "pass"
         self._device = next(p.device for p in trainable)  # where rollouts go before the log-prob phase
 
     # ---- the task's parts, as the loop reads them --------------------------------------------
@@ -248,7 +252,7 @@ class Trainer:
         return rewards, metrics, correct
 
     def _prepare(self, batch: Rollouts, rewards: torch.Tensor, metrics: dict) -> _Prepared:
-        """Loss mask, global advantages, the clean policy's (and reference's) log-probs, IS weights."""
+        """Loss mask, global advantages, the reference's log-probs; the clean policy's when not folded."""
         lc, temp = self.config.loss, self.config.rollout.temperature
         mask = batch.completion_mask.float()
         if self.config.filters.mask_truncated:
@@ -258,19 +262,17 @@ class Trainer:
         mine = slice(self.dist.rank * len(rewards), (self.dist.rank + 1) * len(rewards))
         adv = grpo.group_advantages(all_rewards, self.config.rollout.group_size,
                                     scale=lc.scale_rewards)[mine].to(mask.device)  # rewards: CPU
-        t0 = time.perf_counter()
+        t0, ran = time.perf_counter(), self._old_logp == "pass" or lc.beta > 0
         self.model.eval()
-        old_logp, entropy = batched_logprobs(self.model, batch, temp, lc.micro_batch, with_entropy=True)
+        old = OldPolicy(batch, mask, lc.is_correction, lc.is_cap)
+        if self._old_logp == "pass":  # else the update's first iteration fills it
+            metrics.update(old.run_pass(self.model, temp, lc.micro_batch))
         ref_logp = None
         if lc.beta > 0:
             with self.model.disable_adapter():
                 ref_logp = batched_logprobs(self.model, batch, temp, lc.micro_batch)
-        is_w = None
-        if lc.is_correction:
-            is_w, is_stats = grpo.importance_weights(old_logp, batch.logprobs, mask, mode=lc.is_correction, cap=lc.is_cap)
-            metrics.update(is_stats)
-        metrics["time/logprob"] = time.perf_counter() - t0
-        return _Prepared(batch, rewards, all_rewards, mask, adv, old_logp, entropy, ref_logp, is_w)
+        metrics["time/logprob"] = time.perf_counter() - t0 if ran else 0.0  # what ran before the update
+        return _Prepared(batch, rewards, all_rewards, mask, adv, old, ref_logp)
 
     def _eps(self) -> tuple[float, float]:
         lc = self.config.loss
@@ -278,7 +280,7 @@ class Trainer:
 
     def _update(self, prep: _Prepared, metrics: dict) -> dict:
         """``mu`` optimizer steps on the prepared batch; returns loss, grad_norm and skipped steps."""
-        lc, temp, batch, mask = self.config.loss, self.config.rollout.temperature, prep.batch, prep.mask
+        lc, temp, mask = self.config.loss, self.config.rollout.temperature, prep.mask
         t0 = time.perf_counter()
         self.model.train()
         spec, n = grpo.LOSSES[lc.loss], mask.shape[0]
@@ -295,15 +297,15 @@ class Trainer:
             for s in starts:
                 sl = slice(s, s + lc.micro_batch)
                 with distributed.no_sync(self._ddp, s != starts[-1]):  # all-reduce once, after the last
-                    logp = completion_logprobs(forward, batch.prompt_ids[sl], batch.prompt_mask[sl],
-                                               batch.completion_ids[sl], batch.completion_mask[sl], temp)
-                    loss = spec.fn(logp, prep.old_logp[sl], prep.adv[sl], mask[sl], eps_low=eps_low, eps_high=eps_high,
-                                   beta=lc.beta, ref_logp=None if prep.ref_logp is None else prep.ref_logp[sl],
-                                   is_weights=None if prep.is_weights is None else prep.is_weights[sl], **normalizer)
+                    logp = prep.old.forward(forward, sl, temp)  # folded: also stores old_logp[sl], entropy, IS
+                    part = [t if t is None else t[sl] for t in (prep.old.old_logp, prep.adv, prep.ref_logp, prep.old.is_weights)]
+                    loss = spec.fn(logp, part[0], part[1], mask[sl], eps_low=eps_low, eps_high=eps_high, beta=lc.beta,
+                                   ref_logp=part[2], is_weights=part[3], **normalizer)
                     loss = loss * spec.chunk_weight(logp.shape[0], n * self.dist.world)
-                    inputs = [logp] + [t if t is None else t[sl] for t in (prep.old_logp, prep.adv, prep.ref_logp, prep.is_weights)]
-                    loss_sum += finite.check_loss(loss.item(), self.step + 1, sl, inputs, lc.beta, self.model)  # before backward
+                    loss_sum += finite.check_loss(loss.item(), self.step + 1, sl, [logp] + part, lc.beta, self.model)  # before backward
                     distributed.backward(loss, self.dist)
+            if not prep.old.ready:  # the first iteration of a folded step filled every row
+                metrics.update(prep.old.finish())
             params = [p for p in self.model.parameters() if p.requires_grad]
             grad_norm = torch.nn.utils.clip_grad_norm_(params, self.config.optim.max_grad_norm)
             skipped += self._grads.step(self.optimizer, grad_norm, self.model, self.step + 1)  # 1: skipped
@@ -317,10 +319,10 @@ class Trainer:
         lc, batch, mask, W = self.config.loss, prep.batch, prep.mask, self.dist.world
         with torch.no_grad():
             new_logp = batched_logprobs(self.model, batch, self.config.rollout.temperature, lc.micro_batch) \
-                if lc.mu > 1 else prep.old_logp
-        out = grpo.clip_stats(new_logp, prep.old_logp, prep.adv, mask, *self._eps())
+                if lc.mu > 1 else prep.old.old_logp
+        out = grpo.clip_stats(new_logp, prep.old.old_logp, prep.adv, mask, *self._eps())
         lengths = batch.completion_lengths.float()
-        ent = self.dist.sum(torch.stack([(prep.entropy * mask).sum(), mask.sum()]).double())
+        ent = self.dist.sum(torch.stack([(prep.old.entropy * mask).sum(), mask.sum()]).double())
         out.update({
             "step": self.step + 1, "loss": update["loss"], "grad_norm": update["grad_norm"],
             "lr": self.scheduler.get_last_lr()[0], "update/skipped": update["skipped"],
@@ -328,13 +330,13 @@ class Trainer:
             "rollout/temperature": self.config.rollout.temperature,
             "reward_std": prep.all_rewards.std().item() if prep.all_rewards.numel() > 1 else 0.0,
             "entropy": (ent[0] / ent[1].clamp(min=1)).item() if W > 1 else
-            ((prep.entropy * mask).sum() / mask.sum().clamp(min=1)).item(),
+            ((prep.old.entropy * mask).sum() / mask.sum().clamp(min=1)).item(),
             "completions/mean_length": lengths.mean().item(),
             "completions/clipped_ratio": sum(r == "length" for r in batch.finish_reasons) / len(batch.finish_reasons),
             "num_tokens": int(batch.completion_mask.sum()),
         })
         if prep.ref_logp is not None:
-            out["kl"] = grpo.kl_k3(prep.old_logp, prep.ref_logp, mask).item()
+            out["kl"] = grpo.kl_k3(prep.old.old_logp, prep.ref_logp, mask).item()
         return out
 
     # ---- the loop ----------------------------------------------------------------------------

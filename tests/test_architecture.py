@@ -30,7 +30,7 @@ LAYERS: list[tuple[str, list[str]]] = [
     ("rollout registry", ["qerl_kit.rollout.registry", "qerl_kit.rollout"]),
     ("training pieces", ["qerl_kit.data", "qerl_kit.rewards", "qerl_kit.math_equiv", "qerl_kit.explore",
                          "qerl_kit.tasks", "qerl_kit.scoring", "qerl_kit.grpo", "qerl_kit.sampling_filters",
-                         "qerl_kit.optim", "qerl_kit.evaluate"]),
+                         "qerl_kit.optim", "qerl_kit.evaluate", "qerl_kit.old_policy"]),
     ("building", ["qerl_kit.config", "qerl_kit.build", "qerl_kit.checkpoint", "qerl_kit.trainer_state",
                   "qerl_kit.runs", "qerl_kit.distributed", "qerl_kit.grid_dir"]),
     ("loop", ["qerl_kit.trainer"]),

@@ -1,0 +1,179 @@
+"""loss.old_logp: the old-policy log-prob pass folded into the first update iteration ("fold") gives
+the same steps as the separate pass ("pass"), bit for bit on the CPU, with one forward per
+micro-batch fewer; an active dropout falls back to "pass" with a warning."""
+
+import warnings
+
+import pytest
+import torch
+
+from qerl_kit.checkpoint import config_changes
+from qerl_kit.config import ConfigError, LossConfig, TrainConfig
+from qerl_kit.lora import attach_lora
+from qerl_kit.models import build_model
+from qerl_kit.old_policy import OldPolicy, active_dropout, resolve_mode
+from qerl_kit.quantize import quantize_model
+from qerl_kit.trainer import Trainer
+from tests.test_rollout import make_tokenizer
+from tests.test_trainer import TASK, _config
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
+
+
+def _policy(seed=0, dropout=0.0):
+    """The tiny quantized model with LoRA whose B is random (not peft's zeros), so that the policy
+    differs from the reference and every update changes the log-probs."""
+    model = build_model("qwen2-tiny", seed=seed)
+    quantize_model(model)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(4.0)
+    model = attach_lora(model, r=4, seed=seed, dropout=dropout)
+    g = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.05)
+    return model
+
+
+def _run(tmp_path, mode, steps=2, dropout=0.0, **over):
+    """A trainer with loss.old_logp = mode after ``steps`` steps, and each step's OldPolicy."""
+    over["loss"] = {**over.get("loss", {}), "old_logp": mode}
+    trainer = Trainer(_policy(dropout=dropout), make_tokenizer(), TASK, _config(tmp_path / mode, **over),
+                      progress="none")
+    olds, metrics = [], trainer._metrics
+    trainer._metrics = lambda prep, update: (olds.append(prep.old), metrics(prep, update))[1]
+    torch.manual_seed(0)  # dropout's RNG, when there is one
+    trainer.train(steps)
+    return trainer, olds
+
+
+def _timing(key: str) -> bool:  # wall-clock metrics: time/*, rollout/tokens_per_s, *_seconds
+    return key.startswith("time/") or key.endswith("_per_s") or key.endswith("seconds")
+
+
+def _same_steps(a, olds_a, b, olds_b):
+    """Bit-equal old log-probs, entropy, IS weights, metrics (but wall times) and adapter weights."""
+    for x, y in zip(olds_a, olds_b, strict=True):
+        assert torch.equal(x.old_logp, y.old_logp) and torch.equal(x.entropy, y.entropy)
+        assert (x.is_weights is None) == (y.is_weights is None)
+        assert x.is_weights is None or torch.equal(x.is_weights, y.is_weights)
+    for ra, rb in zip(a.history, b.history, strict=True):
+        assert set(ra) == set(rb)
+        assert {k: v for k, v in ra.items() if not _timing(k)} == {k: v for k, v in rb.items() if not _timing(k)}
+    pa, pb = dict(a.model.named_parameters()), dict(b.model.named_parameters())
+    assert all(torch.equal(p, pb[n]) for n, p in pa.items())
+
+
+@pytest.mark.parametrize("over", [
+    {},                                                                    # mu 1, token TIS, AQN on
+    {"loss": {"mu": 2}, "aqn": {"enabled": False}},
+    {"loss": {"mu": 2, "beta": 0.05, "loss": "grpo"}},                     # the reference pass stays
+    {"loss": {"mu": 2, "is_correction": "sequence_mask", "micro_batch": 3}},  # uneven micro-batches
+    {"loss": {"is_correction": None, "loss": "dr_grpo"}},
+], ids=["mu1", "mu2", "mu2-beta", "mu2-seq-is", "no-is"])
+def test_fold_gives_the_same_steps_as_the_separate_pass_bit_for_bit(tmp_path, over):
+    fold, fold_olds = _run(tmp_path, "fold", **over)
+    pas, pass_olds = _run(tmp_path, "pass", **over)
+    assert fold._old_logp == "fold" and pas._old_logp == "pass"
+    _same_steps(fold, fold_olds, pas, pass_olds)
+    first = dict(_policy().named_parameters())
+    assert any(not torch.equal(p, first[n]) for n, p in fold.model.named_parameters() if p.requires_grad)
+    assert not torch.equal(fold_olds[0].old_logp, fold_olds[1].old_logp)  # the update moved the policy
+    beta = over.get("loss", {}).get("beta", 0)
+    for row in fold.history:  # nothing runs before the update unless the reference pass does
+        assert (row["time/logprob"] > 0) if beta else (row["time/logprob"] == 0.0)
+    if over.get("loss", {}).get("is_correction", "token_truncate"):
+        assert "sampling/importance_sampling_ratio/mean" in fold.history[0]
+        assert fold_olds[0].is_weights.abs().sum() > 0
+    if beta:
+        assert fold.history[0]["kl"] > 1e-6  # random B: the policy is not the reference
+
+
+def _count_forwards(tmp_path, mode, **over):
+    """Training-side forwards of the model per step (the rollout's forwards are not counted)."""
+    over["loss"] = {**over.get("loss", {}), "old_logp": mode}
+    trainer = Trainer(_policy(), make_tokenizer(), TASK, _config(tmp_path / mode, **over), progress="none")
+    counts, on = [0], [True]
+    trainer.model.register_forward_hook(lambda *_: counts.__setitem__(0, counts[0] + on[0]))
+    collect = trainer._collect
+
+    def quiet_collect(step):
+        on[0] = False
+        try:
+            return collect(step)
+        finally:
+            on[0] = True
+    trainer._collect = quiet_collect
+    trainer.train(2)
+    return counts[0] / 2
+
+
+@pytest.mark.parametrize("mu, beta", [(1, 0.0), (2, 0.0), (1, 0.05)])
+def test_the_fold_removes_one_forward_per_micro_batch(tmp_path, mu, beta):
+    over = dict(loss=dict(mu=mu, beta=beta, micro_batch=4))  # batch 8: two micro-batches
+    fold, pas = _count_forwards(tmp_path, "fold", **over), _count_forwards(tmp_path, "pass", **over)
+    assert pas - fold == 2
+    # fold: mu update passes, the post-update clip-stat pass when mu > 1, the reference pass when beta > 0
+    assert fold == 2 * mu + 2 * (mu > 1) + 2 * (beta > 0)
+
+
+def test_an_active_dropout_falls_back_to_the_pass_once_and_changes_no_number(tmp_path):
+    with pytest.warns(UserWarning, match=r"loss\.old_logp='fold'.*lora_dropout.*using loss\.old_logp='pass'"):
+        fold, fold_olds = _run(tmp_path, "fold", dropout=0.1, aqn=dict(enabled=False))
+    assert fold._old_logp == "pass"
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")  # no second warning, and none for an explicit "pass"
+        fold.train(1)
+        pas, pass_olds = _run(tmp_path, "pass", dropout=0.1, aqn=dict(enabled=False))
+    assert not [w for w in seen if "old_logp" in str(w.message)]
+    pas.train(1)
+    _same_steps(fold, fold_olds, pas, pass_olds)
+
+
+def test_active_dropout_names_modules_attention_and_config():
+    model = build_model("qwen2-tiny", seed=0)
+    assert active_dropout(model) is None and resolve_mode("fold", model) == "fold"
+    attn = next(n for n, m in model.named_modules() if hasattr(m, "attention_dropout"))
+    model.get_submodule(attn).attention_dropout = 0.1  # what HF's attention applies in train mode
+    assert active_dropout(model) == f"{attn}.attention_dropout"
+    model.get_submodule(attn).attention_dropout = 0.0
+    model.config.hidden_dropout = 0.2
+    assert active_dropout(model) == "config.hidden_dropout"
+    model.config.hidden_dropout = 0.0
+    model.model.layers[0].mlp.drop = torch.nn.Dropout(0.3)
+    assert active_dropout(model) == "model.layers.0.mlp.drop"
+    with pytest.warns(UserWarning, match="model.layers.0.mlp.drop"):
+        assert resolve_mode("fold", model) == "pass"
+    assert resolve_mode("pass", model) == "pass"
+    with pytest.raises(ValueError, match="loss.old_logp"):
+        resolve_mode("folded", model)
+
+
+def test_the_config_key_is_checked_and_resume_neutral():
+    assert LossConfig().old_logp == "fold" and LossConfig(old_logp="pass").old_logp == "pass"
+    with pytest.raises(ConfigError, match=r"loss\.old_logp.*'fold', 'pass'.*'eager'"):
+        LossConfig(old_logp="eager")
+    a, b = TrainConfig().to_dict(), TrainConfig(loss=dict(old_logp="pass")).to_dict()
+    assert config_changes(a, b) == {}  # the same numbers either way: a resume may switch
+
+
+def test_old_policy_fills_rows_and_their_weights_alone():
+    """Per-row IS weights: computing them a micro-batch at a time equals the whole batch's."""
+    g = torch.Generator().manual_seed(3)
+    n, C = 6, 5
+
+    class _Batch:
+        logprobs = -torch.rand(n, C, generator=g) * 3
+
+    mask = (torch.rand(n, C, generator=g) > 0.2).float()
+    logp, ent = -torch.rand(n, C, generator=g) * 3, torch.rand(n, C, generator=g)
+    for mode in ("token_truncate", "sequence_mask"):
+        whole, parts = OldPolicy(_Batch, mask, mode, 3.0), OldPolicy(_Batch, mask, mode, 3.0)
+        whole.fill(slice(0, n), logp, ent)
+        for s in range(0, n, 4):
+            parts.fill(slice(s, s + 4), logp[s:s + 4], ent[s:s + 4])
+        assert torch.allclose(whole.is_weights, parts.is_weights, rtol=1e-6, atol=0)
+        assert whole.is_weights.abs().sum() > 0 and not whole.ready
+        stats = parts.finish()
+        assert parts.ready and stats["sampling/importance_sampling_ratio/max"] <= 3.0
