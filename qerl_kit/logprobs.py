@@ -27,14 +27,16 @@ def _chunk_logp(logits: torch.Tensor, ids: torch.Tensor, temperature: float) -> 
 @torch.no_grad()
 def _chunk_entropy(logits: torch.Tensor, temperature: float) -> torch.Tensor:
     logp = torch.log_softmax(logits.float() / temperature, dim=-1)
-    return -(logp.exp() * logp).sum(-1)
+    # in place: at most two float32 chunks at once, also when the update's forward takes it (loss.old_logp: fold)
+    return -logp.exp().mul_(logp).sum(-1)
 
 
 def token_logprobs(logits: torch.Tensor, ids: torch.Tensor, temperature: float = 1.0,
                    with_entropy: bool = False, chunk: int | None = None):
     """log softmax(logits / T)[ids] for logits [B, C, V] (any dtype) -> [B, C] float32, computed
     ``chunk`` positions at a time (default: CHUNK_ELEMS float32 values per chunk); optionally the
-    entropy [B, C] too (no gradient)."""
+    entropy [B, C] too, always without gradient (from the detached logits, so one training forward
+    gives log-probs with gradient and the entropy: the Trainer's folded old-policy pass)."""
     B, C, V = logits.shape
     chunk = chunk or max(1, CHUNK_ELEMS // max(B * V, 1))
     grad = torch.is_grad_enabled() and logits.requires_grad
@@ -56,7 +58,8 @@ def token_logprobs(logits: torch.Tensor, ids: torch.Tensor, temperature: float =
 def completion_logprobs(model: torch.nn.Module, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
                         completion_ids: torch.Tensor, completion_mask: torch.Tensor,
                         temperature: float = 1.0, with_entropy: bool = False):
-    """Log-probs [B, C] (float32) of ``completion_ids`` under ``model``; optionally entropy [B, C]."""
+    """Log-probs [B, C] (float32) of ``completion_ids`` under ``model``, with gradient when autograd is on;
+    optionally the entropy [B, C] too, without gradient."""
     input_ids = torch.cat([prompt_ids, completion_ids], dim=1)
     attention = torch.cat([prompt_mask, completion_mask], dim=1).long()
     position_ids = (attention.cumsum(-1) - 1).clamp(min=0)

@@ -177,3 +177,30 @@ def test_old_policy_fills_rows_and_their_weights_alone():
         assert whole.is_weights.abs().sum() > 0 and not whole.ready
         stats = parts.finish()
         assert parts.ready and stats["sampling/importance_sampling_ratio/max"] <= 3.0
+
+
+def test_one_training_forward_gives_logp_with_grad_and_the_eval_passes_values():
+    """completion_logprobs in train mode with autograd: log-probs with gradient (the same gradient as
+    without the entropy) and the entropy without, both bit-equal to the eval-mode no-grad pass's."""
+    from qerl_kit.logprobs import completion_logprobs
+
+    model, g = _policy(), torch.Generator().manual_seed(5)
+    V = model.config.vocab_size
+    pi, ci = torch.randint(3, V, (4, 5), generator=g), torch.randint(3, V, (4, 7), generator=g)
+    pm, cm = torch.ones(4, 5, dtype=torch.long), torch.ones(4, 7, dtype=torch.long)
+    pm[0, :2], cm[1, 4:] = 0, 0  # left-padded prompt, right-padded completion
+    model.eval()
+    with torch.no_grad():
+        ref, ref_ent = completion_logprobs(model, pi, pm, ci, cm, 0.7, with_entropy=True)
+    model.train()
+    grads = []
+    for with_entropy in (True, False):
+        model.zero_grad(set_to_none=True)
+        out = completion_logprobs(model, pi, pm, ci, cm, 0.7, with_entropy=with_entropy)
+        logp = out[0] if with_entropy else out
+        assert logp.requires_grad and torch.equal(logp.detach(), ref)
+        if with_entropy:
+            assert not out[1].requires_grad and torch.equal(out[1], ref_ent) and ref_ent[0].gt(0).all()
+        logp.sum().backward()
+        grads.append([p.grad.clone() for p in model.parameters() if p.requires_grad])
+    assert all(torch.equal(a, b) for a, b in zip(*grads)) and any(a.abs().sum() > 0 for a in grads[0])
