@@ -75,7 +75,6 @@ class _Prepared:
     ref_logp: torch.Tensor | None
 
 
-
 class Trainer:
     """GRPO/DAPO on a (quantized) LoRA model; see the module docstring for one step."""
 

@@ -204,3 +204,89 @@ def test_one_training_forward_gives_logp_with_grad_and_the_eval_passes_values():
         logp.sum().backward()
         grads.append([p.grad.clone() for p in model.parameters() if p.requires_grad])
     assert all(torch.equal(a, b) for a, b in zip(*grads)) and any(a.abs().sum() > 0 for a in grads[0])
+
+
+def _random_batch(model, n, P, C, device, seed=7):
+    from types import SimpleNamespace
+
+    g, V = torch.Generator().manual_seed(seed), model.config.vocab_size
+    pm, cm = torch.ones(n, P, dtype=torch.long), torch.ones(n, C, dtype=torch.long)
+    for i in range(n):  # left-padded prompts, right-padded completions of varied lengths
+        pm[i, :int(torch.randint(0, P - 1, (), generator=g))] = 0
+        cm[i, int(torch.randint(1, C + 1, (), generator=g)):] = 0
+    batch = SimpleNamespace(prompt_ids=torch.randint(3, V, (n, P), generator=g) * pm, prompt_mask=pm,
+                            completion_ids=torch.randint(3, V, (n, C), generator=g) * cm, completion_mask=cm,
+                            logprobs=-torch.rand(n, C, generator=g).mul(4) * cm)
+    return SimpleNamespace(**{k: v.to(device) for k, v in vars(batch).items()})
+
+
+DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA GPU")])]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_the_folded_forward_fills_what_the_pass_fills(device):
+    """OldPolicy.forward (train mode, autograd on, micro-batch by micro-batch: the fold) against
+    OldPolicy.run_pass (eval mode, no grad) on one batch. CPU: bit-equal. CUDA (bf16, NVFP4 base):
+    the same kernels are expected, so the same values; asserted to bf16 logit rounding, and any
+    difference is reported (the fold's own forward is the one the update's ratio compares with)."""
+    dtype = torch.float32 if device == "cpu" else torch.bfloat16
+    model = build_model("qwen2-tiny", seed=0, dtype=dtype, device=device)
+    quantize_model(model)
+    model = attach_lora(model, r=4, seed=0)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(1)).to(p) * 0.05)
+    batch = _random_batch(model, 10, 6, 9, device)
+    mask = batch.completion_mask.float()
+    passed = OldPolicy(batch, mask, "token_truncate", 3.0)
+    stats = passed.run_pass(model, 0.8, 4)
+    folded = OldPolicy(batch, mask, "token_truncate", 3.0)
+    model.train()
+    for s in range(0, 10, 4):
+        logp = folded.forward(model, slice(s, s + 4), 0.8)
+        assert logp.requires_grad and torch.equal(logp.detach(), folded.old_logp[s:s + 4])
+    assert folded.finish() == stats or device != "cpu"
+    assert passed.ready and folded.ready and mask.sum() > 0
+    if device == "cpu":
+        for name in ("old_logp", "entropy", "is_weights"):
+            assert torch.equal(getattr(folded, name), getattr(passed, name)), name
+        return
+    diff = (folded.old_logp - passed.old_logp).abs()
+    if not torch.equal(folded.old_logp, passed.old_logp):
+        warnings.warn(f"CUDA: fold vs pass old_logp differ: max {diff.max().item():.3g}, "
+                      f"mean {diff[mask > 0].mean().item():.3g}", UserWarning)
+    assert diff.max() < 0.1 and diff[mask > 0].mean() < 1e-2
+    torch.testing.assert_close(folded.entropy, passed.entropy, atol=0.1, rtol=0.02)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_a_gpu_step_folds_with_the_static_engine(tmp_path):
+    """One Trainer step on CUDA (bf16 tiny model, NVFP4 base, the static engine) with fold and with
+    pass: the same rollouts give close old log-probs, loss and grad norm, and the fold runs no
+    separate pass (time/logprob 0.0)."""
+    runs = {}
+    for mode in ("fold", "pass"):
+        model = build_model("qwen2-tiny", seed=0, dtype=torch.bfloat16, device="cuda")
+        quantize_model(model)
+        model = attach_lora(model, r=4, seed=0)
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if "lora_B" in name:
+                    p.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(1)).to(p) * 0.05)
+        cfg = _config(tmp_path / mode, loss=dict(old_logp=mode, mu=2), aqn=dict(enabled=False))
+        trainer = Trainer(model, make_tokenizer(), TASK, cfg, progress="none")
+        olds, metrics = [], trainer._metrics
+        trainer._metrics = lambda prep, update: (olds.append((prep.batch, prep.old)), metrics(prep, update))[1]
+        trainer.train(1)
+        runs[mode] = trainer, olds[0]
+    (fold, (fb, fo)), (pas, (pb, po)) = runs["fold"], runs["pass"]
+    if not torch.equal(fb.completion_ids, pb.completion_ids):
+        pytest.skip("the two runs sampled different rollouts (rollout reproducibility, not the fold)")
+    assert fold.history[0]["time/logprob"] == 0.0 and pas.history[0]["time/logprob"] > 0
+    mask = fb.completion_mask.bool()
+    assert (fo.old_logp - po.old_logp).abs()[mask].mean() < 1e-2
+    for key in ("loss", "grad_norm", "entropy"):
+        assert fold.history[0][key] == pytest.approx(pas.history[0][key], rel=0.05, abs=1e-3), key
