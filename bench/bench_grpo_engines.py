@@ -57,7 +57,8 @@ def step_trainer(peft, engine, args, out_dir: Path, *, checkpointing: bool = Fal
     cfg = cfg_preset("tiny-cpu", total_steps=10, save_every=0, output_dir=str(out_dir),
                      model=dict(gradient_checkpointing=checkpointing),
                      rollout=dict(batch_size=64, group_size=8, max_new_tokens=args.new),
-                     loss=dict(micro_batch=args.micro_batch), aqn=dict(enabled=aqn))
+                     loss=dict(micro_batch=args.micro_batch, old_logp=getattr(args, "old_logp", "fold")),
+                     aqn=dict(enabled=aqn))
     task = Task("random-ids", data, [], (random_reward(),), lambda tok, row: row["prompt"])
     return Trainer(peft, IdTokenizer(), task, cfg, engine=engine, progress="none")
 
@@ -154,6 +155,8 @@ def main() -> None:
     ap.add_argument("--micro-batch", type=int, default=8)
     ap.add_argument("--vllm-memory", type=float, default=0.3, help="vLLM's gpu_memory_utilization")
     ap.add_argument("--smoke", action="store_true", help="CPU, the qwen2-tiny preset, few tokens")
+    ap.add_argument("--old-logp", default="fold", choices=["fold", "pass"],
+                    help="loss.old_logp: the old log-probs from the update's first forward, or a separate pass")
     args = ap.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
     if args.smoke:
@@ -172,7 +175,8 @@ def main() -> None:
     for fmt in args.formats:
         peft = with_lora(build(args.model, "none" if fmt == "bf16" else fmt, device), args.lora_r)
         for name in args.engines:
-            row = dict(model=args.model, format=fmt, engine=name, prompt=args.prompt, new=args.new, group=8, batch=64)
+            row = dict(model=args.model, format=fmt, engine=name, prompt=args.prompt, new=args.new, group=8, batch=64,
+                       old_logp=args.old_logp)
             try:
                 if name == "static":
                     engine = StaticEngine(peft, IdTokenizer(), ignore_eos=True)
