@@ -10,6 +10,9 @@ is taken over chunks of completion positions of about ``CHUNK_ELEMS`` values, ea
 activation checkpointing when gradients are on. So the float32 copies of the full-vocabulary
 logits, the largest tensors of a long-completion training step (about 40 GB at 8 x 4096 tokens
 over Qwen2.5's 152k vocabulary), never exist; backward recomputes one chunk at a time.
+The entropy (never with gradient) is taken from the same log-softmax where one is computed whole
+(no gradient, or a single chunk kept for backward), else from its own per chunk: at most two
+float32 chunks at once, so a training forward can return both (``loss.old_logp: fold``).
 """
 
 from __future__ import annotations
@@ -20,15 +23,25 @@ from torch.utils.checkpoint import checkpoint
 CHUNK_ELEMS = 1 << 28  # float32 logits per chunk (1 GiB)
 
 
+def _log_softmax(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    return torch.log_softmax(logits.float() / temperature, dim=-1)
+
+
 def _chunk_logp(logits: torch.Tensor, ids: torch.Tensor, temperature: float) -> torch.Tensor:
-    return torch.log_softmax(logits.float() / temperature, dim=-1).gather(-1, ids.unsqueeze(-1)).squeeze(-1)
+    return _log_softmax(logits, temperature).gather(-1, ids.unsqueeze(-1)).squeeze(-1)
 
 
 @torch.no_grad()
-def _chunk_entropy(logits: torch.Tensor, temperature: float) -> torch.Tensor:
-    logp = torch.log_softmax(logits.float() / temperature, dim=-1)
-    # in place: at most two float32 chunks at once, also when the update's forward takes it (loss.old_logp: fold)
-    return -logp.exp().mul_(logp).sum(-1)
+def _entropy(logp: torch.Tensor) -> torch.Tensor:
+    """-sum p log p over the vocabulary of a float32 log-softmax chunk, in place: one more chunk at most."""
+    return -logp.detach().exp().mul_(logp.detach()).sum(-1)
+
+
+def _chunk_logp_entropy(logits: torch.Tensor, ids: torch.Tensor, temperature: float):
+    """An unchunked or no-grad chunk's log-probs and entropy from one log-softmax (kept for backward
+    anyway when gradients are on, so the entropy costs one transient chunk, no second log-softmax)."""
+    full = _log_softmax(logits, temperature)
+    return full.gather(-1, ids.unsqueeze(-1)).squeeze(-1), _entropy(full)
 
 
 def token_logprobs(logits: torch.Tensor, ids: torch.Tensor, temperature: float = 1.0,
@@ -45,10 +58,14 @@ def token_logprobs(logits: torch.Tensor, ids: torch.Tensor, temperature: float =
         part, part_ids = logits[:, s:s + chunk], ids[:, s:s + chunk]
         if grad and chunk < C:  # keep only the model-dtype logits for backward, recompute the rest
             parts.append(checkpoint(_chunk_logp, part, part_ids, temperature, use_reentrant=False))
+            if with_entropy:  # the checkpointed log-softmax is gone: its own (at most two chunks at once)
+                ents.append(_entropy(_log_softmax(part.detach(), temperature)))
+        elif with_entropy:
+            logp, ent = _chunk_logp_entropy(part, part_ids, temperature)
+            parts.append(logp)
+            ents.append(ent)
         else:
             parts.append(_chunk_logp(part, part_ids, temperature))
-        if with_entropy:
-            ents.append(_chunk_entropy(part.detach(), temperature))
     logp = torch.cat(parts, dim=1) if parts else logits.new_zeros((B, 0), dtype=torch.float32)
     if not with_entropy:
         return logp

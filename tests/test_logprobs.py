@@ -33,3 +33,27 @@ def test_chunked_gradient_matches_and_backward_recomputes_chunks():
     assert a.grad.dtype == torch.bfloat16
     torch.testing.assert_close(a.grad.float(), b.grad.float())
     assert a.grad.abs().sum() > 0
+
+
+def test_entropy_under_autograd_has_no_gradient_and_leaves_the_logp_gradient_alone():
+    """One training forward gives log-probs with gradient and the entropy without (the Trainer's
+    folded old-policy pass), chunked (checkpointed) or not, with the no-grad values bit for bit."""
+    g = torch.Generator().manual_seed(2)
+    base = torch.randn(2, 9, 40, generator=g) * 3
+    ids = torch.randint(40, (2, 9), generator=g)
+    weights = torch.randn(2, 9, generator=g)
+    for chunk in (2, None):  # 2: checkpointed chunks; None: one chunk, its log-softmax kept for backward
+        with torch.no_grad():
+            want, want_ent = token_logprobs(base, ids, 0.9, with_entropy=True, chunk=chunk)
+        grads = []
+        for with_entropy in (True, False):
+            x = base.clone().requires_grad_(True)
+            out = token_logprobs(x, ids, 0.9, with_entropy=with_entropy, chunk=chunk)
+            logp = out[0] if with_entropy else out
+            assert torch.equal(logp.detach(), want)
+            if with_entropy:
+                assert not out[1].requires_grad and torch.equal(out[1], want_ent)
+            (logp * weights).sum().backward()
+            grads.append(x.grad)
+        assert torch.equal(grads[0], grads[1]) and grads[0].abs().sum() > 0
+        torch.testing.assert_close(want_ent, _reference(base, ids, 0.9)[1])
