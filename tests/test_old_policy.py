@@ -290,3 +290,18 @@ def test_a_gpu_step_folds_with_the_static_engine(tmp_path):
     assert (fo.old_logp - po.old_logp).abs()[mask].mean() < 1e-2
     for key in ("loss", "grad_norm", "entropy"):
         assert fold.history[0][key] == pytest.approx(pas.history[0][key], rel=0.05, abs=1e-3), key
+
+
+def test_a_run_saved_under_pass_resumes_under_fold_exactly(tmp_path):
+    """loss.old_logp is resume-neutral: checkpoint-2 of a "pass" run, resumed with "fold" (no
+    allow_config_change), continues exactly as the uninterrupted "fold" run."""
+    full, _ = _run(tmp_path / "full", "fold", steps=4, save_every=2, loss=dict(mu=2))
+    _run(tmp_path / "killed", "pass", steps=3, save_every=2, loss=dict(mu=2))
+    resumed = Trainer(_policy(), make_tokenizer(), TASK,
+                      _config(tmp_path / "killed" / "pass", save_every=2, loss=dict(mu=2, old_logp="fold")),
+                      progress="none")
+    assert resumed.output_dir == tmp_path / "killed" / "pass" / "run"
+    assert resumed.resume(resumed.output_dir / "checkpoint-2") == 2
+    resumed.train(2)
+    for a, b in zip(resumed.history, full.history, strict=True):
+        assert {k: v for k, v in a.items() if not _timing(k)} == {k: v for k, v in b.items() if not _timing(k)}
