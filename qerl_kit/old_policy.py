@@ -13,7 +13,8 @@ engine's sampling log-probs. ``loss.old_logp`` says where ``old_logp`` comes fro
 
 Both fill the same tensors micro-batch by micro-batch (``OldPolicy.fill``), with the same slices and
 the same kernels, so on the CPU the two modes give bit-equal log-probs, weights, metrics and adapters
-(tests/test_old_policy.py). The fold runs the forward in train mode: with an active dropout
+(tests/test_old_policy.py; on CUDA an NVFP4 layer runs the same ``kernels.nvfp4_linear`` with or without
+autograd, so the same is expected there: the gpu-marked tests check it). The fold runs the forward in train mode: with an active dropout
 (``active_dropout``: an ``nn.Dropout`` with p > 0, such as a LoRA adapter attached with dropout, or an
 attention module's ``attention_dropout`` > 0) train-mode log-probs are not the clean policy's, so
 ``resolve_mode`` falls back to ``"pass"`` and warns once.
