@@ -43,7 +43,7 @@ import torch
 
 from qerl_kit import checkpoint as ckpt
 from qerl_kit import distributed
-from qerl_kit import divergence, finite, grpo, runs, trainer_state
+from qerl_kit import dense_update, divergence, finite, grpo, runs, trainer_state
 from qerl_kit.aqn import AQN
 from qerl_kit.config import TrainConfig, check_lr
 from qerl_kit.data import DataError
@@ -163,8 +163,11 @@ class Trainer:
     def train_step(self) -> dict:
         start = time.perf_counter()
         batch, rewards, metrics = self._collect(self.step)
-        prep = self._prepare(batch, rewards, metrics)
-        update = self._update(prep, metrics)
+        # the base's dense weights, made once for the log-prob pass + update, freed before the next rollout
+        with dense_update.update_cache(self.model, self.config.model.dense_cache_gib) as cache:
+            prep = self._prepare(batch, rewards, metrics)
+            update = self._update(prep, metrics)
+        metrics["memory/dense_cache_gib"] = cache.peak_bytes / dense_update.GIB
         metrics.update(self._metrics(prep, update))
         metrics["time/step"] = time.perf_counter() - start
         self.step += 1
