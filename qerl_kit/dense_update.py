@@ -53,16 +53,18 @@ CPU_RAM_SHARE = 0.25        # auto on the CPU: the whole dense size if it is at 
 _working_set: "weakref.WeakKeyDictionary[torch.nn.Module, int]" = weakref.WeakKeyDictionary()
 
 
-def dense_projection_bytes(model: Any, dtype: torch.dtype = torch.bfloat16) -> int:
+def dense_projection_bytes(model: Any, dtype: torch.dtype | None = None) -> int:
     """Bytes of the dense copies of every quantized projection in ``dtype``: the most one
-    ``update_cache`` block holds. ``model``: a model object (its 4-bit layers), or what
-    ``qerl_kit.memory_plan.model_shape`` takes (a preset name, a transformers config, a dict: the
-    seven projections of every decoder layer, as the planner counts them)."""
-    size = torch.empty((), dtype=dtype).element_size()
+    ``update_cache`` block holds. ``model``: a model object (its 4-bit layers, each in its compute
+    dtype unless ``dtype`` is given), or what ``qerl_kit.memory_plan.model_shape`` takes (a preset
+    name, a transformers config, a dict: the seven projections of every decoder layer, as the
+    planner counts them; bf16 unless ``dtype`` is given)."""
     if isinstance(model, torch.nn.Module):
         from qerl_kit.linear import QuantLinear
 
-        return size * sum(m.in_features * m.out_features for m in model.modules() if isinstance(m, QuantLinear))
+        return sum(m.in_features * m.out_features * (dtype or m.compute_dtype).itemsize
+                   for m in model.modules() if isinstance(m, QuantLinear))
+    size = (dtype or torch.bfloat16).itemsize
     from qerl_kit.memory_plan import model_shape
 
     s = model_shape(model)
