@@ -163,12 +163,12 @@ class Trainer:
     def train_step(self) -> dict:
         start = time.perf_counter()
         batch, rewards, metrics = self._collect(self.step)
-        # the base's dense weights, made once for the log-prob pass + update, freed before the next rollout
+        # the base's dense weights, made once for the log-prob passes + update, freed before the next rollout
         with dense_update.update_cache(self.model, self.config.model.dense_cache_gib) as cache:
             prep = self._prepare(batch, rewards, metrics)
             update = self._update(prep, metrics)
+            metrics.update(self._metrics(prep, update))  # with mu > 1, a log-prob pass of the new policy
         metrics["memory/dense_cache_gib"] = cache.peak_bytes / dense_update.GIB
-        metrics.update(self._metrics(prep, update))
         metrics["time/step"] = time.perf_counter() - start
         self.step += 1
         return distributed.reduce_metrics(metrics, self.dist)  # the same row on every rank
