@@ -8,7 +8,9 @@ base never changes during a step (AQN's noise lives in the RMSNorm scales, LoRA 
 one dense copy per weight per step gives the same results. ``update_cache(model, gib)`` is the
 block the trainer opens around the log-prob pass and the update and leaves before the next
 rollout (which needs the memory for its KV cache and reads the packed weights anyway): a
-``qerl_kit.dense_cache`` block with CUDA tensors allowed, under a byte budget.
+``qerl_kit.dense_cache`` block with CUDA tensors allowed, under a byte budget. On CUDA a block that
+held weights empties PyTorch's allocator cache on exit, so an engine with its own allocator (vLLM
+waking from sleep mode) gets the memory back.
 
 The budget (``model.dense_cache_gib``): ``0`` off; ``> 0`` that many GiB; ``None`` (auto):
 
@@ -133,3 +135,7 @@ def update_cache(model: torch.nn.Module, gib: float | None = None) -> Iterator[D
         if cuda and gib is None:  # the working set: what the block allocated beyond its cache
             peak = torch.cuda.max_memory_allocated(device)
             _working_set[model] = max(_working_set.get(model, 0), peak - start - block.bytes_held)
+    if cuda and block.peak_bytes:
+        # Give the dense copies back to the device, not only to PyTorch's allocator: a rollout engine
+        # with its own allocator (vLLM waking from sleep mode) could not use them otherwise.
+        torch.cuda.empty_cache()

@@ -206,6 +206,29 @@ def test_the_auto_budget_on_cuda_measures_first_then_takes_free_memory_minus_the
     assert dense_update.cache_budget(model, 3.0, device=cuda) == 3 * gib
 
 
+def test_on_cuda_the_first_block_measures_and_the_next_caches_then_empties_the_allocator(monkeypatch):
+    """update_cache's CUDA path (measure, budget, empty_cache) with the device and its queries injected."""
+    model, ids, gib = _policy("nvfp4"), _batch(), dense_update.GIB
+    emptied = []
+    monkeypatch.setattr(dense_update, "_device", lambda m: torch.device("cuda"))
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (40 * gib, 100 * gib))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 2 * gib)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: 2 * gib)
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: 9 * gib)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: emptied.append(1))
+    plain = _train_pass(model, ids, passes=1)
+    with dense_update.update_cache(model) as first:
+        one = _train_pass(model, ids, passes=1)
+    assert first.peak_bytes == 0 and first.refused == len(_layers(model)) and not emptied
+    assert dense_update._working_set[model] == 7 * gib  # peak 9 - 2 on entry - 0 cached
+    with dense_update.update_cache(model) as second:
+        two = _train_pass(model, ids, passes=1)
+    assert second.budget_bytes == 40 * gib - int(1.25 * 7 * gib) - 5 * gib
+    assert second.peak_bytes == dense_update.dense_projection_bytes(model) and emptied == [1]
+    _same(plain, one)
+    _same(plain, two)
+
+
 def test_the_config_key_is_validated_with_a_clear_error():
     assert from_dict({"model": {"dense_cache_gib": 2}}).model.dense_cache_gib == 2.0
     assert from_dict({}).model.dense_cache_gib is None
@@ -245,11 +268,14 @@ def test_two_trainer_steps_with_and_without_the_cache_give_the_same_adapter(fmt,
 @pytest.mark.skipif(not CUDA, reason="needs CUDA: the NVFP4 GPU routes and the CUDA budget")
 @pytest.mark.parametrize("fmt", list(FORMATS))
 def test_cuda_training_pass_is_bit_identical_in_the_block(fmt):
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
     model = _policy(fmt, device="cuda", dtype=torch.bfloat16)
     ids = _batch(rows=4, length=96, device="cuda")  # 384 rows: the NVFP4 dense route (from 128)
-    plain = _train_pass(model, ids)
-    with dense_update.update_cache(model, gib=4.0) as block:
-        cached = _train_pass(model, ids)
+    with sdpa_kernel(SDPBackend.MATH):  # a deterministic attention backward: only the cache may differ
+        plain = _train_pass(model, ids)
+        with dense_update.update_cache(model, gib=4.0) as block:
+            cached = _train_pass(model, ids)
     _same(plain, cached)
     assert block.misses == len(_layers(model)) and block.hits > 0 and dense_cache._block is None
 
