@@ -111,7 +111,8 @@ def main() -> None:
              f"{args.model}, LoRA r {args.lora_r}, {args.micro_batches} x {args.micro_batch} sequences of "
              f"{args.prompt} + {args.completion} tokens, mu {args.mu}, gradient checkpointing "
              f"{'on' if args.checkpointing else 'off'}", "",
-             "| format | packed s | dense cache s | speed-up | cache MiB | peak GiB (packed / cache) | LoRA grads equal |",
+             "| format | packed s | dense cache s | speed-up | cache MiB | peak GiB (packed / cache) "
+             "| LoRA grads equal |",
              "|---|---:|---:|---:|---:|---|---|"]
     print("\n".join(lines), flush=True)
     for fmt in args.formats:

@@ -391,7 +391,8 @@ def nvfp4_dequantize(packed: torch.Tensor, scales: torch.Tensor, global_scale: t
 
 
 # From this many rows on, a dense pass (``nvfp4_dequantize`` into a transient bf16 W, freed after
-# the call unless a dense-weight cache block holds it) followed by cuBLAS beats the fused tiled kernels on the H200 (see docs/kernels.md).
+# the call unless a dense-weight cache block holds it) followed by cuBLAS beats the fused tiled
+# kernels on the H200 (see docs/kernels.md).
 DENSE_MIN_M = 128
 
 
