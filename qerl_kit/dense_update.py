@@ -75,8 +75,14 @@ def dense_projection_bytes(model: Any, dtype: torch.dtype | None = None) -> int:
 
 
 def _device(model: torch.nn.Module) -> torch.device:
-    """Where the 4-bit weights live (the first buffer or parameter; the CPU for an empty model)."""
-    for tensor in (*model.buffers(), *model.parameters()):
+    """Where the 4-bit weights live (the first 4-bit layer's codes, else the first parameter; the CPU
+    for an empty model)."""
+    from qerl_kit.linear import QuantLinear
+
+    for module in model.modules():
+        if isinstance(module, QuantLinear):
+            return module.packed.device
+    for tensor in model.parameters():
         return tensor.device
     return torch.device("cpu")
 
