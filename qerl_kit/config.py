@@ -100,6 +100,10 @@ class ModelConfig:
     lora_alpha: float | None = field(default=None, metadata={"rule": LORA_ALPHA_RULE})
     train_norms: bool = False  # also train the RMSNorm scales before the projections
     gradient_checkpointing: bool = False
+    # GiB of dense base weights kept through the log-prob pass + update (qerl_kit.dense_update):
+    # None = auto (CUDA: free memory minus the measured working set; CPU: all if <= 1/4 of free RAM), 0 = off
+    dense_cache_gib: float | None = _rule(None, ge=0, why="GiB of dense base weights kept for the log-prob pass + "
+                                          "update; 0 = off, null = auto")
     trust_remote_code: bool = False
 
     def __post_init__(self):

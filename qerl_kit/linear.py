@@ -3,13 +3,16 @@
 ``NVFP4Linear`` (and ``MXFP4Linear``, ``NF4Linear``) replace ``nn.Linear`` in a model whose base
 weights stay frozen while LoRA adapters train. The weight lives only in its packed form: every
 forward dequantizes it to the activation dtype, multiplies, and drops the dense copy; the
-backward pass dequantizes again to compute the input gradient ``dx = dy @ W``. So no bf16 copy of
-a weight outlives a call, and the base never receives a gradient.
+backward pass dequantizes again to compute the input gradient ``dx = dy @ W``. So, outside a
+``qerl_kit.dense_cache`` block, no bf16 copy of a weight outlives a call; the base never receives a
+gradient.
 
 MXFP4 and NF4 layers run the plain-PyTorch path; NVFP4 layers go through ``qerl_kit.kernels``,
 whose routing table picks humming-kernels or our kernels on CUDA and the same reference elsewhere.
 A forward that needs no gradient (rollouts, evaluation) skips autograd's bookkeeping. On the CPU,
-generation dequantizes each weight once per call, not once per token (``qerl_kit.dense_cache``).
+generation dequantizes each weight once per call, not once per token; the training pass (log-prob
+pass + update) once per step where its memory budget allows, on any device
+(``qerl_kit.dense_cache``, ``qerl_kit.dense_update``).
 """
 
 from __future__ import annotations
@@ -22,22 +25,29 @@ from qerl_kit import kernels, mxfp4, nf4, nvfp4
 from qerl_kit.dense_cache import cached
 
 
+def _dense(layer: "QuantLinear", dtype: torch.dtype) -> torch.Tensor:
+    """The layer's dense weight in ``dtype``: dequantized now, or once per ``qerl_kit.dense_cache`` block
+    (forward and backward share it: the same function of the same buffers)."""
+    tensors = tuple(getattr(layer, name) for name in layer._tensor_fields)
+    return cached(tensors, dtype, lambda: layer.dequantized_weight(dtype),
+                  shape=(layer.out_features, layer.in_features), tag=layer.fmt)
+
+
 class _FrozenQuantMatmul(torch.autograd.Function):
-    """y = x @ W^T + b with W dequantized on the fly in forward and again in backward (MXFP4, NF4:
-    the plain-PyTorch path)."""
+    """y = x @ W^T + b with W dequantized in forward and again in backward (MXFP4, NF4: the
+    plain-PyTorch path), or read from the dense-weight cache inside its block."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, layer: "QuantLinear") -> torch.Tensor:
         ctx.layer = layer
         bias = None if layer.bias is None else layer.bias.to(x.dtype)
-        tensors = tuple(getattr(layer, name) for name in layer._tensor_fields)
-        return F.linear(x, cached(tensors, x.dtype, lambda: layer.dequantized_weight(x.dtype)), bias)
+        return F.linear(x, _dense(layer, x.dtype), bias)
 
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor):
         grad_x = None
         if ctx.needs_input_grad[0]:
-            grad_x = grad_out @ ctx.layer.dequantized_weight(grad_out.dtype)
+            grad_x = grad_out @ _dense(ctx.layer, grad_out.dtype)
         return grad_x, None
 
 

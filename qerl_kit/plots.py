@@ -86,7 +86,7 @@ TRAINER_METRICS = ("step", "reward", "accuracy", "entropy", "loss", "grad_norm",
                    "rollout/temperature", "rollout/tokens_per_s", "update/skipped", "aqn/sigma", "aqn/stage",
                    "aqn/norms", "eval/accuracy", "clip_ratio/low_mean", "clip_ratio/high_mean",
                    "clip_ratio/region_mean", "clip_ratio/low_min", "clip_ratio/high_max",
-                   "rewards/*", "sampling/*", "time/*")
+                   "rewards/*", "sampling/*", "time/*", "memory/*")
 _CONTROLS = ("aqn/sigma", "rollout/temperature", "lr")  # set, not measured: drawn without a moving mean
 
 

@@ -46,7 +46,7 @@ import torch
 
 from qerl_kit import checkpoint as ckpt
 from qerl_kit import distributed
-from qerl_kit import divergence, finite, grpo, runs, trainer_state
+from qerl_kit import dense_update, divergence, finite, grpo, runs, trainer_state
 from qerl_kit.aqn import AQN
 from qerl_kit.config import TrainConfig, check_lr
 from qerl_kit.data import DataError
@@ -65,7 +65,6 @@ from qerl_kit.tasks.task import Task
 @dataclass
 class _Prepared:
     """What the update phase trains on: this rank's slice of the step's batch."""
-
     batch: Rollouts
     rewards: torch.Tensor      # [n] this rank's rewards
     all_rewards: torch.Tensor  # [W*n] the global batch's
@@ -166,9 +165,12 @@ class Trainer:
     def train_step(self) -> dict:
         start = time.perf_counter()
         batch, rewards, metrics = self._collect(self.step)
-        prep = self._prepare(batch, rewards, metrics)
-        update = self._update(prep, metrics)
-        metrics.update(self._metrics(prep, update))
+        # the base's dense weights, made once for the log-prob passes + update, freed before the next rollout
+        with dense_update.update_cache(self.model, self.config.model.dense_cache_gib) as cache:
+            prep = self._prepare(batch, rewards, metrics)
+            update = self._update(prep, metrics)
+            metrics.update(self._metrics(prep, update))  # with mu > 1, a log-prob pass of the new policy
+        metrics["memory/dense_cache_gib"] = cache.peak_bytes / dense_update.GIB
         metrics["time/step"] = time.perf_counter() - start
         self.step += 1
         return distributed.reduce_metrics(metrics, self.dist)  # the same row on every rank

@@ -66,7 +66,7 @@ def test_cpu_generation_dequantizes_once_per_call_with_identical_tokens(fmt, mon
     plain = StaticEngine(model, None).generate_ids(prompts, 1, sampling)
     assert torch.equal(cached.completion_ids, plain.completion_ids)  # the same function, computed once
     assert torch.equal(cached.logprobs, plain.logprobs)
-    assert dense_cache._cache is None                         # nothing kept between calls
+    assert dense_cache._block is None                         # nothing kept between calls
 
 
 def test_the_cache_keys_on_the_tensor_and_never_outlives_its_block():
@@ -85,7 +85,7 @@ def test_the_cache_keys_on_the_tensor_and_never_outlives_its_block():
         d = dense_cache.cached((w,), torch.bfloat16, make)     # so is another dtype
     assert a is b and len(calls) == 3 and c is not a and d is not c
     dense_cache.cached((w,), torch.float32, make)              # outside a block: computed every time
-    assert len(calls) == 4 and dense_cache._cache is None
+    assert len(calls) == 4 and dense_cache._block is None
 
 
 # ----------------------------------------------------------------------------- StaticEngine teardown

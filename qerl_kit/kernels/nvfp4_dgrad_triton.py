@@ -1,4 +1,4 @@
-"""NVFP4 input gradient: dx = dy @ W from the packed weight (no bf16 copy of W, ever).
+"""NVFP4 input gradient: dx = dy @ W from the packed weight (the fused kernel: no bf16 copy of W).
 
 LoRA training keeps the base frozen, so the base layer's backward needs only the input gradient
 dx [M, K] = dy [M, N] @ W [N, K]. The reduction runs over N (W's rows) and the output columns
@@ -17,7 +17,8 @@ The two accumulators are interleaved once, in registers, before the store. With 
 products are taken transposed (dx^T = W^T @ dy^T), which puts the weight in wgmma's A slot.
 Configs are autotuned per (M bucket, N, K); the launcher does no host sync. Registered as
 ``torch.ops.qerl_kit.nvfp4_dgrad``; qerl_kit/kernels/routes.py decides which calls reach the
-fused and dense paths. Tests: tests/test_kernels.py.
+fused and dense paths; the dense path reads the W an open ``qerl_kit.dense_cache`` block holds
+(``nvfp4_gemm_triton.cached_dense_weight``). Tests: tests/test_kernels.py.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from __future__ import annotations
 import torch
 
 from qerl_kit.kernels.nvfp4_gemm_triton import (HAS_TRITON, check_nvfp4_operands, default_strategy,
-                                                launch_options, m_bucket, nvfp4_dequantize)
+                                                cached_dense_weight, launch_options, m_bucket, nvfp4_dequantize)
 
 if HAS_TRITON:
     import triton
@@ -157,7 +158,8 @@ def nvfp4_dgrad(dy: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor,
 
 
 def _dense_dgrad(dy, packed, scales, global_scale):
-    return dy @ nvfp4_dequantize(packed, scales, global_scale, dy.dtype)
+    w = cached_dense_weight(packed, scales, global_scale, dy.dtype)  # the forward's, inside a cache block
+    return dy @ (w if w is not None else nvfp4_dequantize(packed, scales, global_scale, dy.dtype))
 
 
 def _fused_dgrad(dy, packed, scales, global_scale, config, **options):

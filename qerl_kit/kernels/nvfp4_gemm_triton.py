@@ -26,7 +26,9 @@ Dequantization (``dequant_nvfp4``, shared with the decode and dgrad kernels), tw
 
 Scales are loaded as bytes and decoded arithmetically (exact, subnormals included), so the
 interpreter needs no float8 support; the hardware fp8 conversion is no faster on the H200.
-``nvfp4_dequantize`` writes the dense W for the "dense" strategy (then cuBLAS). Configs are
+``nvfp4_dequantize`` writes the dense W for the "dense" strategy (then cuBLAS); inside a
+``qerl_kit.dense_cache`` block that takes the weight (the training pass) that W is computed once
+and reused by every later forward and input gradient of the block. Configs are
 autotuned per (M bucket, N, K); the launcher does no host sync (CUDA-graph safe after a warm-up
 call). Registered as ``torch.ops.qerl_kit.nvfp4_gemm``; qerl_kit/kernels/routes.py decides which
 calls reach the fused and dense paths. Reference: ``reference.nvfp4_linear_ref``; tests:
@@ -39,6 +41,7 @@ import importlib.util
 
 import torch
 
+from qerl_kit import dense_cache
 from qerl_kit.kernels.backend import register_linear_op
 
 HAS_TRITON = importlib.util.find_spec("triton") is not None
@@ -388,7 +391,8 @@ def nvfp4_dequantize(packed: torch.Tensor, scales: torch.Tensor, global_scale: t
 
 
 # From this many rows on, a dense pass (``nvfp4_dequantize`` into a transient bf16 W, freed after
-# the call) followed by cuBLAS beats the fused tiled kernels on the H200 (see docs/kernels.md).
+# the call unless a dense-weight cache block holds it) followed by cuBLAS beats the fused tiled
+# kernels on the H200 (see docs/kernels.md).
 DENSE_MIN_M = 128
 
 
@@ -434,17 +438,29 @@ def nvfp4_gemm(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor,
     return _fused_gemm(x, packed, scales, global_scale, bias, config, **options)
 
 
+def cached_dense_weight(packed, scales, global_scale, dtype) -> torch.Tensor | None:
+    """The whole dense W from ``nvfp4_dequantize``, held by an open ``qerl_kit.dense_cache`` block that
+    takes it (computed on its first call), else None. The forward and the input gradient share it."""
+    return dense_cache.cached_or_none((packed, scales, global_scale), dtype,
+                                      lambda: nvfp4_dequantize(packed, scales, global_scale, dtype),
+                                      shape=(packed.shape[0], packed.shape[1] * 2), tag="nvfp4-triton")
+
+
 def _dense_gemm(x, packed, scales, global_scale, bias):
     (m, k), n = x.shape, packed.shape[0]
     rows = dense_chunk_rows(m, n)
+    whole = cached_dense_weight(packed, scales, global_scale, x.dtype)
     if rows is None:
-        w = nvfp4_dequantize(packed, scales, global_scale, x.dtype)
+        w = whole if whole is not None else nvfp4_dequantize(packed, scales, global_scale, x.dtype)
         return torch.nn.functional.linear(x, w, bias)
+    # In pieces of weight rows as without the cache (the same matmul shapes, so the same results):
+    # slices of the cached W, else each piece dequantized into one reused buffer.
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    buf = torch.empty((rows, k), dtype=x.dtype, device=x.device)
+    buf = torch.empty((rows, k), dtype=x.dtype, device=x.device) if whole is None else None
     for n0 in range(0, n, rows):  # one stream: the next dequantization waits for this matmul
         n1 = min(n, n0 + rows)
-        w = nvfp4_dequantize(packed[n0:n1], scales[n0:n1], global_scale, x.dtype, out=buf[:n1 - n0])
+        w = whole[n0:n1] if whole is not None else \
+            nvfp4_dequantize(packed[n0:n1], scales[n0:n1], global_scale, x.dtype, out=buf[:n1 - n0])
         if bias is None:
             torch.mm(x, w.t(), out=y[:, n0:n1])
         else:

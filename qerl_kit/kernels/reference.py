@@ -24,10 +24,11 @@ from qerl_kit.dense_cache import cached
 
 def dequantize(packed: torch.Tensor, scales: torch.Tensor, global_scale: torch.Tensor,
                dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
-    """Dense W [N, K] from the three NVFP4 tensors (once per generation call on the CPU:
-    ``qerl_kit.dense_cache``)."""
+    """Dense W [N, K] from the three NVFP4 tensors (once per ``qerl_kit.dense_cache`` block where
+    the block takes it: CPU generation, the training pass)."""
     return cached((packed, scales, global_scale), dtype,
-                  lambda: nvfp4.dequantize(nvfp4.NVFP4Tensor(packed, scales, global_scale), dtype))
+                  lambda: nvfp4.dequantize(nvfp4.NVFP4Tensor(packed, scales, global_scale), dtype),
+                  shape=(packed.shape[0], packed.shape[1] * 2), tag="nvfp4-reference")
 
 
 def nvfp4_linear_ref(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor,
