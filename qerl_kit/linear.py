@@ -164,12 +164,15 @@ class NVFP4Linear(QuantLinear):
 
 class _LUT4Linear(QuantLinear):
     """NF4 and MXFP4 layers: the routed kernels (``qerl_kit.kernels.lut4_linear``) where the routing
-    table sends the call to one (CUDA tensors), else the plain-PyTorch path (the CPU's, unchanged)."""
+    table sends the call to one (CUDA tensors), else the plain-PyTorch path (the CPU's, unchanged).
+    A subclass registered as another format (its own ``fmt``) keeps the plain-PyTorch path: the
+    kernels know NF4's and MXFP4's layouts only."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         self._check_input(x)
         x2 = x if x.dim() == 2 else x.reshape(-1, self.in_features)
-        if kernels.route("forward", x2, self.packed, self.block_scales, fmt=self.fmt) == "reference":
+        if self.fmt not in kernels.routes.LUT4 or kernels.route(
+                "forward", x2, self.packed, self.block_scales, fmt=self.fmt) == "reference":
             return _FrozenQuantMatmul.apply(x, self)
         if x.requires_grad and torch.is_grad_enabled():
             return _LUT4Matmul.apply(x, self)
