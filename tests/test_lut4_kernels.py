@@ -193,3 +193,14 @@ def test_gpu_gemv_replays_in_a_cuda_graph(fmt):
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(y, eager)  # split-K sums its slices in order: deterministic
+
+
+@pytest.mark.skipif(CUDA, reason="the CPU smoke run; on a GPU: python -m bench.bench_lut4")
+def test_bench_runs_its_smoke_shape_in_the_interpreter(tmp_path):
+    from bench import bench_lut4
+
+    before = kernels.get_backend()
+    bench_lut4.main(["--smoke", "--out", str(tmp_path)])
+    table = (tmp_path / "lut4.md").read_text()
+    assert "| tiny | 1 | 64 | 128 |" in table and "lut4_gemv" in table and "lut4_dense" in table
+    assert kernels.get_backend() is before  # the run's backend switch is restored
