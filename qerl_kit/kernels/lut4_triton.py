@@ -6,7 +6,8 @@ of each kind serves both, the format a compile-time constant (``FMT``: 0 NF4, 1 
     packed  [N, K/2]   uint8; NF4: W[n, 2j] in the HIGH nibble (bitsandbytes' order),
                               MXFP4: W[n, 2j] in the LOW nibble (NVFP4's order, qerl_kit.fp4)
     scales  [N, K/BS]  NF4: float32 absmax, BS = 64; MXFP4: uint8 biased E8M0 exponent, BS = 32
-    lut     [16]       float32: NF4's codebook (``nf4.NF4_CODEBOOK``) / the E2M1 values (``fp4.e2m1_lut``)
+    lut     [16]       float32: NF4's codebook (``nf4.NF4_CODEBOOK``), gathered per code; MXFP4's
+                       E2M1 values are built from the code's bits instead (``_e2m1_to_f32``, exact)
     W[n, k] = lut[code] * scale   (one float32 multiply, then rounded to the activation dtype)
 
 The MXFP4 scale 2^(byte - 127) is built from its bits (byte << 23; byte 0 is the subnormal 2^-127),
@@ -48,7 +49,7 @@ if HAS_TRITON:
     import triton
     import triton.language as tl
 
-    from qerl_kit.kernels.nvfp4_gemm_triton import _round_f32_to, split_even_odd
+    from qerl_kit.kernels.nvfp4_gemm_triton import _e2m1_to_f32, _round_f32_to, split_even_odd
     from qerl_kit.kernels.splitk import k_slice
 
     @triton.jit
@@ -71,7 +72,9 @@ if HAS_TRITON:
             c_even, c_odd = c & 15, c >> 4
         sc = _scale_f32(s, FMT)
         sc = tl.reshape(tl.broadcast_to(sc[:, :, None], (BLOCK_N, BLOCK_K // BS, BS // 2)), (BLOCK_N, BLOCK_K // 2))
-        return tl.load(lut_ptr + c_even) * sc, tl.load(lut_ptr + c_odd) * sc
+        if FMT == 0:  # NF4's codebook has no closed form: a gather from the 16-entry table (L1-resident)
+            return tl.load(lut_ptr + c_even) * sc, tl.load(lut_ptr + c_odd) * sc
+        return _e2m1_to_f32(c_even) * sc, _e2m1_to_f32(c_odd) * sc  # E2M1 from the bits, as NVFP4's kernels
 
     @triton.jit
     def _lut4_dequant_kernel(p_ptr, s_ptr, lut_ptr, w_ptr, N, K, stride_pn, stride_sn, stride_wn,
