@@ -136,6 +136,31 @@ def test_fused_step_matches_generic_step_and_leaves_the_model_unchanged(preset, 
     assert layer.o.fused[attr] is getattr(o_base, attr)
 
 
+def test_fused_nf4_step_runs_the_lut4_kernels_and_matches_the_generic_reference(monkeypatch):
+    """The fused step's NF4 q/k/v and gate/up groups go through the routed kernels (forced here, the
+    interpreter on the CPU): decode takes lut4_gemv, and the tokens and log-probs are the generic
+    path's on the plain-PyTorch reference."""
+    from qerl_kit import kernels
+
+    model = _policy("qwen2-tiny", "nf4", torch.bfloat16 if CUDA else torch.float32)
+    prompts = torch.randint(3, 500, (2, 9), generator=torch.Generator().manual_seed(0)).tolist()
+    sp = SamplingParams(max_new_tokens=3, temperature=1.0, seed=2)
+    with kernels.set_backend("reference"):
+        a = StaticEngine(model, fused=False).generate_ids(prompts, 2, sp, ignore_eos=True)
+    calls = []
+    gemv = kernels._LUT4_FORWARD["lut4_gemv"]
+    monkeypatch.setitem(kernels._LUT4_FORWARD, "lut4_gemv", lambda *args: calls.append(args[3]) or gemv(*args))
+    kernels._forget_routes()
+    with kernels.set_backend("triton"):
+        engine = StaticEngine(model)
+        b = engine.generate_ids(prompts, 2, sp, ignore_eos=True)
+    assert engine.decoder.path == "fused" and engine.decoder.plan.layers[0].gate_up.kind == "nf4"
+    assert calls and set(calls) == {"nf4"}
+    assert torch.equal(a.completion_ids, b.completion_ids) or CUDA  # bf16 on a GPU may flip a near tie
+    if torch.equal(a.completion_ids, b.completion_ids):
+        torch.testing.assert_close(a.logprobs, b.logprobs, atol=1e-4 if not CUDA else 6e-2, rtol=0)
+
+
 def test_unsupported_layers_fall_back_to_the_generic_path():
     """q/k/v of two kinds (k_proj left in bf16) cannot be one matmul: the generic path, named."""
     model = _policy("qwen2-tiny", "mxfp4", torch.float32 if not CUDA else torch.bfloat16, skip=("lm_head", "k_proj"))
