@@ -1,4 +1,4 @@
-"""NVFP4 matmuls from the packed weight, routed by one table, with plain-PyTorch references.
+"""NVFP4 (and NF4, MXFP4) matmuls from the packed weight, routed by one table, with plain-PyTorch references.
 
 The two entry points take the packed weight of an ``NVFP4Linear`` (``packed``, ``scales``,
 ``global_scale``) and never build a dense copy of it except on the ``dense`` path (a transient
@@ -19,6 +19,13 @@ launch. Backends:
 * ``triton``: our Triton kernels only (on CPU tensors under ``TRITON_INTERPRET=1``, as in CI).
 * ``humming``: humming for every forward it can take (an error if it cannot run here).
 * ``reference``: dequantize, then torch matmul (the oracle).
+
+NF4 and MXFP4 weights (``packed`` and their block scales: NF4's ``absmax``, MXFP4's E8M0 bytes)
+take the table's rows for their format, ``kernels/lut4_triton.py``'s decode GEMV and dequantize +
+cuBLAS (bf16, fp16 and fp32 activations), the plain-PyTorch reference on the CPU::
+
+    y  = lut4_linear(x, packed, scales, "nf4", bias)     # or "mxfp4"
+    dx = lut4_dgrad(dy, packed, scales, "nf4")
 
 ``compile_shapes(shapes)`` compiles humming's kernels for weight shapes up front, with a progress
 bar (else the first call of each shape compiles, 13-15 s on the H200);

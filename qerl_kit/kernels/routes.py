@@ -1,4 +1,4 @@
-"""The routing table: which kernel runs an NVFP4 matmul, as data.
+"""The routing table: which kernel runs an NVFP4 (NF4, MXFP4) matmul, as data.
 
 ``ROUTES`` is an ordered tuple of ``Route`` rows. A call (op, M rows, an [N, K] weight, activation
 dtype) takes the first row that matches it and whose kernel can run it here (installed, compiled,
@@ -6,6 +6,8 @@ the tensors' alignment fits); the last rows match everything, so every call find
 dispatcher (``qerl_kit.kernels.nvfp4_linear`` / ``nvfp4_dgrad``) and ``qerl_kit.kernel_report``
 read this table, so what the report says is what runs.
 
+A row serves the weight formats in its ``formats`` (NVFP4 by default; the ``lut4_*`` rows NF4
+and MXFP4, ``LUT4``), and the rows of each format end with their own catch-all reference row.
 Each row cites the measurement it comes from (``why``); docs/kernels.md prints the table. A
 kernel that is missing here (humming not installed, not a Hopper GPU for wgmma) is skipped, so
 the rows below it are the fallback: without humming the table is exactly qerl_kit's own kernels.
