@@ -78,21 +78,27 @@ if HAS_TRITON:
 
     @triton.jit
     def _lut4_dequant_kernel(p_ptr, s_ptr, lut_ptr, w_ptr, N, K, stride_pn, stride_sn, stride_wn,
-                             FMT: tl.constexpr, BS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-        """W[n, k0:k0+BK] for BLOCK_N rows: one tile of the dense weight per program."""
+                             FMT: tl.constexpr, BS: tl.constexpr, EVEN: tl.constexpr, BLOCK_N: tl.constexpr,
+                             BLOCK_K: tl.constexpr):
+        """W[n, k0:k0+BK] for BLOCK_N rows: one tile of the dense weight per program (EVEN: whole
+        tiles, no masks)."""
         k0 = tl.program_id(1) * BLOCK_K
         offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         offs_j = tl.arange(0, BLOCK_K // 2)
         offs_g = tl.arange(0, BLOCK_K // BS)
-        rows = offs_n[:, None] < N
-        p = tl.load(p_ptr + offs_n[:, None] * stride_pn + (k0 // 2 + offs_j)[None, :],
-                    mask=rows & (offs_j[None, :] < (K - k0) // 2), other=0)
-        s = tl.load(s_ptr + offs_n[:, None] * stride_sn + (k0 // BS + offs_g)[None, :],
-                    mask=rows & (offs_g[None, :] < (K - k0) // BS), other=0)
-        even, odd = dequant_lut4(p, s, lut_ptr, FMT, BS, BLOCK_N, BLOCK_K)
-        w = tl.interleave(even, odd).to(w_ptr.dtype.element_ty)  # rounded once, to nearest even
         offs_k = k0 + tl.arange(0, BLOCK_K)
-        tl.store(w_ptr + offs_n[:, None] * stride_wn + offs_k[None, :], w, mask=rows & (offs_k[None, :] < K))
+        p_ptrs = p_ptr + offs_n[:, None] * stride_pn + (k0 // 2 + offs_j)[None, :]
+        s_ptrs = s_ptr + offs_n[:, None] * stride_sn + (k0 // BS + offs_g)[None, :]
+        w_ptrs = w_ptr + offs_n[:, None] * stride_wn + offs_k[None, :]
+        if EVEN:
+            even, odd = dequant_lut4(tl.load(p_ptrs), tl.load(s_ptrs), lut_ptr, FMT, BS, BLOCK_N, BLOCK_K)
+            tl.store(w_ptrs, tl.interleave(even, odd).to(w_ptr.dtype.element_ty))  # rounded once, to nearest even
+        else:
+            rows = offs_n[:, None] < N
+            p = tl.load(p_ptrs, mask=rows & (offs_j[None, :] < (K - k0) // 2), other=0)
+            s = tl.load(s_ptrs, mask=rows & (offs_g[None, :] < (K - k0) // BS), other=0)
+            even, odd = dequant_lut4(p, s, lut_ptr, FMT, BS, BLOCK_N, BLOCK_K)
+            tl.store(w_ptrs, tl.interleave(even, odd).to(w_ptr.dtype.element_ty), mask=rows & (offs_k[None, :] < K))
 
     @triton.jit
     def _dot(a, b, acc, IEEE: tl.constexpr):
@@ -107,7 +113,7 @@ if HAS_TRITON:
         M, N, K,
         stride_xm, stride_xk, stride_pn, stride_sn, stride_ym, stride_yn,
         FMT: tl.constexpr, BS: tl.constexpr, HAS_BIAS: tl.constexpr, INTERPRET: tl.constexpr,
-        IEEE: tl.constexpr, USE_DOT: tl.constexpr, SPLIT_K: tl.constexpr,
+        IEEE: tl.constexpr, EVEN_K: tl.constexpr, USE_DOT: tl.constexpr, SPLIT_K: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     ):
         """y[M, N] = x[M, K] @ W[N, K]^T (+ bias); program (i, s) owns columns [i*BN, (i+1)*BN)
@@ -134,9 +140,14 @@ if HAS_TRITON:
         else:
             acc = tl.zeros((BLOCK_N, BLOCK_K // 2), dtype=tl.float32)
         for k0 in range(k_start, k_end, BLOCK_K):
-            x = tl.load(x_ptrs, mask=offs_k[None, :] < K - k0, other=0.0)
-            p = tl.load(p_ptrs, mask=offs_j[None, :] < (K - k0) // 2, other=0)
-            s = tl.load(s_ptrs, mask=offs_g[None, :] < (K - k0) // BS, other=0)
+            if EVEN_K:  # whole tiles: no masks, so packed rows load as 16-byte vectors
+                x = tl.load(x_ptrs)
+                p = tl.load(p_ptrs)
+                s = tl.load(s_ptrs)
+            else:
+                x = tl.load(x_ptrs, mask=offs_k[None, :] < K - k0, other=0.0)
+                p = tl.load(p_ptrs, mask=offs_j[None, :] < (K - k0) // 2, other=0)
+                s = tl.load(s_ptrs, mask=offs_g[None, :] < (K - k0) // BS, other=0)
             w_even, w_odd = dequant_lut4(p, s, lut_ptr, FMT, BS, BLOCK_N, BLOCK_K)
             if INTERPRET:  # float32 holding the activation dtype's rounding (the interpreter's cast truncates)
                 w_even = _round_f32_to(w_even, x_ptr.dtype.element_ty)
@@ -238,7 +249,8 @@ def lut4_dequantize(packed: torch.Tensor, scales: torch.Tensor, fmt: str,
     bn, bk = (16, 64) if interpret else (32, 256)
     _lut4_dequant_kernel[(triton.cdiv(n, bn), triton.cdiv(k, bk))](
         packed, scales, lut(fmt, packed.device), w, n, k, packed.stride(0), scales.stride(0), w.stride(0),
-        FMT=FORMAT_IDS[fmt], BS=BLOCK_SIZES[fmt], BLOCK_N=bn, BLOCK_K=bk, num_warps=4)
+        FMT=FORMAT_IDS[fmt], BS=BLOCK_SIZES[fmt], EVEN=n % bn == 0 and k % bk == 0, BLOCK_N=bn, BLOCK_K=bk,
+        num_warps=4)
     return w.to(dtype)
 
 
@@ -303,7 +315,7 @@ def lut4_gemv(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, fmt: 
         x, packed, scales, lut(fmt, x.device), bias if bias is not None else y, y, ws, arrival_counters(x.device),
         m, n, k, x.stride(0), x.stride(1), packed.stride(0), scales.stride(0), y.stride(0), y.stride(1),
         FMT=FORMAT_IDS[fmt], BS=BLOCK_SIZES[fmt], HAS_BIAS=bias is not None, INTERPRET=interpret,
-        IEEE=interpret or x.dtype == torch.float32,
+        IEEE=interpret or x.dtype == torch.float32, EVEN_K=k % cfg["BLOCK_K"] == 0,
         USE_DOT=cfg["USE_DOT"], SPLIT_K=split, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=cfg["BLOCK_K"],
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     return y.to(x.dtype)
