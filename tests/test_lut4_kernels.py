@@ -204,3 +204,19 @@ def test_bench_runs_its_smoke_shape_in_the_interpreter(tmp_path):
     table = (tmp_path / "lut4.md").read_text()
     assert "| tiny | 1 | 64 | 128 |" in table and "lut4_gemv" in table and "lut4_dense" in table
     assert kernels.get_backend() is before  # the run's backend switch is restored
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("fmt", ["nf4", "mxfp4"])
+def test_gpu_auto_backend_routes_layers_to_the_kernels(fmt):
+    """On CUDA the default backend sends NF4/MXFP4 layers to lut4_gemv (<= 16 rows) and the dense
+    path, in bf16 and fp32, and the layer's output is the routed kernel's."""
+    layer = LAYERS[fmt].from_linear(torch.nn.Linear(3584, 512)).cuda()
+    for dtype in (torch.bfloat16, torch.float32):
+        for m, kernel in ((1, "lut4_gemv"), (16, "lut4_gemv"), (17, "lut4_dense"), (2048, "lut4_dense")):
+            x = _randn(m, 3584, dtype=dtype, seed=m)
+            assert kernels.route("forward", x, layer.packed, layer.block_scales, fmt=fmt) == kernel
+            with torch.no_grad():
+                y = layer(x)
+            _assert_within_fp32_accumulation(y, x, layer.dequantized_weight(dtype), layer.bias.to(dtype))
