@@ -257,7 +257,8 @@ def lut4_dequantize(packed: torch.Tensor, scales: torch.Tensor, fmt: str,
 def lut4_dense_linear(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, fmt: str,
                       bias: torch.Tensor | None = None) -> torch.Tensor:
     """The dense path: y = x @ W^T + bias with W from ``lut4_dequantize`` (transient), then cuBLAS.
-    Inside ``qerl_kit.dense_cache.dense_weight_cache`` the dense W is reused where that cache allows."""
+    The dense W comes through ``qerl_kit.dense_cache.cached`` (the reference path's cache: reused
+    where that cache keeps weights)."""
     from qerl_kit.dense_cache import cached
 
     w = cached((packed, scales), x.dtype, lambda: lut4_dequantize(packed, scales, fmt, x.dtype))
