@@ -87,7 +87,7 @@ def layer_kernel(m: int, layer: QuantLinear, dtype: torch.dtype = torch.bfloat16
 
 def kernel_report(model: torch.nn.Module | None = None, rows: tuple[int, ...] = ROWS,
                   dtype: torch.dtype | None = None, backend=None) -> KernelReport:
-    """The backend, the kernels' status here and, with ``model``, each distinct NVFP4 layer
+    """The backend, the kernels' status here and, with ``model``, each distinct NVFP4 / NF4 / MXFP4 layer
     shape's kernel at ``rows`` rows of ``dtype`` activations (default: the model's floating dtype;
     ``rows``: a non-empty tuple of ints in [1, 2**20], checked by ``check_rows``).
     Layers that share a shape share a row, named by their last two name parts (a peft LoRA

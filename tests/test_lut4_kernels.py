@@ -91,7 +91,7 @@ def test_every_mxfp4_scale_byte_decodes_as_the_reference(dtype):
     assert torch.equal(got.view(BITS[dtype]), ref.view(BITS[dtype]))
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
 @pytest.mark.parametrize("fmt", ["nf4", "mxfp4"])
 def test_gemv_matches_the_reference(fmt, dtype):
     for i, (n, k) in enumerate(SHAPES[fmt]):
