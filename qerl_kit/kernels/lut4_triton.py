@@ -275,16 +275,18 @@ def lut4_dense_dgrad(dy: torch.Tensor, packed: torch.Tensor, scales: torch.Tenso
 def gemv_config(m: int, n: int, k: int, fmt: str, interpret: bool) -> dict:
     """The fixed tile config of ``lut4_gemv`` for this shape (no autotuning: reproducible runs).
 
-    One row: float32 FMAs over [64, 128] weight pairs per step (nvfp4_gemv's best M = 1 shape on the
-    H200); 2..16 rows: ``tl.dot`` tiles of 64 weight rows x BLOCK_K 128 (its best M = 8 shape).
-    These mirror NVFP4's measured choices; for NF4/MXFP4 they are not measured on a GPU yet. K is
-    split until the grid has two programs per SM (``splitk.choose_split_k``)."""
+    One row: float32 FMAs over [32, 128] weight pairs per step; 2..16 rows: ``tl.dot`` tiles of 64
+    weight rows x BLOCK_K 64. Chosen by compiling for sm_90 (``tests/test_lut4_compile.py``), not by
+    timing: NVFP4's measured decode shapes (64 x 256 FMA, 64 x 128 x 4 stages dot) spill registers
+    here (NF4's gather and the float32 products: 255 registers and 232 bytes of stack at M = 1),
+    these do not (NF4 162-166 registers, MXFP4 96-128). Not yet timed on a GPU. K is split until
+    the grid has two programs per SM (``splitk.choose_split_k``)."""
     if interpret:
         cfg = dict(BLOCK_N=16, BLOCK_K=64, USE_DOT=m > 1, num_warps=4, num_stages=1)
     elif m == 1:
-        cfg = dict(BLOCK_N=64, BLOCK_K=256, USE_DOT=False, num_warps=4, num_stages=2)
+        cfg = dict(BLOCK_N=32, BLOCK_K=256, USE_DOT=False, num_warps=4, num_stages=2)
     else:
-        cfg = dict(BLOCK_N=64, BLOCK_K=128, USE_DOT=True, num_warps=4, num_stages=4)
+        cfg = dict(BLOCK_N=64, BLOCK_K=64, USE_DOT=True, num_warps=4, num_stages=3)
     cfg["SPLIT_K"] = choose_split_k(n, k, cfg["BLOCK_N"], cfg["BLOCK_K"], 2)
     return cfg
 
