@@ -279,7 +279,8 @@ def gemv_config(m: int, n: int, k: int, fmt: str, interpret: bool) -> dict:
     weight rows x BLOCK_K 64. Chosen by compiling for sm_90 (``tests/test_lut4_compile.py``), not by
     timing: NVFP4's measured decode shapes (64 x 256 FMA, 64 x 128 x 4 stages dot) spill registers
     here (NF4's gather and the float32 products: 255 registers and 232 bytes of stack at M = 1),
-    these do not (NF4 162-166 registers, MXFP4 96-128). Not yet timed on a GPU. K is split until
+    these do not (64-128 registers with aligned operands; one row loads packed rows as 16-byte
+    vectors, more rows stream them through shared memory with cp.async). Not yet timed on a GPU. K is split until
     the grid has two programs per SM (``splitk.choose_split_k``)."""
     if interpret:
         cfg = dict(BLOCK_N=16, BLOCK_K=64, USE_DOT=m > 1, num_warps=4, num_stages=1)
