@@ -249,7 +249,7 @@ def _lut4_engine_cases(args, preset, device, rows, todo, variants, vocab, bw) ->
                 n = group(args, batch)
                 prompts = random_prompts(batch // n, args.prompt, vocab)
                 _case(rows, preset, variant, batch, lambda: engine_run(peft, prompts, args.new, n=n), wb, peft, args, bw)
-            del peft, base
+            peft = base = None  # freed before the next format's model is built
         except Exception as err:  # noqa: BLE001 - record and go on
             log(f"{preset} {fmt} failed: {err!r}\n{traceback.format_exc()}")
         free()
