@@ -27,7 +27,8 @@ exactly ``torch.exp2(byte - 127.)``, so the product is the reference's float32 p
 
 Tile configs are fixed, chosen by shape (``gemv_config``), not autotuned. Under the interpreter
 (CPU, ``TRITON_INTERPRET=1``) the kernels compute and store float32 and the launcher rounds with
-torch (the interpreter's float32 -> bf16 cast truncates). Tests: tests/test_lut4_kernels.py.
+torch (the interpreter's float32 -> bf16 cast truncates). Tests: tests/test_lut4_kernels.py (the
+interpreter; the GPU), tests/test_lut4_compile.py (compiled for sm_90 on the CPU: no register spills).
 """
 
 from __future__ import annotations
@@ -37,12 +38,13 @@ import torch.nn.functional as F
 
 from qerl_kit import fp4, mxfp4, nf4
 from qerl_kit.kernels.nvfp4_gemm_triton import HAS_TRITON, launch_options
+from qerl_kit.kernels.routes import LUT4_DTYPES
 from qerl_kit.kernels.splitk import arrival_counters, choose_split_k
 
 FORMAT_IDS = {"nf4": 0, "mxfp4": 1}
 BLOCK_SIZES = {"nf4": nf4.BLOCK_SIZE, "mxfp4": mxfp4.BLOCK_SIZE}
 SCALE_DTYPES = {"nf4": torch.float32, "mxfp4": torch.uint8}
-DTYPES = (torch.bfloat16, torch.float16, torch.float32)  # activation dtypes the kernels take
+DTYPES = LUT4_DTYPES  # activation dtypes the kernels take (bf16, fp16, fp32: the routing table's)
 DECODE_MAX_M = 16  # the most rows lut4_gemv takes (the dense path takes any number)
 
 if HAS_TRITON:
