@@ -4,6 +4,8 @@ memory-bandwidth floor, on random-initialised Qwen2.5 shapes. Everything in one 
 
     python -m bench.bench_rollout --out OUT            # the H200 run
     python -m bench.bench_rollout --smoke --out /tmp/x # CPU smoke (tiny presets)
+    python -m bench.bench_rollout --parts rollout --models Qwen2.5-7B \
+        --variants engine-nvfp4 engine-nf4 engine-mxfp4 hf-nf4 --out OUT   # NF4/MXFP4 on our engine (opt-in)
 
 Parts (``--parts``): ``check`` (engine with graphs == eager == HF on a small model, on the GPU),
 ``rollout`` (tokens/s per model x batch), ``step`` (one GRPO step: time split and peak memory).
@@ -181,6 +183,8 @@ def part_rollout(args, device, results, bw):
                 except Exception as err:  # noqa: BLE001 - record and go on
                     log(f"{preset} bf16/nf4 failed: {err!r}\n{traceback.format_exc()}")
                 free()
+        # 1b) NF4 / MXFP4 + LoRA on our engine (the lut4 kernels): QLoRA's format decoded as NVFP4 is
+        _lut4_engine_cases(args, preset, device, rows, todo, variants, vocab, bw)
         # 2) NVFP4 + LoRA on our engine, with and without AQN
         if not any(v in variants for v in ("engine-nvfp4", "engine-nvfp4-sdpa", "engine-nvfp4-ours",
                                            "engine-nvfp4-aqn")):
@@ -220,6 +224,34 @@ def part_rollout(args, device, results, bw):
             del peft
         except Exception as err:  # noqa: BLE001
             log(f"{preset} nvfp4 failed: {err!r}\n{traceback.format_exc()}")
+        free()
+
+
+def _lut4_engine_cases(args, preset, device, rows, todo, variants, vocab, bw) -> None:
+    """``engine-nf4`` / ``engine-mxfp4`` (opt-in variants): the bf16 model quantized to that format
+    (``quantize_model``), LoRA attached, decoded by the StaticEngine, whose fused step runs the
+    NF4/MXFP4 Triton kernels (docs/kernels.md): the same engine and kernels' structure as NVFP4's."""
+    from qerl_kit.quantize import quantize_model
+
+    for fmt in ("nf4", "mxfp4"):
+        variant = f"engine-{fmt}"
+        if variant not in variants:
+            continue
+        if time.perf_counter() - T0 > args.budget:
+            log(f"budget spent: skip {preset} {fmt}")
+            continue
+        try:
+            base = build(preset, "bf16", device)
+            quantize_model(base, fmt)
+            peft = with_lora(base, args.lora_r)
+            wb = weight_bytes(peft)
+            for batch in (b for b in args.batches if todo(variant, b)):
+                n = group(args, batch)
+                prompts = random_prompts(batch // n, args.prompt, vocab)
+                _case(rows, preset, variant, batch, lambda: engine_run(peft, prompts, args.new, n=n), wb, peft, args, bw)
+            peft = base = None  # freed before the next format's model is built
+        except Exception as err:  # noqa: BLE001 - record and go on
+            log(f"{preset} {fmt} failed: {err!r}\n{traceback.format_exc()}")
         free()
 
 

@@ -1,9 +1,9 @@
-"""Which NVFP4 kernel runs where, on this machine: one call a notebook cell can make.
+"""Which NVFP4 / NF4 / MXFP4 kernel runs where, on this machine: one call a notebook cell can make.
 
 ``kernel_report()`` says which backend the switch is on and whether each kernel family can run
 here (humming-kernels, Triton, our CUDA decode kernel), with the reason when one
 cannot (not installed, no GPU, an older or newer GPU). ``kernel_report(model)`` adds, for every
-distinct NVFP4 layer shape of the model, the kernel its forward takes at a few row counts (1 row:
+distinct NVFP4 (NF4, MXFP4) layer shape of the model, the kernel its forward takes at a few row counts (1 row:
 one sequence decoding; 64: a GRPO group batch; 2048: a training micro-batch), read from the same
 routing table the dispatcher uses (``qerl_kit.kernels.route`` on the layer's own tensors)::
 
@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from qerl_kit import kernels
-from qerl_kit.linear import NVFP4Linear
+from qerl_kit.linear import QuantLinear
 
 ROWS = (1, 8, 64, 256, 2048)
 # Each row count allocates an (uninitialised) activation of that many rows to route: 2**20 rows is more
@@ -78,28 +78,29 @@ class KernelReport:
         return "".join(out)
 
 
-def layer_kernel(m: int, layer: NVFP4Linear, dtype: torch.dtype = torch.bfloat16, backend=None) -> str:
-    """The kernel ``nvfp4_linear`` runs for ``m`` rows through an ``NVFP4Linear`` (a key of ``kernels.routes.KERNELS``)."""
+def layer_kernel(m: int, layer: QuantLinear, dtype: torch.dtype = torch.bfloat16, backend=None) -> str:
+    """The kernel the forward of ``m`` rows takes through an ``NVFP4Linear``, ``NF4Linear`` or
+    ``MXFP4Linear`` (a key of ``kernels.routes.KERNELS``)."""
     x = torch.empty(m, layer.in_features, device=layer.packed.device, dtype=dtype)
-    return kernels.route("forward", x, layer.packed, layer.scales, backend)
+    return kernels.route("forward", x, layer.packed, layer.block_scales, backend, fmt=layer.fmt)
 
 
 def kernel_report(model: torch.nn.Module | None = None, rows: tuple[int, ...] = ROWS,
                   dtype: torch.dtype | None = None, backend=None) -> KernelReport:
-    """The backend, the kernels' status here and, with ``model``, each distinct NVFP4 layer
+    """The backend, the kernels' status here and, with ``model``, each distinct NVFP4 / NF4 / MXFP4 layer
     shape's kernel at ``rows`` rows of ``dtype`` activations (default: the model's floating dtype;
     ``rows``: a non-empty tuple of ints in [1, 2**20], checked by ``check_rows``).
     Layers that share a shape share a row, named by their last two name parts (a peft LoRA
     wrapper's ``base_layer`` left out)."""
     rows = check_rows(rows)
     layers: dict[tuple[int, int], list[str]] = {}
-    first: dict[tuple[int, int], NVFP4Linear] = {}
+    first: dict[tuple[int, int], QuantLinear] = {}
     device = "cuda" if torch.cuda.is_available() else "cpu"
     if model is not None:
         if dtype is None:
             dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.bfloat16)
         for name, mod in model.named_modules():
-            if isinstance(mod, NVFP4Linear):
+            if isinstance(mod, QuantLinear) and mod.fmt in kernels.routes.FORMATS_ROUTED:
                 key = (mod.out_features, mod.in_features)
                 short = ".".join([p for p in name.split(".") if p != "base_layer"][-2:])  # under peft's LoRA too
                 if short not in layers.setdefault(key, []):

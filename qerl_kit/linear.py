@@ -7,8 +7,9 @@ backward pass dequantizes again to compute the input gradient ``dx = dy @ W``. S
 ``qerl_kit.dense_cache`` block, no bf16 copy of a weight outlives a call; the base never receives a
 gradient.
 
-MXFP4 and NF4 layers run the plain-PyTorch path; NVFP4 layers go through ``qerl_kit.kernels``,
-whose routing table picks humming-kernels or our kernels on CUDA and the same reference elsewhere.
+All three go through ``qerl_kit.kernels``, whose routing table picks the kernel on CUDA: NVFP4
+humming-kernels or our kernels, NF4 and MXFP4 our ``lut4_triton`` kernels (a decode GEMV for few
+rows, else a Triton dequantize + cuBLAS); elsewhere (the CPU) the plain-PyTorch reference.
 A forward that needs no gradient (rollouts, evaluation) skips autograd's bookkeeping. On the CPU,
 generation dequantizes each weight once per call, not once per token; the training pass (log-prob
 pass + update) once per step where its memory budget allows, on any device
@@ -68,6 +69,23 @@ class _NVFP4Matmul(torch.autograd.Function):
         return kernels.nvfp4_dgrad(grad_out, layer.packed, layer.scales, layer.global_scale), None
 
 
+class _LUT4Matmul(torch.autograd.Function):
+    """y = x @ W^T + b for an NF4 / MXFP4 weight through the routed kernels (``kernels.lut4_linear``:
+    the decode GEMV for few rows, else dequantize + cuBLAS); the input gradient is routed too."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, layer: "QuantLinear") -> torch.Tensor:
+        ctx.layer = layer
+        return kernels.lut4_linear(x, layer.packed, layer.block_scales, layer.fmt, layer.bias)
+
+    @staticmethod
+    def backward(ctx, grad_out: torch.Tensor):
+        if not ctx.needs_input_grad[0]:
+            return None, None
+        layer = ctx.layer
+        return kernels.lut4_dgrad(grad_out, layer.packed, layer.block_scales, layer.fmt), None
+
+
 class QuantLinear(nn.Module):
     """Base class: a frozen linear layer whose weight is stored in a 4-bit format."""
 
@@ -91,6 +109,11 @@ class QuantLinear(nn.Module):
     def dequantized_weight(self, dtype: torch.dtype | None = None) -> torch.Tensor:
         """A fresh dense copy of the weight [out, in] (for references and tests; not cached)."""
         return self.quant_tensor().dequantize(dtype or self.compute_dtype)
+
+    @property
+    def block_scales(self) -> torch.Tensor:
+        """The per-block scales (NVFP4/MXFP4 ``scales``, NF4 ``absmax``): the kernels' second operand."""
+        return getattr(self, self._tensor_fields[1])
 
     @property
     def qweight(self) -> torch.Tensor:
@@ -149,7 +172,24 @@ class NVFP4Linear(QuantLinear):
         return kernels.nvfp4_linear(x, self.packed, self.scales, self.global_scale, self.bias)
 
 
-class MXFP4Linear(QuantLinear):
+class _LUT4Linear(QuantLinear):
+    """NF4 and MXFP4 layers: the routed kernels (``qerl_kit.kernels.lut4_linear``) where the routing
+    table sends the call to one (CUDA tensors), else the plain-PyTorch path (the CPU's, unchanged).
+    A subclass registered as another format (its own ``fmt``) keeps the plain-PyTorch path: the
+    kernels know NF4's and MXFP4's layouts only."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self._check_input(x)
+        x2 = x if x.dim() == 2 else x.reshape(-1, self.in_features)
+        if self.fmt not in kernels.routes.LUT4 or kernels.route(
+                "forward", x2, self.packed, self.block_scales, fmt=self.fmt) == "reference":
+            return _FrozenQuantMatmul.apply(x, self)
+        if x.requires_grad and torch.is_grad_enabled():
+            return _LUT4Matmul.apply(x, self)
+        return kernels.lut4_linear(x, self.packed, self.block_scales, self.fmt, self.bias)
+
+
+class MXFP4Linear(_LUT4Linear):
     fmt = "mxfp4"
     _tensor_fields = ("packed", "scales")
 
@@ -161,7 +201,7 @@ class MXFP4Linear(QuantLinear):
         return mxfp4.MXFP4Tensor(self.packed, self.scales)
 
 
-class NF4Linear(QuantLinear):
+class NF4Linear(_LUT4Linear):
     fmt = "nf4"
     _tensor_fields = ("packed", "absmax")
 

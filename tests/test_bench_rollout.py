@@ -111,3 +111,13 @@ def test_grpo_engines_bench_smoke_times_whole_steps(tmp_path):
     r = rows[0]
     assert r["time_rollout"] > 0 and r["time_logprob"] > 0 and r["time_update"] > 0
     assert r["time_step"] >= r["time_rollout"] + r["time_logprob"] + r["time_update"] - 1e-6
+
+
+@pytest.mark.slow
+def test_nf4_and_mxfp4_engine_variants_decode_on_the_fused_path(tmp_path):
+    """engine-nf4 / engine-mxfp4: the StaticEngine's fused step on those formats (the lut4 kernels on a GPU)."""
+    _bench(tmp_path, "--variants", "engine-nf4", "engine-mxfp4")
+    rows = list(csv.DictReader(open(tmp_path / "rollout.csv", newline="")))
+    lut4 = {(r["model"], r["variant"], int(r["batch"])): r["path"] for r in rows if r["variant"] in ("engine-nf4",
+                                                                                                   "engine-mxfp4")}
+    assert {v for _, v, _ in lut4} == {"engine-nf4", "engine-mxfp4"} and set(lut4.values()) == {"fused"}

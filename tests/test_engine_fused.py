@@ -87,10 +87,10 @@ def test_silu_mul_matches_reference(dtype):
     torch.testing.assert_close(silu_mul(gu, use_triton=True).float(), silu_mul_ref(gu).float(), atol=tol, rtol=tol)
 
 
-def _policy(preset, fmt, dtype):
+def _policy(preset, fmt, dtype, skip=None):
     model = build_model(preset, seed=1, dtype=dtype, device=DEVICE)
     if fmt != "none":
-        quantize_model(model, fmt)
+        quantize_model(model, fmt, skip=skip)
     model = attach_lora(model, r=4, seed=1)
     with torch.no_grad():
         for n, p in model.named_parameters():
@@ -99,8 +99,8 @@ def _policy(preset, fmt, dtype):
     return model
 
 
-@pytest.mark.parametrize("preset", ["qwen2-tiny", "qwen3-tiny", "llama-tiny"])
-@pytest.mark.parametrize("fmt", ["nvfp4", "none"])
+@pytest.mark.parametrize("preset, fmt", [(p, f) for p in ("qwen2-tiny", "qwen3-tiny", "llama-tiny") for f in ("nvfp4", "none")]
+                         + [("qwen2-tiny", "nf4"), ("qwen2-tiny", "mxfp4")])
 def test_fused_step_matches_generic_step_and_leaves_the_model_unchanged(preset, fmt):
     dtype = torch.bfloat16 if CUDA else torch.float32
     model = _policy(preset, fmt, dtype)
@@ -127,7 +127,8 @@ def test_fused_step_matches_generic_step_and_leaves_the_model_unchanged(preset, 
         assert dtype == torch.bfloat16
     # q/k/v is a copy the plan owns; o_proj (a group of one) is the model's own tensor
     layer, attn = fused.decoder.plan.layers[0], fused.decoder.layers[0].self_attn
-    attr = "packed" if layer.qkv.kind == "nvfp4" else "weight"
+    assert layer.qkv.kind == ("dense" if fmt == "none" else fmt)
+    attr = "weight" if fmt == "none" else "packed"
     base = attn.q_proj.get_base_layer() if hasattr(attn.q_proj, "get_base_layer") else attn.q_proj
     o_base = attn.o_proj.get_base_layer() if hasattr(attn.o_proj, "get_base_layer") else attn.o_proj
     assert layer.qkv.fused[attr].untyped_storage().data_ptr() != getattr(base, attr).untyped_storage().data_ptr()
@@ -135,10 +136,36 @@ def test_fused_step_matches_generic_step_and_leaves_the_model_unchanged(preset, 
     assert layer.o.fused[attr] is getattr(o_base, attr)
 
 
+def test_fused_nf4_step_runs_the_lut4_kernels_and_matches_the_generic_reference(monkeypatch):
+    """The fused step's NF4 q/k/v and gate/up groups go through the routed kernels (forced here, the
+    interpreter on the CPU): decode takes lut4_gemv, and the tokens and log-probs are the generic
+    path's on the plain-PyTorch reference."""
+    from qerl_kit import kernels
+
+    model = _policy("qwen2-tiny", "nf4", torch.bfloat16 if CUDA else torch.float32)
+    prompts = torch.randint(3, 500, (2, 9), generator=torch.Generator().manual_seed(0)).tolist()
+    sp = SamplingParams(max_new_tokens=3, temperature=1.0, seed=2)
+    with kernels.set_backend("reference"):
+        a = StaticEngine(model, fused=False).generate_ids(prompts, 2, sp, ignore_eos=True)
+    calls = []
+    gemv = kernels._LUT4_FORWARD["lut4_gemv"]
+    monkeypatch.setitem(kernels._LUT4_FORWARD, "lut4_gemv", lambda *args: calls.append(args[3]) or gemv(*args))
+    kernels._forget_routes()
+    with kernels.set_backend("triton"):
+        engine = StaticEngine(model)
+        b = engine.generate_ids(prompts, 2, sp, ignore_eos=True)
+    assert engine.decoder.path == "fused" and engine.decoder.plan.layers[0].gate_up.kind == "nf4"
+    assert calls and set(calls) == {"nf4"}
+    assert torch.equal(a.completion_ids, b.completion_ids) or CUDA  # bf16 on a GPU may flip a near tie
+    if torch.equal(a.completion_ids, b.completion_ids):
+        torch.testing.assert_close(a.logprobs, b.logprobs, atol=1e-4 if not CUDA else 6e-2, rtol=0)
+
+
 def test_unsupported_layers_fall_back_to_the_generic_path():
-    model = _policy("qwen2-tiny", "mxfp4", torch.float32 if not CUDA else torch.bfloat16)
+    """q/k/v of two kinds (k_proj left in bf16) cannot be one matmul: the generic path, named."""
+    model = _policy("qwen2-tiny", "mxfp4", torch.float32 if not CUDA else torch.bfloat16, skip=("lm_head", "k_proj"))
     engine = StaticEngine(model)
-    assert engine.decoder.plan is None and "MXFP4Linear" in engine.decoder.path
+    assert engine.decoder.plan is None and "MXFP4Linear" in engine.decoder.path and "Linear" in engine.decoder.path
     out = engine.generate_ids([[5, 6, 7]], 2, SamplingParams(max_new_tokens=4, seed=0), ignore_eos=True)
     assert out.completion_ids.shape == (2, 4)
 

@@ -66,3 +66,21 @@ def test_html_escapes_and_labels_every_path():
     page = report._repr_html_()
     assert "&lt;k&gt;" in page and "a &amp; b" in page and "q&lt;" in page and "<b>off</b>" in page
     assert "<td>CUDA decode</td><td>humming</td>" in page
+
+
+@pytest.mark.parametrize("fmt", ["nf4", "mxfp4"])
+def test_nf4_and_mxfp4_layers_are_reported_with_their_own_rows(fmt, monkeypatch):
+    from qerl_kit.tiny import load_tiny
+
+    model, _ = load_tiny(quantize=fmt)
+    assert all(paths == ("reference",) for *_, paths in kernel_report(model, rows=(8,)).layers)  # the CPU
+    monkeypatch.setattr(kernels, "_route_lut4", lambda op, x2, p, s, choice, f: next(
+        r.kernel for r in kernels.routes.candidates(op, x2.shape[0], p.shape[0], p.shape[1] * 2, x2.dtype, fmt=f)))
+    kernels._forget_routes()
+    try:
+        report = kernel_report(model, rows=(1, 16, 17, 2048), dtype=torch.float32)
+    finally:
+        kernels._forget_routes()
+    assert report.layers and all(paths == ("lut4_gemv", "lut4_gemv", "lut4_dense", "lut4_dense")
+                                 for *_, paths in report.layers)
+    assert "Triton LUT4 decode" in str(report) and "LUT4 dequant + cuBLAS" in str(report)

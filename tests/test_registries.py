@@ -230,8 +230,10 @@ def test_the_kernel_registry_is_what_the_switch_the_report_and_the_docs_read(mon
 
     assert set(routes.BACKENDS) == {b.value for b in Backend}  # the switch's names: one list
     forward = {r.kernel for r in routes.ROUTES if r.op == "forward"}
-    assert set(kernels._FORWARD) == forward and set(kernels._DGRAD) | {"reference"} == \
-        {r.kernel for r in routes.ROUTES if r.op == "dgrad"}
+    assert set(kernels._FORWARD) | set(kernels._LUT4_FORWARD) == forward and \
+        set(kernels._DGRAD) | set(kernels._LUT4_DGRAD) | {"reference"} == {r.kernel for r in routes.ROUTES if r.op == "dgrad"}
+    lut4 = {r.kernel for r in routes.ROUTES if set(r.formats) & set(routes.LUT4)}  # NF4/MXFP4 rows: their launchers
+    assert lut4 == set(kernels._LUT4_FORWARD) | set(kernels._LUT4_DGRAD)
     assert routes.kernels_markdown() in (ROOT / "docs" / "kernels.md").read_text()
     assert routes.allowed("reference") == {"reference"}
     assert routes.allowed("ours") == routes.OURS | {"reference"} and "humming" not in routes.allowed("ours")

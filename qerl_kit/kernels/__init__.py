@@ -1,4 +1,4 @@
-"""NVFP4 matmuls from the packed weight, routed by one table, with plain-PyTorch references.
+"""NVFP4 (and NF4, MXFP4) matmuls from the packed weight, routed by one table, with plain-PyTorch references.
 
 The two entry points take the packed weight of an ``NVFP4Linear`` (``packed``, ``scales``,
 ``global_scale``) and never build a dense copy of it except on the ``dense`` path (a transient
@@ -20,6 +20,13 @@ launch. Backends:
 * ``humming``: humming for every forward it can take (an error if it cannot run here).
 * ``reference``: dequantize, then torch matmul (the oracle).
 
+NF4 and MXFP4 weights (``packed`` and their block scales: NF4's ``absmax``, MXFP4's E8M0 bytes)
+take the table's rows for their format, ``kernels/lut4_triton.py``'s decode GEMV and dequantize +
+cuBLAS (bf16, fp16 and fp32 activations), the plain-PyTorch reference on the CPU::
+
+    y  = lut4_linear(x, packed, scales, "nf4", bias)     # or "mxfp4"
+    dx = lut4_dgrad(dy, packed, scales, "nf4")
+
 ``compile_shapes(shapes)`` compiles humming's kernels for weight shapes up front, with a progress
 bar (else the first call of each shape compiles, 13-15 s on the H200);
 ``qerl_kit.quantize.prepare_kernels(model)`` does it for every NVFP4 layer shape of a model.
@@ -36,11 +43,12 @@ import torch
 from qerl_kit.kernels import routes
 from qerl_kit.kernels.backend import (ENV_VAR, KERNEL_DTYPES, Backend, _parse, get_backend, interpreting, resolve,
                                       set_backend, triton_status)
-from qerl_kit.kernels.reference import nvfp4_dgrad_ref, nvfp4_linear_ref
+from qerl_kit.kernels.reference import lut4_dgrad_ref, lut4_linear_ref, nvfp4_dgrad_ref, nvfp4_linear_ref
 
 __all__ = [
     "Backend", "ENV_VAR", "route", "kernel_status", "compile_shapes", "get_backend", "set_backend", "resolve",
     "triton_status", "nvfp4_linear", "nvfp4_dgrad", "nvfp4_linear_ref", "nvfp4_dgrad_ref",
+    "lut4_linear", "lut4_dgrad", "lut4_linear_ref", "lut4_dgrad_ref",
 ]
 
 
@@ -94,20 +102,44 @@ _decisions: dict[tuple, str] = {}
 
 
 def route(op: str, x2: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor,
-          backend: Backend | str | None = None) -> str:
+          backend: Backend | str | None = None, fmt: str = "nvfp4") -> str:
     """The kernel ``op`` ("forward" or "dgrad") runs for the 2-D activation ``x2`` (x [M, K] or
-    dy [M, N]) and this weight: a key of ``routes.KERNELS``. Cached per call shape."""
+    dy [M, N]) and this ``fmt`` weight (nvfp4, nf4 or mxfp4): a key of ``routes.KERNELS``. Cached
+    per call shape."""
     choice = _parse(backend) if backend is not None else get_backend()
     # What the table's conditions and the kernels' alignment checks read, and nothing else.
     key = (op, choice, x2.device.type, x2.dtype, x2.shape[0], packed.shape[0], packed.shape[1], x2.stride(0),
            x2.stride(1), x2.data_ptr() % 16, packed.stride(0) % 16, packed.stride(1), packed.data_ptr() % 16,
-           scales.stride(0) % 8, scales.stride(1), scales.data_ptr() % 8)
+           scales.stride(0) % 8, scales.stride(1), scales.data_ptr() % 8, fmt)
     kernel = _decisions.get(key)
     if kernel is None:
         if len(_decisions) >= 8192:  # many distinct row counts (variable-length batches): start over
             _decisions.clear()
-        kernel = _decisions[key] = _route(op, x2, packed, scales, choice)
+        kernel = _decisions[key] = (_route(op, x2, packed, scales, choice) if fmt == "nvfp4"
+                                    else _route_lut4(op, x2, packed, scales, choice, fmt))
     return kernel
+
+
+def _route_lut4(op, x2, packed, scales, choice: Backend, fmt: str) -> str:
+    """``_route`` for an NF4 / MXFP4 weight: the table's ``lut4_*`` rows (no humming, no CUDA C;
+    fp32 activations too)."""
+    if fmt not in routes.LUT4:
+        raise ValueError(f"the routing table has no rows for format {fmt!r}; formats: {list(routes.FORMATS_ROUTED)}")
+    if choice is Backend.REFERENCE or (choice is Backend.AUTO and (not x2.is_cuda or x2.dtype not in
+                                                                    routes.LUT4_DTYPES)):
+        return "reference"
+    if choice is not Backend.AUTO:  # a forced kernel backend must run here: say why not
+        ok, why = triton_status()
+        if not ok or not (x2.is_cuda or interpreting()):
+            raise RuntimeError(f"kernel backend {choice.value!r} was forced but cannot run {fmt} on {x2.device}: {why}")
+        if x2.dtype not in routes.LUT4_DTYPES:
+            raise TypeError(f"the {fmt} kernels take bfloat16, float16 or float32 activations; got {x2.dtype}")
+    allowed = routes.allowed(choice.value)
+    m, n, k = x2.shape[0], packed.shape[0], packed.shape[1] * 2
+    for row in routes.candidates(op, m, n, k, x2.dtype, fmt=fmt):
+        if row.kernel in allowed and (row.kernel == "reference" or triton_status()[0]):
+            return row.kernel
+    return "reference"  # no row matches (M = 0): the reference handles an empty batch
 
 
 def _route(op, x2, packed, scales, choice: Backend) -> str:
@@ -213,6 +245,40 @@ def nvfp4_dgrad(dy: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor,
 
         dx = dg.nvfp4_dgrad(dy2, packed, scales, global_scale, strategy=_DGRAD[kernel])
     return dx.reshape(*dy.shape[:-1], k)
+
+
+# -- NF4 and MXFP4 (lut4_triton) --------------------------------------------------------------------
+
+def _lut4():
+    from qerl_kit.kernels import lut4_triton
+
+    return lut4_triton
+
+
+# The launchers of the kernels the NF4/MXFP4 rows name (a test keeps them in step with the table).
+_LUT4_FORWARD = {"lut4_gemv": lambda x2, p, s, fmt, b: _lut4().lut4_gemv(x2, p, s, fmt, b),
+                 "lut4_dense": lambda x2, p, s, fmt, b: _lut4().lut4_dense_linear(x2, p, s, fmt, b),
+                 "reference": lut4_linear_ref}
+_LUT4_DGRAD = {"lut4_dense": lambda dy2, p, s, fmt: _lut4().lut4_dense_dgrad(dy2, p, s, fmt),
+               "reference": lut4_dgrad_ref}
+
+
+def lut4_linear(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, fmt: str,
+                bias: torch.Tensor | None = None, backend: Backend | str | None = None) -> torch.Tensor:
+    """y = x @ W^T + bias with W an NF4 (``scales`` = absmax) or MXFP4 weight [N, K]; x [..., K] -> y [..., N]."""
+    x2 = x if x.dim() == 2 else x.reshape(-1, packed.shape[1] * 2)
+    if bias is not None and bias.dtype != x.dtype:
+        bias = bias.to(x.dtype)
+    y = _LUT4_FORWARD[route("forward", x2, packed, scales, backend, fmt)](x2, packed, scales, fmt, bias)
+    return y if x.dim() == 2 else y.reshape(*x.shape[:-1], packed.shape[0])
+
+
+def lut4_dgrad(dy: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, fmt: str,
+               backend: Backend | str | None = None) -> torch.Tensor:
+    """dx = dy @ W with W an NF4 or MXFP4 weight [N, K]; dy [..., N] -> dx [..., K]."""
+    dy2 = dy.reshape(-1, packed.shape[0])
+    dx = _LUT4_DGRAD[route("dgrad", dy2, packed, scales, backend, fmt)](dy2, packed, scales, fmt)
+    return dx.reshape(*dy.shape[:-1], packed.shape[1] * 2)
 
 
 # -- up-front compilation ---------------------------------------------------------------------------

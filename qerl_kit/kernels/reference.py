@@ -1,4 +1,4 @@
-"""Plain-PyTorch references for the NVFP4 kernels (the oracles; they run on any device).
+"""Plain-PyTorch references for the NVFP4, NF4 and MXFP4 kernels (the oracles; they run on any device).
 
 Every kernel in this package computes one of these functions from the packed weight
 (``packed`` uint8 [N, K/2], ``scales`` float8_e4m3fn [N, K/16], ``global_scale`` float32 [1]; see
@@ -10,7 +10,8 @@ Every kernel in this package computes one of these functions from the packed wei
 The references dequantize W to the activation dtype (``value * scale / global_scale`` in
 float32, rounded once) and call torch's matmul, exactly what ``NVFP4Linear`` does on the
 reference path. ``dtype=torch.float32`` gives the float32 references the tests measure error
-against.
+against. ``lut4_linear_ref`` / ``lut4_dgrad_ref`` are the same for an NF4 or MXFP4 weight (``fmt``),
+the references of ``lut4_triton``'s kernels.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from qerl_kit import nvfp4
+from qerl_kit import mxfp4, nf4, nvfp4
 from qerl_kit.dense_cache import cached
 
 
@@ -45,3 +46,21 @@ def nvfp4_dgrad_ref(dy: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor
     """dx = dy @ W, computed in ``dtype`` (dy's dtype by default)."""
     dtype = dtype or dy.dtype
     return dy.to(dtype) @ dequantize(packed, scales, global_scale, dtype)
+
+
+def lut4_dequantize(packed: torch.Tensor, scales: torch.Tensor, fmt: str, dtype: torch.dtype = torch.bfloat16):
+    """Dense W [N, K] of an NF4 (``scales`` = absmax) or MXFP4 weight: the format's own ``dequantize``
+    (once per generation call on the CPU: ``qerl_kit.dense_cache``)."""
+    qt = nf4.NF4Tensor(packed, scales) if fmt == "nf4" else mxfp4.MXFP4Tensor(packed, scales)
+    return cached((packed, scales), dtype, lambda: qt.dequantize(dtype))
+
+
+def lut4_linear_ref(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, fmt: str,
+                    bias: torch.Tensor | None = None) -> torch.Tensor:
+    """y = x @ W^T + bias for an NF4 / MXFP4 weight, in x's dtype (what ``_FrozenQuantMatmul`` computes)."""
+    return F.linear(x, lut4_dequantize(packed, scales, fmt, x.dtype), None if bias is None else bias.to(x.dtype))
+
+
+def lut4_dgrad_ref(dy: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, fmt: str) -> torch.Tensor:
+    """dx = dy @ W for an NF4 / MXFP4 weight, in dy's dtype."""
+    return dy @ lut4_dequantize(packed, scales, fmt, dy.dtype)

@@ -1,4 +1,4 @@
-"""The routing table: which kernel runs an NVFP4 matmul, as data.
+"""The routing table: which kernel runs an NVFP4 (NF4, MXFP4) matmul, as data.
 
 ``ROUTES`` is an ordered tuple of ``Route`` rows. A call (op, M rows, an [N, K] weight, activation
 dtype) takes the first row that matches it and whose kernel can run it here (installed, compiled,
@@ -6,6 +6,8 @@ the tensors' alignment fits); the last rows match everything, so every call find
 dispatcher (``qerl_kit.kernels.nvfp4_linear`` / ``nvfp4_dgrad``) and ``qerl_kit.kernel_report``
 read this table, so what the report says is what runs.
 
+A row serves the weight formats in its ``formats`` (NVFP4 by default; the ``lut4_*`` rows NF4
+and MXFP4, ``LUT4``), and the rows of each format end with their own catch-all reference row.
 Each row cites the measurement it comes from (``why``); docs/kernels.md prints the table. A
 kernel that is missing here (humming not installed, not a Hopper GPU for wgmma) is skipped, so
 the rows below it are the fallback: without humming the table is exactly qerl_kit's own kernels.
@@ -41,9 +43,10 @@ class Route:
     op: str = "forward"
     dtypes: tuple[torch.dtype, ...] = (torch.bfloat16, torch.float16)
     why: str = ""
+    formats: tuple[str, ...] = ("nvfp4",)  # the weight formats the row takes (FORMATS_ROUTED)
 
-    def matches(self, op: str, m: int, n: int, k: int, dtype: torch.dtype) -> bool:
-        return (op == self.op and dtype in self.dtypes and self.rows[0] <= m < self.rows[1]
+    def matches(self, op: str, m: int, n: int, k: int, dtype: torch.dtype, fmt: str = "nvfp4") -> bool:
+        return (op == self.op and fmt in self.formats and dtype in self.dtypes and self.rows[0] <= m < self.rows[1]
                 and self.n[0] <= n < self.n[1] and self.k[0] <= k < self.k[1]
                 and self.weights[0] <= n * k < self.weights[1])
 
@@ -80,6 +83,12 @@ KERNELS: dict[str, Kernel] = {k.name: k for k in (
            "2048 rows, 4096 weight rows at a time", "`nvfp4_gemm_triton.py`, `nvfp4_dgrad_triton.py`"),
     Kernel("triton_dgrad", "triton", "Triton dgrad", "ours, Triton", "fused input-gradient kernel",
            "`nvfp4_dgrad_triton.py`"),
+    Kernel("lut4_gemv", "triton", "Triton LUT4 decode", "ours, Triton",
+           "NF4 / MXFP4 decode kernel for up to 16 rows (float32 FMAs at one row, `tl.dot` above), split-K",
+           "`lut4_triton.py`"),
+    Kernel("lut4_dense", "triton", "LUT4 dequant + cuBLAS", "ours (Triton dequantization) + cuBLAS",
+           "NF4 / MXFP4: dequantize into a transient weight of the activation dtype (bit-identical to the "
+           "format's reference), then `F.linear` / `dy @ W`", "`lut4_triton.py`"),
     Kernel("reference", "reference", "reference", "PyTorch",
            "dequantize, then matmul: the CPU path and the oracle every test compares against", "`reference.py`"),
 )}
@@ -107,6 +116,8 @@ def kernels_markdown() -> str:
 
 
 BF16 = (torch.bfloat16,)
+LUT4 = ("nf4", "mxfp4")  # the formats of lut4_triton's kernels (a 16-value table times a block scale)
+LUT4_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _RUN = "bench/results/routes_h200.md"   # humming, our kernels and bf16 per layer and M, in one run
 _DECODE = "lab/results/cuda_decode_h200.md, against the Triton decode kernel (the rule without humming)"
 
@@ -150,19 +161,29 @@ ROUTES: tuple[Route, ...] = (
     Route("dense", op="dgrad", why="bench/results/nvfp4_gemm_h200.md"),
     Route("triton_dgrad", op="dgrad", why="Triton's CPU interpreter, where the dense path does not run"),
     Route("reference", op="dgrad", why="no kernel can take the call here"),
+    # -- NF4 and MXFP4 (lut4_triton): decode GEMV up to 16 rows, else dequantize + cuBLAS ----------
+    Route("lut4_gemv", rows=(1, 17), dtypes=LUT4_DTYPES, formats=LUT4, why="the decode rule of NVFP4's Triton kernel "
+          "(lab/results/sweep_small_m_h200.md) with its 16-row tensor-core tile; not measured on a GPU for NF4/MXFP4"),
+    Route("lut4_dense", dtypes=LUT4_DTYPES, formats=LUT4, why="the dense path (NVFP4's from 128 rows, "
+          "bench/results/nvfp4_gemm_h200.md); between 17 and 127 rows not measured for NF4/MXFP4"),
+    Route("reference", dtypes=LUT4_DTYPES, formats=LUT4, why="no kernel can take the call here"),
+    Route("lut4_dense", op="dgrad", dtypes=LUT4_DTYPES, formats=LUT4, why="the dense path: NF4/MXFP4 have no fused "
+          "input-gradient kernel"),
+    Route("reference", op="dgrad", dtypes=LUT4_DTYPES, formats=LUT4, why="no kernel can take the call here"),
 )
+FORMATS_ROUTED = ("nvfp4", *LUT4)  # the weight formats the table has rows for
 
 OURS = kernels_of("cuda", "triton")  # the built-in kernels of ours (backend "ours" reads BACKENDS)
 
 
-def candidates(op: str, m: int, n: int, k: int, dtype: torch.dtype, table=ROUTES) -> list[Route]:
-    """The rows that match this call, in order (the dispatcher takes the first whose kernel runs)."""
-    return [r for r in table if r.matches(op, m, n, k, dtype)]
+def candidates(op: str, m: int, n: int, k: int, dtype: torch.dtype, table=ROUTES, fmt: str = "nvfp4") -> list[Route]:
+    """The rows that match this call on a ``fmt`` weight, in order (the dispatcher takes the first whose kernel runs)."""
+    return [r for r in table if r.matches(op, m, n, k, dtype, fmt)]
 
 
-def may_take(kernel: str, n: int, k: int, op: str = "forward", table=ROUTES) -> bool:
-    """Whether some row sends calls on an [n, k] weight to ``kernel`` (at some row count)."""
-    return any(r.kernel == kernel and r.op == op and r.n[0] <= n < r.n[1] and r.k[0] <= k < r.k[1]
+def may_take(kernel: str, n: int, k: int, op: str = "forward", table=ROUTES, fmt: str = "nvfp4") -> bool:
+    """Whether some row sends calls on an [n, k] ``fmt`` weight to ``kernel`` (at some row count)."""
+    return any(r.kernel == kernel and r.op == op and fmt in r.formats and r.n[0] <= n < r.n[1] and r.k[0] <= k < r.k[1]
                and r.weights[0] <= n * k < r.weights[1] for r in table)
 
 
@@ -178,10 +199,13 @@ def check_table(table=ROUTES) -> None:
             lo, hi = getattr(r, name)
             if not lo < hi:
                 raise ValueError(f"route {r}: empty {name} range [{lo}, {hi})")
-    for op in ("forward", "dgrad"):
-        last = [r for r in table if r.op == op][-1:]
-        if not last or last[0] != Route("reference", op=op, why=last[0].why):
-            raise ValueError(f"the {op} rows do not end with a catch-all reference row")
+    for fmt in dict.fromkeys(f for r in table for f in r.formats):  # in the table's order: nvfp4 first
+        for op in ("forward", "dgrad"):
+            last = [r for r in table if r.op == op and fmt in r.formats][-1:]
+            if not last or last[0] != Route("reference", op=op, dtypes=last[0].dtypes, why=last[0].why,
+                                            formats=last[0].formats):
+                where = "" if fmt == "nvfp4" else f" of {fmt}"
+                raise ValueError(f"the {op} rows{where} do not end with a catch-all reference row")
 
 
 def _span(lo: int, hi: int, unit: int = 1, suffix: str = "") -> str:
@@ -199,12 +223,15 @@ def _span(lo: int, hi: int, unit: int = 1, suffix: str = "") -> str:
     return f"{low}, < {text(hi)}"
 
 
-def as_markdown(table=ROUTES) -> str:
-    """The table as docs/kernels.md prints it (a test keeps the two equal)."""
+_DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
+
+
+def as_markdown(table=ROUTES, fmt: str = "nvfp4") -> str:
+    """The rows for ``fmt`` weights as docs/kernels.md prints them (a test keeps the two equal)."""
     lines = ["| # | op | rows | N | K | weights (N x K) | dtypes | kernel |", "|---:|---|---|---|---|---|---|---|"]
-    for i, r in enumerate(table, 1):
+    for i, r in enumerate((r for r in table if fmt in r.formats), 1):
         weights = _span(r.weights[0], r.weights[1], M, "M")
-        dtypes = "bf16" if r.dtypes == BF16 else "bf16, fp16"
+        dtypes = ", ".join(_DTYPE_NAMES[d] for d in r.dtypes)
         lines.append(f"| {i} | {r.op} | {_span(*r.rows) or 'any'} | {_span(*r.n)} | {_span(*r.k)} | {weights} | "
                      f"{dtypes} | `{r.kernel}` |")
     return "\n".join(lines)

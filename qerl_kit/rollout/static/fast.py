@@ -25,8 +25,10 @@ launches whatever the number of adapters in it:
   [rows, kv_heads, group, head_dim], so K/V are never expanded.
 
 ``FusedPlan.build(decoder)`` returns None, with the reason, for what it does not cover (a LoRA
-with DoRA or several active adapters, a projection that is neither ``NVFP4Linear`` nor
-``nn.Linear``, an MLP activation other than SiLU); the engine then decodes with the generic path.
+with DoRA or several active adapters, a projection that is none of ``NVFP4Linear``, ``NF4Linear``,
+``MXFP4Linear`` (their codes and block scales concatenate as NVFP4's do; ``kernels.lut4_linear``
+runs the group) and ``nn.Linear``, an MLP activation other than SiLU); the engine then decodes with
+the generic path.
 """
 
 from __future__ import annotations
@@ -83,7 +85,7 @@ class _Group:
     they are. The model's own tensors are only read."""
 
     def __init__(self, modules: list[nn.Module], tag: str):
-        from qerl_kit.linear import NVFP4Linear
+        from qerl_kit.linear import MXFP4Linear, NF4Linear, NVFP4Linear
 
         pairs = [_unwrap(m) for m in modules]
         self.tag = tag
@@ -97,6 +99,11 @@ class _Group:
                 raise ValueError(f"{tag}: NVFP4 layers with different global scales cannot share one matmul")
             self.kind, self.global_scale = "nvfp4", gs
             self.attrs = ("packed", "scales") + (("bias",) if self.bases[0].bias is not None else ())
+        elif len({type(b) for b in self.bases}) == 1 and type(self.bases[0]) in (NF4Linear, MXFP4Linear):
+            # No per-tensor scale: the codes and block scales concatenate row-wise as they are.
+            self.kind = self.bases[0].fmt
+            scales = self.bases[0]._tensor_fields[1]  # NF4's absmax, MXFP4's scales
+            self.attrs = ("packed", scales) + (("bias",) if self.bases[0].bias is not None else ())
         elif all(type(b) is nn.Linear for b in self.bases):
             self.kind = "dense"
             self.attrs = ("weight",) + (("bias",) if self.bases[0].bias is not None else ())
@@ -117,7 +124,7 @@ class _Group:
 
     @property
     def scales(self) -> Tensor:
-        return self.fused["scales"]
+        return self.fused[self.attrs[1]]  # NVFP4's / MXFP4's scales, NF4's absmax
 
     @property
     def weight(self) -> Tensor:
@@ -173,6 +180,10 @@ class _Group:
             from qerl_kit import kernels
 
             y = kernels.nvfp4_linear(x, self.packed, self.scales, self.global_scale, self.bias)
+        elif self.kind in ("nf4", "mxfp4"):
+            from qerl_kit import kernels
+
+            y = kernels.lut4_linear(x, self.packed, self.scales, self.kind, self.bias)
         else:
             y = F.linear(x, self.weight, self.bias)
         if self.lora_idx:

@@ -1,0 +1,329 @@
+"""NF4 and MXFP4 weights in Triton: a dequantize kernel (the dense path) and a decode GEMV.
+
+Both formats are "a 4-bit code looked up in a 16-value table, times a block scale", so one kernel
+of each kind serves both, the format a compile-time constant (``FMT``: 0 NF4, 1 MXFP4)::
+
+    packed  [N, K/2]   uint8; NF4: W[n, 2j] in the HIGH nibble (bitsandbytes' order),
+                              MXFP4: W[n, 2j] in the LOW nibble (NVFP4's order, qerl_kit.fp4)
+    scales  [N, K/BS]  NF4: float32 absmax, BS = 64; MXFP4: uint8 biased E8M0 exponent, BS = 32
+    lut     [16]       float32: NF4's codebook (``nf4.NF4_CODEBOOK``), gathered per code; MXFP4's
+                       E2M1 values are built from the code's bits instead (``_e2m1_to_f32``, exact)
+    W[n, k] = lut[code] * scale   (one float32 multiply, then rounded to the activation dtype)
+
+The MXFP4 scale 2^(byte - 127) is built from its bits (byte << 23; byte 0 is the subnormal 2^-127),
+exactly ``torch.exp2(byte - 127.)``, so the product is the reference's float32 product.
+
+* ``lut4_dequantize`` writes the dense W in bf16/fp16/fp32 in one launch: bit-identical to
+  ``nf4.dequantize`` / ``mxfp4.dequantize`` (the same float32 product, rounded to nearest even
+  once). The dense path (``lut4_dense_linear`` / ``lut4_dense_dgrad``) then calls cuBLAS.
+* ``lut4_gemv`` takes up to ``DECODE_MAX_M`` rows (decode), following ``nvfp4_gemv_triton``: a
+  grid over N times a split of K, packed tiles [BLOCK_N, BLOCK_K/2] loaded along a weight row,
+  the pair's two weights multiplied with x's even and odd columns (x split in registers, never
+  the weight interleaved); one row takes float32 FMAs, 2..16 rows ``tl.dot`` with the weight on
+  the MMA's wide side. The weight is rounded to x's dtype first (what the reference multiplies),
+  products accumulate in float32 (fp32 activations: ``input_precision="ieee"``, no TF32). Split
+  slices park float32 partial tiles and the last to arrive sums them in slice order
+  (deterministic; the atomics touch only ``splitk``'s counters, never y).
+
+Tile configs are fixed, chosen by shape (``gemv_config``), not autotuned. Under the interpreter
+(CPU, ``TRITON_INTERPRET=1``) the kernels compute and store float32 and the launcher rounds with
+torch (the interpreter's float32 -> bf16 cast truncates). Tests: tests/test_lut4_kernels.py (the
+interpreter; the GPU), tests/test_lut4_compile.py (compiled for sm_90 on the CPU: no register spills).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from qerl_kit import fp4, mxfp4, nf4
+from qerl_kit.kernels.nvfp4_gemm_triton import HAS_TRITON, launch_options
+from qerl_kit.kernels.routes import LUT4_DTYPES
+from qerl_kit.kernels.splitk import arrival_counters, choose_split_k
+
+FORMAT_IDS = {"nf4": 0, "mxfp4": 1}
+BLOCK_SIZES = {"nf4": nf4.BLOCK_SIZE, "mxfp4": mxfp4.BLOCK_SIZE}
+SCALE_DTYPES = {"nf4": torch.float32, "mxfp4": torch.uint8}
+DTYPES = LUT4_DTYPES  # activation dtypes the kernels take (bf16, fp16, fp32: the routing table's)
+DECODE_MAX_M = 16  # the most rows lut4_gemv takes (the dense path takes any number)
+
+if HAS_TRITON:
+    import triton
+    import triton.language as tl
+
+    from qerl_kit.kernels.nvfp4_gemm_triton import _e2m1_to_f32, _round_f32_to, split_even_odd
+    from qerl_kit.kernels.splitk import k_slice
+
+    @triton.jit
+    def _scale_f32(s, FMT: tl.constexpr):
+        """The block scales as float32: NF4's absmax as loaded, MXFP4's 2^(byte - 127) from its bits."""
+        if FMT == 0:
+            return s
+        b = s.to(tl.int32)
+        return tl.where(b == 0, 0x00400000, b << 23).to(tl.float32, bitcast=True)
+
+    @triton.jit
+    def dequant_lut4(p, s, lut_ptr, FMT: tl.constexpr, BS: tl.constexpr, BLOCK_N: tl.constexpr,
+                     BLOCK_K: tl.constexpr):
+        """packed [BN, BK/2] + scales [BN, BK/BS] -> (W[:, 0::2], W[:, 1::2]) float32 [BN, BK/2],
+        each the reference's exact float32 product lut[code] * scale."""
+        c = p.to(tl.int32)
+        if FMT == 0:  # NF4: the first weight of a pair in the high nibble
+            c_even, c_odd = c >> 4, c & 15
+        else:
+            c_even, c_odd = c & 15, c >> 4
+        sc = _scale_f32(s, FMT)
+        sc = tl.reshape(tl.broadcast_to(sc[:, :, None], (BLOCK_N, BLOCK_K // BS, BS // 2)), (BLOCK_N, BLOCK_K // 2))
+        if FMT == 0:  # NF4's codebook has no closed form: a gather from the 16-entry table (L1-resident)
+            return tl.load(lut_ptr + c_even) * sc, tl.load(lut_ptr + c_odd) * sc
+        return _e2m1_to_f32(c_even) * sc, _e2m1_to_f32(c_odd) * sc  # E2M1 from the bits, as NVFP4's kernels
+
+    @triton.jit
+    def _lut4_dequant_kernel(p_ptr, s_ptr, lut_ptr, w_ptr, N, K, stride_pn, stride_sn, stride_wn,
+                             FMT: tl.constexpr, BS: tl.constexpr, EVEN: tl.constexpr, BLOCK_N: tl.constexpr,
+                             BLOCK_K: tl.constexpr):
+        """W[n, k0:k0+BK] for BLOCK_N rows: one tile of the dense weight per program (EVEN: whole
+        tiles, no masks)."""
+        k0 = tl.program_id(1) * BLOCK_K
+        offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        offs_j = tl.arange(0, BLOCK_K // 2)
+        offs_g = tl.arange(0, BLOCK_K // BS)
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        p_ptrs = p_ptr + offs_n[:, None] * stride_pn + (k0 // 2 + offs_j)[None, :]
+        s_ptrs = s_ptr + offs_n[:, None] * stride_sn + (k0 // BS + offs_g)[None, :]
+        w_ptrs = w_ptr + offs_n[:, None] * stride_wn + offs_k[None, :]
+        if EVEN:
+            even, odd = dequant_lut4(tl.load(p_ptrs), tl.load(s_ptrs), lut_ptr, FMT, BS, BLOCK_N, BLOCK_K)
+            tl.store(w_ptrs, tl.interleave(even, odd).to(w_ptr.dtype.element_ty))  # rounded once, to nearest even
+        else:
+            rows = offs_n[:, None] < N
+            p = tl.load(p_ptrs, mask=rows & (offs_j[None, :] < (K - k0) // 2), other=0)
+            s = tl.load(s_ptrs, mask=rows & (offs_g[None, :] < (K - k0) // BS), other=0)
+            even, odd = dequant_lut4(p, s, lut_ptr, FMT, BS, BLOCK_N, BLOCK_K)
+            tl.store(w_ptrs, tl.interleave(even, odd).to(w_ptr.dtype.element_ty), mask=rows & (offs_k[None, :] < K))
+
+    @triton.jit
+    def _dot(a, b, acc, IEEE: tl.constexpr):
+        """acc + a @ b; float32 operands (fp32 activations, the interpreter) without TF32."""
+        if IEEE:
+            return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+        return tl.dot(a, b, acc)
+
+    @triton.jit(do_not_specialize=["M"])  # one binary for every row count
+    def _lut4_gemv_kernel(
+        x_ptr, p_ptr, s_ptr, lut_ptr, b_ptr, y_ptr, ws_ptr, cnt_ptr,
+        M, N, K,
+        stride_xm, stride_xk, stride_pn, stride_sn, stride_ym, stride_yn,
+        FMT: tl.constexpr, BS: tl.constexpr, HAS_BIAS: tl.constexpr, INTERPRET: tl.constexpr,
+        IEEE: tl.constexpr, EVEN_K: tl.constexpr, USE_DOT: tl.constexpr, SPLIT_K: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    ):
+        """y[M, N] = x[M, K] @ W[N, K]^T (+ bias); program (i, s) owns columns [i*BN, (i+1)*BN)
+        and the s-th of SPLIT_K slices of K.
+
+        Long because: one @triton.jit kernel is one GPU program whose signature is its launch ABI;
+        the K loop and the split-K epilogue share offsets, pointers and the accumulator, which a
+        Triton helper could only take and hand back as a tuple. The separable steps are helpers
+        (k_slice, dequant_lut4, split_even_odd, _dot)."""
+        pid_n = tl.program_id(0)
+        pid_k = tl.program_id(1)
+        k_start, k_end = k_slice(pid_k, K, BLOCK_K, SPLIT_K)
+
+        offs_n = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)) % N
+        offs_m = tl.arange(0, BLOCK_M) % M
+        offs_k = tl.arange(0, BLOCK_K)
+        offs_j = tl.arange(0, BLOCK_K // 2)
+        offs_g = tl.arange(0, BLOCK_K // BS)
+        x_ptrs = x_ptr + offs_m[:, None] * stride_xm + (k_start + offs_k)[None, :] * stride_xk
+        p_ptrs = p_ptr + offs_n[:, None] * stride_pn + (k_start // 2 + offs_j)[None, :]
+        s_ptrs = s_ptr + offs_n[:, None] * stride_sn + (k_start // BS + offs_g)[None, :]
+        if USE_DOT:
+            acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+        else:
+            acc = tl.zeros((BLOCK_N, BLOCK_K // 2), dtype=tl.float32)
+        for k0 in range(k_start, k_end, BLOCK_K):
+            if EVEN_K:  # whole tiles: no masks, so packed rows load as 16-byte vectors
+                x = tl.load(x_ptrs)
+                p = tl.load(p_ptrs)
+                s = tl.load(s_ptrs)
+            else:
+                x = tl.load(x_ptrs, mask=offs_k[None, :] < K - k0, other=0.0)
+                p = tl.load(p_ptrs, mask=offs_j[None, :] < (K - k0) // 2, other=0)
+                s = tl.load(s_ptrs, mask=offs_g[None, :] < (K - k0) // BS, other=0)
+            w_even, w_odd = dequant_lut4(p, s, lut_ptr, FMT, BS, BLOCK_N, BLOCK_K)
+            if INTERPRET:  # float32 holding the activation dtype's rounding (the interpreter's cast truncates)
+                w_even = _round_f32_to(w_even, x_ptr.dtype.element_ty)
+                w_odd = _round_f32_to(w_odd, x_ptr.dtype.element_ty)
+            else:
+                w_even = w_even.to(x_ptr.dtype.element_ty)
+                w_odd = w_odd.to(x_ptr.dtype.element_ty)
+            x_even, x_odd = split_even_odd(x, BLOCK_M, BLOCK_K)
+            if USE_DOT:
+                acc = _dot(w_even, tl.trans(x_even), acc, IEEE)
+                acc = _dot(w_odd, tl.trans(x_odd), acc, IEEE)
+            else:  # BLOCK_M == 1: the single row of x broadcast over BLOCK_N weight rows
+                acc += w_even.to(tl.float32) * x_even.to(tl.float32)
+                acc += w_odd.to(tl.float32) * x_odd.to(tl.float32)
+            x_ptrs += BLOCK_K * stride_xk
+            p_ptrs += BLOCK_K // 2
+            s_ptrs += BLOCK_K // BS
+        if USE_DOT:
+            out = tl.trans(acc)  # [BLOCK_M, BLOCK_N]
+        else:
+            out = tl.sum(acc, axis=1)[None, :]  # [1, BLOCK_N]
+
+        rows = tl.arange(0, BLOCK_M)
+        cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        y_ptrs = y_ptr + rows[:, None] * stride_ym + cols[None, :] * stride_yn
+        y_mask = (rows[:, None] < M) & (cols[None, :] < N)
+        if SPLIT_K == 1:
+            if HAS_BIAS:
+                out += tl.load(b_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
+            tl.store(y_ptrs, out.to(y_ptr.dtype.element_ty), mask=y_mask)
+        else:
+            # Each slice parks its partial tile; the last to arrive (counter) sums them in slice
+            # order, writes y and resets the counter for the next call (as nvfp4_gemv_triton).
+            tile = rows[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
+            ws_tile = ws_ptr + pid_n * (SPLIT_K * BLOCK_M * BLOCK_N)
+            tl.store(ws_tile + pid_k * (BLOCK_M * BLOCK_N) + tile, out)
+            arrived = tl.atomic_add(cnt_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
+            if arrived == SPLIT_K - 1:
+                total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+                for i in tl.static_range(SPLIT_K):
+                    total += tl.load(ws_tile + i * (BLOCK_M * BLOCK_N) + tile, cache_modifier=".cg")
+                if HAS_BIAS:
+                    total += tl.load(b_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
+                tl.store(y_ptrs, total.to(y_ptr.dtype.element_ty), mask=y_mask)
+                tl.atomic_xchg(cnt_ptr + pid_n, 0, sem="relaxed", scope="gpu")
+
+
+_LUTS: dict[tuple[str, torch.device], torch.Tensor] = {}
+
+
+def lut(fmt: str, device: torch.device | str) -> torch.Tensor:
+    """The format's 16 float32 values on ``device``, made once per device (a copy per call would
+    break CUDA-graph capture)."""
+    key = (fmt, torch.device(device))
+    table = _LUTS.get(key)
+    if table is None:
+        if fmt == "nf4":
+            table = torch.tensor(nf4.NF4_CODEBOOK, dtype=torch.float32)
+        else:
+            table = fp4.e2m1_lut("cpu", torch.float32)
+        table = _LUTS[key] = table.to(device)
+    return table
+
+
+def check_lut4_operands(packed: torch.Tensor, scales: torch.Tensor, fmt: str, a: torch.Tensor | None = None,
+                        a_cols: int | None = None, what: str = "x") -> None:
+    """Raise a clear error for a format, weight or activation the kernels do not take."""
+    if fmt not in FORMAT_IDS:
+        raise ValueError(f"the LUT4 kernels take formats {sorted(FORMAT_IDS)}; got {fmt!r}")
+    bs, n, k2 = BLOCK_SIZES[fmt], packed.shape[0], packed.shape[1]
+    if (packed.dim() != 2 or packed.dtype != torch.uint8 or scales.dtype != SCALE_DTYPES[fmt]
+            or (2 * k2) % bs or scales.shape != (n, 2 * k2 // bs)):
+        raise ValueError(f"bad {fmt.upper()} weight: packed {tuple(packed.shape)} {packed.dtype}, scales "
+                         f"{tuple(scales.shape)} {scales.dtype} (want uint8 [N, K/2] and {SCALE_DTYPES[fmt]} "
+                         f"[N, K/{bs}])")
+    if packed.stride(1) != 1 or scales.stride(1) != 1:
+        raise ValueError("packed and scales need unit stride along K")
+    if a is not None:
+        if a.dim() != 2 or a.shape[1] != a_cols:
+            raise ValueError(f"{what} must be 2-D with {a_cols} columns; got {tuple(a.shape)}")
+        if a.dtype not in DTYPES:
+            raise TypeError(f"the LUT4 kernels take bfloat16, float16 or float32 {what}; got {a.dtype}")
+        if len({a.device, packed.device, scales.device}) != 1:
+            raise ValueError(f"{what}, packed and scales must be on one device")
+
+
+def lut4_dequantize(packed: torch.Tensor, scales: torch.Tensor, fmt: str,
+                    dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """Dense W [N, K] in ``dtype`` (bf16/fp16/fp32), one launch; bit-identical to the format's
+    reference ``dequantize``."""
+    if not HAS_TRITON:
+        raise ImportError("the LUT4 Triton kernels need triton (pip install triton)")
+    check_lut4_operands(packed, scales, fmt)
+    if dtype not in DTYPES:
+        raise TypeError(f"lut4_dequantize writes bfloat16, float16 or float32; got {dtype}")
+    n, k = packed.shape[0], packed.shape[1] * 2
+    interpret = launch_options(packed.device)["INTERPRET"]
+    w = torch.empty((n, k), dtype=torch.float32 if interpret else dtype, device=packed.device)
+    bn, bk = (16, 64) if interpret else (32, 256)
+    _lut4_dequant_kernel[(triton.cdiv(n, bn), triton.cdiv(k, bk))](
+        packed, scales, lut(fmt, packed.device), w, n, k, packed.stride(0), scales.stride(0), w.stride(0),
+        FMT=FORMAT_IDS[fmt], BS=BLOCK_SIZES[fmt], EVEN=n % bn == 0 and k % bk == 0, BLOCK_N=bn, BLOCK_K=bk,
+        num_warps=4)
+    return w.to(dtype)
+
+
+def lut4_dense_linear(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, fmt: str,
+                      bias: torch.Tensor | None = None) -> torch.Tensor:
+    """The dense path: y = x @ W^T + bias with W from ``lut4_dequantize`` (transient), then cuBLAS.
+    The dense W comes through ``qerl_kit.dense_cache.cached``: made once per open block that takes it
+    (the training pass's), shared by the forward and the input gradient."""
+    return F.linear(x, _dense_weight(packed, scales, fmt, x.dtype), bias)
+
+
+def _dense_weight(packed: torch.Tensor, scales: torch.Tensor, fmt: str, dtype: torch.dtype) -> torch.Tensor:
+    from qerl_kit.dense_cache import cached
+
+    return cached((packed, scales), dtype, lambda: lut4_dequantize(packed, scales, fmt, dtype),
+                  shape=(packed.shape[0], packed.shape[1] * 2), tag=f"{fmt}-triton")
+
+
+def lut4_dense_dgrad(dy: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, fmt: str) -> torch.Tensor:
+    """The dense path's input gradient: dx = dy @ W."""
+    return dy @ _dense_weight(packed, scales, fmt, dy.dtype)
+
+
+def gemv_config(m: int, n: int, k: int, fmt: str, interpret: bool) -> dict:
+    """The fixed tile config of ``lut4_gemv`` for this shape (no autotuning: reproducible runs).
+
+    One row: float32 FMAs over [32, 128] weight pairs per step; 2..16 rows: ``tl.dot`` tiles of 64
+    weight rows x BLOCK_K 64. Chosen by compiling for sm_90 (``tests/test_lut4_compile.py``), not by
+    timing: NVFP4's measured decode shapes (64 x 256 FMA, 64 x 128 x 4 stages dot) spill registers
+    here (NF4's gather and the float32 products: 255 registers and 232 bytes of stack at M = 1),
+    these do not (64-128 registers with aligned operands; one row loads packed rows as 16-byte
+    vectors, more rows stream them through shared memory with cp.async). Not yet timed on a GPU. K is split until
+    the grid has two programs per SM (``splitk.choose_split_k``)."""
+    if interpret:
+        cfg = dict(BLOCK_N=16, BLOCK_K=64, USE_DOT=m > 1, num_warps=4, num_stages=1)
+    elif m == 1:
+        cfg = dict(BLOCK_N=32, BLOCK_K=256, USE_DOT=False, num_warps=4, num_stages=2)
+    else:
+        cfg = dict(BLOCK_N=64, BLOCK_K=64, USE_DOT=True, num_warps=4, num_stages=3)
+    cfg["SPLIT_K"] = choose_split_k(n, k, cfg["BLOCK_N"], cfg["BLOCK_K"], 2)
+    return cfg
+
+
+def lut4_gemv(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, fmt: str,
+              bias: torch.Tensor | None = None, config: dict | None = None) -> torch.Tensor:
+    """y = x @ W^T + bias for x [M, K] with M <= 16 (``config`` overrides ``gemv_config``'s keys)."""
+    if not HAS_TRITON:
+        raise ImportError("the LUT4 Triton kernels need triton (pip install triton)")
+    n, k = packed.shape[0], packed.shape[1] * 2
+    check_lut4_operands(packed, scales, fmt, x, k)
+    m = x.shape[0]
+    if m > DECODE_MAX_M:
+        raise ValueError(f"lut4_gemv takes at most {DECODE_MAX_M} rows; got {m} (use the dense path)")
+    interpret = launch_options(x.device)["INTERPRET"]
+    y = torch.empty((m, n), dtype=torch.float32 if interpret else x.dtype, device=x.device)
+    if m == 0:
+        return y.to(x.dtype)
+    cfg = {**gemv_config(m, n, k, fmt, interpret), **(config or {})}
+    if not cfg["USE_DOT"] and m != 1:
+        raise ValueError(f"USE_DOT=False (the FMA path) takes M == 1; got M={m}")
+    if cfg["BLOCK_K"] % BLOCK_SIZES[fmt]:
+        raise ValueError(f"BLOCK_K {cfg['BLOCK_K']} is not a multiple of {fmt.upper()}'s block {BLOCK_SIZES[fmt]}")
+    block_m = 16 if cfg["USE_DOT"] else 1
+    split, block_n = cfg["SPLIT_K"], cfg["BLOCK_N"]
+    ws = torch.empty(max(1, triton.cdiv(n, block_n) * split * block_m * block_n if split > 1 else 1),
+                     dtype=torch.float32, device=x.device)
+    _lut4_gemv_kernel[(triton.cdiv(n, block_n), split)](
+        x, packed, scales, lut(fmt, x.device), bias if bias is not None else y, y, ws, arrival_counters(x.device),
+        m, n, k, x.stride(0), x.stride(1), packed.stride(0), scales.stride(0), y.stride(0), y.stride(1),
+        FMT=FORMAT_IDS[fmt], BS=BLOCK_SIZES[fmt], HAS_BIAS=bias is not None, INTERPRET=interpret,
+        IEEE=interpret or x.dtype == torch.float32, EVEN_K=k % cfg["BLOCK_K"] == 0,
+        USE_DOT=cfg["USE_DOT"], SPLIT_K=split, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=cfg["BLOCK_K"],
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    return y.to(x.dtype)

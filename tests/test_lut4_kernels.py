@@ -1,0 +1,222 @@
+"""NF4 / MXFP4 Triton kernels (qerl_kit/kernels/lut4_triton.py) against the formats' references.
+
+Without CUDA the kernels run in Triton's CPU interpreter at small shapes (switched on before
+Triton's first import, else this module re-runs itself in a subprocess, as tests/test_kernels.py).
+With a GPU the same tests run compiled, and the ``gpu`` tests add the 7B shapes and CUDA graphs.
+
+* the dequantize kernel equals ``nf4.dequantize`` / ``mxfp4.dequantize`` bit for bit;
+* the GEMV equals the float32 product of x and the reference's weight (rounded to x's dtype)
+  within float32 accumulation: |y - ref| <= eps_out * |ref| + 2 K 2^-24 (|x| @ |W|^T), eps_out
+  the output dtype's rounding (2^-8 bf16, 2^-11 fp16, 0 fp32);
+* routed ``NF4Linear`` / ``MXFP4Linear`` forward and backward equal the reference path (the
+  dense path exactly, the GEMV within the bound above).
+"""
+
+import pytest
+import torch
+
+from tests import triton_interp
+
+IN_PROCESS = triton_interp.enable()  # before Triton's first import
+
+triton = pytest.importorskip("triton", reason="the LUT4 kernels need triton (pip install triton)")
+
+from qerl_kit import kernels, mxfp4, nf4  # noqa: E402
+from qerl_kit.kernels import lut4_triton  # noqa: E402
+from qerl_kit.linear import MXFP4Linear, NF4Linear  # noqa: E402
+
+CUDA = torch.cuda.is_available()
+DEVICE = "cuda" if CUDA else "cpu"
+MODULES = {"nf4": nf4, "mxfp4": mxfp4}
+LAYERS = {"nf4": NF4Linear, "mxfp4": MXFP4Linear}
+EPS = {torch.bfloat16: 2.0 ** -8, torch.float16: 2.0 ** -11, torch.float32: 0.0}
+BITS = {torch.bfloat16: torch.int16, torch.float16: torch.int16, torch.float32: torch.int32}
+# N = 40 is not a multiple of the tiles (16 in the interpreter, 32/64 on the GPU); K: NF4's 192 and
+# MXFP4's 96 are whole blocks but not whole 64-wide tiles for MXFP4; 512 splits K (split-K path).
+SHAPES = {"nf4": [(40, 192), (40, 512)], "mxfp4": [(40, 96), (40, 512)]}
+
+
+@pytest.fixture(autouse=True)
+def _kernels_runnable(request):
+    if not IN_PROCESS and request.node.name != "test_lut4_kernels_in_an_interpreter_subprocess":
+        pytest.skip("Triton was imported before TRITON_INTERPRET=1 could be set: "
+                    "test_lut4_kernels_in_an_interpreter_subprocess runs these tests")
+    kernels._forget_routes()
+
+
+@pytest.mark.skipif(IN_PROCESS, reason="the kernel tests run in this process")
+def test_lut4_kernels_in_an_interpreter_subprocess():
+    triton_interp.rerun_in_subprocess(__file__)
+
+
+def _weight(fmt, n, k, seed, device=DEVICE):
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(n, k, generator=g) * torch.exp(torch.randn(n, 1, generator=g))  # a spread of scales
+    return MODULES[fmt].quantize(w).to(device)
+
+
+def _randn(*shape, dtype, seed, device=DEVICE):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(*shape, generator=g).to(device=device, dtype=dtype)
+
+
+def _assert_within_fp32_accumulation(y, x, w, bias=None):
+    """y against x @ w^T (+ bias) in float32, w already the reference's weight in x's dtype."""
+    ref = x.float() @ w.float().T + (0 if bias is None else bias.float())
+    bound = EPS[y.dtype] * ref.abs() + 2 * x.shape[1] * 2.0 ** -24 * (x.float().abs() @ w.float().abs().T) + 1e-30
+    err = (y.float() - ref).abs()
+    assert bool((err <= bound).all()), f"max error {err.max().item():.3g}, bound there {bound[err == err.max()]}"
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
+@pytest.mark.parametrize("fmt", ["nf4", "mxfp4"])
+def test_dequantize_kernel_is_the_reference_bit_for_bit(fmt, dtype):
+    for i, (n, k) in enumerate(SHAPES[fmt] + [(48, 256)]):  # the last: whole tiles (the kernel's unmasked path)
+        q = _weight(fmt, n, k, seed=i)
+        got = lut4_triton.lut4_dequantize(q.packed, q.scales, fmt, dtype)
+        ref = q.dequantize(dtype)
+        assert got.dtype == dtype and torch.equal(got.view(BITS[dtype]), ref.view(BITS[dtype])), (fmt, n, k)
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered")  # the interpreter's numpy: 6 * 2^127 is inf
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+def test_every_mxfp4_scale_byte_decodes_as_the_reference(dtype):
+    """All 255 E8M0 bytes (0: the subnormal 2^-127; 254: 2^127, overflowing bf16 products to inf)."""
+    n, k = 255, 32
+    g = torch.Generator().manual_seed(3)
+    packed = torch.randint(0, 256, (n, k // 2), generator=g, dtype=torch.uint8).to(DEVICE)
+    scales = torch.arange(255, dtype=torch.uint8).reshape(n, 1).to(DEVICE)
+    got = lut4_triton.lut4_dequantize(packed, scales, "mxfp4", dtype)
+    ref = mxfp4.MXFP4Tensor(packed, scales).dequantize(dtype)
+    assert torch.equal(got.view(BITS[dtype]), ref.view(BITS[dtype]))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
+@pytest.mark.parametrize("fmt", ["nf4", "mxfp4"])
+def test_gemv_matches_the_reference(fmt, dtype):
+    for i, (n, k) in enumerate(SHAPES[fmt]):
+        q = _weight(fmt, n, k, seed=10 + i)
+        w = q.dequantize(dtype)
+        bias = _randn(n, dtype=dtype, seed=20 + i)
+        for m in (1, 3, 16):
+            x = _randn(m, k, dtype=dtype, seed=30 + m)
+            y = lut4_triton.lut4_gemv(x, q.packed, q.scales, fmt, bias if m != 3 else None)
+            assert y.shape == (m, n) and y.dtype == dtype
+            _assert_within_fp32_accumulation(y, x, w, bias if m != 3 else None)
+
+
+def test_gemv_refuses_what_it_does_not_take():
+    q = _weight("nf4", 32, 128, seed=1)
+    with pytest.raises(ValueError, match="at most 16 rows"):
+        lut4_triton.lut4_gemv(_randn(17, 128, dtype=torch.float32, seed=2), q.packed, q.scales, "nf4")
+    with pytest.raises(TypeError, match="float64"):
+        lut4_triton.lut4_gemv(_randn(2, 128, dtype=torch.float64, seed=2), q.packed, q.scales, "nf4")
+    with pytest.raises(ValueError, match="bad MXFP4 weight"):
+        lut4_triton.lut4_gemv(_randn(2, 128, dtype=torch.float32, seed=2), q.packed, q.scales, "mxfp4")
+    with pytest.raises(ValueError, match="formats"):
+        lut4_triton.lut4_dequantize(q.packed, q.scales, "nvfp4")
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+@pytest.mark.parametrize("fmt", ["nf4", "mxfp4"])
+def test_routed_layer_forward_and_backward_match_the_reference_path(fmt, dtype):
+    """3 rows take the GEMV (and the dense input gradient), 3 x 7 = 21 rows the dense path both ways."""
+    n, k = SHAPES[fmt][0]
+    g = torch.Generator().manual_seed(5)
+    dense = torch.nn.Linear(k, n)
+    with torch.no_grad():
+        dense.weight.copy_(torch.randn(n, k, generator=g))
+        dense.bias.copy_(torch.randn(n, generator=g))
+    layer = LAYERS[fmt].from_linear(dense).to(DEVICE)
+    w = layer.dequantized_weight(dtype)
+    for shape, kernel in (((3, k), "lut4_gemv"), ((3, 7, k), "lut4_dense")):
+        x = _randn(*shape, dtype=dtype, seed=6).requires_grad_()
+        up = _randn(*shape[:-1], n, dtype=dtype, seed=7)
+        with kernels.set_backend("reference"):
+            y_ref = layer(x)
+            (dx_ref,) = torch.autograd.grad(y_ref, x, up)
+        with kernels.set_backend("triton"):
+            assert kernels.route("forward", x.detach().reshape(-1, k), layer.packed, layer.block_scales,
+                                 fmt=fmt) == kernel
+            y = layer(x)
+            (dx,) = torch.autograd.grad(y, x, up)
+            with torch.no_grad():
+                y_nograd = layer(x)
+        assert torch.equal(dx, dx_ref)  # both dense: the same weight, the same matmul
+        assert torch.equal(y, y_nograd)
+        if kernel == "lut4_dense":
+            assert torch.equal(y, y_ref)
+        else:
+            _assert_within_fp32_accumulation(y, x.detach(), w, layer.bias.to(dtype))
+
+
+@pytest.mark.skipif(CUDA, reason="the CPU's own path")
+@pytest.mark.parametrize("fmt", ["nf4", "mxfp4"])
+def test_cpu_layers_keep_the_plain_pytorch_path(fmt):
+    """Under the default backend a CPU call routes to the reference and computes what it always did."""
+    layer = LAYERS[fmt].from_linear(torch.nn.Linear(128, 24))
+    x = _randn(5, 128, dtype=torch.float32, seed=8)
+    assert kernels.route("forward", x, layer.packed, layer.block_scales, fmt=fmt) == "reference"
+    ref = torch.nn.functional.linear(x, layer.dequantized_weight(torch.float32), layer.bias)
+    assert torch.equal(layer(x), ref)
+
+
+# -- GPU only ------------------------------------------------------------------------------------------
+
+REAL = [(4608, 3584), (3584, 3584), (37888, 3584), (3584, 18944)]  # 7B qkv, o, gate_up, down
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("n,k", REAL, ids=str)
+@pytest.mark.parametrize("fmt", ["nf4", "mxfp4"])
+def test_gpu_real_shapes(fmt, n, k):
+    q = _weight(fmt, n, k, seed=n + k)
+    w = q.dequantize(torch.bfloat16)
+    assert torch.equal(lut4_triton.lut4_dequantize(q.packed, q.scales, fmt, torch.bfloat16).view(torch.int16),
+                       w.view(torch.int16))
+    for m in (1, 8, 16):
+        x = _randn(m, k, dtype=torch.bfloat16, seed=m)
+        _assert_within_fp32_accumulation(lut4_triton.lut4_gemv(x, q.packed, q.scales, fmt), x, w)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("fmt", ["nf4", "mxfp4"])
+def test_gpu_gemv_replays_in_a_cuda_graph(fmt):
+    q = _weight(fmt, 4608, 3584, seed=4)
+    x = _randn(8, 3584, dtype=torch.bfloat16, seed=9)
+    eager = lut4_triton.lut4_gemv(x, q.packed, q.scales, fmt)  # warm-up: compiles, allocates counters
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y = lut4_triton.lut4_gemv(x, q.packed, q.scales, fmt)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(y, eager)  # split-K sums its slices in order: deterministic
+
+
+@pytest.mark.skipif(CUDA, reason="the CPU smoke run; on a GPU: python -m bench.bench_lut4")
+def test_bench_runs_its_smoke_shape_in_the_interpreter(tmp_path):
+    from bench import bench_lut4
+
+    before = kernels.get_backend()
+    bench_lut4.main(["--smoke", "--out", str(tmp_path)])
+    table = (tmp_path / "lut4.md").read_text()
+    assert "| tiny | 1 | 64 | 128 |" in table and "lut4_gemv" in table and "lut4_dense" in table
+    assert kernels.get_backend() is before  # the run's backend switch is restored
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("fmt", ["nf4", "mxfp4"])
+def test_gpu_auto_backend_routes_layers_to_the_kernels(fmt):
+    """On CUDA the default backend sends NF4/MXFP4 layers to lut4_gemv (<= 16 rows) and the dense
+    path, in bf16 and fp32, and the layer's output is the routed kernel's."""
+    layer = LAYERS[fmt].from_linear(torch.nn.Linear(3584, 512)).cuda()
+    for dtype in (torch.bfloat16, torch.float32):
+        for m, kernel in ((1, "lut4_gemv"), (16, "lut4_gemv"), (17, "lut4_dense"), (2048, "lut4_dense")):
+            x = _randn(m, 3584, dtype=dtype, seed=m)
+            assert kernels.route("forward", x, layer.packed, layer.block_scales, fmt=fmt) == kernel
+            with torch.no_grad():
+                y = layer(x)
+            _assert_within_fp32_accumulation(y, x, layer.dequantized_weight(dtype), layer.bias.to(dtype))
