@@ -179,7 +179,7 @@ def test_plan_bounds_every_measured_peak(case, model):
     """The plan is at least every measured max_memory_allocated() (tests/data/measured_peaks.json) and
     at most 1.5x it. The upper check uses the parts the code of that run allocated (``absent_then``:
     the engine's own fused copy and humming's repack arrived after some runs); the current plan,
-    with them, is checked from below too. Achieved: 1.11-1.26x (docs/training.md)."""
+    with them, is checked from below too. Achieved: 1.11-1.27x (docs/training.md, "Memory")."""
     plan = plan_memory(model, **case["settings"])
     measured = case["measured_gib"] * 2**30
     absent = tuple(case.get("absent_then", ()))
