@@ -61,7 +61,7 @@ def _trainer(peft, engine, args, out_dir: Path, checkpointing: bool, vocab: int)
     task = Task("random-ids", data, [], (reward,), lambda tok, row: row["prompt"])
     from qerl_kit.trainer import Trainer
 
-    return Trainer(peft, IdTokenizer(), task, cfg, progress="none"), cfg
+    return Trainer(peft, IdTokenizer(), task, cfg, engine=engine, progress="none"), cfg
 
 
 def _humming_on() -> bool:
@@ -88,6 +88,7 @@ def case(name: str, fmt: str, checkpointing: bool, args, device: str) -> dict:
         m = trainer.train_step()
         log(f"{name} {fmt} ckpt={checkpointing} step {i}: {m['time/step']:.2f} s")
     measured = torch.cuda.max_memory_allocated() if device == "cuda" else math.nan
+    engine_class = type(trainer.engine).__name__  # the engine the steps ran on (the plan's "static")
     settings = dict(fmt="none" if fmt == "bf16" else fmt, lora_r=args.lora_r, optimizer=cfg.optim.optimizer,
                     rollout_batch=args.prompts * args.group, group_size=args.group, prompt_len=args.prompt,
                     max_new_tokens=args.new, micro_batch=args.micro_batch, gradient_checkpointing=checkpointing,
@@ -96,7 +97,7 @@ def case(name: str, fmt: str, checkpointing: bool, args, device: str) -> dict:
     del trainer, engine, peft
     free()
     top = sorted(plan.parts.items(), key=lambda kv: -kv[1])[:3]
-    return dict(model=name, shape=shape, settings=settings,
+    return dict(model=name, shape=shape, settings=settings, engine_class=engine_class,
                 measured_gib=measured / 2**30, plan_gib=plan.allocated / 2**30, ratio=plan.allocated / measured,
                 largest=[f"{k}: {v / 2**30:.2f} GiB" for k, v in top])
 

@@ -24,6 +24,7 @@ def test_smoke_run_writes_its_table_and_appends_nothing_on_the_cpu(tmp_path):
     assert "| tiny | nvfp4 | 4 | 8 + 4 | 2 | False | True |" in md and "not measured (CPU)" in md
     rows = json.loads((tmp_path / "out" / "memory.json").read_text())["rows"]
     assert len(rows) == 1 and rows[0]["plan_gib"] > 0 and "error" not in rows[0]
+    assert rows[0]["engine_class"] == "StaticEngine"  # the engine the plan's settings describe
     assert json.loads(peaks.read_text()) == json.loads(PEAKS.read_text())  # no GPU peak: nothing appended
     assert "appended 0 measured cases" in proc.stdout
 
