@@ -195,6 +195,8 @@ def plan_memory(model: Any = "Qwen2.5-7B", fmt: str = "nvfp4", lora_r: int = 32,
     argument is checked where it enters (a ConfigError naming it): sizes and counts are ints >= 1,
     ``micro_batch`` at most ``rollout_batch`` (default: 8 or the whole batch if smaller), bytes per value
     1, 2 or 4, ``overhead`` in [0, 10], ``targets`` projection names (one name as a string is that name).
+    ``prompt_len`` is the longest prompt and ``max_new_tokens`` the longest completion: the engine
+    and every micro-batch pad to the batch's longest (a batch of shorter ones allocates less).
     ``engine``: ``static`` (the StaticEngine: ``fused`` copy, ``keep_cache``) or ``hf`` (transformers'
     generate). ``humming``: count humming-kernels' repacked NVFP4 weights (where it is installed,
     ``kernels`` backend ``auto``). ``dense_cache_bytes``: bytes of dequantized weights kept for the

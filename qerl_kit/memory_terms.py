@@ -146,7 +146,9 @@ def decode_parts(s: dict, proj: dict, a: dict) -> dict[str, int]:
     """The engine's decode state (rollout/static/state.py: key bias, output tokens and log-probs,
     the compaction's and the completions' copies of those) and one step's working set: logits and
     sampling for every row, plus one layer's activations (freed blocks are reused within a step,
-    inside a CUDA-graph capture as outside)."""
+    inside a CUDA-graph capture as outside). The CUDA-graph pool is that working set: a state's
+    graphs (its live-row views' included) share one pool, a capture allocates a step's tensors in
+    it, and a replay allocates nothing."""
     rows, new, V = a["rollout_batch"], a["max_new_tokens"], s["vocab"]
     width = padded_prompt(a)
     out = {}
@@ -154,7 +156,7 @@ def decode_parts(s: dict, proj: dict, a: dict) -> dict[str, int]:
         out["rollout: decode state (bias, outputs and their copies)"] = (rows * (width + new) * 2 + rows * new * 36
                                                                           + rows * 40)
     layer = rows * (4 * s["hidden"] + 2 * sum(o for _, o in proj.values()) + s["inter"]) * 4
-    out[f"rollout: one decode step (logits + sampling of {rows} rows, one layer)"] = \
+    out[f"rollout: one decode step or its CUDA-graph capture (logits + sampling of {rows} rows, one layer)"] = \
         rows * V * SAMPLER_BYTES_PER_LOGIT + layer
     return out
 
