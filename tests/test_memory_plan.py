@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+from qerl_kit.memory_plan import _PROJECTIONS as _PROJ
 from qerl_kit.memory_plan import model_shape, plan_memory
 
 
@@ -224,3 +225,36 @@ def test_plan_bounds_grpo_steps_measured_here(tmp_path):
     row = json.loads((tmp_path / "memory.json").read_text())["rows"][0]
     assert "error" not in row, row
     assert 0 < row["measured_gib"] <= row["plan_gib"], row
+
+
+def test_layer_activations_bound_what_autograd_saves():
+    """What a training forward of an NVFP4 + LoRA model in bf16 keeps for backward (autograd's saved
+    tensors, parameters left out) is at most the plan's per-layer count for every layer plus the final
+    norm's, and not far below it (SDPA here saves no score matrix, as on the GPU)."""
+    from qerl_kit import memory_terms
+    from qerl_kit.lora import attach_lora
+    from qerl_kit.models import build_model
+    from qerl_kit.quantize import quantize_model
+
+    torch.manual_seed(0)
+    model = build_model("qwen2-tiny", hidden_size=128, intermediate_size=256, dtype=torch.bfloat16)
+    quantize_model(model, fmt="nvfp4")
+    policy = attach_lora(model, r=4)
+    policy.train()
+    params = {p.untyped_storage().data_ptr() for p in policy.parameters()}
+    saved = {}
+
+    def pack(t):
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in params:
+            saved[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    B, L = 2, 96
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        policy(input_ids=torch.randint(1, 500, (B, L)), use_cache=False)
+    s = model_shape(model.config)
+    per_token = memory_terms._layer_saved_per_token(s, list(_PROJ), dict(act_bytes=2, lora_r=4, lora_bytes=2))
+    bound = B * L * (s["layers"] * per_token + 4 * s["hidden"] + 2 * s["hidden"])  # + the final norm's
+    total = sum(saved.values())
+    assert 0.7 * bound < total <= bound, (total, bound)
