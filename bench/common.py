@@ -43,20 +43,21 @@ def _linear_children(model: nn.Module, skip=("lm_head",)):
             if isinstance(child, nn.Linear) and name not in skip]
 
 
-def build(preset: str, fmt: str, device: str) -> nn.Module:
-    """A random model of ``preset``'s shape: ``bf16`` dense, or ``nvfp4`` built layer by layer from
-    meta (a bf16 copy of the whole model never exists, so 72B fits)."""
+def build(preset: str, fmt: str, device: str, **overrides) -> nn.Module:
+    """A random model of ``preset``'s shape (``overrides``: config sizes that replace the preset's):
+    ``bf16`` dense, or ``nvfp4`` built layer by layer from meta (a bf16 copy of the whole model
+    never exists, so 72B fits)."""
     from transformers import AutoModelForCausalLM
 
     from qerl_kit.linear import NVFP4Linear
     from qerl_kit.models import make_config
 
-    config = make_config(preset)
+    config = make_config(preset, **overrides)
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     if fmt in ("bf16", "none"):
         from qerl_kit.models import build_model
 
-        return build_model(preset, dtype=dtype, device=device)
+        return build_model(preset, dtype=dtype, device=device, **overrides)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     from qerl_kit import nvfp4

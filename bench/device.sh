@@ -16,6 +16,9 @@
 #                             (bash bench/vllm_carry.sh cuts them and prints each call's carry);
 #                             ARGS go to bench.bench_vllm_lengths; nf4 needs .vllm/uns/slim.tgz or .vllm/bnb/*.whl
 #   grpo-engines FMT          one whole GRPO step on StaticEngine and on vLLM (FMT nvfp4|bf16)
+#   memory [ARGS]             peak memory of GRPO steps against the memory plan (bench.bench_memory; ARGS e.g.
+#                             --models 0.5B 7B, or --models 32B --formats nvfp4); the rows are appended to a copy
+#                             of tests/data/measured_peaks.json in $OUT (copy it back over the committed one)
 #   nb05                      notebook 05 on the GPU with vLLM; the Jupyter wheels from
 #                             bench/make_notebook_carry.sh (.whl/nb, a call of its own)
 #   unsloth                   Unsloth's GRPO rollout path (bench/probe_unsloth.py); carry .vllm/uns
@@ -108,6 +111,11 @@ grpo-engines)
   fmt="${1:?format}"
   timeout 330 python3 -m bench.bench_grpo_engines --formats "$fmt" --out "$OUT/grpo" > "$OUT/grpo_${fmt}_log.txt" 2>&1
   grep -E "step #|adapter|failed|Error" "$OUT/grpo_${fmt}_log.txt" | tail -20 ;;
+memory)
+  cp tests/data/measured_peaks.json "$OUT/measured_peaks.json"
+  timeout "${MEM_TIMEOUT:-560}" python3 -m bench.bench_memory --out "$OUT/memory" --append "$OUT/measured_peaks.json" "$@" \
+    > "$OUT/memory_log.txt" 2>&1; echo "bench_memory rc=$?"
+  grep -E "step|failed|Error|appended" "$OUT/memory_log.txt" | tail -12; cat "$OUT/memory/memory.md" 2>/dev/null ;;
 nb05)
   python3 -m bench.install_missing_wheels .whl/nb --target /tmp/nbsite && export PYTHONPATH="/tmp/nbsite:$PYTHONPATH"
   timeout "${NB_TIMEOUT:-500}" python3 scripts/execute_notebooks.py notebooks/05_gpu_real_model.ipynb --out "$OUT/nb05" \

@@ -72,10 +72,11 @@ def worker(model: str, name: str, seed: int, steps: int, run_dir: str) -> None:
     t0 = time.perf_counter()
     result = trainer.evaluate(max_new_tokens=int(os.environ.get("QERL_STUDY_EVAL_TOKENS", 512)))
     try:
+        # the bound of max_memory_allocated (prompts are cut at 256 tokens); tests/data/measured_peaks.json
         plan = plan_memory(policy.config, fmt=fmt, lora_r=cfg.model.lora_r, optimizer=cfg.optim.optimizer,
-                           rollout_batch=cfg.rollout.batch_size, prompt_len=256,
+                           rollout_batch=cfg.rollout.batch_size, group_size=cfg.rollout.group_size, prompt_len=256,
                            max_new_tokens=cfg.rollout.max_new_tokens, micro_batch=cfg.loss.micro_batch,
-                           gradient_checkpointing=False).peak / 2**30
+                           gradient_checkpointing=cfg.model.gradient_checkpointing).allocated / 2**30
     except Exception as err:  # noqa: BLE001 - the plan is a reference figure, not the run's purpose
         plan = f"{type(err).__name__}: {err}"
     Path(run_dir, "final.json").write_text(json.dumps({

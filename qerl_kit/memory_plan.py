@@ -1,31 +1,32 @@
 """A memory planner for one GPU: will this model, LoRA rank, batch and sequence length fit?
 
-``plan_memory("Qwen2.5-7B", lora_r=32, rollout_batch=128, max_new_tokens=4096, ...)`` estimates,
-from the model's shape alone (``qerl_kit.models.PRESETS`` or any transformers config), the bytes of
+``plan_memory("Qwen2.5-7B", lora_r=32, rollout_batch=128, max_new_tokens=4096, ...)`` bounds, from
+the model's shape alone (``qerl_kit.models.PRESETS`` or any transformers config), the bytes a GRPO
+step allocates (``qerl_kit.memory_terms`` computes each term and says which code it follows):
 
-* **weights**: every decoder projection in the 4-bit format (``bits_per_weight`` of
-  ``qerl_kit.formats``, codes plus block scales, plus 4 bytes per tensor), or bf16 with
-  ``fmt="none"``; embeddings, the output head (unless tied), norms and q/k/v biases in bf16;
-* **LoRA**: ``r * (in + out)`` parameters per targeted projection, their gradients, and the
+* **kept for the run**: the projections in the 4-bit format (``bits_per_weight`` of
+  ``qerl_kit.formats``) or bf16 with ``fmt="none"``; embeddings, the output head (unless tied),
+  norms and q/k/v biases in bf16; the StaticEngine's fused copy of q/k/v and gate/up (``fused``,
+  NVFP4 and bf16 bases); humming-kernels' repacked copy of every NVFP4 weight the routing table can
+  send to it (``humming``); LoRA ``r * (in + out)`` per targeted projection, its gradients and the
   optimizer state (AdamW: two moments in the parameters' dtype; ``adamw8bit``: one byte each);
-* **rollout KV cache**: ``2 * layers * kv_heads * head_dim`` values per token for every sequence
-  of the rollout batch at its full length; with ``group_size`` > 1 the prompt counts once per
-  group, as the ``StaticEngine`` stores it (its cache's shared prefix; ``HFEngine`` expands the
-  prefill per sample: leave ``group_size=1`` for it);
-* **training activations** of one micro-batch: with activation checkpointing, each layer's input
-  plus one layer recomputed during backward; without, every layer's saved tensors (norm outputs,
-  q/k/v, attention output, the MLP's gate/up/act/product; SDPA keeps no score matrix); plus the
-  logits in the model's dtype and one chunk of their float32 log-softmax (``qerl_kit.logprobs``
-  works through ``CHUNK_ELEMS`` float32 values at a time, checkpointed).
+  cuBLAS's workspace per CUDA stream that ran a matmul;
+* **rollout**: the KV cache as the engine allocates it (the prompt padded to the engine's bucket,
+  stored once per group of samples by the ``StaticEngine``; ``engine="hf"`` stores every row), the
+  decode state, one decode step's logits and sampling, one prefill chunk;
+* **training** (one micro-batch; the log-prob pass is the same forward without gradients): the
+  activations kept for backward (with activation checkpointing each layer's input plus one layer
+  recomputed), one layer's gradients, the logits in the model's dtype with their gradient, one
+  float32 log-prob chunk (``qerl_kit.logprobs.CHUNK_ELEMS``) forward and backward, one dequantized
+  weight, and ``dense_cache_bytes`` of dequantized weights kept for these passes.
 
-Rollouts and updates run one after the other, so the peak is weights + LoRA state + the larger of
-the KV cache and the activations, plus ``overhead`` (CUDA context, allocator slack; 10% by default).
-These are estimates to choose settings with, not measurements and not an upper bound: compare
-with ``torch.cuda.max_memory_allocated()`` after a step (notebook 05 does). Not counted: the
-repacked copy of the 4-bit weights that humming-kernels keeps (docs/kernels.md), the
-``StaticEngine``'s fused copy of the q/k/v and gate/up weights (``fused=True``: about two thirds
-of the projection weights again) and fixed per-process buffers; on an H200 a 7B GRPO step peaked 1.1x above its plan and the tiny model 4x
-(bench/results/same_day_h200/2026-12-03b.md).
+Rollouts and updates run one after the other; with ``keep_cache`` (the StaticEngine's default) the
+KV cache and decode state stay allocated while the policy trains. ``MemoryPlan.allocated`` is
+static + max(rollout, training + kept): an upper bound of ``torch.cuda.max_memory_allocated()``
+over a GRPO step, checked against every measured peak in tests/data/measured_peaks.json (1.11-1.27x
+of them; docs/training.md, "Memory"). ``peak`` adds ``overhead`` (10% by default) for what that counter does
+not see: the CUDA context, the allocator's reserved but unused blocks. Not counted: evaluation
+calls of other shapes, a colocated vLLM engine (``vllm_memory_share``), other processes.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from typing import Any
 
 from qerl_kit.config_types import (NEW_TOKENS_RULE, OPTIMIZERS, ConfigError, check_names, check_rule, check_value,
                                    short_repr)
+from qerl_kit import memory_terms as T
 from qerl_kit.table import html_table, human_bytes, text_table
 
 __all__ = ["MemoryPlan", "plan_memory", "model_shape"]
@@ -113,13 +115,17 @@ def _check_gpu_bytes(gpu_bytes: Any) -> int | None:
 
 @dataclass
 class MemoryPlan:
-    """Estimated bytes by part; ``peak`` = static + max(rollout, training) + overhead."""
+    """Bytes by part; ``allocated`` = static + max(rollout, training + kept), ``peak`` = allocated x (1 + overhead).
+
+    ``kept``: the rollout parts that stay allocated while the policy trains (the StaticEngine's KV
+    cache and decode state with ``keep_cache``)."""
 
     model: str
     parts: dict[str, int]
     settings: dict[str, Any] = field(default_factory=dict)
     overhead: float = 0.10
     gpu_bytes: int | None = None
+    kept: tuple[str, ...] = ()
 
     @property
     def static(self) -> int:
@@ -134,8 +140,18 @@ class MemoryPlan:
         return sum(v for k, v in self.parts.items() if k.startswith("training"))
 
     @property
+    def kept_bytes(self) -> int:
+        """Bytes of the rollout parts still allocated during training (``kept``)."""
+        return sum(self.parts[k] for k in self.kept)
+
+    @property
+    def allocated(self) -> int:
+        """The bound of ``torch.cuda.max_memory_allocated()`` over a step: the larger phase on top of the static parts."""
+        return self.static + max(self.rollout, self.training + self.kept_bytes)
+
+    @property
     def peak(self) -> int:
-        return int((self.static + max(self.rollout, self.training)) * (1 + self.overhead))
+        return int(self.allocated * (1 + self.overhead))
 
     def fits(self, gpu_bytes: int | None = None) -> bool:
         gpu = _check_gpu_bytes(gpu_bytes) or self.gpu_bytes
@@ -144,8 +160,11 @@ class MemoryPlan:
         return self.peak <= gpu
 
     def rows(self) -> list[dict]:
-        rows = [{"part": k, "bytes": human_bytes(v), "GiB": round(v / 2**30, 2)} for k, v in self.parts.items()]
-        rows.append({"part": f"peak (static + max(rollout, training)) x {1 + self.overhead:.2f}",
+        rows = [{"part": k + (" (kept while training)" if k in self.kept else ""), "bytes": human_bytes(v),
+                 "GiB": round(v / 2**30, 2)} for k, v in self.parts.items()]
+        rows.append({"part": "allocated: static + max(rollout, training" + (" + kept" if self.kept else "") + ")",
+                     "bytes": human_bytes(self.allocated), "GiB": round(self.allocated / 2**30, 2)})
+        rows.append({"part": f"peak: allocated x {1 + self.overhead:.2f} (CUDA context, allocator slack)",
                      "bytes": human_bytes(self.peak), "GiB": round(self.peak / 2**30, 2)})
         return rows
 
@@ -170,25 +189,57 @@ def plan_memory(model: Any = "Qwen2.5-7B", fmt: str = "nvfp4", lora_r: int = 32,
                 rollout_batch: int = 128, prompt_len: int = 256, max_new_tokens: int = 4096,
                 micro_batch: int | None = None, gradient_checkpointing: bool = True, kv_bytes: int = 2,
                 act_bytes: int = 2, lora_bytes: int = 2, overhead: float = 0.10,
-                gpu_bytes: int | None = None, group_size: int = 1) -> MemoryPlan:
-    """Estimate the memory of a QeRL run; see the module docstring for what each part counts. Every
+                gpu_bytes: int | None = None, group_size: int = 1, engine: str = "static", fused: bool = True,
+                keep_cache: bool = True, humming: bool = True, dense_cache_bytes: int | str = 0) -> MemoryPlan:
+    """Bound the memory of a QeRL run; see the module docstring for what each part counts. Every
     argument is checked where it enters (a ConfigError naming it): sizes and counts are ints >= 1,
     ``micro_batch`` at most ``rollout_batch`` (default: 8 or the whole batch if smaller), bytes per value
-    1, 2 or 4, ``overhead`` in [0, 10], ``targets`` projection names (one name as a string is that name)."""
+    1, 2 or 4, ``overhead`` in [0, 10], ``targets`` projection names (one name as a string is that name).
+    ``prompt_len`` is the longest prompt and ``max_new_tokens`` the longest completion: the engine
+    and every micro-batch pad to the batch's longest (a batch of shorter ones allocates less).
+    ``engine``: ``static`` (the StaticEngine: ``fused`` copy, ``keep_cache``) or ``hf`` (transformers'
+    generate). ``humming``: count humming-kernels' repacked NVFP4 weights (where it is installed,
+    ``kernels`` backend ``auto``). ``dense_cache_bytes``: bytes of dequantized weights kept for the
+    log-prob and update passes, or ``"all"`` (the bf16 bytes of every quantized projection)."""
     a = _checked_settings(fmt=fmt, optimizer=optimizer, lora_r=lora_r, rollout_batch=rollout_batch,
                           prompt_len=prompt_len, max_new_tokens=max_new_tokens, micro_batch=micro_batch,
                           gradient_checkpointing=gradient_checkpointing, kv_bytes=kv_bytes, act_bytes=act_bytes,
                           lora_bytes=lora_bytes, overhead=overhead, gpu_bytes=gpu_bytes, group_size=group_size)
+    a |= _checked_engine(engine, fused, keep_cache, humming)
     s = model_shape(model)
     proj = _projections(s)
     targets = check_names("targets", targets, proj, what="LoRA target", empty=False)
-    parts = {**_weight_parts(s, proj, a["fmt"]), **_lora_parts(s, proj, targets, a),
-             **_rollout_parts(s, a), **_training_parts(s, targets, a)}
+    a["dense_cache_bytes"] = _checked_dense_cache(dense_cache_bytes, s, proj, a["fmt"])
+    rollout = {**T.kv_parts(s, a), **T.decode_parts(s, proj, a)}
+    kept = tuple(k for k in rollout if a["keep_cache"] and a["engine"] == "static"
+                 and k.startswith(("rollout: KV cache", "rollout: decode state")))
+    parts = {**_weight_parts(s, proj, a["fmt"]), **T.engine_parts(s, proj, a), **T.humming_parts(s, proj, a),
+             **_lora_parts(s, proj, targets, a), **T.fixed_parts(a), **rollout,
+             **T.prefill_parts(s, proj, targets, a), **T.training_parts(s, proj, targets, a)}
     settings = {k: a[k] for k in ("fmt", "lora_r", "optimizer", "rollout_batch", "prompt_len", "max_new_tokens",
-                                  "micro_batch", "gradient_checkpointing")}
+                                  "micro_batch", "gradient_checkpointing", "group_size", "engine", "fused",
+                                  "keep_cache", "humming", "dense_cache_bytes")} | {"vocab": s["vocab"]}
     name = model if isinstance(model, str) else (model.get("model_type", "model") if isinstance(model, dict)
                                                  else getattr(model, "model_type", "model"))
-    return MemoryPlan(str(name), parts, settings, a["overhead"], a["gpu_bytes"])
+    return MemoryPlan(str(name), parts, settings, a["overhead"], a["gpu_bytes"], kept)
+
+
+ENGINES = ("static", "hf")
+
+
+def _checked_engine(engine, fused, keep_cache, humming) -> dict:
+    """The rollout engine's settings: its name and the StaticEngine's switches."""
+    return {"engine": check_value("engine", engine, str, choices=ENGINES),
+            "fused": check_value("fused", fused, bool), "keep_cache": check_value("keep_cache", keep_cache, bool),
+            "humming": check_value("humming", humming, bool)}
+
+
+def _checked_dense_cache(value, s: dict, proj: dict, fmt: str) -> int:
+    """``dense_cache_bytes``: an int >= 0 of bytes, or ``"all"`` (every quantized projection in bf16)."""
+    if value == "all":
+        return T.dense_cache_all(s, proj, fmt)
+    return check_value("dense_cache_bytes", value, int, ge=0,
+                       why='bytes of dequantized weights kept for the log-prob and update passes, or "all"')
 
 
 def _checked_settings(*, fmt, optimizer, lora_r, rollout_batch, prompt_len, max_new_tokens, micro_batch,
@@ -226,15 +277,13 @@ def _checked_group(group_size, rollout_batch: int) -> dict:
 
 
 def _weight_parts(s: dict, proj: dict, fmt: str) -> dict[str, int]:
-    """The frozen weights: the projections in ``fmt`` (4-bit codes + a scale per block), the rest bf16."""
+    """The frozen weights: the projections in ``fmt`` (4-bit codes + a scale per block, 4 bytes of
+    global scale per tensor), the rest bf16."""
+    from qerl_kit.formats import DENSE
+
     L, h, V = s["layers"], s["hidden"], s["vocab"]
     n_proj = L * sum(i * o for i, o in proj.values())
-    from qerl_kit.formats import DENSE, get_format
-
-    if fmt == DENSE:
-        proj_bytes = n_proj * 2
-    else:
-        proj_bytes = int(n_proj * get_format(fmt).bits_per_weight / 8) + 4 * L * len(proj)
+    proj_bytes = T.projection_bytes(n_proj, fmt) + (0 if fmt == DENSE else 4 * L * len(proj))
     dense = V * h * (1 if s["tied"] else 2) + L * 2 * h + h  # embeddings (+ head), norms
     if s["qkv_bias"]:
         dense += L * (proj["q_proj"][1] + 2 * proj["k_proj"][1])
@@ -250,34 +299,15 @@ def _lora_parts(s: dict, proj: dict, targets, a: dict) -> dict[str, int]:
             "LoRA gradients": lora_params * lora_bytes, f"optimizer state ({optimizer})": opt_bytes}
 
 
-def _rollout_parts(s: dict, a: dict) -> dict[str, int]:
-    """Rollout: the KV cache of every sequence at full length (the prompt once per group of samples)
-    and one decode step's float32 logits (HFEngine's record buffer)."""
-    batch, group, prompt_len, new = a["rollout_batch"], a["group_size"], a["prompt_len"], a["max_new_tokens"]
-    kv_tokens = batch // group * prompt_len + batch * new
-    kv = kv_tokens * 2 * s["layers"] * s["kv_heads"] * s["head_dim"] * a["kv_bytes"]
-    return {f"rollout: KV cache ({batch} seqs x {prompt_len + new} tokens"
-            + (f", prompt shared by groups of {group})" if group > 1 else ")"): kv,
-            "rollout: logits of one decode step": batch * s["vocab"] * 4}
-
-
-def _training_parts(s: dict, targets, a: dict) -> dict[str, int]:
-    """Training one micro-batch: the activations kept for backward, the logits and one float32
-    log-softmax chunk (``qerl_kit.logprobs.CHUNK_ELEMS``)."""
-    from qerl_kit.logprobs import CHUNK_ELEMS
-
-    L, h, V, act_bytes, micro = s["layers"], s["hidden"], s["vocab"], a["act_bytes"], a["micro_batch"]
-    T = micro * (a["prompt_len"] + a["max_new_tokens"])
-    kvw = s["kv_heads"] * s["head_dim"]
-    per_layer = T * (7 * h + 2 * kvw + 4 * s["inter"] + 3 * len(targets) * a["lora_r"]) * act_bytes
-    acts = (L * T * h * act_bytes + per_layer) if a["gradient_checkpointing"] else L * per_layer
-    logits = T * V * act_bytes + 2 * 4 * min(CHUNK_ELEMS, micro * a["max_new_tokens"] * V)  # + float copy, log-softmax
-    return {f"training: activations (micro-batch {micro}, "
-            f"{'checkpointed' if a['gradient_checkpointing'] else 'all layers kept'})": acts,
-            "training: logits + one float32 log-softmax chunk": logits}
-
-
 VLLM_RUNTIME_BYTES = 2 << 30  # vLLM's own: CUDA graphs, activations of a step, sampler, allocator slack
+
+
+def vllm_need(plan: MemoryPlan) -> int:
+    """What vLLM holds of a plan's parts: the weights, the adapter, the KV cache and one decode
+    step's float32 logits (the fused copy, humming's repack and our engine's buffers are ours)."""
+    keep = ("weights:", "LoRA r=", "rollout: KV cache")
+    logits = plan.settings["rollout_batch"] * plan.settings["vocab"] * 4
+    return sum(v for k, v in plan.parts.items() if k.startswith(keep)) + logits
 
 
 def vllm_memory_share(model: Any, gpu_bytes: int, *, fmt: str = "nvfp4", lora_r: int = 32,
@@ -290,8 +320,7 @@ def vllm_memory_share(model: Any, gpu_bytes: int, *, fmt: str = "nvfp4", lora_r:
     if not isinstance(gpu_bytes, int) or gpu_bytes <= 0:
         raise ValueError(f"gpu_bytes must be a positive int; got {gpu_bytes!r}")
     plan = plan_memory(model, fmt, lora_r, rollout_batch=rollout_batch, prompt_len=0, max_new_tokens=max_model_len)
-    keep = ("weights:", "LoRA r=", "rollout:")
-    need = sum(v for k, v in plan.parts.items() if k.startswith(keep)) + VLLM_RUNTIME_BYTES
+    need = vllm_need(plan) + VLLM_RUNTIME_BYTES
     share = -(-int(need * (1 + margin) * 100) // gpu_bytes) / 100
     if share > 0.95:
         raise ValueError(f"vLLM would need {human_bytes(int(need * (1 + margin)))} ({share:.0%} of the GPU) for "

@@ -25,7 +25,7 @@ LAYERS: list[tuple[str, list[str]]] = [
                "qerl_kit.lora", "qerl_kit.model_files", "qerl_kit.chat_tokens", "qerl_kit.export",
                "qerl_kit.export_dirs", "qerl_kit.ct_format", "qerl_kit.models", "qerl_kit.gguf_model",
                "qerl_kit.tiny", "qerl_kit.aqn", "qerl_kit.logprobs", "qerl_kit.memory_plan",
-               "qerl_kit.dense_update"]),
+               "qerl_kit.dense_update", "qerl_kit.memory_terms"]),
     ("rollout contract", ["qerl_kit.rollout.types", "qerl_kit.rollout.base"]),
     ("rollout backends", ["qerl_kit.rollout.hf", "qerl_kit.rollout.static", "qerl_kit.rollout.vllm"]),
     ("rollout registry", ["qerl_kit.rollout.registry", "qerl_kit.rollout"]),

@@ -1,7 +1,9 @@
 """The memory planner against what the library actually allocates on the tiny model, and its arithmetic."""
 
 import pytest
+import torch
 
+from qerl_kit.memory_plan import _PROJECTIONS as _PROJ
 from qerl_kit.memory_plan import model_shape, plan_memory
 
 
@@ -58,16 +60,23 @@ def test_kv_cache_and_bf16_arithmetic_for_qwen25_7b():
 
 def test_peak_is_static_plus_the_larger_phase_and_fits():
     plan = plan_memory("Qwen2.5-7B", overhead=0.0)
-    assert plan.peak == plan.static + max(plan.rollout, plan.training)
+    assert plan.kept and all(k.startswith("rollout:") for k in plan.kept)  # keep_cache: the KV cache stays
+    assert plan.peak == plan.allocated == plan.static + max(plan.rollout, plan.training + plan.kept_bytes)
+    freed = plan_memory("Qwen2.5-7B", overhead=0.0, keep_cache=False)
+    assert not freed.kept and freed.peak == freed.static + max(freed.rollout, freed.training)
+    assert plan_memory("Qwen2.5-7B").peak == int(plan.allocated * 1.1)
     assert plan.fits(200 * 2**30) and not plan.fits(10 * 2**30)
     smaller = plan_memory("Qwen2.5-7B", micro_batch=1, rollout_batch=16)
     assert smaller.peak < plan.peak
     ckpt, full = plan_memory("Qwen2.5-7B"), plan_memory("Qwen2.5-7B", gradient_checkpointing=False)
     acts = lambda p: _part(p, "training: activations")  # noqa: E731
     assert acts(full) > 10 * acts(ckpt)
-    # the logits in bf16 plus one float32 chunk (2 x 1 GiB): the full float32 copies never exist
+    # the logits in bf16 (every position), the completion positions' gradient and one chunk's
+    # zero-padded one; the float32 log-softmax one chunk of CHUNK_ELEMS at a time, never whole
     T = 8 * (256 + 4096)  # the defaults' micro-batch x sequence
-    assert _part(plan, "training: logits") == T * 152064 * 2 + 2 * 4 * 2**28
+    assert _part(plan, "training: logits") == (T + 2 * 8 * 4096) * 152064 * 2
+    positions = 2**28 // (8 * 152064)
+    assert _part(plan, "training: one float32 log-prob chunk") == 18 * 8 * positions * 152064 <= 18 * 2**28
     assert "Qwen2.5-7B" in str(plan) and "<table" in plan._repr_html_()
 
 
@@ -87,10 +96,165 @@ def test_vllm_memory_share_counts_weights_adapter_kv_and_runtime():
 
     gpu = 141 * 10**9
     plan = plan_memory("Qwen2.5-7B", "nvfp4", 32, rollout_batch=64, prompt_len=0, max_new_tokens=1024)
-    need = sum(v for k, v in plan.parts.items() if k.startswith(("weights:", "LoRA r=", "rollout:")))
+    # vLLM's own: weights, adapter, KV cache and one step's float32 logits (not our engine's buffers)
+    need = sum(v for k, v in plan.parts.items() if k.startswith(("weights:", "LoRA r=", "rollout: KV cache")))
+    need += 64 * 152064 * 4
     share = vllm_memory_share("Qwen2.5-7B", gpu, rollout_batch=64, max_model_len=1024)
     assert share * gpu >= (need + VLLM_RUNTIME_BYTES) * 1.15 > (share - 0.01) * gpu  # rounded up to 0.01
     assert vllm_memory_share("Qwen2.5-7B", gpu, rollout_batch=256, max_model_len=1024) > share
     assert vllm_memory_share("qwen2-tiny", gpu, rollout_batch=4, max_model_len=64) == 0.05  # the floor
     with pytest.raises(ValueError, match="rollout.batch_size = 4096 x 8192 tokens"):
         vllm_memory_share("Qwen2.5-32B", gpu, rollout_batch=4096, max_model_len=8192)
+
+
+# ---- the terms the plan adds up, against what the code allocates ------------------------------------
+def test_kv_cache_and_fused_copy_match_the_static_engine(tiny):
+    """The KV cache and the fused q/k/v + gate/up copy are the bytes the StaticEngine allocates."""
+    from qerl_kit.rollout import SamplingParams, StaticEngine
+
+    model, _, _ = tiny
+    engine = StaticEngine(model, cuda_graphs=False)
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(1, 500, (n,), generator=g).tolist() for n in (9, 70, 33)]  # padded to 128
+    engine.generate_ids(prompts, 4, SamplingParams(max_new_tokens=5, temperature=1.0, seed=1), ignore_eos=True)
+    cache = engine._state[1].cache
+    plan = plan_memory(model.config, lora_r=4, rollout_batch=12, group_size=4, prompt_len=70, max_new_tokens=5,
+                       micro_batch=4, kv_bytes=4)  # the CPU model is float32
+    assert _part(plan, "rollout: KV cache") == cache.nbytes
+    groups = [grp for lp in engine.decoder.plan.layers for grp in lp.groups if len(grp.bases) > 1]
+    # the codes and scales as they are; the q/k/v bias counted in bf16, the model's dtype on a GPU
+    copied = sum(t.numel() * (2 if name == "bias" else t.element_size()) for grp in groups
+                 for name, t in grp.fused.items())
+    assert _part(plan, "engine: fused q/k/v + gate/up copy") == copied
+    s = model_shape(model.config)
+    solo = plan_memory(model.config, lora_r=4, rollout_batch=12, group_size=1, prompt_len=70, max_new_tokens=5)
+    per_token = s["layers"] * 2 * s["kv_heads"] * s["head_dim"] * 2
+    assert _part(solo, "rollout: KV cache") == 12 * (128 + 5) * per_token  # every row its own (padded) prompt
+
+
+def test_which_parts_each_setting_brings():
+    """The fused copy only where the fused plan runs (NVFP4, bf16), humming's repack only for NVFP4, the
+    engine's state and CUDA-graph streams only for the StaticEngine, the dense cache only when asked."""
+    def names(**kw):
+        return " | ".join(plan_memory("Qwen2.5-7B", **kw).parts)
+
+    assert "engine: fused" in names() and "engine: fused" in names(fmt="none")
+    assert "engine: fused" not in names(fmt="nf4") and "engine: fused" not in names(fused=False)
+    assert "humming" in names() and "humming" not in names(humming=False) and "humming" not in names(fmt="mxfp4")
+    assert "decode state" not in names(engine="hf") and "(1 streams" in names(engine="hf")
+    assert "dense weight cache" not in names() and "dense weight cache" in names(dense_cache_bytes=2**30)
+    with pytest.raises(ValueError, match="engine must be one of"):
+        plan_memory(engine="vllm")
+    with pytest.raises(ValueError, match="dense_cache_bytes must be"):
+        plan_memory(dense_cache_bytes=-1)
+
+
+def test_humming_and_dense_cache_sizes_for_qwen25_7b():
+    """7B, fused decode: humming repacks the fused q/k/v and gate/up buffers and o/down (every
+    projection's 4-bit bytes once: k/v alone are below its 8M-weight rows); with the generic path the
+    model's own q/o/gate/up/down (not k/v). ``dense_cache_bytes="all"``: every projection in bf16."""
+    s = model_shape("Qwen2.5-7B")
+    h, i, kv = s["hidden"], s["inter"], s["kv_heads"] * s["head_dim"]
+    per_layer = h * (h + 2 * kv) + h * h + 3 * h * i
+    assert _part(plan_memory("Qwen2.5-7B"), "kernels: humming") == 28 * (per_layer // 2 + per_layer // 16)
+    generic = per_layer - 2 * h * kv
+    assert _part(plan_memory("Qwen2.5-7B", fused=False), "kernels: humming") == 28 * (generic // 2 + generic // 16)
+    plan = plan_memory("Qwen2.5-7B", dense_cache_bytes="all")
+    assert _part(plan, "training: dense weight cache") == 28 * per_layer * 2
+    assert plan.training - plan_memory("Qwen2.5-7B").training == 28 * per_layer * 2
+    assert plan_memory("Qwen2.5-7B", fmt="none", dense_cache_bytes="all").parts.keys() == \
+        plan_memory("Qwen2.5-7B", fmt="none").parts.keys()  # nothing to dequantize
+
+
+def _measured_cases():
+    import json
+    from pathlib import Path
+
+    data = json.loads((Path(__file__).parent / "data" / "measured_peaks.json").read_text())
+    return [pytest.param(c, data["models"].get(c["model"], c["model"]) if isinstance(c["model"], str) else c["model"],
+                         id=f"{c['date']}-{c['name'][:40]}") for c in data["cases"]]
+
+
+@pytest.mark.parametrize("case,model", _measured_cases())
+def test_plan_bounds_every_measured_peak(case, model):
+    """The plan is at least every measured max_memory_allocated() (tests/data/measured_peaks.json) and
+    at most 1.5x it. The upper check uses the parts the code of that run allocated (``absent_then``:
+    the engine's own fused copy and humming's repack arrived after some runs); the current plan,
+    with them, is checked from below too. Achieved: 1.11-1.27x (docs/training.md, "Memory")."""
+    plan = plan_memory(model, **case["settings"])
+    measured = case["measured_gib"] * 2**30
+    absent = tuple(case.get("absent_then", ()))
+    then = plan.allocated - sum(v for k, v in plan.parts.items() if absent and k.startswith(absent) and k not in plan.kept)
+    assert measured <= then <= plan.allocated, (case["name"], then / measured)
+    assert then <= 1.5 * measured, (case["name"], then / measured)
+
+
+# ---- on a GPU: the bound against the CUDA allocator's counter ----------------------------------------
+CUDA = torch.cuda.is_available()
+
+
+def _humming_usable() -> bool:
+    from qerl_kit.kernels.nvfp4_humming import humming_status
+
+    return humming_status()[0]
+
+
+@pytest.mark.skipif(not CUDA or not _humming_usable(), reason="needs a CUDA GPU with humming-kernels")
+def test_humming_repack_is_the_planned_bytes():
+    """humming's repacked weight costs what the plan counts per weight: the codes and scales again."""
+    from qerl_kit.kernels.nvfp4_humming import HummingGemm
+
+    n, k = 4608, 3584  # 7B's fused q/k/v
+    packed = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, device="cuda")
+    scales = (torch.rand(n, k // 16, device="cuda") * 300 + 8).to(torch.float8_e4m3fn)
+    gemm = HummingGemm(packed, scales, torch.ones(1, device="cuda"))
+    assert n * k // 2 + n * k // 16 == pytest.approx(gemm.nbytes, rel=0.01)
+
+
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU: the plan bounds torch.cuda.max_memory_allocated()")
+def test_plan_bounds_grpo_steps_measured_here(tmp_path):
+    """Two GRPO steps of a random 0.5B-shaped NVFP4 policy (bench.bench_memory): the measured peak is
+    below the plan (the upper bound). The ratio is the table's; at this small shape the 1.06 GiB of
+    cuBLAS workspaces the plan counts for a long run dominate, so no 1.5x check here."""
+    import json
+
+    from bench.bench_memory import main
+
+    main(["--models", "0.5B", "--formats", "nvfp4", "--prompts", "2", "--group", "4", "--prompt", "64", "--new", "128",
+          "--micro-batch", "4", "--steps", "2", "--out", str(tmp_path)])
+    row = json.loads((tmp_path / "memory.json").read_text())["rows"][0]
+    assert "error" not in row, row
+    assert 0 < row["measured_gib"] <= row["plan_gib"], row
+
+
+def test_layer_activations_bound_what_autograd_saves():
+    """What a training forward of an NVFP4 + LoRA model in bf16 keeps for backward (autograd's saved
+    tensors, parameters left out) is at most the plan's per-layer count for every layer plus the final
+    norm's, and not far below it (SDPA here saves no score matrix, as on the GPU)."""
+    from qerl_kit import memory_terms
+    from qerl_kit.lora import attach_lora
+    from qerl_kit.models import build_model
+    from qerl_kit.quantize import quantize_model
+
+    torch.manual_seed(0)
+    model = build_model("qwen2-tiny", hidden_size=128, intermediate_size=256, dtype=torch.bfloat16)
+    quantize_model(model, fmt="nvfp4")
+    policy = attach_lora(model, r=4)
+    policy.train()
+    params = {p.untyped_storage().data_ptr() for p in policy.parameters()}
+    saved = {}
+
+    def pack(t):
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in params:
+            saved[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    B, L = 2, 96
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        policy(input_ids=torch.randint(1, 500, (B, L)), use_cache=False)
+    s = model_shape(model.config)
+    per_token = memory_terms._layer_saved_per_token(s, list(_PROJ), dict(act_bytes=2, lora_r=4, lora_bytes=2))
+    bound = B * L * (s["layers"] * per_token + 4 * s["hidden"] + 2 * s["hidden"])  # + the final norm's
+    total = sum(saved.values())
+    assert 0.7 * bound < total <= bound, (total, bound)
