@@ -1,0 +1,140 @@
+"""bench/bench_step.py (the whole GRPO step per phase) on the CPU: the tiny model through the real
+Trainer in both length modes and both checkpointing settings, the CSV's columns, the ratios and
+checkpointing table, ``report`` over several calls, failed and crashed runs kept as rows, and the
+length draws. The GPU tables it makes are bench/device.sh's step* commands."""
+
+import csv
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from bench import bench_step, step_report
+
+ROOT = Path(__file__).resolve().parents[1]
+ENV = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+TINY = ["--models", "qwen2-tiny", "--steps", "1", "--prompts", "2", "--group", "2", "--prompt-len", "8",
+        "--lora-r", "4", "--micro-batch", "2"]
+
+
+def _run(out, *extra, process=False):
+    """One ``run`` call: in this process (``--isolate off`` runs the cases here too), or as its own."""
+    argv = ["run", *TINY, "--out", str(out), *extra]
+    if process:
+        proc = subprocess.run([sys.executable, "-m", "bench.bench_step", *argv], cwd=ROOT, capture_output=True,
+                              text=True, timeout=600, env=ENV)
+        assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    else:
+        assert bench_step.main(argv) == 0
+    with open(out / "step.csv", newline="") as f:
+        return list(csv.DictReader(f))
+
+
+def test_the_step_bench_times_every_phase_in_both_length_modes_and_checkpointing_settings(tmp_path):
+    rows = _run(tmp_path, "--formats", "none", "nvfp4", "--engines", "static", "--lengths", "fixed:5", "paper",
+                "--max-new-tokens", "64", "--gradient-checkpointing", "off", "on", "--isolate", "off")
+    assert list(rows[0])[:len(step_report.COLUMNS)] == step_report.COLUMNS
+    assert len(rows) == 8 and {r["status"] for r in rows} == {"ok"}
+    got = {(r["format"], r["lengths"], r["gradient_checkpointing"]) for r in rows}
+    assert got == {(f, ln, ck) for f in ("none", "nvfp4") for ln in ("fixed:5", "paper") for ck in ("False", "True")}
+    for r in rows:
+        t = {k: float(r[k]) for k in ("time_step", "time_rollout", "time_logprob", "time_update", "time_other")}
+        assert t["time_rollout"] > 0 and t["time_update"] > 0 and t["time_logprob"] > 0
+        assert t["time_other"] >= -1e-6
+        assert math.isclose(t["time_step"], t["time_rollout"] + t["time_logprob"] + t["time_update"] + t["time_other"])
+        assert r["aqn"] == str(r["format"] == "nvfp4")  # --aqn auto: the paper's recipe for NVFP4 only
+        assert float(r["plan_gib"]) > 0 and r["rows"] == "4" and r["step_index"] == "0"
+        # every row ran to exactly its drawn length: the Trainer's mean completion length is the draw's
+        assert math.isclose(float(r["measured_mean_length"]), float(r["mean_length"]))
+    paper = [r for r in rows if r["lengths"] == "paper"]
+    assert {r["lengths_sha"] for r in paper} == {paper[0]["lengths_sha"]}
+    assert paper[0]["length_params"] == "lognormal mean 4.6875 sigma 0.8 cap 64 seed 0"  # 300 and 4096 x 64 / 4096
+    md = (tmp_path / "step.md").read_text()
+    assert "| qwen2-tiny | paper | on | 1 | 2 | 0 | bf16 + LoRA, ours |" in md
+    assert "## Gradient checkpointing's cost" in md and "| qwen2-tiny | NVFP4 + LoRA, static | fixed:5 |" in md
+    assert (tmp_path / "step.png").stat().st_size > 1000
+
+    # report over two calls: the later call's row of the same setting wins, the ratios come back
+    again = _run(tmp_path / "b", "--formats", "none", "--engines", "static", "--lengths", "fixed:5",
+                 "--isolate", "off")
+    merged = step_report.report_main([tmp_path, tmp_path / "b" / "step.csv"], tmp_path / "merged")
+    assert len(merged) == 8
+    bf16 = [r for r in merged if (r["format"], r["lengths"], r["gradient_checkpointing"]) == ("none", "fixed:5", False)]
+    assert [r["run_id"] for r in bf16] == [again[0]["run_id"]]
+    ratio = next(r for r in step_report.ratios(merged) if r["lengths"] == "fixed:5" and not r["gradient_checkpointing"])
+    ours = next(r for r in merged if (r["format"], r["lengths"], r["gradient_checkpointing"]) == ("nvfp4", "fixed:5", False))
+    assert ratio["same_call"] is False
+    assert math.isclose(ratio["step"], bf16[0]["time_step"] / ours["time_step"])
+    assert (tmp_path / "merged" / "step.md").exists() and (tmp_path / "merged" / "step.png").exists()
+
+
+def _row(fmt, engine, step, update, ckpt=False, run="r1", **kw):
+    return {"model": "m", "format": fmt, "engine": engine, "lengths": "fixed:512", "lengths_sha": "x", "prompts": 8,
+            "group": 8, "prompt_len": 256, "lora_r": 32, "mu": 1, "micro_batch": 8, "gradient_checkpointing": ckpt,
+            "seed": 0, "steps": 2, "status": "ok", "run_id": run, "time_step": step, "time_rollout": step - update - 1,
+            "time_logprob": 1.0, "time_update": update, "time_other": 0.0, **kw}
+
+
+def test_ratios_are_baseline_over_ours_per_phase_and_skip_failed_baselines():
+    rows = [_row("nvfp4", "static", 8.0, 4.0), _row("none", "static", 10.0, 6.0),
+            _row("nvfp4", "vllm", 12.0, 4.0, run="r2"), _row("nf4", "static", 16.0, 8.0, status="oom", error="OOM"),
+            _row("nvfp4", "static", 9.0, 5.0, ckpt=True), _row("none", "static", 11.0, 7.0, ckpt=True)]
+    got = {(r["baseline"], r["gradient_checkpointing"]): r for r in step_report.ratios(rows)}
+    assert set(got) == {("bf16 + LoRA, ours", False), ("NVFP4 step driven by vLLM", False), ("bf16 + LoRA, ours", True)}
+    bf16 = got[("bf16 + LoRA, ours", False)]
+    assert (bf16["step"], bf16["update"], bf16["rollout"], bf16["target"]) == (10 / 8, 6 / 4, 3 / 3, 1.2)
+    assert bf16["same_call"] is True and got[("NVFP4 step driven by vLLM", False)]["same_call"] is False
+    assert got[("NVFP4 step driven by vLLM", False)]["step"] == 1.5
+    cost = {c["format"]: c for c in step_report.checkpointing_cost(rows)}
+    assert cost["nvfp4"]["update_cost"] == 5 / 4 and cost["none"]["step_cost"] == 11 / 10 and "nf4" not in cost
+    md = step_report.markdown(rows)
+    assert "| 1.25x | 1.00x | 1.00x | 1.50x | ≥ 1.2x met | yes |" in md
+    assert "oom: OOM" in md  # the failed run stays in the table with its error
+
+
+def test_a_run_that_fails_or_whose_process_dies_is_a_row(tmp_path):
+    # vLLM runs in a process of its own (here it fails: no MXFP4 export for vLLM); Unsloth is not run
+    rows = _run(tmp_path, "--formats", "mxfp4", "--engines", "vllm", "unsloth", "--lengths", "fixed:4", process=True)
+    by = {(r["format"], r["engine"]): r for r in rows}
+    assert len(rows) == 2 and (tmp_path / "group0_log.txt").exists()
+    assert by[("mxfp4", "vllm")]["status"] == "error" and "no MXFP4 + LoRA export" in by[("mxfp4", "vllm")]["error"]
+    assert by[("mxfp4", "unsloth")]["status"] in ("not installed", "not run") and by[("mxfp4", "unsloth")]["error"]
+    # a process killed before it wrote a row (here by its time limit): the case is a "crashed" row
+    args = bench_step.parser().parse_args(["run", *TINY, "--formats", "none", "--out", str(tmp_path / "c")])
+    (tmp_path / "c").mkdir()
+    cases = bench_step.plan_cases(args)[0]
+    a = {k: getattr(args, k) for k in ("prompts", "group", "prompt_len", "lora_r", "steps", "max_new_tokens",
+                                       "keep_cache", "vllm_memory", "length_seed")}
+    bench_step.run_isolated(cases, a, {"run_id": "t"}, tmp_path / "c", timeout=0.01)
+    crashed = bench_step.read_rows(tmp_path / "c" / "rows.jsonl")
+    assert [(r["status"], r["error"][:22]) for r in crashed] == [("crashed", "process exit timeout: ")]
+
+
+def test_length_draws_are_the_committed_distribution_and_bad_specs_name_the_choices():
+    from bench.bench_live_rows import hash_lengths, lengths_for
+
+    paper = bench_step.draw_lengths("paper", 128)
+    assert paper["lengths"] == lengths_for(128, 300.0, 0.8, 4096, 0) and max(paper["lengths"]) <= 4096
+    assert paper["lengths_sha"] == hash_lengths(paper["lengths"]) and paper["max_length"] > 1024  # a long tail
+    # the live-rows tables' draw (cap 1024) is the same draw, capped
+    assert [min(x, 1024) for x in bench_step.draw_lengths("paper", 64)["lengths"]] == lengths_for(64, 300, 0.8, 1024)
+    assert bench_step.draw_lengths("fixed:512", 3, max_new_tokens=100)["lengths"] == [100] * 3
+    assert bench_step.draw_lengths("natural:256", 4)["lengths"] is None
+    assert bench_step.draw_lengths("lognormal:50:0.5:200", 8, seed=1)["lengths"] == lengths_for(8, 50, 0.5, 200, 1)
+    for bad in ("fixed:0", "fixed", "paper:3", "uniform:5", "lognormal:1:2"):
+        with pytest.raises(ValueError, match="expected fixed:N, paper, lognormal:MEAN:SIGMA:CAP or natural:N"):
+            bench_step.draw_lengths(bad, 4)
+
+
+def test_checkpointing_off_after_on_is_off_again():
+    # the Trainer turns checkpointing on and never off; the bench's next case in the process must
+    from bench.common import build, with_lora
+
+    peft = with_lora(build("qwen2-tiny", "none", "cpu"), 4)
+    peft.activation_checkpointing_enable()
+    assert peft.get_base_model().is_activation_checkpointing
+    bench_step.set_checkpointing(peft, False)
+    assert not peft.get_base_model().is_activation_checkpointing
