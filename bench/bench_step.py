@@ -7,7 +7,8 @@
 
 One run: a model (a ``qerl_kit.models`` preset with random weights as ``bench.common.build`` makes it, NF4
 and MXFP4 quantized from that bf16 model by ``quantize_model``; or a GGUF file through
-``qerl_kit.gguf_model.load_gguf`` with GSM8K prompts from the data folder, ``$QERL_DATA``), LoRA r
+``qerl_kit.gguf_model.load_gguf``, or a model directory such as ``bench.real_model convert`` writes,
+both through ``qerl_kit.build.load_base``, with GSM8K prompts from the data folder, ``$QERL_DATA``), LoRA r
 ``--lora-r`` on every projection, and the Trainer running ``--steps`` GRPO steps of ``--prompts`` x
 ``--group`` rows with ``--mu`` updates per batch in micro-batches of ``--micro-batch``, gradient
 checkpointing on or off. AQN is on for NVFP4 and off for the baselines (``--aqn auto``: the paper's
@@ -126,26 +127,26 @@ def forced_vllm(*a, **kw):
 
 
 # -- one (model, format, engine): the policy, the engine, then every case ---------------------------
-def is_gguf(model: str) -> bool:
-    return model.endswith(".gguf")
+def is_real(model: str) -> bool:
+    """A real model: a GGUF file or a model directory (else a preset name, random weights)."""
+    path = Path(model).expanduser()
+    return model.endswith(".gguf") or path.is_dir()
 
 
 def build_policy(model: str, fmt: str, device: str, lora_r: int, dense_dir: Path | None = None):
     """(peft policy, tokenizer) of ``model`` in ``fmt``; ``dense_dir`` gets the bf16 checkpoint before
     quantization (vLLM's NF4 baseline quantizes it with bitsandbytes itself)."""
-    from qerl_kit.quantize import quantize_model
+    from qerl_kit.build import load_base, quantize_base
+    from qerl_kit.config import ModelConfig
 
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
-    if is_gguf(model):
-        from qerl_kit.gguf_model import load_gguf
-
-        base, tok = load_gguf(model, dtype=dtype, device=device)
+    if is_real(model):  # qerl_kit's own loader: a GGUF file through load_gguf, a directory as saved
+        base, tok = load_base(ModelConfig(name=model), device=device, dtype=dtype)
     else:
         base, tok = build(model, "nvfp4" if fmt == "nvfp4" else "none", device), IdTokenizer()
     if dense_dir is not None:
         base.save_pretrained(str(dense_dir), safe_serialization=True)
-    if fmt != "none" and not (fmt == "nvfp4" and not is_gguf(model)):
-        quantize_model(base, fmt)
+    quantize_base(base, fmt)  # nothing for bf16 or a base built in its format already
     return with_lora(base, lora_r), tok
 
 
@@ -154,7 +155,7 @@ def make_task(model: str, peft, prompt_len: int, rows: int, seed: int):
     completions mean nothing; GRPO's arithmetic runs as on a task, no group of equal rewards)."""
     from qerl_kit.tasks import Task
 
-    if is_gguf(model):
+    if is_real(model):
         from qerl_kit.config import DataConfig
         from qerl_kit.tasks import make_task as task_for
 
@@ -183,7 +184,7 @@ def trainer_for(peft, tok, task, engine, case: dict, a: dict, max_len: int, out_
     cfg = preset("tiny-cpu", total_steps=a["steps"] + 10, save_every=0, seed=case["seed"], output_dir=str(out_dir),
                  model=dict(format=case["format"], lora_r=a["lora_r"],
                             gradient_checkpointing=case["gradient_checkpointing"]),
-                 data=dict(dataset="gsm8k") if is_gguf(case["model"]) else {},
+                 data=dict(dataset="gsm8k") if is_real(case["model"]) else {},
                  rollout=dict(batch_size=a["prompts"] * a["group"], group_size=a["group"], max_new_tokens=max_len,
                               temperature=1.0),
                  loss=dict(loss="grpo", mu=case["mu"], micro_batch=case["micro_batch"]),
@@ -252,7 +253,7 @@ def case_row(case: dict, a: dict, meta: dict) -> dict:
             "engine": case["engine"], "lengths": case["lengths"], "length_params": drawn["params"],
             "lengths_sha": drawn["lengths_sha"], "mean_length": drawn["mean_length"],
             "max_length": drawn["max_length"], "prompts": a["prompts"], "group": a["group"], "rows": rows,
-            "prompt_len": "gsm8k" if is_gguf(case["model"]) else a["prompt_len"], "lora_r": a["lora_r"],
+            "prompt_len": "gsm8k" if is_real(case["model"]) else a["prompt_len"], "lora_r": a["lora_r"],
             "mu": case["mu"], "micro_batch": case["micro_batch"], "gradient_checkpointing": case["gradient_checkpointing"],
             "aqn": case["aqn"], "keep_cache": a["keep_cache"], "optimizer": "adamw", "seed": case["seed"],
             "steps": a["steps"], "step_index": a["steps"] - 1, "status": "", "error": ""}
@@ -268,10 +269,10 @@ def vllm_for(peft, tok, fmt: str, a: dict, cases: list[dict], root: Path, dense_
     path = dense_dir if fmt == "nf4" else export(peft, "nvfp4" if fmt == "nvfp4" else "bf16", root)
     longest = max(draw_lengths(c["lengths"], a["prompts"] * a["group"], a["max_new_tokens"], a["length_seed"])["max_length"]
                   for c in cases)
-    prompt = 1024 if any(is_gguf(c["model"]) for c in cases) else a["prompt_len"]
+    prompt = 1024 if any(is_real(c["model"]) for c in cases) else a["prompt_len"]
     extra = dict(quantization="bitsandbytes") if fmt == "nf4" else {}
     forced = any(not c["lengths"].startswith("natural") for c in cases)
-    return forced_vllm(path, tok, skip_tokenizer_init=not is_gguf(cases[0]["model"]), ignore_eos=forced,
+    return forced_vllm(path, tok, skip_tokenizer_init=True, ignore_eos=forced,  # our tokenizer decodes
                        gpu_memory_utilization=a["vllm_memory"], max_lora_rank=a["lora_r"],
                        max_model_len=-(-(prompt + longest + 16) // 64) * 64, max_num_seqs=a["prompts"] * a["group"],
                        **extra)

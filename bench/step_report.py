@@ -12,7 +12,6 @@ settings; "same call" says whether both rows came from one call (one process tre
 from __future__ import annotations
 
 import csv
-import math
 from pathlib import Path
 
 # every run's row, in this order (later keys, if any, follow)
