@@ -147,7 +147,9 @@ def runs_table(rows: list[dict]) -> list[str]:
                                          _num(r["mu"]), _num(r["micro_batch"]), _num(r["seed"]), _label(r))):
         sync = _num(r.get("time_sync"))
         status = "ok" if _ok(r) else f"{r.get('status')}: {str(r.get('error', ''))[:120]}".replace("|", "/")
-        lines.append(f"| {r['model']} | {_label(r)} | {r['lengths']} ({_f(r.get('mean_length'), '.0f')} / "
+        mean = r.get("mean_length") if _num(r.get("mean_length")) == _num(r.get("mean_length")) \
+            else r.get("measured_mean_length")  # natural lengths: the mean the model wrote
+        lines.append(f"| {r['model']} | {_label(r)} | {r['lengths']} ({_f(mean, '.0f')} / "
                      f"{_f(r.get('max_length'), '.0f')}) | {'on' if r['gradient_checkpointing'] else 'off'} | "
                      f"{_f(r['mu'], '.0f')} | {_f(r['micro_batch'], '.0f')} | {_f(r['seed'], '.0f')} | "
                      f"{_f(r.get('time_step'))} | {_f(r.get('time_rollout'))}"

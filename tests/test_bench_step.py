@@ -138,3 +138,20 @@ def test_checkpointing_off_after_on_is_off_again():
     assert peft.get_base_model().is_activation_checkpointing
     bench_step.set_checkpointing(peft, False)
     assert not peft.get_base_model().is_activation_checkpointing
+
+
+def test_a_real_model_directory_runs_on_gsm8k_prompts_with_its_own_or_forced_lengths(tmp_path):
+    # the shipped tiny model saved as a model directory stands for bench.real_model convert's output
+    from qerl_kit.tiny import load_tiny
+
+    model, tok = load_tiny()
+    model.save_pretrained(tmp_path / "m")
+    tok.save_pretrained(tmp_path / "m")
+    argv = ["run", "--models", str(tmp_path / "m"), "--formats", "nvfp4", "--lengths", "natural:8", "fixed:3",
+            "--steps", "1", "--prompts", "2", "--group", "2", "--lora-r", "4", "--micro-batch", "2", "--isolate", "off",
+            "--out", str(tmp_path / "out")]
+    assert bench_step.main(argv) == 0
+    rows = {r["lengths"]: r for r in step_report.read_csv(tmp_path / "out" / "step.csv")}
+    assert {r["status"] for r in rows.values()} == {"ok"} and {r["prompt_len"] for r in rows.values()} == {"gsm8k"}
+    assert rows["fixed:3"]["measured_mean_length"] == 3.0
+    assert 1 <= rows["natural:8"]["measured_mean_length"] <= 8 and rows["natural:8"]["lengths_sha"] == ""
