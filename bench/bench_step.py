@@ -181,15 +181,20 @@ def trainer_for(peft, tok, task, engine, case: dict, a: dict, max_len: int, out_
     from qerl_kit.trainer import Trainer
 
     set_checkpointing(peft, case["gradient_checkpointing"])
-    cfg = preset("tiny-cpu", total_steps=a["steps"] + 10, save_every=0, seed=case["seed"], output_dir=str(out_dir),
+    # one AQN stage per step; the Trainer starts at step 1 (below): AQN's stage 0 is noise-free, and every
+    # timed step should pay for the noise as a step of a real run does
+    steps = a["steps"] + 10
+    cfg = preset("tiny-cpu", total_steps=steps, save_every=0, seed=case["seed"], output_dir=str(out_dir),
                  model=dict(format=case["format"], lora_r=a["lora_r"],
                             gradient_checkpointing=case["gradient_checkpointing"]),
                  data=dict(dataset="gsm8k") if is_real(case["model"]) else {},
                  rollout=dict(batch_size=a["prompts"] * a["group"], group_size=a["group"], max_new_tokens=max_len,
                               temperature=1.0),
                  loss=dict(loss="grpo", mu=case["mu"], micro_batch=case["micro_batch"]),
-                 aqn=dict(enabled=case["aqn"]))
-    return Trainer(peft, tok, task, cfg, engine=engine, progress="none")
+                 aqn=dict(enabled=case["aqn"], stages=steps))
+    trainer = Trainer(peft, tok, task, cfg, engine=engine, progress="none")
+    trainer.step = 1
+    return trainer
 
 
 def aqn_on(setting: str, fmt: str) -> bool:
@@ -236,6 +241,7 @@ def phase_times(m: dict) -> dict:
                                                for k in ("time_rollout", "time_logprob", "time_update"))
     row["measured_mean_length"] = m.get("completions/mean_length", nan)
     row["rollout_tokens_per_s"] = m.get("rollout/tokens_per_s", nan)
+    row["aqn_sigma"] = m.get("aqn/sigma", 0.0)
     return row
 
 
@@ -326,6 +332,8 @@ def run_group(cases: list[dict], a: dict, meta: dict, rows_path: Path) -> None:
             row.update(failure(err))
             log(f"{label} failed: {err!r}\n{traceback.format_exc()}")
         emit(row)
+        if vllm_engine is None and engine is not None:
+            engine.reset()  # its KV cache and graphs, before the next case's engine
         del trainer, engine
         free()
     if vllm_engine is not None:
@@ -352,7 +360,7 @@ def versions() -> dict:
 
 
 def plan_cases(args) -> list[list[dict]]:
-    """Every run, grouped by (model, format, engine) in the order given; checkpointing off before on."""
+    """Every run, grouped by (model, format, engine), in the order the arguments give them."""
     groups = []
     for model, fmt, engine in product(args.models, args.formats, args.engines):
         cases = [dict(model=model, format=fmt, engine=engine, lengths=ln, gradient_checkpointing=ck == "on", mu=mu,
@@ -392,7 +400,7 @@ def run_isolated(cases: list[dict], a: dict, meta: dict, out: Path, timeout: flo
             rc = subprocess.run([sys.executable, "-m", "bench.bench_step", "worker", str(spec), str(rows_path)],
                                 stdout=logf, stderr=subprocess.STDOUT, env=env, timeout=max(timeout, 1)).returncode
         except subprocess.TimeoutExpired:
-            rc = "timeout"
+            rc = "timeout (killed at the call's --limit)"
     spec.unlink()
     done = {r["case_id"] for r in read_rows(rows_path)}
     lines = [ln for ln in log_path.read_text(errors="replace").splitlines() if ln.strip()]
@@ -427,7 +435,8 @@ def run(args) -> list[dict]:
                 for case in cases:
                     f.write(json.dumps({**case_row(case, a, meta), "status": status, "error": skip}) + "\n")
         elif isolated(args, cases):
-            run_isolated(cases, a, meta, out, left)
+            limit = args.budget + 120 if args.limit is None else args.limit
+            run_isolated(cases, a, meta, out, limit - (time.perf_counter() - T0))
         else:
             run_group(cases, a, meta, rows_path)
     write_csv(read_rows(rows_path), out / "step.csv")
@@ -475,7 +484,9 @@ def parser() -> argparse.ArgumentParser:
     r.add_argument("--keep-cache", default=True, type=lambda v: _choices("keep-cache", ("on", "off"))(v) == "on")
     r.add_argument("--vllm-memory", type=float, default=0.3, help="vLLM's gpu_memory_utilization")
     r.add_argument("--isolate", default="auto", type=_choices("isolate", ("auto", "on", "off")))
-    r.add_argument("--budget", type=float, default=540.0, help="seconds after which no new group starts")
+    r.add_argument("--budget", type=float, default=420.0, help="seconds after which no new group starts")
+    r.add_argument("--limit", type=float, default=None, help="seconds after which a group's process is killed "
+                   "(its unfinished runs: crashed rows); default budget + 120")
     rep = sub.add_parser("report", help="table + plot from several calls' step.csv (later rows win)")
     rep.add_argument("inputs", nargs="+", help="step.csv files or the folders holding them")
     rep.add_argument("--out", required=True)

@@ -130,7 +130,7 @@ unsloth)
   grep "^\[probe\]" "$OUT/unsloth_log.txt" | tail -20 ;;
 step7b|step-big|step-paper|step-vllm|step05b-real)
   # one bench.bench_step call per table; --budget stops new (format, engine) groups in time for the tail
-  common=(--steps 2 --budget "${STEP_BUDGET:-430}" --out "$OUT/$cmd")
+  common=(--steps 2 --budget "${STEP_BUDGET:-400}" --limit 540 --out "$OUT/$cmd")
   case "$cmd" in
   step7b) read -r -a fmts <<< "${1:-none nvfp4}"; read -r -a ckpt <<< "${2:-off on}"
     args=(--models Qwen2.5-7B --formats "${fmts[@]}" --lengths fixed:512 --gradient-checkpointing "${ckpt[@]}") ;;

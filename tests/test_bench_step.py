@@ -46,6 +46,7 @@ def test_the_step_bench_times_every_phase_in_both_length_modes_and_checkpointing
         assert t["time_other"] >= -1e-6
         assert math.isclose(t["time_step"], t["time_rollout"] + t["time_logprob"] + t["time_update"] + t["time_other"])
         assert r["aqn"] == str(r["format"] == "nvfp4")  # --aqn auto: the paper's recipe for NVFP4 only
+        assert (float(r["aqn_sigma"]) > 0) == (r["format"] == "nvfp4")  # the timed step is a noisy one
         assert float(r["plan_gib"]) > 0 and r["rows"] == "4" and r["step_index"] == "0"
         # every row ran to exactly its drawn length: the Trainer's mean completion length is the draw's
         assert math.isclose(float(r["measured_mean_length"]), float(r["mean_length"]))
@@ -72,7 +73,7 @@ def test_the_step_bench_times_every_phase_in_both_length_modes_and_checkpointing
 
 
 def _row(fmt, engine, step, update, ckpt=False, run="r1", **kw):
-    return {"model": "m", "format": fmt, "engine": engine, "lengths": "fixed:512", "lengths_sha": "x", "prompts": 8,
+    return {"model": "Qwen2.5-7B", "format": fmt, "engine": engine, "lengths": "fixed:512", "lengths_sha": "x", "prompts": 8,
             "group": 8, "prompt_len": 256, "lora_r": 32, "mu": 1, "micro_batch": 8, "gradient_checkpointing": ckpt,
             "seed": 0, "steps": 2, "status": "ok", "run_id": run, "time_step": step, "time_rollout": step - update - 1,
             "time_logprob": 1.0, "time_update": update, "time_other": 0.0, **kw}
@@ -110,7 +111,8 @@ def test_a_run_that_fails_or_whose_process_dies_is_a_row(tmp_path):
                                        "keep_cache", "vllm_memory", "length_seed")}
     bench_step.run_isolated(cases, a, {"run_id": "t"}, tmp_path / "c", timeout=0.01)
     crashed = bench_step.read_rows(tmp_path / "c" / "rows.jsonl")
-    assert [(r["status"], r["error"][:22]) for r in crashed] == [("crashed", "process exit timeout: ")]
+    assert [r["status"] for r in crashed] == ["crashed"]
+    assert crashed[0]["error"].startswith("process exit timeout (killed at the call's --limit)")
 
 
 def test_length_draws_are_the_committed_distribution_and_bad_specs_name_the_choices():

@@ -54,6 +54,6 @@ def test_step_commands_call_the_step_bench_with_their_table_settings(tmp_path):
         assert "bench_step rc=0" in proc.stdout, proc.stdout + proc.stderr
     calls = [c for c in (out / "calls.txt").read_text().splitlines() if c.startswith("-m bench.bench_step run")]
     assert calls[0] == ("-m bench.bench_step run --models Qwen2.5-7B --formats nvfp4 --lengths paper --prompts 16 "
-                        f"--gradient-checkpointing on --mu 4 --steps 2 --budget 430 --out {out}/step-paper")
+                        f"--gradient-checkpointing on --mu 4 --steps 2 --budget 400 --limit 540 --out {out}/step-paper")
     assert "--formats none nvfp4 --lengths fixed:512 --gradient-checkpointing off on" in calls[1]
     assert "--models Qwen2.5-32B --formats nvfp4 --lengths fixed:512 --gradient-checkpointing on" in calls[2]
