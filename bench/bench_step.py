@@ -277,6 +277,10 @@ def vllm_for(peft, tok, fmt: str, a: dict, cases: list[dict], root: Path, dense_
                   for c in cases)
     prompt = 1024 if any(is_real(c["model"]) for c in cases) else a["prompt_len"]
     extra = dict(quantization="bitsandbytes") if fmt == "nf4" else {}
+    if is_real(cases[0]["model"]):  # the StaticEngine's stop ids (EOS, generation config, chat turn end)
+        from qerl_kit.rollout.base import special_ids
+
+        extra["stop_token_ids"] = special_ids(tok, peft)[1]
     forced = any(not c["lengths"].startswith("natural") for c in cases)
     return forced_vllm(path, tok, skip_tokenizer_init=True, ignore_eos=forced,  # our tokenizer decodes
                        gpu_memory_utilization=a["vllm_memory"], max_lora_rank=a["lora_r"],

@@ -157,3 +157,41 @@ def test_a_real_model_directory_runs_on_gsm8k_prompts_with_its_own_or_forced_len
     assert {r["status"] for r in rows.values()} == {"ok"} and {r["prompt_len"] for r in rows.values()} == {"gsm8k"}
     assert rows["fixed:3"]["measured_mean_length"] == 3.0
     assert 1 <= rows["natural:8"]["measured_mean_length"] <= 8 and rows["natural:8"]["lengths_sha"] == ""
+
+
+def _vllm_missing() -> str | None:
+    import torch
+
+    if not torch.cuda.is_available():
+        return "needs a CUDA GPU"
+    import importlib.util
+
+    return None if importlib.util.find_spec("vllm") is not None else "needs vLLM"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs a CUDA GPU")
+def test_on_the_gpu_each_group_runs_in_its_own_process_with_its_peak_and_plan(tmp_path):
+    rows = _run(tmp_path, "--formats", "none", "nvfp4", "nf4", "mxfp4", "--lengths", "fixed:16", "paper",
+                "--max-new-tokens", "64", "--steps", "2", process=True)
+    assert len(rows) == 8 and {r["status"] for r in rows} == {"ok"}, [r["error"] for r in rows]
+    assert len(list(tmp_path.glob("group*_log.txt"))) == 4  # --isolate auto: one process per format
+    for r in rows:
+        assert float(r["peak_gib"]) > 0 and float(r["plan_gib"]) > 0 and r["gpu"] != "cpu"
+        assert math.isclose(float(r["measured_mean_length"]), float(r["mean_length"]))
+    ratios = step_report.ratios(step_report.read_csv(tmp_path / "step.csv"))
+    assert {r["baseline"] for r in ratios} == {"bf16 + LoRA, ours", "NF4 + LoRA (QLoRA), ours", "MXFP4 + LoRA, ours"}
+
+
+@pytest.mark.gpu
+@pytest.mark.vllm
+@pytest.mark.skipif(_vllm_missing() is not None, reason=_vllm_missing() or "")
+def test_on_the_gpu_the_vllm_driven_step_forces_the_same_lengths(tmp_path):
+    rows = _run(tmp_path, "--formats", "nvfp4", "--engines", "static", "vllm", "--lengths", "paper",
+                "--max-new-tokens", "64", "--steps", "2", "--vllm-memory", "0.2", process=True)
+    by = {r["engine"]: r for r in rows}
+    assert {r["status"] for r in rows} == {"ok"}, [r["error"] for r in rows]
+    assert by["vllm"]["lengths_sha"] == by["static"]["lengths_sha"]
+    assert float(by["vllm"]["measured_mean_length"]) == float(by["static"]["measured_mean_length"])
+    assert float(by["vllm"]["time_sync"]) > 0 and float(by["vllm"]["engine_start_s"]) > 0
+    assert "NVFP4 step driven by vLLM" in (tmp_path / "step.md").read_text()
