@@ -68,8 +68,9 @@ LENGTHS_HELP = "fixed:N, paper, lognormal:MEAN:SIGMA:CAP or natural:N"
 # -- lengths ------------------------------------------------------------------------------------
 def draw_lengths(spec: str, rows: int, max_new_tokens: int | None = None, seed: int = 0) -> dict:
     """The completion lengths ``spec`` asks for ``rows`` rows: ``lengths`` (None for ``natural``: not
-    forced), ``max_length``, ``mean_length``, ``params`` (what was drawn, after scaling) and
-    ``lengths_sha``. ``max_new_tokens`` caps a fixed length and scales a distribution's mean and cap."""
+    forced), ``max_length``, ``mean_length``, ``params`` (what was drawn, after scaling), ``lengths_sha``
+    and ``max_new_tokens`` (the run's setting: the cap, as a real run of that preset sets it).
+    ``max_new_tokens`` caps a fixed length and scales a distribution's mean and cap."""
     kind, _, rest = spec.partition(":")
     try:
         if kind in ("fixed", "natural"):
@@ -79,8 +80,8 @@ def draw_lengths(spec: str, rows: int, max_new_tokens: int | None = None, seed: 
             n = min(n, max_new_tokens or n)
             if kind == "natural":
                 return dict(lengths=None, max_length=n, mean_length=float("nan"), params=f"natural up to {n}",
-                            lengths_sha="")
-            lengths, params = [n] * rows, f"fixed {n}"
+                            lengths_sha="", max_new_tokens=n)
+            lengths, params, top = [n] * rows, f"fixed {n}", n
         elif kind == "paper" and not rest or kind == "lognormal":
             mean, sigma, cap = ((PAPER["mean"], PAPER["sigma"], PAPER["cap"]) if kind == "paper"
                                 else tuple(float(x) for x in rest.split(":")))
@@ -90,13 +91,13 @@ def draw_lengths(spec: str, rows: int, max_new_tokens: int | None = None, seed: 
             if max_new_tokens and max_new_tokens < cap:
                 mean, cap = mean * max_new_tokens / cap, max_new_tokens
             lengths = lengths_for(rows, mean, sigma, cap, seed)
-            params = f"lognormal mean {mean:g} sigma {sigma:g} cap {cap} seed {seed}"
+            params, top = f"lognormal mean {mean:g} sigma {sigma:g} cap {cap} seed {seed}", cap
         else:
             raise ValueError
     except ValueError:
         raise ValueError(f"--lengths {spec!r}: expected {LENGTHS_HELP} (N, MEAN, CAP >= 1, SIGMA >= 0)") from None
     return dict(lengths=lengths, max_length=max(lengths), mean_length=sum(lengths) / rows, params=params,
-                lengths_sha=hash_lengths(lengths))
+                lengths_sha=hash_lengths(lengths), max_new_tokens=top)
 
 
 # -- engines that run each row to a given length ----------------------------------------------------
@@ -258,7 +259,8 @@ def case_row(case: dict, a: dict, meta: dict) -> dict:
     return {**meta, "case_id": case["case_id"], "model": case["model"], "format": case["format"],
             "engine": case["engine"], "lengths": case["lengths"], "length_params": drawn["params"],
             "lengths_sha": drawn["lengths_sha"], "mean_length": drawn["mean_length"],
-            "max_length": drawn["max_length"], "prompts": a["prompts"], "group": a["group"], "rows": rows,
+            "max_length": drawn["max_length"], "max_new_tokens": drawn["max_new_tokens"], "prompts": a["prompts"],
+            "group": a["group"], "rows": rows,
             "prompt_len": "gsm8k" if is_real(case["model"]) else a["prompt_len"], "lora_r": a["lora_r"],
             "mu": case["mu"], "micro_batch": case["micro_batch"], "gradient_checkpointing": case["gradient_checkpointing"],
             "aqn": case["aqn"], "keep_cache": a["keep_cache"], "optimizer": "adamw", "seed": case["seed"],
@@ -273,16 +275,15 @@ def vllm_for(peft, tok, fmt: str, a: dict, cases: list[dict], root: Path, dense_
     if fmt == "mxfp4":
         raise NotImplementedError("vLLM runs no MXFP4 + LoRA export of ours (nvfp4, bf16 and nf4 only)")
     path = dense_dir if fmt == "nf4" else export(peft, "nvfp4" if fmt == "nvfp4" else "bf16", root)
-    longest = max(draw_lengths(c["lengths"], a["prompts"] * a["group"], a["max_new_tokens"], a["length_seed"])["max_length"]
-                  for c in cases)
+    longest = max(draw_lengths(c["lengths"], a["prompts"] * a["group"], a["max_new_tokens"],
+                               a["length_seed"])["max_new_tokens"] for c in cases)
     prompt = 1024 if any(is_real(c["model"]) for c in cases) else a["prompt_len"]
     extra = dict(quantization="bitsandbytes") if fmt == "nf4" else {}
     if is_real(cases[0]["model"]):  # the StaticEngine's stop ids (EOS, generation config, chat turn end)
         from qerl_kit.rollout.base import special_ids
 
         extra["stop_token_ids"] = special_ids(tok, peft)[1]
-    forced = any(not c["lengths"].startswith("natural") for c in cases)
-    return forced_vllm(path, tok, skip_tokenizer_init=True, ignore_eos=forced,  # our tokenizer decodes
+    return forced_vllm(path, tok, skip_tokenizer_init=True,  # our tokenizer decodes
                        gpu_memory_utilization=a["vllm_memory"], max_lora_rank=a["lora_r"],
                        max_model_len=-(-(prompt + longest + 16) // 64) * 64, max_num_seqs=a["prompts"] * a["group"],
                        **extra)
@@ -319,16 +320,17 @@ def run_group(cases: list[dict], a: dict, meta: dict, rows_path: Path) -> None:
         row = case_row(case, a, meta)
         drawn = draw_lengths(case["lengths"], rows_n, a["max_new_tokens"], a["length_seed"])
         label = f"{model} {fmt} {engine_kind} {case['lengths']} ckpt {case['gradient_checkpointing']} mu {case['mu']}"
-        row["plan_gib"], row["plan_note"] = plan_gib(peft, case, a, drawn["max_length"])
+        row["plan_gib"], row["plan_note"] = plan_gib(peft, case, a, drawn["max_new_tokens"])
         trainer = engine = None
         try:
             if vllm_engine is None:
                 engine = forced_static(peft, tok, ignore_eos=drawn["lengths"] is not None, keep_cache=a["keep_cache"])
             else:
                 engine, row["engine_start_s"] = vllm_engine, start
-            engine.lengths = drawn["lengths"]
+            engine.lengths, engine.ignore_eos = drawn["lengths"], drawn["lengths"] is not None  # per case
             task = make_task(model, peft, a["prompt_len"], rows_n, case["seed"])
-            trainer = trainer_for(peft, tok, task, engine, case, a, drawn["max_length"], root / f"run{case['case_id']}")
+            trainer = trainer_for(peft, tok, task, engine, case, a, drawn["max_new_tokens"],
+                                  root / f"run{case['case_id']}")
             t = time.perf_counter()
             m, row["peak_gib"] = timed_steps(trainer, a["steps"], label)
             row.update(status="ok", wall_s=time.perf_counter() - t, **phase_times(m))

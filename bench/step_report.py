@@ -16,15 +16,15 @@ from pathlib import Path
 
 # every run's row, in this order (later keys, if any, follow)
 SETTINGS = ["model", "format", "engine", "lengths", "length_params", "lengths_sha", "mean_length", "max_length",
-            "prompts", "group", "rows", "prompt_len", "lora_r", "mu", "micro_batch", "gradient_checkpointing", "aqn",
-            "keep_cache", "optimizer", "seed", "steps", "step_index"]
+            "max_new_tokens", "prompts", "group", "rows", "prompt_len", "lora_r", "mu", "micro_batch",
+            "gradient_checkpointing", "aqn", "keep_cache", "optimizer", "seed", "steps", "step_index"]
 RESULTS = ["status", "error", "time_step", "time_rollout", "time_sync", "time_wake", "time_upload", "time_sleep",
-           "time_logprob", "time_update", "time_other", "measured_mean_length", "rollout_tokens_per_s", "aqn_sigma", "peak_gib",
-           "plan_gib", "plan_note", "engine_start_s", "wall_s"]
+           "time_logprob", "time_update", "time_other", "measured_mean_length", "rollout_tokens_per_s", "aqn_sigma",
+           "peak_gib", "plan_gib", "plan_note", "engine_start_s", "wall_s"]
 META = ["case_id", "run_id", "date", "gpu", "torch", "triton", "transformers", "humming", "vllm", "bitsandbytes"]
 COLUMNS = META + SETTINGS + RESULTS
-NUMERIC = {"mean_length", "max_length", "prompts", "group", "rows", "lora_r", "mu", "micro_batch", "seed", "steps",
-           "step_index", "case_id", *(c for c in RESULTS if c not in ("status", "error", "plan_note"))}
+NUMERIC = {"mean_length", "max_length", "max_new_tokens", "prompts", "group", "rows", "lora_r", "mu", "micro_batch",
+           "seed", "steps", "step_index", "case_id", *(c for c in RESULTS if c not in ("status", "error", "plan_note"))}
 # what a setting is, without format and engine: rows that share it are compared
 KEY = ["model", "lengths", "lengths_sha", "prompts", "group", "prompt_len", "lora_r", "mu", "micro_batch",
        "gradient_checkpointing", "seed", "steps"]
@@ -105,7 +105,8 @@ def ratios(rows: list[dict]) -> list[dict]:
                 continue
             row = dict(model=subj["model"], lengths=subj["lengths"], mu=subj["mu"], micro_batch=subj["micro_batch"],
                        gradient_checkpointing=subj["gradient_checkpointing"], seed=subj["seed"], baseline=label,
-                       target=_target(target, subj["model"], subj["lengths"]), same_call=subj.get("run_id") == base.get("run_id"))
+                       target=_target(target, subj["model"], subj["lengths"]),
+                       same_call=subj.get("run_id") == base.get("run_id"))
             for name, col in [("step", "time_step")] + PHASES[:3]:
                 ours, theirs = _num(subj.get(col)), _num(base.get(col))
                 row[name] = theirs / ours if ours > 0 and theirs == theirs else float("nan")
@@ -127,7 +128,8 @@ def checkpointing_cost(rows: list[dict]) -> list[dict]:
             on, off = pair[True], pair[False]
             out.append(dict(model=on["model"], format=on["format"], engine=on["engine"], lengths=on["lengths"],
                             mu=on["mu"], micro_batch=on["micro_batch"], update_off=_num(off["time_update"]),
-                            update_on=_num(on["time_update"]), update_cost=_num(on["time_update"]) / _num(off["time_update"]),
+                            update_on=_num(on["time_update"]),
+                            update_cost=_num(on["time_update"]) / _num(off["time_update"]),
                             step_cost=_num(on["time_step"]) / _num(off["time_step"]),
                             peak_off=_num(off.get("peak_gib")), peak_on=_num(on.get("peak_gib"))))
     return out

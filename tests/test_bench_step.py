@@ -53,6 +53,7 @@ def test_the_step_bench_times_every_phase_in_both_length_modes_and_checkpointing
     paper = [r for r in rows if r["lengths"] == "paper"]
     assert {r["lengths_sha"] for r in paper} == {paper[0]["lengths_sha"]}
     assert paper[0]["length_params"] == "lognormal mean 4.6875 sigma 0.8 cap 64 seed 0"  # 300 and 4096 x 64 / 4096
+    assert {r["max_new_tokens"] for r in paper} == {"64"}  # the Trainer's setting: the cap, as the preset's 4096
     md = (tmp_path / "step.md").read_text()
     assert "| qwen2-tiny | paper | on | 1 | 2 | 0 | bf16 + LoRA, ours |" in md
     assert "## Gradient checkpointing's cost" in md and "| qwen2-tiny | NVFP4 + LoRA, static | fixed:5 |" in md
