@@ -21,8 +21,11 @@ Lengths (``--lengths``, several allowed): ``fixed:N`` (every row N new tokens); 
 paper's GSM8K preset, ``max_new_tokens`` 4096: lognormal of mean 300 and log-std 0.8 capped at 4096,
 ``bench.bench_live_rows.lengths_for`` seed 0, the distribution of every committed realistic-length
 table with its cap raised to the preset's 4096; a mean near the 278-288 tokens the real 0.5B wrote
-on GSM8K, ``bench/results/real_model_h200.md``); ``lognormal:MEAN:SIGMA:CAP``; ``natural:N`` (no
-forcing: the model's own completions up to N, for a real model). A drawn row runs to exactly its
+on GSM8K, ``bench/results/real_model_h200.md``; its longest of 128 rows is 1171 tokens);
+``paper-tail`` (the same, with 4% of the rows running to the cap: the completions that never stop,
+the share that reached a 512-token cap in that file's GSM8K runs, 3.3-6.1%);
+``lognormal:MEAN:SIGMA:CAP[:TAIL]``; ``natural:N`` (no forcing: the model's own completions up to
+N, for a real model). A drawn row runs to exactly its
 length: ``stop_after`` on the StaticEngine, one request with ``min_tokens = max_tokens`` and
 ``ignore_eos`` per row on vLLM. Every row records the draw's parameters and a hash of its lengths.
 ``--max-new-tokens M`` scales a distribution down (mean and cap times M / cap; fixed lengths capped).
@@ -43,6 +46,7 @@ import json
 import math
 import os
 import platform
+import random
 import subprocess
 import sys
 import tempfile
@@ -62,15 +66,34 @@ from bench.step_report import read_csv, write_csv, write_report
 FORMATS = ("none", "nvfp4", "nf4", "mxfp4")
 ENGINES = ("static", "vllm", "unsloth")
 PAPER = dict(mean=300.0, sigma=0.8, cap=4096)  # the paper's GSM8K preset: max_new_tokens 4096
-LENGTHS_HELP = "fixed:N, paper, lognormal:MEAN:SIGMA:CAP or natural:N"
+# paper-tail: the share of GSM8K completions that never stop. The real 0.5B hit a 512-token cap on
+# 3.3-6.1% of GSM8K test problems greedily and 4.0-4.7% sampled (bench/results/real_model_h200.md)
+PAPER_TAIL = 0.04
+LENGTHS_HELP = "fixed:N, paper, paper-tail, lognormal:MEAN:SIGMA:CAP[:TAIL] or natural:N"
 
 
 # -- lengths ------------------------------------------------------------------------------------
+def _lognormal(spec: str) -> tuple[float, float, int, float]:
+    """(mean, sigma, cap, tail share) of ``paper``, ``paper-tail`` or ``lognormal:MEAN:SIGMA:CAP[:TAIL]``."""
+    kind, _, rest = spec.partition(":")
+    if kind in ("paper", "paper-tail") and not rest:
+        return PAPER["mean"], PAPER["sigma"], PAPER["cap"], PAPER_TAIL if kind == "paper-tail" else 0.0
+    values = [float(x) for x in rest.split(":")]
+    if kind != "lognormal" or len(values) not in (3, 4):
+        raise ValueError
+    mean, sigma, cap, tail = (values + [0.0])[:4]
+    if mean <= 0 or sigma < 0 or cap < 1 or not 0 <= tail <= 1 or cap != int(cap):
+        raise ValueError
+    return mean, sigma, int(cap), tail
+
+
 def draw_lengths(spec: str, rows: int, max_new_tokens: int | None = None, seed: int = 0) -> dict:
     """The completion lengths ``spec`` asks for ``rows`` rows: ``lengths`` (None for ``natural``: not
     forced), ``max_length``, ``mean_length``, ``params`` (what was drawn, after scaling), ``lengths_sha``
     and ``max_new_tokens`` (the run's setting: the cap, as a real run of that preset sets it).
-    ``max_new_tokens`` caps a fixed length and scales a distribution's mean and cap."""
+    ``max_new_tokens`` caps a fixed length and scales a distribution's mean and cap. A tail share
+    sends that share of the rows (``round(share x rows)``, seeded choice) to the cap: the completions
+    that never stop."""
     kind, _, rest = spec.partition(":")
     try:
         if kind in ("fixed", "natural"):
@@ -82,20 +105,18 @@ def draw_lengths(spec: str, rows: int, max_new_tokens: int | None = None, seed: 
                 return dict(lengths=None, max_length=n, mean_length=float("nan"), params=f"natural up to {n}",
                             lengths_sha="", max_new_tokens=n)
             lengths, params, top = [n] * rows, f"fixed {n}", n
-        elif kind == "paper" and not rest or kind == "lognormal":
-            mean, sigma, cap = ((PAPER["mean"], PAPER["sigma"], PAPER["cap"]) if kind == "paper"
-                                else tuple(float(x) for x in rest.split(":")))
-            cap = int(cap)
-            if mean <= 0 or sigma < 0 or cap < 1:
-                raise ValueError
+        else:
+            mean, sigma, cap, tail = _lognormal(spec)
             if max_new_tokens and max_new_tokens < cap:
                 mean, cap = mean * max_new_tokens / cap, max_new_tokens
             lengths = lengths_for(rows, mean, sigma, cap, seed)
+            for i in random.Random(f"tail/{seed}/{rows}").sample(range(rows), round(tail * rows)):
+                lengths[i] = cap
             params, top = f"lognormal mean {mean:g} sigma {sigma:g} cap {cap} seed {seed}", cap
-        else:
-            raise ValueError
+            params += f", {tail:g} of the rows to the cap" if tail else ""
     except ValueError:
-        raise ValueError(f"--lengths {spec!r}: expected {LENGTHS_HELP} (N, MEAN, CAP >= 1, SIGMA >= 0)") from None
+        raise ValueError(f"--lengths {spec!r}: expected {LENGTHS_HELP} (N, MEAN, CAP >= 1, SIGMA >= 0, "
+                         "TAIL in [0, 1])") from None
     return dict(lengths=lengths, max_length=max(lengths), mean_length=sum(lengths) / rows, params=params,
                 lengths_sha=hash_lengths(lengths), max_new_tokens=top)
 

@@ -26,8 +26,9 @@
 #   step7b ["FORMATS"] ["CKPT"]   7B, 512 tokens, StaticEngine; FORMATS default "none nvfp4" (also nf4 mxfp4),
 #                             CKPT (gradient checkpointing) default "off on"
 #   step-big MODEL ["FORMATS"]    Qwen2.5-14B / Qwen2.5-32B, 512 tokens, checkpointing on
-#   step-paper ["FORMATS"] [MU]   7B, the paper's GSM8K preset: 16 x 8 rows, lengths "paper" (lognormal mean 300,
-#                             cap 4096), checkpointing on, micro-batch 8, mu default 1 (the preset's is 4)
+#   step-paper ["FORMATS"] [MU] [LENGTHS]  7B, the paper's GSM8K preset: 16 x 8 rows, LENGTHS "paper" (lognormal
+#                             mean 300, cap 4096; the default) or "paper-tail" (4% of rows to 4096), checkpointing on,
+#                             micro-batch 8, mu default 1 (the preset's is 4)
 #   step-vllm FMT             7B, 512 tokens, the same step on StaticEngine and on vLLM 0.26 (FMT none|nvfp4|nf4;
 #                             vLLM installed as for `vllm`)
 #   step05b-real ["FORMATS"] ["LENGTHS"]  the real 0.5B converted by model-setup (/tmp/m05), GSM8K prompts,
@@ -137,7 +138,7 @@ step7b|step-big|step-paper|step-vllm|step05b-real)
   step-big) read -r -a fmts <<< "${2:-none nvfp4}"
     args=(--models "${1:?model}" --formats "${fmts[@]}" --lengths fixed:512 --gradient-checkpointing on) ;;
   step-paper) read -r -a fmts <<< "${1:-none nvfp4}"
-    args=(--models Qwen2.5-7B --formats "${fmts[@]}" --lengths paper --prompts 16 --gradient-checkpointing on
+    args=(--models Qwen2.5-7B --formats "${fmts[@]}" --lengths "${3:-paper}" --prompts 16 --gradient-checkpointing on
           --mu "${2:-1}") ;;
   step-vllm) fmt="${1:?format}"; [ "$fmt" != nf4 ] || bitsandbytes
     args=(--models Qwen2.5-7B --formats "$fmt" --engines static vllm --lengths fixed:512) ;;

@@ -88,7 +88,7 @@ def _target(target, model: str, lengths: str):
         return None
     if target != "lengths":
         return target
-    return 1.2 if lengths == "fixed:512" else 1.5 if lengths == "paper" else None
+    return 1.2 if lengths == "fixed:512" else 1.5 if lengths in ("paper", "paper-tail") else None
 
 
 def ratios(rows: list[dict]) -> list[dict]:

@@ -124,11 +124,16 @@ def test_length_draws_are_the_committed_distribution_and_bad_specs_name_the_choi
     assert paper["lengths_sha"] == hash_lengths(paper["lengths"]) and paper["max_length"] > 1024  # a long tail
     # the live-rows tables' draw (cap 1024) is the same draw, capped
     assert [min(x, 1024) for x in bench_step.draw_lengths("paper", 64)["lengths"]] == lengths_for(64, 300, 0.8, 1024)
+    tail = bench_step.draw_lengths("paper-tail", 128)
+    assert sum(a != b for a, b in zip(tail["lengths"], paper["lengths"])) == 5  # round(0.04 x 128) rows ...
+    assert tail["lengths"].count(4096) == 5 and tail["max_new_tokens"] == 4096  # ... run to the cap
+    assert tail["params"].endswith("0.04 of the rows to the cap") and tail["lengths_sha"] != paper["lengths_sha"]
+    assert bench_step.draw_lengths("lognormal:50:0.5:200:0.25", 8)["lengths"].count(200) >= 2
     assert bench_step.draw_lengths("fixed:512", 3, max_new_tokens=100)["lengths"] == [100] * 3
     assert bench_step.draw_lengths("natural:256", 4)["lengths"] is None
     assert bench_step.draw_lengths("lognormal:50:0.5:200", 8, seed=1)["lengths"] == lengths_for(8, 50, 0.5, 200, 1)
-    for bad in ("fixed:0", "fixed", "paper:3", "uniform:5", "lognormal:1:2"):
-        with pytest.raises(ValueError, match="expected fixed:N, paper, lognormal:MEAN:SIGMA:CAP or natural:N"):
+    for bad in ("fixed:0", "fixed", "paper:3", "uniform:5", "lognormal:1:2", "lognormal:1:2:3:1.5"):
+        with pytest.raises(ValueError, match=r"expected fixed:N, paper, paper-tail, lognormal:MEAN:SIGMA:CAP\[:TAIL\]"):
             bench_step.draw_lengths(bad, 4)
 
 
