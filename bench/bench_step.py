@@ -23,7 +23,7 @@ paper's GSM8K preset, ``max_new_tokens`` 4096: lognormal of mean 300 and log-std
 table with its cap raised to the preset's 4096; a mean near the 278-288 tokens the real 0.5B wrote
 on GSM8K, ``bench/results/real_model_h200.md``; its longest of 128 rows is 1171 tokens);
 ``paper-tail`` (the same, with 4% of the rows running to the cap: the completions that never stop,
-the share that reached a 512-token cap in that file's GSM8K runs, 3.3-6.1%);
+the share that reached a 512-token cap in that file's GSM8K runs, 2.6-6.1%);
 ``lognormal:MEAN:SIGMA:CAP[:TAIL]``; ``natural:N`` (no forcing: the model's own completions up to
 N, for a real model). A drawn row runs to exactly its
 length: ``stop_after`` on the StaticEngine, one request with ``min_tokens = max_tokens`` and
@@ -67,7 +67,7 @@ FORMATS = ("none", "nvfp4", "nf4", "mxfp4")
 ENGINES = ("static", "vllm", "unsloth")
 PAPER = dict(mean=300.0, sigma=0.8, cap=4096)  # the paper's GSM8K preset: max_new_tokens 4096
 # paper-tail: the share of GSM8K completions that never stop. The real 0.5B hit a 512-token cap on
-# 3.3-6.1% of GSM8K test problems greedily and 4.0-4.7% sampled (bench/results/real_model_h200.md)
+# 2.6-6.1% of GSM8K test problems greedily and 4.0-4.7% sampled (bench/results/real_model_h200.md)
 PAPER_TAIL = 0.04
 LENGTHS_HELP = "fixed:N, paper, paper-tail, lognormal:MEAN:SIGMA:CAP[:TAIL] or natural:N"
 
