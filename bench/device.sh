@@ -21,11 +21,12 @@
 #   unsloth                   Unsloth's GRPO rollout path (bench/probe_unsloth.py); carry .vllm/uns
 #                             (bench/make_unsloth_carry.sh)
 # The whole GRPO step per phase (bench.bench_step; 8 prompts x group 8, prompt 256, LoRA r32, the last of
-# two steps; each (format, engine) in its own process; writes $OUT/<command>/step.{csv,md,png}; merge
+# two steps; each (format, engine) in its own process; writes $OUT/<command-args>/step.{csv,md,png}; merge
 # several calls' tables with `python -m bench.bench_step report DIR... --out MERGED`):
 #   step7b ["FORMATS"] ["CKPT"]   7B, 512 tokens, StaticEngine; FORMATS default "none nvfp4" (also nf4 mxfp4),
 #                             CKPT (gradient checkpointing) default "off on"
-#   step-big MODEL ["FORMATS"]    Qwen2.5-14B / Qwen2.5-32B, 512 tokens, checkpointing on
+#   step-model MODEL ["FORMATS"] ["CKPT"]  another preset (Qwen2.5-0.5B, -1.5B, -14B, -32B), 512 tokens, StaticEngine;
+#                             CKPT default "on" (14B and 32B need it; give "off on" for the small ones)
 #   step-paper ["FORMATS"] [MU] [LENGTHS]  7B, the paper's GSM8K preset: 16 x 8 rows, LENGTHS "paper" (lognormal
 #                             mean 300, cap 4096; the default) or "paper-tail" (4% of rows to 4096), checkpointing on,
 #                             micro-batch 8, mu default 1 (the preset's is 4)
@@ -129,14 +130,15 @@ unsloth)
   tar -xzf .vllm/uns/slim.tgz -C /tmp && export PYTHONPATH="/tmp/slim:$PYTHONPATH"
   TMPDIR=/dev/shm timeout 420 python3 -m bench.probe_unsloth --out "$OUT/unsloth" --budget 330 > "$OUT/unsloth_log.txt" 2>&1
   grep "^\[probe\]" "$OUT/unsloth_log.txt" | tail -20 ;;
-step7b|step-big|step-paper|step-vllm|step05b-real)
+step7b|step-model|step-paper|step-vllm|step05b-real)
   # one bench.bench_step call per table; --budget stops new (format, engine) groups in time for the tail
-  common=(--steps 2 --budget "${STEP_BUDGET:-400}" --limit 540 --out "$OUT/$cmd")
+  tag=$(echo "$cmd" "$@" | tr -s ' :' '--')  # e.g. step7b-nf4-mxfp4: calls of one command keep apart
+  common=(--steps 2 --budget "${STEP_BUDGET:-400}" --limit 540 --out "$OUT/$tag")
   case "$cmd" in
   step7b) read -r -a fmts <<< "${1:-none nvfp4}"; read -r -a ckpt <<< "${2:-off on}"
     args=(--models Qwen2.5-7B --formats "${fmts[@]}" --lengths fixed:512 --gradient-checkpointing "${ckpt[@]}") ;;
-  step-big) read -r -a fmts <<< "${2:-none nvfp4}"
-    args=(--models "${1:?model}" --formats "${fmts[@]}" --lengths fixed:512 --gradient-checkpointing on) ;;
+  step-model) read -r -a fmts <<< "${2:-none nvfp4}"; read -r -a ckpt <<< "${3:-on}"
+    args=(--models "${1:?model}" --formats "${fmts[@]}" --lengths fixed:512 --gradient-checkpointing "${ckpt[@]}") ;;
   step-paper) read -r -a fmts <<< "${1:-none nvfp4}"
     args=(--models Qwen2.5-7B --formats "${fmts[@]}" --lengths "${3:-paper}" --prompts 16 --gradient-checkpointing on
           --mu "${2:-1}") ;;
@@ -145,9 +147,9 @@ step7b|step-big|step-paper|step-vllm|step05b-real)
   step05b-real) read -r -a fmts <<< "${1:-none nvfp4 nf4 mxfp4}"; read -r -a lens <<< "${2:-fixed:512 natural:512}"
     args=(--models /tmp/m05 --formats "${fmts[@]}" --lengths "${lens[@]}" --prompts 16 --mu 4 --lora-r 16) ;;
   esac
-  timeout 560 python3 -m bench.bench_step run "${args[@]}" "${common[@]}" > "$OUT/${cmd}_log.txt" 2>&1
-  echo "bench_step rc=$?"; grep -E "step #1|failed|exit|Error" "$OUT/${cmd}_log.txt" | grep -v Warning | tail -16
-  sed -n '/^## NVFP4/,$p' "$OUT/$cmd/step.md" 2>/dev/null | head -30 ;;
+  timeout 560 python3 -m bench.bench_step run "${args[@]}" "${common[@]}" > "$OUT/${tag}_log.txt" 2>&1
+  echo "bench_step rc=$?"; grep -E "step #1|failed|exit|Error" "$OUT/${tag}_log.txt" | grep -v Warning | tail -16
+  sed -n '/^## NVFP4/,$p' "$OUT/$tag/step.md" 2>/dev/null | head -30 ;;
 countdown)
   mkdir -p /tmp/cd "$OUT/cd"
   # the knob is the near-miss share; each stops once held-out greedy accuracy reaches 30% (the band is 10-40%)

@@ -48,12 +48,13 @@ def test_step_commands_call_the_step_bench_with_their_table_settings(tmp_path):
     out = tmp_path / "out"
     out.mkdir()
     env = {"OUT": str(out), "PATH": f"{bin_dir}:/usr/bin:/bin"}
-    for args in (["step-paper", "nvfp4", "4"], ["step7b"], ["step-big", "Qwen2.5-32B", "nvfp4"]):
+    for args in (["step-paper", "nvfp4", "4"], ["step7b"], ["step-model", "Qwen2.5-32B", "nvfp4"]):
         proc = subprocess.run(["bash", str(SCRIPT), *args], cwd=SCRIPT.parents[1], capture_output=True, text=True,
                               env=env, timeout=60)
         assert "bench_step rc=0" in proc.stdout, proc.stdout + proc.stderr
     calls = [c for c in (out / "calls.txt").read_text().splitlines() if c.startswith("-m bench.bench_step run")]
     assert calls[0] == ("-m bench.bench_step run --models Qwen2.5-7B --formats nvfp4 --lengths paper --prompts 16 "
-                        f"--gradient-checkpointing on --mu 4 --steps 2 --budget 400 --limit 540 --out {out}/step-paper")
+                        f"--gradient-checkpointing on --mu 4 --steps 2 --budget 400 --limit 540 --out {out}/step-paper-nvfp4-4")
     assert "--formats none nvfp4 --lengths fixed:512 --gradient-checkpointing off on" in calls[1]
     assert "--models Qwen2.5-32B --formats nvfp4 --lengths fixed:512 --gradient-checkpointing on" in calls[2]
+    assert calls[1].endswith(f"--out {out}/step7b") and calls[2].endswith(f"--out {out}/step-model-Qwen2.5-32B-nvfp4")
