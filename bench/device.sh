@@ -33,7 +33,8 @@
 #   step-vllm FMT             7B, 512 tokens, the same step on StaticEngine and on vLLM 0.26 (FMT none|nvfp4|nf4;
 #                             vLLM installed as for `vllm`)
 #   step05b-real ["FORMATS"] ["LENGTHS"]  the real 0.5B converted by model-setup (/tmp/m05), GSM8K prompts,
-#                             16 x 8, mu 4; LENGTHS default "fixed:512 natural:512"
+#                             16 x 8, mu 4, LoRA r16; FORMATS default "none nvfp4" (then "nf4 mxfp4"),
+#                             LENGTHS default "fixed:512 natural:512" (natural: its own completions)
 # The Countdown model and grid (docs/experiments.md):
 #   countdown                 three calibrations side by side, the best kept (bench.countdown_pick)
 #   cdtrain                   the shipped calibration alone, its shards' sha256 checked against the committed ones
@@ -144,7 +145,7 @@ step7b|step-model|step-paper|step-vllm|step05b-real)
           --mu "${2:-1}") ;;
   step-vllm) fmt="${1:?format}"; [ "$fmt" != nf4 ] || bitsandbytes
     args=(--models Qwen2.5-7B --formats "$fmt" --engines static vllm --lengths fixed:512) ;;
-  step05b-real) read -r -a fmts <<< "${1:-none nvfp4 nf4 mxfp4}"; read -r -a lens <<< "${2:-fixed:512 natural:512}"
+  step05b-real) read -r -a fmts <<< "${1:-none nvfp4}"; read -r -a lens <<< "${2:-fixed:512 natural:512}"
     args=(--models /tmp/m05 --formats "${fmts[@]}" --lengths "${lens[@]}" --prompts 16 --mu 4 --lora-r 16) ;;
   esac
   timeout 560 python3 -m bench.bench_step run "${args[@]}" "${common[@]}" > "$OUT/${tag}_log.txt" 2>&1
