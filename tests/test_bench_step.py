@@ -201,3 +201,38 @@ def test_on_the_gpu_the_vllm_driven_step_forces_the_same_lengths(tmp_path):
     assert float(by["vllm"]["measured_mean_length"]) == float(by["static"]["measured_mean_length"])
     assert float(by["vllm"]["time_sync"]) > 0 and float(by["vllm"]["engine_start_s"]) > 0
     assert "NVFP4 step driven by vLLM" in (tmp_path / "step.md").read_text()
+
+
+@pytest.mark.usefixtures("fake_vllm")
+def test_the_vllm_driven_step_sends_each_row_at_its_drawn_length_through_the_trainer(tmp_path, monkeypatch):
+    # the step bench's vLLM half against the fake vLLM module (the real one: the GPU test above), which
+    # reports a GPU: the peak-memory calls answer as one would
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda: None)
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda: 3 << 30)
+    args = bench_step.parser().parse_args(["run", *TINY, "--formats", "nvfp4", "--engines", "vllm", "--lengths",
+                                           "paper", "--max-new-tokens", "32", "--out", str(tmp_path)])
+    cases = bench_step.plan_cases(args)[0]
+    a = {k: getattr(args, k) for k in ("prompts", "group", "prompt_len", "lora_r", "steps", "max_new_tokens",
+                                       "keep_cache", "vllm_memory", "length_seed")}
+    peft, tok = bench_step.build_policy("qwen2-tiny", "nvfp4", "cpu", 4)
+    engine = bench_step.vllm_for(peft, tok, "nvfp4", a, cases, tmp_path, None)
+    assert engine.llm.kwargs["max_model_len"] == 64 and engine.llm.kwargs["skip_tokenizer_init"] is True
+    drawn = bench_step.draw_lengths("paper", 4, 32)
+    engine.lengths, engine.ignore_eos = drawn["lengths"], True
+    trainer = bench_step.trainer_for(peft, tok, bench_step.make_task("qwen2-tiny", peft, 8, 4, 0), engine, cases[0],
+                                     a, drawn["max_new_tokens"], tmp_path / "run")
+    m, peak = bench_step.timed_steps(trainer, 1, "fake vllm")
+    assert peak == 3.0
+    generate = [c for c in engine.llm.calls if c[0] == "generate"][-1]
+    assert [p.kwargs["max_tokens"] for p in generate[2]] == drawn["lengths"]
+    assert [p.kwargs["min_tokens"] for p in generate[2]] == drawn["lengths"]
+    row = bench_step.phase_times(m)
+    assert row["time_sync"] > 0 and row["aqn_sigma"] > 0  # the adapter and the step's noisy norms went up
+    assert math.isclose(row["measured_mean_length"], drawn["mean_length"])
+
+
+from tests.test_vllm_backend import fake_vllm  # noqa: E402 - the fake vLLM module, as a fixture here
+
+_FIXTURES = (fake_vllm,)
