@@ -217,9 +217,19 @@ def markdown(rows: list[dict]) -> str:
                      + checkpointing_table(rows)) + "\n"
 
 
-def plot(rows: list[dict], path: Path) -> Path | None:
+def _segments(r: dict) -> list[tuple[str, float]]:
+    """A run's stacked-bar segments in seconds: the rollout without its sync, the sync (vLLM's wake,
+    upload and sleep; the AQN sync on ours is inside the rollout), log-probs, update, other."""
+    def v(col):
+        x = _num(r.get(col))
+        return max(0.0, x) if x == x else 0.0
+    return [("rollout", v("time_rollout") - v("time_sync")), ("sync (vLLM)", v("time_sync")),
+            ("log-probs", v("time_logprob")), ("update", v("time_update")), ("other", v("time_other"))]
+
+
+def plot(rows: list[dict], path: Path, columns: int = 4) -> Path | None:
     """Stacked per-phase bars per format / engine, one panel per setting (model, lengths, ckpt, mu,
-    micro-batch, seed); None when no run succeeded."""
+    micro-batch, seed), ``columns`` panels a row; None when no run succeeded."""
     ok = [r for r in rows if _ok(r)]
     if not ok:
         return None
@@ -237,20 +247,24 @@ def plot(rows: list[dict], path: Path) -> Path | None:
     panels: dict[tuple, list[dict]] = {}
     for r in ok:
         panels.setdefault(_key(r), []).append(r)
-    fig, axes = plt.subplots(1, len(panels), figsize=(max(4.5, 2 + 1.1 * max(map(len, panels.values()))) * len(panels),
-                                                      4.2), squeeze=False)
-    for ax, runs in zip(axes[0], panels.values()):
+    ncols = min(columns, len(panels))
+    nrows = -(-len(panels) // ncols)
+    width = max(4.5, 2 + 1.1 * max(map(len, panels.values())))
+    fig, axes = plt.subplots(nrows, ncols, figsize=(width * ncols, 4.2 * nrows), squeeze=False)
+    for ax, runs in zip(axes.flat, panels.values()):
         runs = sorted(runs, key=_label)
         bottom = [0.0] * len(runs)
-        for name, col in PHASES:
-            vals = [max(0.0, _num(r.get(col))) if _num(r.get(col)) == _num(r.get(col)) else 0.0 for r in runs]
+        for i, name in enumerate(n for n, _ in _segments(runs[0])):
+            vals = [_segments(r)[i][1] for r in runs]
             ax.bar(range(len(runs)), vals, bottom=bottom, label=name)
             bottom = [b + v for b, v in zip(bottom, vals)]
         ax.set_xticks(range(len(runs)), [_label(r).replace(", ", "\n") for r in runs], fontsize=8)
         r = runs[0]
         ax.set_title(f"{r['model']}, {r['lengths']}, ckpt {'on' if r['gradient_checkpointing'] else 'off'}, "
-                     f"mu {_f(r['mu'], '.0f')}", fontsize=9)
+                     f"mu {_f(r['mu'], '.0f')}, micro {_f(r['micro_batch'], '.0f')}", fontsize=9)
         ax.set_ylabel("seconds per GRPO step")
+    for ax in list(axes.flat)[len(panels):]:
+        ax.axis("off")
     axes[0][0].legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=90)

@@ -62,7 +62,9 @@ def test_the_step_bench_times_every_phase_in_both_length_modes_and_checkpointing
     # report over two calls: the later call's row of the same setting wins, the ratios come back
     again = _run(tmp_path / "b", "--formats", "none", "--engines", "static", "--lengths", "fixed:5",
                  "--isolate", "off")
-    merged = step_report.report_main([tmp_path, tmp_path / "b" / "step.csv"], tmp_path / "merged")
+    assert bench_step.main(["report", str(tmp_path), str(tmp_path / "b" / "step.csv"), "--out",
+                            str(tmp_path / "merged")]) == 0
+    merged = step_report.read_csv(tmp_path / "merged" / "step.csv")
     assert len(merged) == 8
     bf16 = [r for r in merged if (r["format"], r["lengths"], r["gradient_checkpointing"]) == ("none", "fixed:5", False)]
     assert [r["run_id"] for r in bf16] == [again[0]["run_id"]]
