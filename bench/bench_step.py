@@ -60,7 +60,7 @@ import torch
 from bench.bench_ddp import IdTokenizer  # random prompts are whitespace-separated token ids
 from bench.bench_grpo_engines import random_reward
 from bench.bench_live_rows import hash_lengths, lengths_for
-from bench.common import T0, LOG, build, free, log, random_prompts, with_lora
+from bench.common import LOG, build, free, log, random_prompts, with_lora
 from bench.step_report import read_csv, write_csv, write_report
 
 FORMATS = ("none", "nvfp4", "nf4", "mxfp4")
@@ -400,13 +400,19 @@ def plan_cases(args) -> list[list[dict]]:
     return groups
 
 
-def unsloth_reason() -> str:
+def not_run(cases: list[dict], left: float) -> tuple[str, str] | None:
+    """(status, why) of a group that does not run: Unsloth (see the module docstring), or no time left."""
     import importlib.util
 
-    if importlib.util.find_spec("unsloth") is None:
-        return "unsloth is not importable here (bench/make_unsloth_carry.sh carries it; bench/probe_unsloth.py probes it)"
-    return ("not run: Unsloth's GRPO step is TRL's GRPOTrainer around its own model, not qerl_kit's Trainer; "
-            "bench/probe_unsloth.py times its rollout and a train step")
+    if cases[0]["engine"] == "unsloth":
+        if importlib.util.find_spec("unsloth") is None:
+            return ("not installed", "unsloth is not importable here (bench/make_unsloth_carry.sh carries it; "
+                    "bench/probe_unsloth.py probes it)")
+        return ("not run", "Unsloth's GRPO step is TRL's GRPOTrainer around its own model, not qerl_kit's Trainer; "
+                "bench/probe_unsloth.py times its rollout and a train step")
+    if left <= 0:
+        return "skipped", "the call's --budget was spent before this group started"
+    return None
 
 
 def isolated(args, cases: list[dict]) -> bool:
@@ -452,24 +458,22 @@ def run(args) -> list[dict]:
     rows_path.unlink(missing_ok=True)
     a = {k: getattr(args, k) for k in ("prompts", "group", "prompt_len", "lora_r", "steps", "max_new_tokens",
                                        "keep_cache", "vllm_memory", "length_seed")}
-    meta = versions()
+    meta, start, first_line = versions(), time.perf_counter(), len(LOG)  # this call's clock and log lines
+    limit = args.budget + 120 if args.limit is None else args.limit
     for cases in plan_cases(args):
-        left = args.budget - (time.perf_counter() - T0)
-        skip = unsloth_reason() if cases[0]["engine"] == "unsloth" else "skipped: time budget spent" if left <= 0 else ""
+        skip = not_run(cases, args.budget - (time.perf_counter() - start))
         if skip:
-            status = "skipped" if left <= 0 else ("not installed" if "not importable" in skip else "not run")
             with open(rows_path, "a") as f:
                 for case in cases:
-                    f.write(json.dumps({**case_row(case, a, meta), "status": status, "error": skip}) + "\n")
+                    f.write(json.dumps({**case_row(case, a, meta), "status": skip[0], "error": skip[1]}) + "\n")
         elif isolated(args, cases):
-            limit = args.budget + 120 if args.limit is None else args.limit
-            run_isolated(cases, a, meta, out, limit - (time.perf_counter() - T0))
+            run_isolated(cases, a, meta, out, limit - (time.perf_counter() - start))
         else:
             run_group(cases, a, meta, rows_path)
     write_csv(read_rows(rows_path), out / "step.csv")
     rows = read_csv(out / "step.csv")  # the table from the CSV, as ``report`` builds it
     write_report(rows, out)
-    (out / "log.txt").write_text("\n".join(LOG))
+    (out / "log.txt").write_text("\n".join(LOG[first_line:]))
     log(f"wrote {out}/step.csv, step.md, step.png ({len(rows)} runs)")
     return rows
 

@@ -106,6 +106,9 @@ def test_a_run_that_fails_or_whose_process_dies_is_a_row(tmp_path):
     assert len(rows) == 2 and (tmp_path / "group0_log.txt").exists()
     assert by[("mxfp4", "vllm")]["status"] == "error" and "no MXFP4 + LoRA export" in by[("mxfp4", "vllm")]["error"]
     assert by[("mxfp4", "unsloth")]["status"] in ("not installed", "not run") and by[("mxfp4", "unsloth")]["error"]
+    # a group that starts after the call's budget is spent: every case a "skipped" row
+    skipped = _run(tmp_path / "s", "--formats", "none", "nvfp4", "--budget", "0", "--isolate", "off")
+    assert [r["status"] for r in skipped] == ["skipped", "skipped"] and "--budget" in skipped[0]["error"]
     # a process killed before it wrote a row (here by its time limit): the case is a "crashed" row
     args = bench_step.parser().parse_args(["run", *TINY, "--formats", "none", "--out", str(tmp_path / "c")])
     (tmp_path / "c").mkdir()
