@@ -354,6 +354,7 @@ def run_group(cases: list[dict], a: dict, meta: dict, rows_path: Path) -> None:
                                   root / f"run{case['case_id']}")
             t = time.perf_counter()
             m, row["peak_gib"] = timed_steps(trainer, a["steps"], label)
+            row["peak_reserved_gib"] = torch.cuda.max_memory_reserved() / 2**30 if device == "cuda" else float("nan")
             row.update(status="ok", wall_s=time.perf_counter() - t, **phase_times(m))
         except Exception as err:  # noqa: BLE001 - recorded, and the next case runs
             row.update(failure(err))

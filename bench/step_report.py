@@ -20,7 +20,7 @@ SETTINGS = ["model", "format", "engine", "lengths", "length_params", "lengths_sh
             "gradient_checkpointing", "aqn", "keep_cache", "optimizer", "seed", "steps", "step_index"]
 RESULTS = ["status", "error", "time_step", "time_rollout", "time_sync", "time_wake", "time_upload", "time_sleep",
            "time_logprob", "time_update", "time_other", "measured_mean_length", "rollout_tokens_per_s", "aqn_sigma",
-           "peak_gib", "plan_gib", "plan_note", "engine_start_s", "wall_s"]
+           "peak_gib", "peak_reserved_gib", "plan_gib", "plan_note", "engine_start_s", "wall_s"]
 META = ["case_id", "run_id", "date", "gpu", "torch", "triton", "transformers", "humming", "vllm", "bitsandbytes"]
 COLUMNS = META + SETTINGS + RESULTS
 NUMERIC = {"mean_length", "max_length", "max_new_tokens", "prompts", "group", "rows", "lora_r", "mu", "micro_batch",
@@ -146,11 +146,12 @@ def _label(r: dict) -> str:
 
 def runs_table(rows: list[dict]) -> list[str]:
     lines = ["| model | format / engine | lengths (mean / max) | ckpt | mu | micro | seed | step s | rollout "
-             "(of it sync) | log-probs | update | other | peak GiB | plan GiB | status |",
+             "(of it vLLM's sync + sleep) | log-probs | update | other | peak GiB | plan GiB | status |",
              "|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
     for r in sorted(rows, key=lambda r: (str(r["model"]), str(r["lengths"]), str(r["gradient_checkpointing"]),
                                          _num(r["mu"]), _num(r["micro_batch"]), _num(r["seed"]), _label(r))):
-        sync = _num(r.get("time_sync"))
+        sync = sum(x for x in (_num(r.get("time_sync")), _num(r.get("time_sleep"))) if x == x) \
+            if _num(r.get("time_sync")) == _num(r.get("time_sync")) else float("nan")  # vLLM rows only
         status = "ok" if _ok(r) else f"{r.get('status')}: {str(r.get('error', ''))[:120]}".replace("|", "/")
         mean = r.get("mean_length") if _num(r.get("mean_length")) == _num(r.get("mean_length")) \
             else r.get("measured_mean_length")  # natural lengths: the mean the model wrote
@@ -206,7 +207,9 @@ def header(rows: list[dict]) -> list[str]:
     for spec, params, sha, n in sorted(draws, key=str):
         lines.append(f"- lengths `{spec}`: {params}, {_f(n, '.0f')} rows" + (f", sha `{sha}`" if sha else ""))
     lines += ["", "Seconds of the last step (the Trainer's `time/*`); rollout includes the AQN sync (vLLM: wake, "
-              "adapter upload, sleep, in brackets); other = step - rollout - log-probs - update.", ""]
+              "adapter upload and sleep, in brackets); other = step - rollout - log-probs - update. Peak: "
+              "`torch.cuda.max_memory_allocated` over that step (with vLLM: its pool too); plan: "
+              "`qerl_kit.memory_plan.plan_memory` for the same settings.", ""]
     return lines
 
 
@@ -218,12 +221,13 @@ def markdown(rows: list[dict]) -> str:
 
 
 def _segments(r: dict) -> list[tuple[str, float]]:
-    """A run's stacked-bar segments in seconds: the rollout without its sync, the sync (vLLM's wake,
-    upload and sleep; the AQN sync on ours is inside the rollout), log-probs, update, other."""
+    """A run's stacked-bar segments in seconds: the rollout without vLLM's wake, upload and sleep,
+    those three (the AQN sync on ours stays inside the rollout), log-probs, update, other."""
     def v(col):
         x = _num(r.get(col))
         return max(0.0, x) if x == x else 0.0
-    return [("rollout", v("time_rollout") - v("time_sync")), ("sync (vLLM)", v("time_sync")),
+    held = v("time_sync") + v("time_sleep")
+    return [("rollout", max(0.0, v("time_rollout") - held)), ("wake + upload + sleep (vLLM)", held),
             ("log-probs", v("time_logprob")), ("update", v("time_update")), ("other", v("time_other"))]
 
 
