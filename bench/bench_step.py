@@ -6,7 +6,8 @@
     python -m bench.bench_step report OUT_A OUT_B ... --out MERGED   # table + plot from several calls' step.csv
 
 One run: a model (a ``qerl_kit.models`` preset with random weights as ``bench.common.build`` makes it, NF4
-and MXFP4 quantized from that bf16 model by ``quantize_model``; or a GGUF file through
+and MXFP4 quantized from that bf16 model by ``quantize_model``, ``bnb-nf4`` by bitsandbytes' NF4
+layers, the field's QLoRA kernels; or a GGUF file through
 ``qerl_kit.gguf_model.load_gguf``, or a model directory such as ``bench.real_model convert`` writes,
 both through ``qerl_kit.build.load_base``, with GSM8K prompts from the data folder, ``$QERL_DATA``), LoRA r
 ``--lora-r`` on every projection, and the Trainer running ``--steps`` GRPO steps of ``--prompts`` x
@@ -63,7 +64,10 @@ from bench.bench_live_rows import hash_lengths, lengths_for
 from bench.common import LOG, build, free, log, random_prompts, with_lora
 from bench.step_report import read_csv, write_csv, write_report
 
-FORMATS = ("none", "nvfp4", "nf4", "mxfp4")
+FORMATS = ("none", "nvfp4", "nf4", "mxfp4", "bnb-nf4")
+# bnb-nf4: bitsandbytes' NF4 layers (bench.common.to_nf4), the field's QLoRA kernels; qerl_kit's config
+# and memory plan know it as nf4
+CONFIG_FORMAT = {"bnb-nf4": "nf4"}
 ENGINES = ("static", "vllm", "unsloth")
 PAPER = dict(mean=300.0, sigma=0.8, cap=4096)  # the paper's GSM8K preset: max_new_tokens 4096
 # paper-tail: the share of GSM8K completions that never stop. The real 0.5B hit a 512-token cap on
@@ -168,7 +172,12 @@ def build_policy(model: str, fmt: str, device: str, lora_r: int, dense_dir: Path
         base, tok = build(model, "nvfp4" if fmt == "nvfp4" else "none", device), IdTokenizer()
     if dense_dir is not None:
         base.save_pretrained(str(dense_dir), safe_serialization=True)
-    quantize_base(base, fmt)  # nothing for bf16 or a base built in its format already
+    if fmt == "bnb-nf4":
+        from bench.common import to_nf4
+
+        to_nf4(base)
+    else:
+        quantize_base(base, fmt)  # nothing for bf16 or a base built in its format already
     return with_lora(base, lora_r), tok
 
 
@@ -207,7 +216,7 @@ def trainer_for(peft, tok, task, engine, case: dict, a: dict, max_len: int, out_
     # timed step should pay for the noise as a step of a real run does
     steps = a["steps"] + 10
     cfg = preset("tiny-cpu", total_steps=steps, save_every=0, seed=case["seed"], output_dir=str(out_dir),
-                 model=dict(format=case["format"], lora_r=a["lora_r"],
+                 model=dict(format=CONFIG_FORMAT.get(case["format"], case["format"]), lora_r=a["lora_r"],
                             gradient_checkpointing=case["gradient_checkpointing"]),
                  data=dict(dataset="gsm8k") if is_real(case["model"]) else {},
                  rollout=dict(batch_size=a["prompts"] * a["group"], group_size=a["group"], max_new_tokens=max_len,
@@ -228,7 +237,8 @@ def plan_gib(peft, case: dict, a: dict, max_len: int) -> tuple[float, str]:
     from qerl_kit.memory_plan import plan_memory
 
     try:
-        plan = plan_memory(peft.get_base_model().config, fmt=case["format"], lora_r=a["lora_r"], optimizer="adamw",
+        plan = plan_memory(peft.get_base_model().config, fmt=CONFIG_FORMAT.get(case["format"], case["format"]),
+                           lora_r=a["lora_r"], optimizer="adamw",
                            rollout_batch=a["prompts"] * a["group"], prompt_len=a["prompt_len"],
                            max_new_tokens=max_len, micro_batch=case["micro_batch"],
                            gradient_checkpointing=case["gradient_checkpointing"], group_size=a["group"])
@@ -289,17 +299,17 @@ def case_row(case: dict, a: dict, meta: dict) -> dict:
 
 
 def vllm_for(peft, tok, fmt: str, a: dict, cases: list[dict], root: Path, dense_dir: Path | None):
-    """Our export in vLLM (nvfp4: compressed-tensors; none: bf16; nf4: the bf16 checkpoint quantized by
-    vLLM's bitsandbytes), colocated with sleep mode, sized for the longest case."""
+    """Our export in vLLM (nvfp4: compressed-tensors; none: bf16; nf4 and bnb-nf4: the bf16 checkpoint
+    quantized by vLLM's bitsandbytes), colocated with sleep mode, sized for the longest case."""
     from bench.bench_vllm_lengths import export
 
     if fmt == "mxfp4":
         raise NotImplementedError("vLLM runs no MXFP4 + LoRA export of ours (nvfp4, bf16 and nf4 only)")
-    path = dense_dir if fmt == "nf4" else export(peft, "nvfp4" if fmt == "nvfp4" else "bf16", root)
+    path = dense_dir if "nf4" in fmt else export(peft, "nvfp4" if fmt == "nvfp4" else "bf16", root)
     longest = max(draw_lengths(c["lengths"], a["prompts"] * a["group"], a["max_new_tokens"],
                                a["length_seed"])["max_new_tokens"] for c in cases)
     prompt = 1024 if any(is_real(c["model"]) for c in cases) else a["prompt_len"]
-    extra = dict(quantization="bitsandbytes") if fmt == "nf4" else {}
+    extra = dict(quantization="bitsandbytes") if "nf4" in fmt else {}
     if is_real(cases[0]["model"]):  # the StaticEngine's stop ids (EOS, generation config, chat turn end)
         from qerl_kit.rollout.base import special_ids
 
@@ -325,7 +335,7 @@ def run_group(cases: list[dict], a: dict, meta: dict, rows_path: Path) -> None:
             f.write(json.dumps(row, default=str) + "\n")
 
     try:
-        dense_dir = root / "dense" if engine_kind == "vllm" and fmt == "nf4" else None
+        dense_dir = root / "dense" if engine_kind == "vllm" and "nf4" in fmt else None
         peft, tok = build_policy(model, fmt, device, a["lora_r"], dense_dir)
         vllm_engine, start = None, float("nan")
         if engine_kind == "vllm":

@@ -23,7 +23,8 @@
 # The whole GRPO step per phase (bench.bench_step; 8 prompts x group 8, prompt 256, LoRA r32, the last of
 # two steps; each (format, engine) in its own process; writes $OUT/<command-args>/step.{csv,md,png}; merge
 # several calls' tables with `python -m bench.bench_step report DIR... --out MERGED`):
-#   step7b ["FORMATS"] ["CKPT"]   7B, 512 tokens, StaticEngine; FORMATS default "none nvfp4" (also nf4 mxfp4),
+#   step7b ["FORMATS"] ["CKPT"]   7B, 512 tokens, StaticEngine; FORMATS default "none nvfp4" (also nf4 mxfp4, and
+#                             bnb-nf4: bitsandbytes' NF4, needs .vllm/uns/slim.tgz or .vllm/bnb/*.whl),
 #                             CKPT (gradient checkpointing) default "off on"
 #   step-model MODEL ["FORMATS"] ["CKPT"]  another preset (Qwen2.5-0.5B, -1.5B, -14B, -32B), 512 tokens, StaticEngine;
 #                             CKPT default "on" (14B and 32B need it; give "off on" for the small ones)
@@ -134,6 +135,7 @@ unsloth)
 step7b|step-model|step-paper|step-vllm|step05b-real)
   # one bench.bench_step call per table; --budget stops new (format, engine) groups in time for the tail
   tag=$(echo "$cmd" "$@" | tr -s ' :' '--')  # e.g. step7b-nf4-mxfp4: calls of one command keep apart
+  case " $* " in *bnb-nf4*) bitsandbytes ;; esac  # bitsandbytes' NF4 layers (the field's QLoRA)
   common=(--steps 2 --budget "${STEP_BUDGET:-400}" --limit 540 --out "$OUT/$tag")
   case "$cmd" in
   step7b) read -r -a fmts <<< "${1:-none nvfp4}"; read -r -a ckpt <<< "${2:-off on}"

@@ -31,11 +31,12 @@ KEY = ["model", "lengths", "lengths_sha", "prompts", "group", "prompt_len", "lor
 SUBJECT = ("nvfp4", "static")
 # (label, format, engine, the issue's target speed-up or None; "lengths" targets depend on the lengths)
 BASELINES = [("bf16 + LoRA, ours", "none", "static", "lengths"), ("NF4 + LoRA (QLoRA), ours", "nf4", "static", 1.5),
+             ("bitsandbytes NF4 + LoRA (QLoRA), ours", "bnb-nf4", "static", 1.5),
              ("MXFP4 + LoRA, ours", "mxfp4", "static", None), ("NVFP4 step driven by vLLM", "nvfp4", "vllm", 1.3),
              ("bf16 step driven by vLLM", "none", "vllm", None), ("NF4 step driven by vLLM", "nf4", "vllm", None),
              ("QLoRA step by Unsloth", "nf4", "unsloth", None)]
 PHASES = [("rollout", "time_rollout"), ("log-probs", "time_logprob"), ("update", "time_update"), ("other", "time_other")]
-FORMAT_NAMES = {"none": "bf16", "nvfp4": "NVFP4", "nf4": "NF4", "mxfp4": "MXFP4"}
+FORMAT_NAMES = {"none": "bf16", "nvfp4": "NVFP4", "nf4": "NF4", "mxfp4": "MXFP4", "bnb-nf4": "bitsandbytes NF4"}
 
 
 def write_csv(rows: list[dict], path: Path) -> None:

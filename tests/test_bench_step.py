@@ -4,6 +4,7 @@ checkpointing table, ``report`` over several calls, failed and crashed runs kept
 length draws. The GPU tables it makes are bench/device.sh's step* commands."""
 
 import csv
+import importlib.util
 import math
 import os
 import subprocess
@@ -106,6 +107,10 @@ def test_a_run_that_fails_or_whose_process_dies_is_a_row(tmp_path):
     assert len(rows) == 2 and (tmp_path / "group0_log.txt").exists()
     assert by[("mxfp4", "vllm")]["status"] == "error" and "no MXFP4 + LoRA export" in by[("mxfp4", "vllm")]["error"]
     assert by[("mxfp4", "unsloth")]["status"] in ("not installed", "not run") and by[("mxfp4", "unsloth")]["error"]
+    # bitsandbytes' NF4 (the field's QLoRA layers) without bitsandbytes: an error row naming it
+    if importlib.util.find_spec("bitsandbytes") is None:
+        bnb = _run(tmp_path / "bnb", "--formats", "bnb-nf4", "--isolate", "off")
+        assert bnb[0]["status"] == "error" and "bitsandbytes" in bnb[0]["error"]
     # a group that starts after the call's budget is spent: every case a "skipped" row
     skipped = _run(tmp_path / "s", "--formats", "none", "nvfp4", "--budget", "0", "--isolate", "off")
     assert [r["status"] for r in skipped] == ["skipped", "skipped"] and "--budget" in skipped[0]["error"]
@@ -175,8 +180,6 @@ def _vllm_missing() -> str | None:
 
     if not torch.cuda.is_available():
         return "needs a CUDA GPU"
-    import importlib.util
-
     return None if importlib.util.find_spec("vllm") is not None else "needs vLLM"
 
 
