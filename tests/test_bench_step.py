@@ -198,6 +198,16 @@ def test_on_the_gpu_each_group_runs_in_its_own_process_with_its_peak_and_plan(tm
 
 
 @pytest.mark.gpu
+@pytest.mark.skipif(not __import__("torch").cuda.is_available() or importlib.util.find_spec("bitsandbytes") is None,
+                    reason="needs a CUDA GPU and bitsandbytes")
+def test_on_the_gpu_bitsandbytes_nf4_is_a_qlora_baseline(tmp_path):
+    rows = _run(tmp_path, "--formats", "nvfp4", "bnb-nf4", "--lengths", "fixed:16", "--steps", "2", process=True)
+    assert {r["status"] for r in rows} == {"ok"}, [r["error"] for r in rows]
+    ratios = step_report.ratios(step_report.read_csv(tmp_path / "step.csv"))
+    assert [r["baseline"] for r in ratios] == ["bitsandbytes NF4 + LoRA (QLoRA), ours"]
+
+
+@pytest.mark.gpu
 @pytest.mark.vllm
 @pytest.mark.skipif(_vllm_missing() is not None, reason=_vllm_missing() or "")
 def test_on_the_gpu_the_vllm_driven_step_forces_the_same_lengths(tmp_path):
