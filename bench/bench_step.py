@@ -382,12 +382,24 @@ def run_group(cases: list[dict], a: dict, meta: dict, rows_path: Path) -> None:
 
 
 # -- the run: cases, processes, outputs -------------------------------------------------------------
+def gpu_name() -> str:
+    """The GPU's name from nvidia-smi, so the parent process of the isolated runs holds no CUDA context
+    (its memory would be missing from theirs); torch's answer where nvidia-smi is missing; "cpu"."""
+    if not torch.cuda.is_available():
+        return "cpu"
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
+                             text=True, timeout=30).stdout.strip().splitlines()
+        return out[0] if out else torch.cuda.get_device_name()
+    except (OSError, subprocess.SubprocessError):
+        return torch.cuda.get_device_name()
+
+
 def versions() -> dict:
     """The GPU, date and package versions every row carries (a report of several calls shows each)."""
     from importlib.metadata import PackageNotFoundError, version
 
-    meta = dict(date=time.strftime("%Y-%m-%d"), run_id=f"{platform.node()}-{int(time.time())}",
-                gpu=torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu")
+    meta = dict(date=time.strftime("%Y-%m-%d"), run_id=f"{platform.node()}-{int(time.time())}", gpu=gpu_name())
     for key, dist in (("torch", "torch"), ("triton", "triton"), ("transformers", "transformers"),
                       ("humming", "humming-kernels"), ("vllm", "vllm"), ("bitsandbytes", "bitsandbytes")):
         try:
