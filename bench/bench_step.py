@@ -16,7 +16,10 @@ checkpointing on or off. AQN is on for NVFP4 and off for the baselines (``--aqn 
 recipe against plain LoRA and QLoRA). The phases are the Trainer's own ``time/*`` metrics of the last
 step (the first pays kernel compilation and graph capture): ``rollout`` (the AQN sync; on vLLM also
 wake, adapter upload and sleep, which ``sync`` shows apart), ``logprob`` (the old policy's log-probs),
-``update`` (mu x forward + backward, clipping, optimizer) and ``other`` = step minus those three.
+``update`` (mu x forward + backward, clipping, optimizer) and ``other`` = step minus those three
+(rewards, advantages, and with mu > 1 the clip statistics' log-prob pass against the new policy). A
+phase the Trainer does not report (no ``time/logprob`` once the old policy's log-probs come from the
+update's own forward) is empty, and the step still adds up.
 
 Lengths (``--lengths``, several allowed): ``fixed:N`` (every row N new tokens); ``paper`` (the
 paper's GSM8K preset, ``max_new_tokens`` 4096: lognormal of mean 300 and log-std 0.8 capped at 4096,
