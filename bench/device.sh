@@ -23,6 +23,22 @@
 #                             bench/make_notebook_carry.sh (.whl/nb, a call of its own)
 #   unsloth                   Unsloth's GRPO rollout path (bench/probe_unsloth.py); carry .vllm/uns
 #                             (bench/make_unsloth_carry.sh)
+# The whole GRPO step per phase (bench.bench_step; 8 prompts x group 8, prompt 256, LoRA r32, the last of
+# two steps; each (format, engine) in its own process; writes $OUT/<command-args>/step.{csv,md,png}; merge
+# several calls' tables with `python -m bench.bench_step report DIR... --out MERGED`):
+#   step7b ["FORMATS"] ["CKPT"]   7B, 512 tokens, StaticEngine; FORMATS default "none nvfp4" (also nf4 mxfp4, and
+#                             bnb-nf4: bitsandbytes' NF4, needs .vllm/uns/slim.tgz or .vllm/bnb/*.whl),
+#                             CKPT (gradient checkpointing) default "off on"
+#   step-model MODEL ["FORMATS"] ["CKPT"]  another preset (Qwen2.5-0.5B, -1.5B, -14B, -32B), 512 tokens, StaticEngine;
+#                             CKPT default "on" (14B and 32B need it; give "off on" for the small ones)
+#   step-paper ["FORMATS"] [MU] [LENGTHS]  7B, the paper's GSM8K preset: 16 x 8 rows, LENGTHS "paper" (lognormal
+#                             mean 300, cap 4096; the default) or "paper-tail" (4% of rows to 4096), checkpointing on,
+#                             micro-batch 8, mu default 1 (the preset's is 4)
+#   step-vllm FMT             7B, 512 tokens, the same step on StaticEngine and on vLLM 0.26 (FMT none|nvfp4|nf4;
+#                             vLLM installed as for `vllm`)
+#   step05b-real ["FORMATS"] ["LENGTHS"]  the real 0.5B converted by model-setup (/tmp/m05), GSM8K prompts,
+#                             16 x 8, mu 4, LoRA r16; FORMATS default "none nvfp4" (then "nf4 mxfp4"),
+#                             LENGTHS default "fixed:512 natural:512" (natural: its own completions)
 # The Countdown model and grid (docs/experiments.md):
 #   countdown                 three calibrations side by side, the best kept (bench.countdown_pick)
 #   cdtrain                   the shipped calibration alone, its shards' sha256 checked against the committed ones
@@ -124,6 +140,27 @@ unsloth)
   tar -xzf .vllm/uns/slim.tgz -C /tmp && export PYTHONPATH="/tmp/slim:$PYTHONPATH"
   TMPDIR=/dev/shm timeout 420 python3 -m bench.probe_unsloth --out "$OUT/unsloth" --budget 330 > "$OUT/unsloth_log.txt" 2>&1
   grep "^\[probe\]" "$OUT/unsloth_log.txt" | tail -20 ;;
+step7b|step-model|step-paper|step-vllm|step05b-real)
+  # one bench.bench_step call per table; --budget stops new (format, engine) groups in time for the tail
+  tag=$(echo "$cmd" "$@" | tr -s ' :' '--')  # e.g. step7b-nf4-mxfp4: calls of one command keep apart
+  case " $* " in *bnb-nf4*) bitsandbytes ;; esac  # bitsandbytes' NF4 layers (the field's QLoRA)
+  common=(--steps 2 --budget "${STEP_BUDGET:-400}" --limit 540 --out "$OUT/$tag")
+  case "$cmd" in
+  step7b) read -r -a fmts <<< "${1:-none nvfp4}"; read -r -a ckpt <<< "${2:-off on}"
+    args=(--models Qwen2.5-7B --formats "${fmts[@]}" --lengths fixed:512 --gradient-checkpointing "${ckpt[@]}") ;;
+  step-model) read -r -a fmts <<< "${2:-none nvfp4}"; read -r -a ckpt <<< "${3:-on}"
+    args=(--models "${1:?model}" --formats "${fmts[@]}" --lengths fixed:512 --gradient-checkpointing "${ckpt[@]}") ;;
+  step-paper) read -r -a fmts <<< "${1:-none nvfp4}"
+    args=(--models Qwen2.5-7B --formats "${fmts[@]}" --lengths "${3:-paper}" --prompts 16 --gradient-checkpointing on
+          --mu "${2:-1}") ;;
+  step-vllm) fmt="${1:?format}"; [ "$fmt" != nf4 ] || bitsandbytes
+    args=(--models Qwen2.5-7B --formats "$fmt" --engines static vllm --lengths fixed:512) ;;
+  step05b-real) read -r -a fmts <<< "${1:-none nvfp4}"; read -r -a lens <<< "${2:-fixed:512 natural:512}"
+    args=(--models /tmp/m05 --formats "${fmts[@]}" --lengths "${lens[@]}" --prompts 16 --mu 4 --lora-r 16) ;;
+  esac
+  timeout 560 python3 -m bench.bench_step run "${args[@]}" "${common[@]}" > "$OUT/${tag}_log.txt" 2>&1
+  echo "bench_step rc=$?"; grep -E "step #1|failed|exit|Error" "$OUT/${tag}_log.txt" | grep -v Warning | tail -16
+  sed -n '/^## NVFP4/,$p' "$OUT/$tag/step.md" 2>/dev/null | head -30 ;;
 countdown)
   mkdir -p /tmp/cd "$OUT/cd"
   # the knob is the near-miss share; each stops once held-out greedy accuracy reaches 30% (the band is 10-40%)

@@ -14,14 +14,15 @@ def header_commands(text: str) -> set[str]:
 
 
 def case_commands(text: str) -> set[str]:
+    """The top-level case arms' commands (an arm may name several: ``a|b)``)."""
     body = text.split('case "$cmd" in', 1)[1]
-    return {m.group(1) for m in re.finditer(r"^([a-z0-9][a-z0-9-]*)\)", body, re.M)}
+    return {c for m in re.finditer(r"^([a-z0-9][a-z0-9|-]*)\)", body, re.M) for c in m.group(1).split("|")}
 
 
 def test_header_lists_exactly_the_commands():
     text = SCRIPT.read_text()
     cases = case_commands(text)
-    assert {"engine7b", "vllm", "grpo-engines", "cdgrid", "model-piece", "real-eval"} <= cases
+    assert {"engine7b", "vllm", "grpo-engines", "cdgrid", "model-piece", "real-eval", "step7b", "step-paper"} <= cases
     assert header_commands(text) == cases
 
 
@@ -36,3 +37,24 @@ def test_out_is_required(tmp_path):
     proc = subprocess.run(["bash", str(SCRIPT), "engine7b"], cwd=tmp_path, capture_output=True, text=True,
                           env={"PATH": "/usr/bin:/bin"}, timeout=60)
     assert proc.returncode != 0 and "OUT" in proc.stderr
+
+
+def test_step_commands_call_the_step_bench_with_their_table_settings(tmp_path):
+    # a stand-in python3 records each call's arguments (the real run needs the GPU)
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "python3").write_text('#!/bin/sh\necho "$@" >> "$OUT/calls.txt"\n')
+    (bin_dir / "python3").chmod(0o755)
+    out = tmp_path / "out"
+    out.mkdir()
+    env = {"OUT": str(out), "PATH": f"{bin_dir}:/usr/bin:/bin"}
+    for args in (["step-paper", "nvfp4", "4"], ["step7b"], ["step-model", "Qwen2.5-32B", "nvfp4"]):
+        proc = subprocess.run(["bash", str(SCRIPT), *args], cwd=SCRIPT.parents[1], capture_output=True, text=True,
+                              env=env, timeout=60)
+        assert "bench_step rc=0" in proc.stdout, proc.stdout + proc.stderr
+    calls = [c for c in (out / "calls.txt").read_text().splitlines() if c.startswith("-m bench.bench_step run")]
+    assert calls[0] == ("-m bench.bench_step run --models Qwen2.5-7B --formats nvfp4 --lengths paper --prompts 16 "
+                        f"--gradient-checkpointing on --mu 4 --steps 2 --budget 400 --limit 540 --out {out}/step-paper-nvfp4-4")
+    assert "--formats none nvfp4 --lengths fixed:512 --gradient-checkpointing off on" in calls[1]
+    assert "--models Qwen2.5-32B --formats nvfp4 --lengths fixed:512 --gradient-checkpointing on" in calls[2]
+    assert calls[1].endswith(f"--out {out}/step7b") and calls[2].endswith(f"--out {out}/step-model-Qwen2.5-32B-nvfp4")

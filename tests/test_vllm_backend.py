@@ -95,9 +95,12 @@ class FakeLLM:
         outs = []
         for i, _ in enumerate(prompts):
             comps = []
-            for j in range(params.kwargs["n"]):
-                stop = j % 2 == 0
+            p = params[i] if isinstance(params, list) else params  # a list: one SamplingParams per request
+            for j in range(p.kwargs["n"]):
+                stop = j % 2 == 0 and "min_tokens" not in p.kwargs
                 toks = [10 + i, 20 + j] + ([EOS] if stop else [30, 31])
+                if "min_tokens" in p.kwargs:  # vLLM runs such a request to exactly min_tokens = max_tokens
+                    toks = [40 + i + k for k in range(p.kwargs["max_tokens"])]
                 comps.append(CompletionOutput(j, f"p{i}c{j}", toks, [{t: Logprob(-0.1 * (k + 1) - j)} for k, t in enumerate(toks)],
                                               "stop" if stop else "length"))
             outs.append(types.SimpleNamespace(outputs=comps[::-1]))  # vLLM does not promise order
@@ -251,6 +254,26 @@ def test_without_vllms_tokenizer_the_engine_decodes_and_ignore_eos_reaches_vllm(
     assert params.kwargs["detokenize"] is False and params.kwargs["ignore_eos"] is True
     # completion 0 stopped on EOS (dropped from the text), completion 1 ran to the length
     assert out.texts == ["10-20", "10-21-30-31"]
+
+
+def test_stop_after_sends_one_request_per_row_forced_to_its_length(fake_vllm, tmp_path):
+    # the whole-step bench forces realistic lengths on vLLM as on the StaticEngine (stop_after)
+    engine = VLLMEngine(tmp_path, Tok(), ignore_eos=True)
+    lengths = [3, 1, 5, 2, 4, 6]
+    gen = engine.generate_ids([[101, 102], [103]], n=3, sampling=SamplingParams(max_new_tokens=8, seed=7),
+                              stop_after=lengths)
+    _, requests, params, _ = engine.llm.calls[-1]
+    assert [r["prompt_token_ids"] for r in requests] == [[101, 102]] * 3 + [[103]] * 3  # prompt-major rows
+    assert [(p.kwargs["n"], p.kwargs["max_tokens"], p.kwargs["min_tokens"]) for p in params] == \
+        [(1, L, L) for L in lengths]
+    assert [p.kwargs["seed"] for p in params] == [7, 8, 9, 10, 11, 12]  # distinct samples within a group
+    assert gen.completion_mask.sum(1).tolist() == lengths
+    with pytest.raises(ValueError, match="one length >= 1 per row \\(6\\); got 2 values"):
+        engine.generate_ids([[101, 102], [103]], n=3, stop_after=[1, 2])
+    with pytest.raises(ValueError, match="smallest 0"):
+        engine.generate_ids([[101, 102], [103]], n=3, stop_after=[1, 2, 0, 1, 1, 1])
+    engine.generate_ids([[101, 102]], n=2, sampling=SamplingParams(max_new_tokens=4))
+    assert engine.llm.calls[-1][2].kwargs["max_tokens"] == 4 and "min_tokens" not in engine.llm.calls[-1][2].kwargs
 
 
 def test_sync_generate_and_sleep_sequence(fake_vllm, tmp_path):

@@ -197,6 +197,15 @@ def _checkpoint_vocab(checkpoint_dir: str | Path) -> int | None:
 
 
 # ---- the engine ---------------------------------------------------------------------------------
+def _row_lengths(stop_after: Sequence[int], rows: int) -> list[int]:
+    """``stop_after`` checked as ``StaticEngine.generate_ids`` checks it: one int >= 1 per row."""
+    lengths = [int(x) for x in stop_after]
+    if len(lengths) != rows or min(lengths, default=0) < 1:
+        raise ValueError(f"stop_after needs one length >= 1 per row ({rows}); got {len(lengths)} values, "
+                         f"smallest {min(lengths, default=None)}")
+    return lengths
+
+
 class VLLMEngine(Engine):
     """``vllm.LLM`` on an exported NVFP4 checkpoint; ``generate`` fills ``qerl_kit.rollout.Rollouts``."""
 
@@ -368,23 +377,34 @@ class VLLMEngine(Engine):
             self.sleep()
 
     # -- rollouts --------------------------------------------------------------------------------
-    def _generate_texts(self, prompts: Prompts, n: int, sampling: SamplingParams) -> tuple[Generation, list[str]]:
+    def _generate_texts(self, prompts: Prompts, n: int, sampling: SamplingParams,
+                        stop_after: Sequence[int] | None = None) -> tuple[Generation, list[str]]:
         """One ``LLM.generate`` call: the Generation and the texts vLLM decoded (its detokenizer,
-        special tokens skipped)."""
+        special tokens skipped). ``stop_after`` (one length per row, prompt-major, as
+        ``StaticEngine.generate_ids`` takes it) sends every row as its own request capped at its
+        length (``min_tokens`` too under ``ignore_eos``: the row runs to exactly that length)."""
         if self.asleep:
             raise RuntimeError("the vLLM engine is asleep; call wake_up() (or generate inside `with engine.sync(...)`"
                                " / `with engine.awake():`)")
         extra = dict(ignore_eos=True) if self.ignore_eos else {}
         if self.decode_here:
             extra["detokenize"] = False
-        params = self._vllm.SamplingParams(
-            n=n, max_tokens=sampling.max_new_tokens, temperature=sampling.temperature, top_p=sampling.top_p,
-            top_k=sampling.top_k or -1, seed=sampling.seed, logprobs=0, skip_special_tokens=True,
-            stop_token_ids=self.stop_token_ids or None, **extra)
-        outputs = self.llm.generate([{"prompt_token_ids": list(p)} for p in prompts.ids], params,
+        common = dict(temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k or -1, logprobs=0,
+                      skip_special_tokens=True, stop_token_ids=self.stop_token_ids or None, **extra)
+        requests = list(prompts.ids)
+        if stop_after is None:
+            params = self._vllm.SamplingParams(n=n, max_tokens=sampling.max_new_tokens, seed=sampling.seed, **common)
+        else:
+            lengths = _row_lengths(stop_after, len(requests) * n)
+            requests = [p for p in requests for _ in range(n)]  # one request per row, prompt-major
+            params = [self._vllm.SamplingParams(n=1, max_tokens=length, seed=None if sampling.seed is None
+                                                else sampling.seed + i, **common,
+                                                **(dict(min_tokens=length) if self.ignore_eos else {}))
+                      for i, length in enumerate(lengths)]
+        outputs = self.llm.generate([{"prompt_token_ids": list(p)} for p in requests], params,
                                     lora_request=self.lora_request, use_tqdm=False)
         p_ids, c_ids, logprobs, stopped, texts = [], [], [], [], []
-        for prompt_ids, out in zip(prompts.ids, outputs):
+        for prompt_ids, out in zip(requests, outputs):
             for c in sorted(out.outputs, key=lambda c: c.index):
                 toks = list(c.token_ids)
                 if c.logprobs is None or len(c.logprobs) != len(toks):
@@ -400,9 +420,9 @@ class VLLMEngine(Engine):
         return gen, texts
 
     def generate_ids(self, prompts: Prompts | Sequence[Sequence[int]], n: int = 1,
-                     sampling: SamplingParams | None = None) -> Generation:
+                     sampling: SamplingParams | None = None, stop_after: Sequence[int] | None = None) -> Generation:
         return self._generate_texts(as_prompts(prompts, self.tokenizer, self.add_special_tokens), check_n(n),
-                                    sampling or SamplingParams())[0]
+                                    sampling or SamplingParams(), stop_after)[0]
 
     def close(self) -> None:
         """Remove the adapter directories (and a base ``from_policy`` exported to a temporary directory)."""

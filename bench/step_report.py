@@ -1,0 +1,291 @@
+"""The whole-GRPO-step table (``bench.bench_step``): the CSV's columns, the markdown table with its
+ratios against the same call's baselines and gradient checkpointing's cost, and the per-phase plot.
+
+    python -m bench.bench_step report OUT_A OUT_B ... --out MERGED
+
+``report`` reads several calls' step.csv (vLLM runs one format per call), keeps the last row of each
+setting, and writes MERGED/step.csv, step.md and step.png. A ratio is the baseline's seconds over
+NVFP4 + LoRA on our StaticEngine's (above 1: ours is faster), per phase, for rows of identical
+settings; "same call" says whether both rows came from one call (one process tree, one hold).
+"""
+
+from __future__ import annotations
+
+import csv
+from pathlib import Path
+
+# every run's row, in this order (later keys, if any, follow)
+SETTINGS = ["model", "format", "engine", "lengths", "length_params", "lengths_sha", "mean_length", "max_length",
+            "max_new_tokens", "prompts", "group", "rows", "prompt_len", "lora_r", "mu", "micro_batch",
+            "gradient_checkpointing", "aqn", "keep_cache", "optimizer", "seed", "steps", "step_index"]
+RESULTS = ["status", "error", "time_step", "time_rollout", "time_sync", "time_wake", "time_upload", "time_sleep",
+           "time_logprob", "time_update", "time_other", "measured_mean_length", "rollout_tokens_per_s", "aqn_sigma",
+           "peak_gib", "peak_reserved_gib", "plan_gib", "plan_note", "engine_start_s", "wall_s"]
+META = ["case_id", "run_id", "date", "gpu", "torch", "triton", "transformers", "humming", "vllm", "bitsandbytes"]
+COLUMNS = META + SETTINGS + RESULTS
+NUMERIC = {"mean_length", "max_length", "max_new_tokens", "prompts", "group", "rows", "lora_r", "mu", "micro_batch",
+           "seed", "steps", "step_index", "case_id", *(c for c in RESULTS if c not in ("status", "error", "plan_note"))}
+# what a setting is, without format and engine: rows that share it are compared
+KEY = ["model", "lengths", "lengths_sha", "prompts", "group", "prompt_len", "lora_r", "mu", "micro_batch",
+       "gradient_checkpointing", "seed", "steps"]
+SUBJECT = ("nvfp4", "static")
+# (label, format, engine, the issue's target speed-up or None; "lengths" targets depend on the lengths)
+BASELINES = [("bf16 + LoRA, ours", "none", "static", "lengths"), ("NF4 + LoRA (QLoRA), ours", "nf4", "static", 1.5),
+             ("bitsandbytes NF4 + LoRA (QLoRA), ours", "bnb-nf4", "static", 1.5),
+             ("MXFP4 + LoRA, ours", "mxfp4", "static", None), ("NVFP4 step driven by vLLM", "nvfp4", "vllm", 1.3),
+             ("bf16 step driven by vLLM", "none", "vllm", None), ("NF4 step driven by vLLM", "nf4", "vllm", None),
+             ("QLoRA step by Unsloth", "nf4", "unsloth", None)]
+PHASES = [("rollout", "time_rollout"), ("log-probs", "time_logprob"), ("update", "time_update"), ("other", "time_other")]
+FORMAT_NAMES = {"none": "bf16", "nvfp4": "NVFP4", "nf4": "NF4", "mxfp4": "MXFP4", "bnb-nf4": "bitsandbytes NF4"}
+
+
+def write_csv(rows: list[dict], path: Path) -> None:
+    cols = COLUMNS + [k for k in dict.fromkeys(k for r in rows for k in r) if k not in COLUMNS]
+    with open(path, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=cols)
+        w.writeheader()
+        w.writerows(rows)
+
+
+def read_csv(path: Path) -> list[dict]:
+    """A step.csv's rows with numbers as floats and booleans as bools (empty cells: NaN / "")."""
+    def value(k, v):
+        if k in NUMERIC:
+            return float(v) if v not in ("", None) else float("nan")
+        if v in ("True", "False"):
+            return v == "True"
+        return v
+    with open(path, newline="") as f:
+        return [{k: value(k, v) for k, v in r.items()} for r in csv.DictReader(f)]
+
+
+def merge(paths) -> list[dict]:
+    """Rows of several step.csv files (or folders holding one); for the same setting, the later wins."""
+    seen: dict[tuple, dict] = {}
+    for p in map(Path, paths):
+        for r in read_csv(p / "step.csv" if p.is_dir() else p):
+            seen[tuple(str(r.get(k)) for k in KEY + ["format", "engine", "aqn"])] = r
+    return list(seen.values())
+
+
+def _ok(r: dict) -> bool:
+    return r.get("status") == "ok"
+
+
+def _num(v) -> float:
+    try:
+        return float(v)
+    except (TypeError, ValueError):
+        return float("nan")
+
+
+def _key(r: dict) -> tuple:
+    return tuple(str(r.get(k)) for k in KEY)
+
+
+def _target(target, model: str, lengths: str):
+    """Issue #45's target speed-up of the 7B step against this baseline (None elsewhere)."""
+    if model != "Qwen2.5-7B" or target is None:
+        return None
+    if target != "lengths":
+        return target
+    return 1.2 if lengths == "fixed:512" else 1.5 if lengths in ("paper", "paper-tail") else None
+
+
+def ratios(rows: list[dict]) -> list[dict]:
+    """NVFP4 + LoRA on the StaticEngine against each baseline with identical settings: baseline
+    seconds / ours, per phase (above 1: ours faster); a missing or failed baseline is left out."""
+    out = []
+    by = {(_key(r), r["format"], r["engine"]): r for r in rows if _ok(r)}
+    for (key, fmt, engine), subj in by.items():
+        if (fmt, engine) != SUBJECT:
+            continue
+        for label, bfmt, bengine, target in BASELINES:
+            base = by.get((key, bfmt, bengine))
+            if base is None:
+                continue
+            row = dict(model=subj["model"], lengths=subj["lengths"], mu=subj["mu"], micro_batch=subj["micro_batch"],
+                       gradient_checkpointing=subj["gradient_checkpointing"], seed=subj["seed"], baseline=label,
+                       target=_target(target, subj["model"], subj["lengths"]),
+                       same_call=subj.get("run_id") == base.get("run_id"))
+            for name, col in [("step", "time_step")] + PHASES[:3]:
+                ours, theirs = _num(subj.get(col)), _num(base.get(col))
+                row[name] = theirs / ours if ours > 0 and theirs == theirs else float("nan")
+            out.append(row)
+    return out
+
+
+def checkpointing_cost(rows: list[dict]) -> list[dict]:
+    """Per format / engine / setting with runs both with and without gradient checkpointing: the
+    update's and the step's time on over off, and the two peaks."""
+    runs = {}
+    for r in rows:
+        if _ok(r):
+            k = tuple(str(r.get(c)) for c in KEY if c != "gradient_checkpointing") + (r["format"], r["engine"])
+            runs.setdefault(k, {})[bool(r["gradient_checkpointing"])] = r
+    out = []
+    for pair in runs.values():
+        if True in pair and False in pair:
+            on, off = pair[True], pair[False]
+            out.append(dict(model=on["model"], format=on["format"], engine=on["engine"], lengths=on["lengths"],
+                            mu=on["mu"], micro_batch=on["micro_batch"], update_off=_num(off["time_update"]),
+                            update_on=_num(on["time_update"]),
+                            update_cost=_num(on["time_update"]) / _num(off["time_update"]),
+                            step_cost=_num(on["time_step"]) / _num(off["time_step"]),
+                            peak_off=_num(off.get("peak_gib")), peak_on=_num(on.get("peak_gib"))))
+    return out
+
+
+def _f(v, spec=".2f") -> str:
+    v = _num(v)
+    return "–" if v != v else format(v, spec)
+
+
+def _label(r: dict) -> str:
+    return f"{FORMAT_NAMES.get(r['format'], r['format'])} + LoRA, {r['engine']}"
+
+
+def runs_table(rows: list[dict]) -> list[str]:
+    lines = ["| model | format / engine | lengths (mean / max) | ckpt | mu | micro | seed | step s | rollout "
+             "(of it vLLM's sync + sleep) | log-probs | update | other | peak GiB | plan GiB | status |",
+             "|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+    for r in sorted(rows, key=lambda r: (str(r["model"]), str(r["lengths"]), str(r["gradient_checkpointing"]),
+                                         _num(r["mu"]), _num(r["micro_batch"]), _num(r["seed"]), _label(r))):
+        sync = sum(x for x in (_num(r.get("time_sync")), _num(r.get("time_sleep"))) if x == x) \
+            if _num(r.get("time_sync")) == _num(r.get("time_sync")) else float("nan")  # vLLM rows only
+        status = "ok" if _ok(r) else f"{r.get('status')}: {str(r.get('error', ''))[:120]}".replace("|", "/")
+        mean = r.get("mean_length") if _num(r.get("mean_length")) == _num(r.get("mean_length")) \
+            else r.get("measured_mean_length")  # natural lengths: the mean the model wrote
+        lines.append(f"| {r['model']} | {_label(r)} | {r['lengths']} ({_f(mean, '.0f')} / "
+                     f"{_f(r.get('max_length'), '.0f')}) | {'on' if r['gradient_checkpointing'] else 'off'} | "
+                     f"{_f(r['mu'], '.0f')} | {_f(r['micro_batch'], '.0f')} | {_f(r['seed'], '.0f')} | "
+                     f"{_f(r.get('time_step'))} | {_f(r.get('time_rollout'))}"
+                     + (f" ({_f(sync)})" if sync == sync else "") + f" | {_f(r.get('time_logprob'))} | "
+                     f"{_f(r.get('time_update'))} | {_f(r.get('time_other'))} | {_f(r.get('peak_gib'))} | "
+                     f"{_f(r.get('plan_gib'))} | {status} |")
+    return lines
+
+
+def ratio_table(rows: list[dict]) -> list[str]:
+    rs = ratios(rows)
+    if not rs:
+        return ["No NVFP4 + LoRA StaticEngine run has a baseline run with the same settings here."]
+    lines = ["| model | lengths | ckpt | mu | micro | seed | against | step | rollout | log-probs | update | "
+             "target (issue #45, 7B) | same call |", "|---|---|---|---:|---:|---:|---|---:|---:|---:|---:|---:|---|"]
+    for r in rs:
+        met = "" if r["target"] is None else f"≥ {r['target']}x " + ("met" if r["step"] >= r["target"] else "not met")
+        lines.append(f"| {r['model']} | {r['lengths']} | {'on' if r['gradient_checkpointing'] else 'off'} | "
+                     f"{_f(r['mu'], '.0f')} | {_f(r['micro_batch'], '.0f')} | {_f(r['seed'], '.0f')} | {r['baseline']} | "
+                     + " | ".join(f"{_f(r[k])}x" for k in ("step", "rollout", "log-probs", "update"))
+                     + f" | {met} | {'yes' if r['same_call'] else 'no'} |")
+    return lines
+
+
+def checkpointing_table(rows: list[dict]) -> list[str]:
+    cs = checkpointing_cost(rows)
+    if not cs:
+        return ["No setting ran both with and without gradient checkpointing here."]
+    lines = ["| model | format / engine | lengths | mu | micro | update off | update on | update on / off | "
+             "step on / off | peak off / on GiB |", "|---|---|---|---:|---:|---:|---:|---:|---:|---|"]
+    for c in cs:
+        lines.append(f"| {c['model']} | {_label(c)} | {c['lengths']} | {_f(c['mu'], '.0f')} | "
+                     f"{_f(c['micro_batch'], '.0f')} | {_f(c['update_off'])} | {_f(c['update_on'])} | "
+                     f"{_f(c['update_cost'])}x | {_f(c['step_cost'])}x | {_f(c['peak_off'])} / {_f(c['peak_on'])} |")
+    return lines
+
+
+def header(rows: list[dict]) -> list[str]:
+    """GPU, date, versions and length draws of every call the rows come from."""
+    calls = {}
+    for r in rows:
+        calls.setdefault(r.get("run_id"), r)
+    lines = ["# The whole GRPO step, per phase", ""]
+    for run_id, r in calls.items():
+        lines.append(f"- call `{run_id}`: {r.get('gpu')}, {r.get('date')}; torch {r.get('torch')}, triton "
+                     f"{r.get('triton')}, transformers {r.get('transformers')}, humming-kernels {r.get('humming')}, "
+                     f"vLLM {r.get('vllm')}, bitsandbytes {r.get('bitsandbytes')}")
+    draws = {(r["lengths"], r.get("length_params"), r.get("lengths_sha"), r.get("rows")) for r in rows}
+    for spec, params, sha, n in sorted(draws, key=str):
+        lines.append(f"- lengths `{spec}`: {params}, {_f(n, '.0f')} rows" + (f", sha `{sha}`" if sha else ""))
+    lines += ["", "Seconds of the last step (the Trainer's `time/*`); rollout includes the AQN sync (vLLM: wake, "
+              "adapter upload and sleep, in brackets); other = step - rollout - log-probs - update. Peak: "
+              "`torch.cuda.max_memory_allocated` over that step (with vLLM: its pool too); plan: "
+              "`qerl_kit.memory_plan.plan_memory` for the same settings.", ""]
+    return lines
+
+
+def markdown(rows: list[dict]) -> str:
+    return "\n".join(header(rows) + ["## Runs", ""] + runs_table(rows)
+                     + ["", "## NVFP4 + LoRA (StaticEngine) against the baselines: baseline s / ours", ""]
+                     + ratio_table(rows) + ["", "## Gradient checkpointing's cost", ""]
+                     + checkpointing_table(rows)) + "\n"
+
+
+def _segments(r: dict) -> list[tuple[str, float]]:
+    """A run's stacked-bar segments in seconds: the rollout without vLLM's wake, upload and sleep,
+    those three (the AQN sync on ours stays inside the rollout), log-probs, update, other."""
+    def v(col):
+        x = _num(r.get(col))
+        return max(0.0, x) if x == x else 0.0
+    held = v("time_sync") + v("time_sleep")
+    return [("rollout", max(0.0, v("time_rollout") - held)), ("wake + upload + sleep (vLLM)", held),
+            ("log-probs", v("time_logprob")), ("update", v("time_update")), ("other", v("time_other"))]
+
+
+def plot(rows: list[dict], path: Path, columns: int = 4) -> Path | None:
+    """Stacked per-phase bars per format / engine, one panel per setting (model, lengths, ckpt, mu,
+    micro-batch, seed), ``columns`` panels a row; None when no run succeeded."""
+    ok = [r for r in rows if _ok(r)]
+    if not ok:
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    try:
+        import seaborn as sns
+
+        sns.set_theme(style="whitegrid")
+    except ImportError:
+        pass
+    panels: dict[tuple, list[dict]] = {}
+    for r in ok:
+        panels.setdefault(_key(r), []).append(r)
+    ncols = min(columns, len(panels))
+    nrows = -(-len(panels) // ncols)
+    width = max(4.5, 2 + 1.1 * max(map(len, panels.values())))
+    fig, axes = plt.subplots(nrows, ncols, figsize=(width * ncols, 4.2 * nrows), squeeze=False)
+    for ax, runs in zip(axes.flat, panels.values()):
+        runs = sorted(runs, key=_label)
+        bottom = [0.0] * len(runs)
+        for i, name in enumerate(n for n, _ in _segments(runs[0])):
+            vals = [_segments(r)[i][1] for r in runs]
+            ax.bar(range(len(runs)), vals, bottom=bottom, label=name)
+            bottom = [b + v for b, v in zip(bottom, vals)]
+        ax.set_xticks(range(len(runs)), [_label(r).replace(", ", "\n") for r in runs], fontsize=8)
+        r = runs[0]
+        ax.set_title(f"{r['model']}, {r['lengths']}, ckpt {'on' if r['gradient_checkpointing'] else 'off'}, "
+                     f"mu {_f(r['mu'], '.0f')}, micro {_f(r['micro_batch'], '.0f')}", fontsize=9)
+        ax.set_ylabel("seconds per GRPO step")
+    for ax in list(axes.flat)[len(panels):]:
+        ax.axis("off")
+    axes[0][0].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+    return path
+
+
+def write_report(rows: list[dict], out: Path) -> None:
+    (out / "step.md").write_text(markdown(rows))
+    plot(rows, out / "step.png")
+
+
+def report_main(inputs, out: Path) -> list[dict]:
+    out.mkdir(parents=True, exist_ok=True)
+    rows = merge(inputs)
+    write_csv(rows, out / "step.csv")
+    write_report(rows, out)
+    print(markdown(rows))
+    return rows

@@ -1,0 +1,256 @@
+"""bench/bench_step.py (the whole GRPO step per phase) on the CPU: the tiny model through the real
+Trainer in both length modes and both checkpointing settings, the CSV's columns, the ratios and
+checkpointing table, ``report`` over several calls, failed and crashed runs kept as rows, and the
+length draws. The GPU tables it makes are bench/device.sh's step* commands."""
+
+import csv
+import importlib.util
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from bench import bench_step, step_report
+
+ROOT = Path(__file__).resolve().parents[1]
+ENV = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+TINY = ["--models", "qwen2-tiny", "--steps", "1", "--prompts", "2", "--group", "2", "--prompt-len", "8",
+        "--lora-r", "4", "--micro-batch", "2"]
+
+
+def _run(out, *extra, process=False):
+    """One ``run`` call: in this process (``--isolate off`` runs the cases here too), or as its own."""
+    argv = ["run", *TINY, "--out", str(out), *extra]
+    if process:
+        proc = subprocess.run([sys.executable, "-m", "bench.bench_step", *argv], cwd=ROOT, capture_output=True,
+                              text=True, timeout=600, env=ENV)
+        assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    else:
+        assert bench_step.main(argv) == 0
+    with open(out / "step.csv", newline="") as f:
+        return list(csv.DictReader(f))
+
+
+def test_the_step_bench_times_every_phase_in_both_length_modes_and_checkpointing_settings(tmp_path):
+    rows = _run(tmp_path, "--formats", "none", "nvfp4", "--engines", "static", "--lengths", "fixed:5", "paper",
+                "--max-new-tokens", "64", "--gradient-checkpointing", "off", "on", "--isolate", "off")
+    assert list(rows[0])[:len(step_report.COLUMNS)] == step_report.COLUMNS
+    assert len(rows) == 8 and {r["status"] for r in rows} == {"ok"}
+    got = {(r["format"], r["lengths"], r["gradient_checkpointing"]) for r in rows}
+    assert got == {(f, ln, ck) for f in ("none", "nvfp4") for ln in ("fixed:5", "paper") for ck in ("False", "True")}
+    for r in rows:
+        t = {k: float(r[k]) for k in ("time_step", "time_rollout", "time_logprob", "time_update", "time_other")}
+        assert t["time_rollout"] > 0 and t["time_update"] > 0 and t["time_logprob"] > 0
+        assert t["time_other"] >= -1e-6
+        assert math.isclose(t["time_step"], t["time_rollout"] + t["time_logprob"] + t["time_update"] + t["time_other"])
+        assert r["aqn"] == str(r["format"] == "nvfp4")  # --aqn auto: the paper's recipe for NVFP4 only
+        assert (float(r["aqn_sigma"]) > 0) == (r["format"] == "nvfp4")  # the timed step is a noisy one
+        assert float(r["plan_gib"]) > 0 and r["rows"] == "4" and r["step_index"] == "0"
+        # every row ran to exactly its drawn length: the Trainer's mean completion length is the draw's
+        assert math.isclose(float(r["measured_mean_length"]), float(r["mean_length"]))
+    paper = [r for r in rows if r["lengths"] == "paper"]
+    assert {r["lengths_sha"] for r in paper} == {paper[0]["lengths_sha"]}
+    assert paper[0]["length_params"] == "lognormal mean 4.6875 sigma 0.8 cap 64 seed 0"  # 300 and 4096 x 64 / 4096
+    assert {r["max_new_tokens"] for r in paper} == {"64"}  # the Trainer's setting: the cap, as the preset's 4096
+    md = (tmp_path / "step.md").read_text()
+    assert "| qwen2-tiny | paper | on | 1 | 2 | 0 | bf16 + LoRA, ours |" in md
+    assert "## Gradient checkpointing's cost" in md and "| qwen2-tiny | NVFP4 + LoRA, static | fixed:5 |" in md
+    assert (tmp_path / "step.png").stat().st_size > 1000
+
+    # report over two calls: the later call's row of the same setting wins, the ratios come back
+    again = _run(tmp_path / "b", "--formats", "none", "--engines", "static", "--lengths", "fixed:5",
+                 "--isolate", "off")
+    assert bench_step.main(["report", str(tmp_path), str(tmp_path / "b" / "step.csv"), "--out",
+                            str(tmp_path / "merged")]) == 0
+    merged = step_report.read_csv(tmp_path / "merged" / "step.csv")
+    assert len(merged) == 8
+    bf16 = [r for r in merged if (r["format"], r["lengths"], r["gradient_checkpointing"]) == ("none", "fixed:5", False)]
+    assert [r["run_id"] for r in bf16] == [again[0]["run_id"]]
+    ratio = next(r for r in step_report.ratios(merged) if r["lengths"] == "fixed:5" and not r["gradient_checkpointing"])
+    ours = next(r for r in merged if (r["format"], r["lengths"], r["gradient_checkpointing"]) == ("nvfp4", "fixed:5", False))
+    assert ratio["same_call"] is False
+    assert math.isclose(ratio["step"], bf16[0]["time_step"] / ours["time_step"])
+    assert (tmp_path / "merged" / "step.md").exists() and (tmp_path / "merged" / "step.png").exists()
+
+
+def _row(fmt, engine, step, update, ckpt=False, run="r1", **kw):
+    return {"model": "Qwen2.5-7B", "format": fmt, "engine": engine, "lengths": "fixed:512", "lengths_sha": "x", "prompts": 8,
+            "group": 8, "prompt_len": 256, "lora_r": 32, "mu": 1, "micro_batch": 8, "gradient_checkpointing": ckpt,
+            "seed": 0, "steps": 2, "status": "ok", "run_id": run, "time_step": step, "time_rollout": step - update - 1,
+            "time_logprob": 1.0, "time_update": update, "time_other": 0.0, **kw}
+
+
+def test_ratios_are_baseline_over_ours_per_phase_and_skip_failed_baselines():
+    rows = [_row("nvfp4", "static", 8.0, 4.0), _row("none", "static", 10.0, 6.0),
+            _row("nvfp4", "vllm", 12.0, 4.0, run="r2"), _row("nf4", "static", 16.0, 8.0, status="oom", error="OOM"),
+            _row("nvfp4", "static", 9.0, 5.0, ckpt=True), _row("none", "static", 11.0, 7.0, ckpt=True)]
+    got = {(r["baseline"], r["gradient_checkpointing"]): r for r in step_report.ratios(rows)}
+    assert set(got) == {("bf16 + LoRA, ours", False), ("NVFP4 step driven by vLLM", False), ("bf16 + LoRA, ours", True)}
+    bf16 = got[("bf16 + LoRA, ours", False)]
+    assert (bf16["step"], bf16["update"], bf16["rollout"], bf16["target"]) == (10 / 8, 6 / 4, 3 / 3, 1.2)
+    assert bf16["same_call"] is True and got[("NVFP4 step driven by vLLM", False)]["same_call"] is False
+    assert got[("NVFP4 step driven by vLLM", False)]["step"] == 1.5
+    cost = {c["format"]: c for c in step_report.checkpointing_cost(rows)}
+    assert cost["nvfp4"]["update_cost"] == 5 / 4 and cost["none"]["step_cost"] == 11 / 10 and "nf4" not in cost
+    md = step_report.markdown(rows)
+    assert "| 1.25x | 1.00x | 1.00x | 1.50x | ≥ 1.2x met | yes |" in md
+    assert "oom: OOM" in md  # the failed run stays in the table with its error
+
+
+def test_a_run_that_fails_or_whose_process_dies_is_a_row(tmp_path):
+    # vLLM runs in a process of its own (here it fails: no MXFP4 export for vLLM); Unsloth is not run
+    rows = _run(tmp_path, "--formats", "mxfp4", "--engines", "vllm", "unsloth", "--lengths", "fixed:4", process=True)
+    by = {(r["format"], r["engine"]): r for r in rows}
+    assert len(rows) == 2 and (tmp_path / "group0_log.txt").exists()
+    assert by[("mxfp4", "vllm")]["status"] == "error" and "no MXFP4 + LoRA export" in by[("mxfp4", "vllm")]["error"]
+    assert by[("mxfp4", "unsloth")]["status"] in ("not installed", "not run") and by[("mxfp4", "unsloth")]["error"]
+    # bitsandbytes' NF4 (the field's QLoRA layers) without bitsandbytes: an error row naming it
+    if importlib.util.find_spec("bitsandbytes") is None:
+        bnb = _run(tmp_path / "bnb", "--formats", "bnb-nf4", "--isolate", "off")
+        assert bnb[0]["status"] == "error" and "bitsandbytes" in bnb[0]["error"]
+    # a group that starts after the call's budget is spent: every case a "skipped" row
+    skipped = _run(tmp_path / "s", "--formats", "none", "nvfp4", "--budget", "0", "--isolate", "off")
+    assert [r["status"] for r in skipped] == ["skipped", "skipped"] and "--budget" in skipped[0]["error"]
+    # a process killed before it wrote a row (here by its time limit): the case is a "crashed" row
+    args = bench_step.parser().parse_args(["run", *TINY, "--formats", "none", "--out", str(tmp_path / "c")])
+    (tmp_path / "c").mkdir()
+    cases = bench_step.plan_cases(args)[0]
+    a = {k: getattr(args, k) for k in ("prompts", "group", "prompt_len", "lora_r", "steps", "max_new_tokens",
+                                       "keep_cache", "vllm_memory", "length_seed")}
+    bench_step.run_isolated(cases, a, {"run_id": "t"}, tmp_path / "c", timeout=0.01)
+    crashed = bench_step.read_rows(tmp_path / "c" / "rows.jsonl")
+    assert [r["status"] for r in crashed] == ["crashed"]
+    assert crashed[0]["error"].startswith("process exit timeout (killed at the call's --limit)")
+
+
+def test_length_draws_are_the_committed_distribution_and_bad_specs_name_the_choices():
+    from bench.bench_live_rows import hash_lengths, lengths_for
+
+    paper = bench_step.draw_lengths("paper", 128)
+    assert paper["lengths"] == lengths_for(128, 300.0, 0.8, 4096, 0) and max(paper["lengths"]) <= 4096
+    assert paper["lengths_sha"] == hash_lengths(paper["lengths"]) and paper["max_length"] > 1024  # a long tail
+    # the live-rows tables' draw (cap 1024) is the same draw, capped
+    assert [min(x, 1024) for x in bench_step.draw_lengths("paper", 64)["lengths"]] == lengths_for(64, 300, 0.8, 1024)
+    tail = bench_step.draw_lengths("paper-tail", 128)
+    assert sum(a != b for a, b in zip(tail["lengths"], paper["lengths"])) == 5  # round(0.04 x 128) rows ...
+    assert tail["lengths"].count(4096) == 5 and tail["max_new_tokens"] == 4096  # ... run to the cap
+    assert tail["params"].endswith("0.04 of the rows to the cap") and tail["lengths_sha"] != paper["lengths_sha"]
+    assert bench_step.draw_lengths("lognormal:50:0.5:200:0.25", 8)["lengths"].count(200) >= 2
+    assert bench_step.draw_lengths("fixed:512", 3, max_new_tokens=100)["lengths"] == [100] * 3
+    assert bench_step.draw_lengths("natural:256", 4)["lengths"] is None
+    assert bench_step.draw_lengths("lognormal:50:0.5:200", 8, seed=1)["lengths"] == lengths_for(8, 50, 0.5, 200, 1)
+    for bad in ("fixed:0", "fixed", "paper:3", "uniform:5", "lognormal:1:2", "lognormal:1:2:3:1.5"):
+        with pytest.raises(ValueError, match=r"expected fixed:N, paper, paper-tail, lognormal:MEAN:SIGMA:CAP\[:TAIL\]"):
+            bench_step.draw_lengths(bad, 4)
+
+
+def test_checkpointing_off_after_on_is_off_again():
+    # the Trainer turns checkpointing on and never off; the bench's next case in the process must
+    from bench.common import build, with_lora
+
+    peft = with_lora(build("qwen2-tiny", "none", "cpu"), 4)
+    peft.activation_checkpointing_enable()
+    assert peft.get_base_model().is_activation_checkpointing
+    bench_step.set_checkpointing(peft, False)
+    assert not peft.get_base_model().is_activation_checkpointing
+
+
+def test_a_real_model_directory_runs_on_gsm8k_prompts_with_its_own_or_forced_lengths(tmp_path):
+    # the shipped tiny model saved as a model directory stands for bench.real_model convert's output
+    from qerl_kit.tiny import load_tiny
+
+    model, tok = load_tiny()
+    model.save_pretrained(tmp_path / "m")
+    tok.save_pretrained(tmp_path / "m")
+    argv = ["run", "--models", str(tmp_path / "m"), "--formats", "nvfp4", "--lengths", "natural:8", "fixed:3",
+            "--steps", "1", "--prompts", "2", "--group", "2", "--lora-r", "4", "--micro-batch", "2", "--isolate", "off",
+            "--out", str(tmp_path / "out")]
+    assert bench_step.main(argv) == 0
+    rows = {r["lengths"]: r for r in step_report.read_csv(tmp_path / "out" / "step.csv")}
+    assert {r["status"] for r in rows.values()} == {"ok"} and {r["prompt_len"] for r in rows.values()} == {"gsm8k"}
+    assert rows["fixed:3"]["measured_mean_length"] == 3.0
+    assert 1 <= rows["natural:8"]["measured_mean_length"] <= 8 and rows["natural:8"]["lengths_sha"] == ""
+
+
+def _vllm_missing() -> str | None:
+    import torch
+
+    if not torch.cuda.is_available():
+        return "needs a CUDA GPU"
+    return None if importlib.util.find_spec("vllm") is not None else "needs vLLM"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs a CUDA GPU")
+def test_on_the_gpu_each_group_runs_in_its_own_process_with_its_peak_and_plan(tmp_path):
+    rows = _run(tmp_path, "--formats", "none", "nvfp4", "nf4", "mxfp4", "--lengths", "fixed:16", "paper",
+                "--max-new-tokens", "64", "--steps", "2", process=True)
+    assert len(rows) == 8 and {r["status"] for r in rows} == {"ok"}, [r["error"] for r in rows]
+    assert len(list(tmp_path.glob("group*_log.txt"))) == 4  # --isolate auto: one process per format
+    for r in rows:
+        assert float(r["peak_gib"]) > 0 and float(r["plan_gib"]) > 0 and r["gpu"] != "cpu"
+        assert math.isclose(float(r["measured_mean_length"]), float(r["mean_length"]))
+    ratios = step_report.ratios(step_report.read_csv(tmp_path / "step.csv"))
+    assert {r["baseline"] for r in ratios} == {"bf16 + LoRA, ours", "NF4 + LoRA (QLoRA), ours", "MXFP4 + LoRA, ours"}
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not __import__("torch").cuda.is_available() or importlib.util.find_spec("bitsandbytes") is None,
+                    reason="needs a CUDA GPU and bitsandbytes")
+def test_on_the_gpu_bitsandbytes_nf4_is_a_qlora_baseline(tmp_path):
+    rows = _run(tmp_path, "--formats", "nvfp4", "bnb-nf4", "--lengths", "fixed:16", "--steps", "2", process=True)
+    assert {r["status"] for r in rows} == {"ok"}, [r["error"] for r in rows]
+    ratios = step_report.ratios(step_report.read_csv(tmp_path / "step.csv"))
+    assert [r["baseline"] for r in ratios] == ["bitsandbytes NF4 + LoRA (QLoRA), ours"]
+
+
+@pytest.mark.gpu
+@pytest.mark.vllm
+@pytest.mark.skipif(_vllm_missing() is not None, reason=_vllm_missing() or "")
+def test_on_the_gpu_the_vllm_driven_step_forces_the_same_lengths(tmp_path):
+    rows = _run(tmp_path, "--formats", "nvfp4", "--engines", "static", "vllm", "--lengths", "paper",
+                "--max-new-tokens", "64", "--steps", "2", "--vllm-memory", "0.2", process=True)
+    by = {r["engine"]: r for r in rows}
+    assert {r["status"] for r in rows} == {"ok"}, [r["error"] for r in rows]
+    assert by["vllm"]["lengths_sha"] == by["static"]["lengths_sha"]
+    assert float(by["vllm"]["measured_mean_length"]) == float(by["static"]["measured_mean_length"])
+    assert float(by["vllm"]["time_sync"]) > 0 and float(by["vllm"]["engine_start_s"]) > 0
+    assert "NVFP4 step driven by vLLM" in (tmp_path / "step.md").read_text()
+
+
+@pytest.mark.usefixtures("fake_vllm")
+def test_the_vllm_driven_step_sends_each_row_at_its_drawn_length_through_the_trainer(tmp_path, monkeypatch):
+    # the step bench's vLLM half against the fake vLLM module (the real one: the GPU test above), which
+    # reports a GPU: the peak-memory calls answer as one would
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda: None)
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda: 3 << 30)
+    args = bench_step.parser().parse_args(["run", *TINY, "--formats", "nvfp4", "--engines", "vllm", "--lengths",
+                                           "paper", "--max-new-tokens", "32", "--out", str(tmp_path)])
+    cases = bench_step.plan_cases(args)[0]
+    a = {k: getattr(args, k) for k in ("prompts", "group", "prompt_len", "lora_r", "steps", "max_new_tokens",
+                                       "keep_cache", "vllm_memory", "length_seed")}
+    peft, tok = bench_step.build_policy("qwen2-tiny", "nvfp4", "cpu", 4)
+    engine = bench_step.vllm_for(peft, tok, "nvfp4", a, cases, tmp_path, None)
+    assert engine.llm.kwargs["max_model_len"] == 64 and engine.llm.kwargs["skip_tokenizer_init"] is True
+    drawn = bench_step.draw_lengths("paper", 4, 32)
+    engine.lengths, engine.ignore_eos = drawn["lengths"], True
+    trainer = bench_step.trainer_for(peft, tok, bench_step.make_task("qwen2-tiny", peft, 8, 4, 0), engine, cases[0],
+                                     a, drawn["max_new_tokens"], tmp_path / "run")
+    m, peak = bench_step.timed_steps(trainer, 1, "fake vllm")
+    assert peak == 3.0
+    generate = [c for c in engine.llm.calls if c[0] == "generate"][-1]
+    assert [p.kwargs["max_tokens"] for p in generate[2]] == drawn["lengths"]
+    assert [p.kwargs["min_tokens"] for p in generate[2]] == drawn["lengths"]
+    row = bench_step.phase_times(m)
+    assert row["time_sync"] > 0 and row["aqn_sigma"] > 0  # the adapter and the step's noisy norms went up
+    assert math.isclose(row["measured_mean_length"], drawn["mean_length"])
+
+
+from tests.test_vllm_backend import fake_vllm  # noqa: E402 - the fake vLLM module, as a fixture here
+
+_FIXTURES = (fake_vllm,)
