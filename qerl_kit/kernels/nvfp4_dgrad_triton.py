@@ -32,6 +32,7 @@ if HAS_TRITON:
     import triton.language as tl
 
     from qerl_kit.kernels.nvfp4_gemm_triton import _quick_bench, acc_fix, dequant_nvfp4, mma
+    from qerl_kit.kernels.tuning import autotune
 
     def even_n(args) -> bool:
         return args["N"] % args["BLOCK_N"] == 0
@@ -131,9 +132,8 @@ if HAS_TRITON:
         skip = 64 if named_args["M"] > 512 else 256  # BLOCK_M
         return [c for c in configs if c.kwargs["BLOCK_M"] != skip]
 
-    _nvfp4_dgrad_tuned = triton.autotune(DGRAD_CONFIGS, key=["M_BUCKET", "N", "K"],
-                                         prune_configs_by={"early_config_prune": _prune},
-                                         do_bench=_quick_bench)(_nvfp4_dgrad_kernel)
+    _nvfp4_dgrad_tuned = autotune("nvfp4_dgrad", DGRAD_CONFIGS, key=["M_BUCKET", "N", "K"], prune=_prune,
+                                  do_bench=_quick_bench)(_nvfp4_dgrad_kernel)
 
 
 def nvfp4_dgrad(dy: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor,

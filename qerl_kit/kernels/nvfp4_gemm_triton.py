@@ -48,6 +48,7 @@ if HAS_TRITON:
     import triton.language as tl
 
     from qerl_kit.kernels.backend import interpreting, patch_interpreter_for_numpy24
+    from qerl_kit.kernels.tuning import autotune
 
     if interpreting():
         patch_interpreter_for_numpy24()
@@ -319,9 +320,8 @@ if HAS_TRITON:
         tiles = _LARGE_M if named_args["M"] > 512 else _SMALL_M
         return [c for c in configs if (c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.kwargs["BLOCK_K"]) in tiles]
 
-    _nvfp4_gemm_tuned = triton.autotune(GEMM_CONFIGS, key=["M_BUCKET", "N", "K"],
-                                        prune_configs_by={"early_config_prune": _prune},
-                                        do_bench=_quick_bench)(_nvfp4_gemm_kernel)
+    _nvfp4_gemm_tuned = autotune("nvfp4_gemm", GEMM_CONFIGS, key=["M_BUCKET", "N", "K"], prune=_prune,
+                                 do_bench=_quick_bench)(_nvfp4_gemm_kernel)
 
 
 def m_bucket(m: int) -> int:
