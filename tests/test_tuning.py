@@ -1,0 +1,309 @@
+"""Reproducible autotuning (qerl_kit.kernels.tuning): the stored choice, its key, a damaged file,
+the pinned mode, and the same output bits in two processes.
+
+The file logic runs in this process without Triton; every kernel call runs in a fresh subprocess
+with ``TRITON_INTERPRET=1`` (the launchers take the autotuned path there when given
+``INTERPRET=False, FAST=False``: the portable code, bf16 output). On the CPU every candidate config
+gives the same bits at these shapes (the interpreter's sums are exact enough), so the CPU tests
+check which config runs and that none is timed again; the ``gpu`` tests compare real bits.
+
+    python -m pytest tests/test_tuning.py -q
+"""
+
+import json
+import os
+import stat
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from qerl_kit.config_types import ConfigError
+from qerl_kit.kernels import tuning
+
+ROOT = Path(__file__).resolve().parents[1]
+CUDA = torch.cuda.is_available()
+
+# One process: each Triton kernel through its autotuned launch path at a small shape; prints, per
+# kernel, the sha256 of the output, the config that ran and how many candidates were timed.
+SCRIPT = r"""
+import hashlib, json, os, sys
+import torch
+from qerl_kit.kernels import tuning
+timed = []
+bench = tuning.TunedKernel.bench
+def counting(self, fn, quantiles=None):
+    if self._local.candidates != 1:
+        timed.append(self.name)
+    return bench(self, fn, quantiles)
+tuning.TunedKernel.bench = counting
+from qerl_kit import nvfp4
+from qerl_kit.kernels.nvfp4_gemv_triton import nvfp4_gemv
+from qerl_kit.kernels.nvfp4_gemm_triton import nvfp4_gemm
+from qerl_kit.kernels.nvfp4_dgrad_triton import nvfp4_dgrad
+dev = "cuda" if torch.cuda.is_available() else "cpu"
+opts = {} if dev == "cuda" else dict(INTERPRET=False, FAST=False)  # the autotuned path
+g = torch.Generator().manual_seed(0)
+n, k = (4096, 4096) if dev == "cuda" else (64, 1024)
+q = nvfp4.quantize(torch.randn(n, k, generator=g) * torch.exp(torch.randn(n, 1, generator=g))).to(dev)
+def rnd(*s): return torch.randn(*s, generator=g).to(dev, torch.bfloat16)
+calls = {"nvfp4_blockdot": lambda: nvfp4_gemv(rnd(1, k), q.packed, q.scales, q.global_scale, **opts),
+         "nvfp4_gemv": lambda: nvfp4_gemv(rnd(8, k), q.packed, q.scales, q.global_scale, **opts),
+         "nvfp4_gemm": lambda: nvfp4_gemm(rnd(32, k), q.packed, q.scales, q.global_scale, strategy="fused", **opts),
+         "nvfp4_dgrad": lambda: nvfp4_dgrad(rnd(16, n), q.packed, q.scales, q.global_scale, strategy="fused", **opts)}
+out = {}
+for name in sys.argv[1].split(","):
+    before = len(timed)
+    y = calls[name]().float().cpu()
+    out[name] = dict(sha=hashlib.sha256(y.numpy().tobytes()).hexdigest(), timed=len(timed) - before,
+                     config=json.loads(json.dumps(tuning.TUNED[name].best_config.all_kwargs())))
+print("RESULT " + json.dumps(out))
+"""
+
+
+def run_kernels(names, cache: Path, mode: str = "cache") -> dict:
+    env = {**os.environ, "TRITON_INTERPRET": "0" if CUDA else "1", "QERL_AUTOTUNE": mode,
+           "QERL_AUTOTUNE_CACHE": str(cache), "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run([sys.executable, "-c", SCRIPT, ",".join(names)], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    line = [s for s in proc.stdout.splitlines() if s.startswith("RESULT ")][-1]
+    return json.loads(line[len("RESULT "):])
+
+
+@pytest.fixture
+def clean(monkeypatch, tmp_path):
+    monkeypatch.delenv(tuning.AUTOTUNE_ENV, raising=False)
+    monkeypatch.delenv(tuning.CACHE_ENV, raising=False)
+    tuning.set_mode(None)
+    tuning.set_cache_path(None)
+    tuning.reset()
+    yield tmp_path
+    tuning.set_mode(None)
+    tuning.set_cache_path(None)
+    tuning.reset()
+
+
+# -- the mode and the file's place ------------------------------------------------------------------
+
+def test_mode_and_cache_path_from_the_environment(clean, monkeypatch):
+    assert tuning.mode() == "cache"
+    monkeypatch.setenv(tuning.AUTOTUNE_ENV, "pinned")
+    assert tuning.mode() == "pinned"
+    monkeypatch.setenv(tuning.AUTOTUNE_ENV, "pinnd")
+    with pytest.raises(ConfigError, match="QERL_AUTOTUNE must be one of .*'pinnd'"):
+        tuning.mode()
+    tuning.set_mode("time")  # a notebook's override wins over the variable
+    assert tuning.mode() == "time"
+    with pytest.raises(ConfigError, match="mode"):
+        tuning.set_mode("fast")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(clean / "xdg"))
+    assert tuning.cache_path() == clean / "xdg" / "qerl_kit" / "autotune.json"
+    monkeypatch.setenv(tuning.CACHE_ENV, str(clean / "mine.json"))
+    assert tuning.cache_path() == clean / "mine.json"
+    tuning.set_cache_path(clean / "nb.json")
+    assert tuning.cache_path() == clean / "nb.json"
+
+
+def test_entry_key_names_kernel_shape_dtypes_gpu_and_triton():
+    key = tuning.entry_key("nvfp4_gemv", {"M_BUCKET": 8, "N": 4096, "K": 4096}, ["torch.bfloat16", "torch.uint8"],
+                           "NVIDIA H200", "3.6.0")
+    assert key == "nvfp4_gemv[M_BUCKET=8,N=4096,K=4096][torch.bfloat16,torch.uint8] on NVIDIA H200 with triton 3.6.0"
+    others = [tuning.entry_key("nvfp4_gemv", {"M_BUCKET": 8, "N": 4096, "K": 4096},
+                               ["torch.bfloat16", "torch.uint8"], gpu, version)
+              for gpu, version in (("NVIDIA H100 80GB HBM3", "3.6.0"), ("NVIDIA H200", "3.5.1"))]
+    assert key not in others and len(set(others)) == 2
+
+
+# -- the file ----------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("text,why", [("{\"format\": 1, \"entries\": {", "not JSON"),
+                                      ("[1, 2]", "not an autotune cache"),
+                                      ("{\"format\": 99, \"entries\": {}}", "not an autotune cache"),
+                                      ("{\"format\": 1, \"entries\": {\"k\": 3}}", "entry 'k' has no config"),
+                                      (b"\xff\xfe\x00", "unreadable")])
+def test_a_damaged_file_is_refused_naming_its_path(clean, text, why):
+    path = clean / "autotune.json"
+    path.write_bytes(text if isinstance(text, bytes) else text.encode())
+    with pytest.raises(tuning.AutotuneCacheError, match=why) as err:
+        tuning._read(path)
+    assert str(path) in str(err.value) and "delete it" in str(err.value) and "QERL_AUTOTUNE=pinned" in str(err.value)
+    with pytest.raises(tuning.AutotuneCacheError):  # a write refuses it too: never overwritten silently
+        tuning._store(path, "k", {"config": {"BLOCK_N": 64}})
+    assert path.read_bytes() == (text if isinstance(text, bytes) else text.encode())
+
+
+def test_store_merges_with_other_processes_entries_and_writes_atomically(clean):
+    path = clean / "sub" / "autotune.json"
+    assert tuning._read(path) == {}
+    tuning._store(path, "a", {"config": {"BLOCK_N": 64, "num_warps": 4}})
+    # another process adds an entry meanwhile: it is kept by the next write
+    data = json.loads(path.read_text())
+    data["entries"]["b"] = {"config": {"BLOCK_N": 128, "num_warps": 8}}
+    path.write_text(json.dumps(data))
+    tuning._store(path, "c", {"config": {"BLOCK_N": 16, "num_warps": 2}})
+    entries = tuning._read(path)
+    assert sorted(entries) == ["a", "b", "c"] and entries["b"]["config"]["num_warps"] == 8
+    assert sorted(p.name for p in path.parent.iterdir()) == ["autotune.json", "autotune.json.lock"]  # no temp file
+    assert stat.S_IMODE(path.stat().st_mode) == 0o666 & ~_umask()
+
+
+def _umask() -> int:
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+class _Config:  # the two attributes of a triton.Config that the chooser reads
+    def __init__(self, **kw):
+        self.kw = kw
+
+    def all_kwargs(self):
+        return dict(self.kw)
+
+
+class _Autotuner:
+    arg_names, keys, cache = ["x", "N", "K"], ["N", "K"], {}
+
+
+def _kernel(prune=None):
+    return tuning.TunedKernel("test_kernel", _Autotuner(), prune, do_bench=None)
+
+
+def test_chooser_uses_the_stored_config_pins_the_first_and_retimes_a_stale_entry(clean):
+    configs = [_Config(BLOCK_N=64, num_warps=4), _Config(BLOCK_N=128, num_warps=8), _Config(BLOCK_N=16, num_warps=2)]
+    args = {"x": torch.randn(3, 4), "N": 48, "K": 96}
+    kernel = _kernel(prune=lambda cs, named_args, **kw: cs[:2])  # the kernel's own pruning runs first
+    tuning.set_cache_path(clean / "c.json")
+    assert kernel.choose(configs, args) == configs[:2] and kernel._local.pending is not None  # to be timed
+    key = kernel.key(args, {})
+    assert key.startswith("test_kernel[N=48,K=96][torch.float32] on cpu (Triton interpreter) with triton ")
+    tuning._store(clean / "c.json", key, {"config": {"BLOCK_N": 128, "num_warps": 8}})
+    kernel._local.pending = None
+    assert kernel.choose(configs, args) == [configs[1]] and kernel._local.pending is None
+    assert kernel.bench(lambda: 1 / 0) == [0.0, 0.0, 0.0]  # a lone candidate is not timed (not even run)
+    tuning._store(clean / "c.json", key, {"config": {"BLOCK_N": 16, "num_warps": 2}})  # pruned away: stale
+    assert kernel.choose(configs, args) == configs[:2] and kernel._local.pending is not None
+    tuning.set_mode("pinned")
+    (clean / "c.json").write_text("damaged")  # pinned mode never reads the file
+    assert kernel.choose(configs, args) == [configs[0]]
+    tuning.set_mode("time")
+    assert kernel.choose(configs, args) == configs[:2]
+
+
+# -- kernels in fresh processes ----------------------------------------------------------------------
+
+NAMES = ["nvfp4_gemv", "nvfp4_blockdot", "nvfp4_gemm", "nvfp4_dgrad"]
+
+
+def test_choices_are_stored_by_one_process_and_reused_by_the_next(tmp_path):
+    """Process 1 times every kernel and stores its choices (next to an entry for another GPU and
+    one for another Triton, which it does not take); process 2 runs the stored configs, times
+    nothing and gives the same bits. Process 2 also runs a hand-edited choice: the file is read."""
+    cache = tmp_path / "autotune.json"
+    first = run_kernels(NAMES, cache)
+    entries = json.loads(cache.read_text())["entries"]
+    gemv_key = next(k for k in entries if k.startswith("nvfp4_gemv["))
+    foreign = {gemv_key.replace(" on cpu (Triton interpreter) ", " on NVIDIA H200 "): "gpu",
+               gemv_key.replace(f" with triton {_triton_version(gemv_key)}", " with triton 0.0"): "triton"}
+    if not CUDA:
+        assert " on cpu (Triton interpreter) " in gemv_key
+        assert gemv_key.startswith("nvfp4_gemv[M_BUCKET=8,N=64,K=1024][torch.bfloat16,")
+    assert {k.split("[")[0] for k in entries} == set(NAMES)
+    assert first["nvfp4_gemv"]["timed"] >= 2 and first["nvfp4_dgrad"]["timed"] >= 2
+    # another machine's entries for the same shape, with a config this run must not take
+    other = dict(entries[gemv_key]["config"], BLOCK_K=64 if entries[gemv_key]["config"]["BLOCK_K"] != 64 else 128)
+    data = json.loads(cache.read_text())
+    for key in foreign:
+        data["entries"][key] = {"config": other}
+    cache.write_text(json.dumps(data))
+    second = run_kernels(NAMES, cache)
+    for name in NAMES:
+        assert second[name]["sha"] == first[name]["sha"], name
+        assert second[name]["config"] == first[name]["config"] and second[name]["timed"] == 0, name
+    assert set(foreign) <= set(json.loads(cache.read_text())["entries"])
+    # the stored choice is what runs: edit it to another candidate of the same key
+    data = json.loads(cache.read_text())
+    data["entries"][gemv_key]["config"] = next(c for c in _gemv_candidates(8) if c != first["nvfp4_gemv"]["config"])
+    cache.write_text(json.dumps(data))
+    third = run_kernels(["nvfp4_gemv"], cache)
+    assert third["nvfp4_gemv"]["config"] == data["entries"][gemv_key]["config"] and third["nvfp4_gemv"]["timed"] == 0
+
+
+def _triton_version(key: str) -> str:
+    return key.rsplit(" with triton ", 1)[1]
+
+
+def _gemv_candidates(m: int) -> list[dict]:
+    """The GEMV configs its pruning keeps for m rows (M <= 16: the tensor-core ones of the first six)."""
+    names = ("BLOCK_N", "BLOCK_K", "USE_DOT", "PREFETCH", "CTAS_PER_SM")
+    rows = [(64, 128, True, False, 2, 4, 4), (64, 128, True, False, 4, 4, 6), (64, 256, True, False, 2, 4, 4)]
+    return [{**dict(zip(names, r[:5])), "num_warps": r[5], "num_ctas": 1, "num_stages": r[6]} for r in rows]
+
+
+def test_pinned_mode_times_nothing_writes_nothing_and_agrees_across_processes(tmp_path):
+    cache = tmp_path / "never.json"
+    one, two = run_kernels(NAMES, cache, "pinned"), run_kernels(NAMES, cache, "pinned")
+    assert one == two
+    assert all(r["timed"] == 0 for r in one.values())
+    assert one["nvfp4_gemv"]["config"] == _gemv_candidates(8)[0]  # the first candidate its pruning keeps
+    assert not cache.exists()
+
+
+def test_a_damaged_cache_stops_the_kernel_call_naming_the_file(tmp_path):
+    cache = tmp_path / "autotune.json"
+    cache.write_text("{truncated")
+    env = {**os.environ, "TRITON_INTERPRET": "0" if CUDA else "1", "QERL_AUTOTUNE_CACHE": str(cache),
+           "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run([sys.executable, "-c", SCRIPT, "nvfp4_gemv"], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode != 0
+    assert "AutotuneCacheError" in proc.stderr and str(cache) in proc.stderr and "not JSON" in proc.stderr
+    assert cache.read_text() == "{truncated"
+
+
+# -- on a GPU: real bits -----------------------------------------------------------------------------
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
+def test_gpu_kernels_give_the_same_bits_in_two_processes(tmp_path):
+    """Real shapes (N = K = 4096): the first process times and stores, the second reads; both
+    also run in pinned mode. Every kernel's output must be bit-identical between processes."""
+    cache = tmp_path / "autotune.json"
+    first, second = run_kernels(NAMES, cache), run_kernels(NAMES, cache)
+    assert {n: r["sha"] for n, r in first.items()} == {n: r["sha"] for n, r in second.items()}
+    assert all(r["timed"] == 0 for r in second.values())
+    assert run_kernels(NAMES, cache, "pinned") == run_kernels(NAMES, cache, "pinned")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
+def test_gpu_decode_and_trainer_step_give_the_same_bits_in_two_processes(tmp_path):
+    """A whole NVFP4 rollout on StaticEngine (the CUDA decode kernel, the Triton kernels, CUDA
+    graphs, the sampler) and one Trainer step, in two processes sharing the autotune cache."""
+    proc = subprocess.run([sys.executable, "-m", "bench.bench_repro", "--out", str(tmp_path), "--new", "64",
+                           "--prompts", "4", "--group", "8"], cwd=ROOT, capture_output=True, text=True,
+                          timeout=900, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = json.loads((tmp_path / "repro.json").read_text())["rows"]
+    assert rows[0]["adapter_changed"]
+
+
+# -- the one-command check -----------------------------------------------------------------------------
+
+def test_bench_repro_runs_two_processes_on_the_tiny_model_and_writes_the_table(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "bench.bench_repro", "--out", str(tmp_path), "--prompts", "2",
+                           "--group", "2", "--new", "4"], cwd=ROOT, capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1"})
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    result = json.loads((tmp_path / "repro.json").read_text())
+    rows = result["rows"]
+    assert len(rows) == 2 and rows[0]["pid"] != rows[1]["pid"]
+    for field in ("completion_ids", "rollout_logprobs", "old_logprobs", "adapter"):
+        assert len(rows[0][field]) == 64 and rows[0][field] == rows[1][field], field
+    table = (tmp_path / "repro.md").read_text()
+    assert "| identical in every process | yes | yes | yes | yes |" in table
+    assert "torch " + torch.__version__ in table and "triton " in table and "preset tiny-cpu" in table
+    assert not list(tmp_path.glob("process*.json"))  # the workers' rows are gathered into repro.json
