@@ -15,7 +15,10 @@ the autotune mode and how many Triton tile choices it timed. All processes share
 cache file (``--cache``, default a fresh one in ``--out``): the first times the kernels and stores
 its choices, the others read them (``qerl_kit.kernels.tuning``; ``--autotune pinned`` times
 nothing). The parent compares the hashes and writes ``repro.md`` and ``repro.json`` to ``--out``:
-the machine, the date, the versions and one row per process.
+the machine, the date, the versions and one row per process; the exit status is 1 when a hash
+differs. ``--backend ours`` leaves humming out (``QERL_KERNEL_BACKEND``); ``--torch-deterministic``
+turns on torch's deterministic algorithms (``warn_only``, with ``CUBLAS_WORKSPACE_CONFIG=:4096:8``)
+and lists the ops of the step that torch has no deterministic kernel for.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ import platform
 import subprocess
 import sys
 import time
+import warnings
 from pathlib import Path
 
 import torch
@@ -85,6 +89,8 @@ def worker(args) -> dict:
             timed.append(self.name)
         return bench(self, fn, quantiles)
     tuning.TunedKernel.bench = counting  # before any kernel module binds it
+    if args.torch_deterministic:  # torch's deterministic kernels where it has them; a warning names the rest
+        torch.use_deterministic_algorithms(True, warn_only=True)
     torch.manual_seed(args.seed)
     trainer, policy = build_trainer(args, Path(args.out) / f"run-{os.getpid()}")
     seen: dict = {}
@@ -97,13 +103,18 @@ def worker(args) -> dict:
     trainer._prepare = spy
     before = adapter_sha(policy)
     start = time.perf_counter()
-    metrics = trainer.train_step()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        metrics = trainer.train_step()
     prep = seen["prep"]
+    nondeterministic = sorted({str(w.message).split(" does not have a deterministic")[0][:120] for w in caught
+                               if "deterministic" in str(w.message)})
     return dict(pid=os.getpid(), seconds=round(time.perf_counter() - start, 2), autotune=tuning.mode(),
                 timed=len(timed), loss=float(metrics.get("loss", float("nan"))),
                 completion_ids=sha(prep.batch.completion_ids), rollout_logprobs=sha(prep.batch.logprobs),
                 old_logprobs=sha(getattr(prep, "old_logp", None)), adapter=adapter_sha(policy),
-                adapter_changed=adapter_sha(policy) != before)
+                adapter_changed=adapter_sha(policy) != before, torch_nondeterministic=nondeterministic,
+                backend=os.environ.get("QERL_KERNEL_BACKEND", "auto"))
 
 
 def versions() -> dict:
@@ -130,7 +141,9 @@ def report(args, rows: list[dict]) -> str:
              + ", ".join(f"{k} {v}" for k, v in versions().items()), "",
              f"`python -m bench.bench_repro {' '.join(sys.argv[1:])}`: preset {args.preset}"
              f"{f', model {args.model}' if args.model else ''}, seed {args.seed}, {args.prompts} x {args.group} "
-             f"completions of {args.new} tokens, autotune {rows[0]['autotune'] if rows else '?'}", "",
+             f"completions of {args.new} tokens, temperature {args.temperature}, autotune "
+             f"{rows[0]['autotune'] if rows else '?'}, kernel backend {rows[0]['backend'] if rows else '?'}, "
+             f"torch deterministic algorithms {'on' if args.torch_deterministic else 'off'}", "",
              "| process | tile timings | step s | adapter moved | " + " | ".join(f"{f} sha256" for f in FIELDS) + " |",
              "|---|---|---|---|" + "---|" * len(FIELDS)]
     for i, r in enumerate(rows):
@@ -138,6 +151,10 @@ def report(args, rows: list[dict]) -> str:
                      + " | ".join(f"`{r[f][:16]}`" for f in FIELDS) + " |")
     lines += ["", "| | " + " | ".join(FIELDS) + " |", "|---|" + "---|" * len(FIELDS),
               "| identical in every process | " + " | ".join("yes" if same[f] else "**no**" for f in FIELDS) + " |"]
+    flagged = sorted({op for r in rows for op in r["torch_nondeterministic"]})
+    if args.torch_deterministic:
+        lines += ["", "torch ops without a deterministic kernel in the step: "
+                  + ("; ".join(f"`{op}`" for op in flagged) if flagged else "none")]
     return "\n".join(lines) + "\n"
 
 
@@ -155,6 +172,10 @@ def main(argv=None) -> int:
                     help="sampling temperature (above 1: the tiny model's groups need differing rewards, or the step changes nothing)")
     ap.add_argument("--autotune", default="cache", choices=["cache", "pinned", "time"])
     ap.add_argument("--cache", default=None, help="the autotune cache file (default: a fresh one in --out)")
+    ap.add_argument("--backend", default=None, help="QERL_KERNEL_BACKEND for the workers (auto, ours, triton, ...)")
+    ap.add_argument("--torch-deterministic", action="store_true",
+                    help="torch.use_deterministic_algorithms(True, warn_only=True) and CUBLAS_WORKSPACE_CONFIG=:4096:8; "
+                         "the ops torch has no deterministic kernel for are listed")
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)  # a child writes its row here
     args = ap.parse_args(argv)
     if args.worker:
@@ -166,6 +187,10 @@ def main(argv=None) -> int:
     if not args.cache:
         cache.unlink(missing_ok=True)  # the first process times the kernels
     env = {**os.environ, "QERL_AUTOTUNE": args.autotune, "QERL_AUTOTUNE_CACHE": str(cache)}
+    if args.backend:
+        env["QERL_KERNEL_BACKEND"] = args.backend
+    if args.torch_deterministic:
+        env["CUBLAS_WORKSPACE_CONFIG"] = ":4096:8"  # what cuBLAS needs for deterministic results under torch's flag
     rows = []
     for i in range(args.processes):
         row_file = out / f"process{i}.json"

@@ -295,7 +295,7 @@ def test_gpu_decode_and_trainer_step_give_the_same_bits_in_two_processes(tmp_pat
 
 def test_bench_repro_runs_two_processes_on_the_tiny_model_and_writes_the_table(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "bench.bench_repro", "--out", str(tmp_path), "--prompts", "2",
-                           "--group", "2", "--new", "4"], cwd=ROOT, capture_output=True, text=True, timeout=600,
+                           "--group", "2", "--new", "4", "--torch-deterministic"], cwd=ROOT, capture_output=True, text=True, timeout=600,
                           env={**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1"})
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     result = json.loads((tmp_path / "repro.json").read_text())
@@ -306,4 +306,5 @@ def test_bench_repro_runs_two_processes_on_the_tiny_model_and_writes_the_table(t
     table = (tmp_path / "repro.md").read_text()
     assert "| identical in every process | yes | yes | yes | yes |" in table
     assert "torch " + torch.__version__ in table and "triton " in table and "preset tiny-cpu" in table
+    assert "torch deterministic algorithms on" in table and "torch ops without a deterministic kernel" in table
     assert not list(tmp_path.glob("process*.json"))  # the workers' rows are gathered into repro.json
