@@ -193,6 +193,20 @@ def test_chooser_uses_the_stored_config_pins_the_first_and_retimes_a_stale_entry
     assert kernel.choose(configs, args) == configs[:2]
 
 
+def test_a_cache_that_cannot_be_written_is_a_warning_and_the_choice_still_holds(clean):
+    blocker = clean / "not_a_dir"
+    blocker.write_text("a file where the cache's folder should be")
+    kernel = _kernel()
+    kernel.autotuner.best_config = _Config(BLOCK_N=64, num_warps=4)
+    kernel.autotuner.configs_timings = {kernel.autotuner.best_config: [0.5, 0.4, 0.6]}
+    with pytest.warns(UserWarning, match="not_a_dir/autotune.json was not written .*QERL_AUTOTUNE_CACHE"):
+        kernel._record(blocker / "autotune.json", "k")
+    path = clean / "ok.json"
+    kernel._record(path, "k")
+    entry = tuning._read(path)["k"]
+    assert entry["config"] == {"BLOCK_N": 64, "num_warps": 4} and entry["median_ms"] == [[entry["config"], 0.5]]
+
+
 # -- kernels in fresh processes ----------------------------------------------------------------------
 
 NAMES = ["nvfp4_gemv", "nvfp4_blockdot", "nvfp4_gemm", "nvfp4_dgrad"]

@@ -37,6 +37,7 @@ import json
 import os
 import threading
 import time
+import warnings
 from pathlib import Path
 
 from qerl_kit import file_writes, locks
@@ -251,11 +252,17 @@ class TunedKernel:
         return entry_key(self.name, values, dtypes, gpu_name(_device(args)), triton.__version__)
 
     def _record(self, path: Path, key: str) -> None:
+        """Store this process's timed choice; a file that cannot be written (a read-only home, a full
+        disk) is a warning, not a stopped run: the choice holds in this process, later ones time again."""
         best = self.autotuner.best_config
         timings = getattr(self.autotuner, "configs_timings", None) or {}
-        _store(path, key, {"config": _plain(best), "stored": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-                           "median_ms": sorted(([_plain(c), _median(t)] for c, t in timings.items()),
-                                               key=lambda e: e[1])})
+        entry = {"config": _plain(best), "stored": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                 "median_ms": sorted(([_plain(c), _median(t)] for c, t in timings.items()), key=lambda e: e[1])}
+        try:
+            _store(path, key, entry)
+        except OSError as err:
+            warnings.warn(f"the autotune cache {path} was not written ({err}); {key} is timed again in the next "
+                          f"process, whose tile choice may differ (set {CACHE_ENV} to a writable file)", stacklevel=2)
 
 
 def autotune(name: str, configs: list, key: list[str], prune=None, do_bench=None):
