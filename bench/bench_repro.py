@@ -169,7 +169,8 @@ def main(argv=None) -> int:
     ap.add_argument("--group", type=int, default=4)
     ap.add_argument("--new", type=int, default=16, help="new tokens per completion")
     ap.add_argument("--temperature", type=float, default=1.5,
-                    help="sampling temperature (above 1: the tiny model's groups need differing rewards, or the step changes nothing)")
+                    help="sampling temperature (above 1: the tiny model's groups need differing rewards, "
+                         "or the step changes nothing)")
     ap.add_argument("--autotune", default="cache", choices=["cache", "pinned", "time"])
     ap.add_argument("--cache", default=None, help="the autotune cache file (default: a fresh one in --out)")
     ap.add_argument("--backend", default=None, help="QERL_KERNEL_BACKEND for the workers (auto, ours, triton, ...)")

@@ -309,7 +309,8 @@ def test_gpu_decode_and_trainer_step_give_the_same_bits_in_two_processes(tmp_pat
 
 def test_bench_repro_runs_two_processes_on_the_tiny_model_and_writes_the_table(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "bench.bench_repro", "--out", str(tmp_path), "--prompts", "2",
-                           "--group", "2", "--new", "4", "--torch-deterministic"], cwd=ROOT, capture_output=True, text=True, timeout=600,
+                           "--group", "2", "--new", "4", "--torch-deterministic"], cwd=ROOT, capture_output=True,
+                          text=True, timeout=600,
                           env={**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1"})
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     result = json.loads((tmp_path / "repro.json").read_text())

@@ -15,9 +15,9 @@ dequantizes into the even and odd columns of W, which give the even and odd colu
 
 The two accumulators are interleaved once, in registers, before the store. With ``SWAP_AB`` the
 products are taken transposed (dx^T = W^T @ dy^T), which puts the weight in wgmma's A slot.
-Configs are autotuned per (M bucket, N, K); the launcher does no host sync. Registered as
-``torch.ops.qerl_kit.nvfp4_dgrad``; qerl_kit/kernels/routes.py decides which calls reach the
-fused and dense paths. Tests: tests/test_kernels.py.
+Configs are autotuned per (M bucket, N, K), the choice stored and reused (``tuning``); the
+launcher does no host sync. Registered as ``torch.ops.qerl_kit.nvfp4_dgrad``;
+qerl_kit/kernels/routes.py decides which calls reach the fused and dense paths. Tests: tests/test_kernels.py.
 """
 
 from __future__ import annotations

@@ -19,9 +19,9 @@ at full memory bandwidth with few instructions per weight. Layout and dequantiza
   ``nvfp4_gemv`` hands the call to the block-dot kernel (``nvfp4_blockdot_triton``), which
   multiplies the raw E2M1 codes with x and is faster than both paths above for one row.
 
-Configs are autotuned per (M bucket, N, K); the launcher does no host sync, so a warmed-up call
-can be captured in a CUDA graph. Registered as ``torch.ops.qerl_kit.nvfp4_gemv``;
-qerl_kit/kernels/routes.py decides which calls reach it. Tests: tests/test_kernels.py (Triton's
+Configs are autotuned per (M bucket, N, K), the choice stored and reused (``tuning``); the
+launcher does no host sync, so a warmed-up call can be captured in a CUDA graph. Registered
+as ``torch.ops.qerl_kit.nvfp4_gemv``; qerl_kit/kernels/routes.py decides which calls reach it. Tests: tests/test_kernels.py (Triton's
 interpreter on the CPU; real shapes and CUDA graphs on a GPU).
 """
 
