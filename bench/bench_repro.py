@@ -175,8 +175,8 @@ def main(argv=None) -> int:
     ap.add_argument("--cache", default=None, help="the autotune cache file (default: a fresh one in --out)")
     ap.add_argument("--backend", default=None, help="QERL_KERNEL_BACKEND for the workers (auto, ours, triton, ...)")
     ap.add_argument("--torch-deterministic", action="store_true",
-                    help="torch.use_deterministic_algorithms(True, warn_only=True) and CUBLAS_WORKSPACE_CONFIG=:4096:8; "
-                         "the ops torch has no deterministic kernel for are listed")
+                    help="torch.use_deterministic_algorithms(True, warn_only=True) and "
+                         "CUBLAS_WORKSPACE_CONFIG=:4096:8; the ops torch has no deterministic kernel for are listed")
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)  # a child writes its row here
     args = ap.parse_args(argv)
     if args.worker:

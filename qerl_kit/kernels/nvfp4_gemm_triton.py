@@ -28,9 +28,9 @@ Scales are loaded as bytes and decoded arithmetically (exact, subnormals include
 interpreter needs no float8 support; the hardware fp8 conversion is no faster on the H200.
 ``nvfp4_dequantize`` writes the dense W for the "dense" strategy (then cuBLAS). Configs are
 autotuned per (M bucket, N, K), the choice stored and reused (``tuning``); the launcher does no
-host sync (CUDA-graph safe after a warm-up call). Registered as ``torch.ops.qerl_kit.nvfp4_gemm``; qerl_kit/kernels/routes.py decides which
-calls reach the fused and dense paths. Reference: ``reference.nvfp4_linear_ref``; tests:
-tests/test_kernels.py.
+host sync (CUDA-graph safe after a warm-up call). Registered as ``torch.ops.qerl_kit.nvfp4_gemm``;
+qerl_kit/kernels/routes.py decides which calls reach the fused and dense paths. Reference:
+``reference.nvfp4_linear_ref``; tests: tests/test_kernels.py.
 """
 
 from __future__ import annotations

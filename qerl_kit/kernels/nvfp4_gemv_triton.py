@@ -21,8 +21,8 @@ at full memory bandwidth with few instructions per weight. Layout and dequantiza
 
 Configs are autotuned per (M bucket, N, K), the choice stored and reused (``tuning``); the
 launcher does no host sync, so a warmed-up call can be captured in a CUDA graph. Registered
-as ``torch.ops.qerl_kit.nvfp4_gemv``; qerl_kit/kernels/routes.py decides which calls reach it. Tests: tests/test_kernels.py (Triton's
-interpreter on the CPU; real shapes and CUDA graphs on a GPU).
+as ``torch.ops.qerl_kit.nvfp4_gemv``; qerl_kit/kernels/routes.py decides which calls reach it.
+Tests: tests/test_kernels.py (Triton's interpreter on the CPU; real shapes and CUDA graphs on a GPU).
 """
 
 from __future__ import annotations
