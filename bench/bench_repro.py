@@ -85,7 +85,7 @@ def worker(args) -> dict:
     bench = tuning.TunedKernel.bench
 
     def counting(self, fn, quantiles=None):  # every real timing of a tile candidate
-        if getattr(self._local, "candidates", None) != 1:
+        if self._local.candidates != 1:
             timed.append(self.name)
         return bench(self, fn, quantiles)
     tuning.TunedKernel.bench = counting  # before any kernel module binds it

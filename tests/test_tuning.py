@@ -15,11 +15,14 @@ import os
 import stat
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import pytest
 import torch
 
+from qerl_kit import locks
 from qerl_kit.config_types import ConfigError
 from qerl_kit.kernels import tuning
 
@@ -191,6 +194,36 @@ def test_chooser_uses_the_stored_config_pins_the_first_and_retimes_a_stale_entry
     assert kernel.choose(configs, args) == [configs[0]]
     tuning.set_mode("time")
     assert kernel.choose(configs, args) == configs[:2]
+
+
+def test_a_key_being_timed_by_another_process_is_waited_for_and_its_choice_taken(clean):
+    """The lock is held while a process times a new key: another one meeting the key waits, reads the
+    file again and runs the stored choice instead of timing it too (DDP ranks agree)."""
+    configs = [_Config(BLOCK_N=64, num_warps=4), _Config(BLOCK_N=128, num_warps=8)]
+    args = {"x": torch.randn(2, 2), "N": 8, "K": 16}
+    path = clean / "c.json"
+    tuning.set_cache_path(path)
+    kernel = _kernel()
+    key = kernel.key(args, {})
+    holder = tuning._lock(path)  # "another process" is timing this key (a second fd: flock refuses us)
+
+    def finish():
+        time.sleep(0.3)
+        tuning._store(path, key, {"config": {"BLOCK_N": 128, "num_warps": 8}}, locked=True)
+        locks.release(holder)
+    writer = threading.Thread(target=finish)
+    writer.start()
+    kernel._local.launching = True
+    start = time.monotonic()
+    chosen = kernel.choose(configs, args)
+    writer.join()
+    assert time.monotonic() - start >= 0.25  # it waited for the lock
+    assert chosen == [configs[1]] and kernel._local.pending is None and kernel._local.lock is None
+    # a key nobody stored: the lock is kept for the timing and released by the launch's end
+    args2 = {**args, "N": 24}
+    assert kernel.choose(configs, args2) == configs and kernel._local.pending is not None
+    assert kernel._local.lock is not None and tuning.locks.try_lock(path.with_name("c.json.lock")) is None
+    locks.release(kernel._local.lock)
 
 
 def test_a_cache_that_cannot_be_written_is_a_warning_and_the_choice_still_holds(clean):

@@ -16,9 +16,11 @@ is one of:
 
 The mode is ``$QERL_AUTOTUNE`` (``set_mode`` overrides it in a notebook); the file is
 ``$QERL_AUTOTUNE_CACHE``, else ``$XDG_CACHE_HOME/qerl_kit/autotune.json``, else
-``~/.cache/qerl_kit/autotune.json`` (``set_cache_path`` overrides it). It is written atomically
-(``file_writes.write_text_atomic``) under an ``flock`` (``locks``), merged with what other
-processes stored meanwhile. A damaged file (not JSON, or not this module's layout) is refused with
+``~/.cache/qerl_kit/autotune.json`` (``set_cache_path`` overrides it). A process that meets a key
+the file lacks takes the file's ``flock`` (``locks``), reads it again, times, stores the winner
+(merged with what other processes stored, written atomically by ``file_writes.write_text_atomic``)
+and releases the lock: processes meeting one new key together (DDP ranks) run one choice. A file
+that cannot be written is a warning (the choice holds in this process). A damaged file (not JSON, or not this module's layout) is refused with
 ``AutotuneCacheError`` naming its path, never ignored: silently re-timing would change the bits
 the file exists to keep. A stored config that is no longer a candidate (the kernel's config list
 changed) is re-timed and replaced. Choose the mode before a process's first kernel call: Triton
@@ -158,15 +160,23 @@ def _stored(path: Path) -> dict:
     return _STORES[path]
 
 
-def _store(path: Path, key: str, entry: dict) -> None:
-    """Add one entry to the file: under its lock, merged with the file as it is now, written atomically."""
+def _lock(path: Path) -> int | None:
+    """The file's ``flock`` (on ``<name>.lock``), waited for up to ``LOCK_WAIT_S``; None if not taken
+    (then the caller goes on unlocked: the lock only orders the processes that time one key)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     lock_path = path.with_name(path.name + ".lock")
     deadline = time.monotonic() + LOCK_WAIT_S
     fd = locks.try_lock(lock_path)
-    while fd is None and time.monotonic() < deadline:  # held for milliseconds by a writer
+    while fd is None and time.monotonic() < deadline:  # another process is timing a key or writing
         time.sleep(0.02)
         fd = locks.try_lock(lock_path)
+    return fd
+
+
+def _store(path: Path, key: str, entry: dict, locked: bool = False) -> None:
+    """Add one entry to the file, merged with the file as it is now, written atomically; under its
+    lock (taken here unless the caller holds it: ``locked``)."""
+    fd = None if locked else _lock(path)
     try:
         entries = _read(path)
         entries[key] = entry
@@ -183,9 +193,27 @@ def _median(timing) -> float:
     return float(timing[0] if isinstance(timing, (list, tuple)) else timing)
 
 
+def _match(configs: list, entry: dict | None) -> list:
+    """[the config of ``configs`` that ``entry`` stores], or [] (no entry, or a config no longer listed)."""
+    if entry is None:
+        return []
+    return [c for c in configs if _plain(c) == entry["config"]][:1]
+
+
 def _plain(config) -> dict:
     """A triton.Config as JSON values (its kwargs, warps, stages, CTAs)."""
     return json.loads(json.dumps(config.all_kwargs()))
+
+
+class _LaunchState(threading.local):
+    """Per thread, during one launch: the key to store after timing, how many candidates are left, the
+    lock held while timing, whether a launch is under way, whether the tensors are on the CPU."""
+
+    pending: tuple | None = None
+    candidates: int | None = None
+    lock: int | None = None
+    launching: bool = False
+    on_cpu: bool = False
 
 
 class TunedKernel:
@@ -194,48 +222,63 @@ class TunedKernel:
 
     def __init__(self, name: str, autotuner, prune, do_bench):
         self.name, self.autotuner, self._prune, self._do_bench = name, autotuner, prune, do_bench
-        self._local = threading.local()
+        self._local = _LaunchState()
 
     def __getattr__(self, attr):
+        if attr == "autotuner":  # not set yet: no recursion
+            raise AttributeError(attr)
         return getattr(self.autotuner, attr)
 
     def __getitem__(self, grid):
         def launch(*args, **kwargs):
             local = self._local
-            local.pending, local.candidates = None, None
+            local.pending, local.candidates, local.lock, local.launching = None, None, None, True
             try:
                 out = self.autotuner[grid](*args, **kwargs)
                 if local.pending is not None:
                     self._record(*local.pending)
                 return out
             finally:
-                local.pending, local.candidates = None, None
+                if local.lock is not None:
+                    locks.release(local.lock)
+                local.pending, local.candidates, local.lock, local.launching = None, None, None, False
         return launch
 
     def choose(self, configs, named_args, **kwargs):
         """Triton's early_config_prune hook (called once per new key in a process): the kernel's own
-        pruning, then the stored or pinned choice, or every candidate to be timed."""
+        pruning, then the stored or pinned choice, or every candidate to be timed. Before timing, the
+        file's lock is taken and the file read again: a process that meets the key meanwhile (another
+        DDP rank) waits and then runs this one's choice; the lock is released after the store."""
         pruned = list(self._prune(configs, named_args, **kwargs) if self._prune else configs)
         chosen, how = pruned, mode()
         self._local.on_cpu = _device(named_args).type != "cuda"
         if how == "pinned":
             chosen = pruned[:1]
-        elif how == "cache":
+        elif how == "cache" and len(pruned) > 1:
             path, key = cache_path(), self.key(named_args, kwargs)
-            entry = _stored(path).get(key)
-            match = [c for c in pruned if entry is not None and _plain(c) == entry["config"]]
+            match = _match(pruned, _stored(path).get(key))
+            if not match and self._local.launching:
+                try:
+                    self._local.lock = _lock(path)
+                except OSError:  # no folder for the lock: _record warns when it cannot write either
+                    self._local.lock = None
+                _STORES[path] = _read(path)
+                match = _match(pruned, _STORES[path].get(key))
+                if match and self._local.lock is not None:
+                    locks.release(self._local.lock)
+                    self._local.lock = None
             if match:
-                chosen = match[:1]
-            elif len(pruned) > 1:
+                chosen = match
+            else:
                 self._local.pending = (path, key)
         self._local.candidates = len(chosen)
         return chosen
 
     def bench(self, fn, quantiles=None):
         """Triton's do_bench hook: a lone candidate is not timed (Triton times even one)."""
-        if getattr(self._local, "candidates", None) == 1:
+        if self._local.candidates == 1:
             return [0.0, 0.0, 0.0]
-        if getattr(self._local, "on_cpu", False):  # the interpreter: Triton's timer needs a GPU driver
+        if self._local.on_cpu:  # the interpreter: Triton's timer needs a GPU driver
             start = time.perf_counter()
             fn()
             return [(time.perf_counter() - start) * 1e3] * 3
@@ -259,7 +302,7 @@ class TunedKernel:
         entry = {"config": _plain(best), "stored": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                  "median_ms": sorted(([_plain(c), _median(t)] for c, t in timings.items()), key=lambda e: e[1])}
         try:
-            _store(path, key, entry)
+            _store(path, key, entry, locked=self._local.lock is not None)
         except OSError as err:
             warnings.warn(f"the autotune cache {path} was not written ({err}); {key} is timed again in the next "
                           f"process, whose tile choice may differ (set {CACHE_ENV} to a writable file)", stacklevel=2)
