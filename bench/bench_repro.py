@@ -30,6 +30,7 @@ import os
 import platform
 import subprocess
 import sys
+import tempfile
 import time
 import warnings
 from pathlib import Path
@@ -92,7 +93,7 @@ def worker(args) -> dict:
     if args.torch_deterministic:  # torch's deterministic kernels where it has them; a warning names the rest
         torch.use_deterministic_algorithms(True, warn_only=True)
     torch.manual_seed(args.seed)
-    trainer, policy = build_trainer(args, Path(args.out) / f"run-{os.getpid()}")
+    trainer, policy = build_trainer(args, Path(tempfile.mkdtemp(prefix="bench-repro-")))  # its run files
     seen: dict = {}
     prepare = trainer._prepare
 
@@ -134,7 +135,8 @@ def versions() -> dict:
 
 def report(args, rows: list[dict]) -> str:
     """The markdown table: machine, date, versions, one row per process, and the verdict per field."""
-    machine = torch.cuda.get_device_name() if torch.cuda.is_available() else f"CPU ({platform.processor() or 'cpu'})"
+    machine = torch.cuda.get_device_name() if torch.cuda.is_available() else \
+        f"CPU only ({os.cpu_count()} cores, {platform.machine()})"
     same = {f: len({r[f] for r in rows}) == 1 for f in FIELDS}
     lines = [f"# NVFP4 bit-reproducibility across {len(rows)} processes", "",
              f"{machine}, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; "
