@@ -112,7 +112,7 @@ grpo-engines)
   timeout 330 python3 -m bench.bench_grpo_engines --formats "$fmt" --out "$OUT/grpo" > "$OUT/grpo_${fmt}_log.txt" 2>&1
   grep -E "step #|adapter|failed|Error" "$OUT/grpo_${fmt}_log.txt" | tail -20 ;;
 repro)
-  timeout 200 python3 -m pytest tests/test_tuning.py -q -x -p no:cacheprovider > "$OUT/repro_tests_log.txt" 2>&1
+  timeout 200 python3 -m pytest tests/test_tuning.py -q -rxX -p no:cacheprovider > "$OUT/repro_tests_log.txt" 2>&1
   echo "autotune tests rc=$?"; tail -3 "$OUT/repro_tests_log.txt"
   timeout 200 python3 -m bench.bench_repro --processes 3 --model tiny --new 64 --out "$OUT/repro_tiny" "$@" \
     > "$OUT/repro_tiny_log.txt" 2>&1; echo "tiny rc=$?"; tail -4 "$OUT/repro_tiny/repro.md"
