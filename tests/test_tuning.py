@@ -2,10 +2,10 @@
 the pinned mode, and the same output bits in two processes.
 
 The file logic runs in this process without Triton; every kernel call runs in a fresh subprocess
-with ``TRITON_INTERPRET=1`` (the launchers take the autotuned path there when given
-``INTERPRET=False, FAST=False``: the portable code, bf16 output). On the CPU every candidate config
-gives the same bits at these shapes (the interpreter's sums are exact enough), so the CPU tests
-check which config runs and that none is timed again; the ``gpu`` tests compare real bits.
+with ``TRITON_INTERPRET=1`` on the CPU (``SCRIPT``: the tuned kernels launched as their launchers
+do, float32 output, checked against the reference). There the GEMV's candidate tiles give
+different bits (another BLOCK_K sums in another order), so the tests show that the stored choice
+is what decides the bits; the ``gpu`` tests compare each kernel's bits across processes compiled.
 
     python -m pytest tests/test_tuning.py -q
 """
@@ -29,11 +29,16 @@ from qerl_kit.kernels import tuning
 ROOT = Path(__file__).resolve().parents[1]
 CUDA = torch.cuda.is_available()
 
-# One process: each Triton kernel through its autotuned launch path at a small shape; prints, per
-# kernel, the sha256 of the output, the config that ran and how many candidates were timed.
+# One process: each Triton kernel through its autotuned launch path; prints, per kernel, the sha256
+# of the output, its relative error against the float32 reference, the config that ran and how
+# many candidates were timed (and, with CANDIDATES=1, the bits of each GEMV candidate pinned).
+# On a GPU the public launchers take that path by themselves. Under the interpreter they would
+# take their small interpreter tiles, so the tuned kernels are launched as the launchers do, with
+# INTERPRET=True (the portable float32 path: the interpreter's bf16 dot is not exact) and float32
+# output, except the block-dot kernel, whose launcher does take the tuned path with INTERPRET=False.
 SCRIPT = r"""
 import hashlib, json, os, sys
-import torch
+import torch, triton
 from qerl_kit.kernels import tuning
 timed = []
 bench = tuning.TunedKernel.bench
@@ -43,41 +48,81 @@ def counting(self, fn, quantiles=None):
     return bench(self, fn, quantiles)
 tuning.TunedKernel.bench = counting
 from qerl_kit import nvfp4
-from qerl_kit.kernels.nvfp4_gemv_triton import nvfp4_gemv
-from qerl_kit.kernels.nvfp4_gemm_triton import nvfp4_gemm
-from qerl_kit.kernels.nvfp4_dgrad_triton import nvfp4_dgrad
+from qerl_kit.kernels import nvfp4_dgrad_ref, nvfp4_linear_ref
+from qerl_kit.kernels import nvfp4_gemv_triton as gv, nvfp4_gemm_triton as gm, nvfp4_dgrad_triton as dg
+from qerl_kit.kernels.splitk import arrival_counters
 dev = "cuda" if torch.cuda.is_available() else "cpu"
-opts = {} if dev == "cuda" else dict(INTERPRET=False, FAST=False)  # the autotuned path
-g = torch.Generator().manual_seed(0)
 n, k = (4096, 4096) if dev == "cuda" else (64, 1024)
+g = torch.Generator().manual_seed(0)
 q = nvfp4.quantize(torch.randn(n, k, generator=g) * torch.exp(torch.randn(n, 1, generator=g))).to(dev)
-def rnd(*s): return torch.randn(*s, generator=g).to(dev, torch.bfloat16)
-calls = {"nvfp4_blockdot": lambda: nvfp4_gemv(rnd(1, k), q.packed, q.scales, q.global_scale, **opts),
-         "nvfp4_gemv": lambda: nvfp4_gemv(rnd(8, k), q.packed, q.scales, q.global_scale, **opts),
-         "nvfp4_gemm": lambda: nvfp4_gemm(rnd(32, k), q.packed, q.scales, q.global_scale, strategy="fused", **opts),
-         "nvfp4_dgrad": lambda: nvfp4_dgrad(rnd(16, n), q.packed, q.scales, q.global_scale, strategy="fused", **opts)}
-if dev == "cuda":  # the kernels that choose by shape alone: CUDA decode, dense (cuBLAS), humming
+W = (q.packed, q.scales, q.global_scale)
+def rnd(seed, *shape):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to(dev, torch.bfloat16)
+P = dict(FAST=False, INTERPRET=True)
+def cpu_gemv(x, cfg=None):
+    m = x.shape[0]
+    y = torch.empty((m, n))
+    ws = torch.empty(gv._workspace_elems(m, n, k, [c.all_kwargs() for c in gv.GEMV_CONFIGS]) + 1)
+    args = (x, q.packed, q.scales.view(torch.uint8), q.global_scale, y, y, ws, arrival_counters(x.device), m, n, k,
+            gm.m_bucket(m), x.stride(0), x.stride(1), q.packed.stride(0), q.scales.stride(0), y.stride(0), y.stride(1))
+    grid = lambda meta: (triton.cdiv(n, meta["BLOCK_N"]), meta["SPLIT_K"])
+    kernel = gv._nvfp4_gemv_tuned if cfg is None else gv._nvfp4_gemv_kernel
+    kernel[grid](*args, HAS_BIAS=False, **P, **(cfg or {}))
+    return y
+def cpu_gemm(x):
+    m = x.shape[0]
+    y = torch.empty((m, n))
+    args = (x, q.packed, q.scales.view(torch.uint8), q.global_scale, y, y, m, n, k, gm.m_bucket(m),
+            x.stride(0), x.stride(1), q.packed.stride(0), q.scales.stride(0), y.stride(0), y.stride(1))
+    grid = lambda meta: (triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"]),)
+    gm._nvfp4_gemm_tuned[grid](*args, HAS_BIAS=False, **P)
+    return y
+def cpu_dgrad(dy):
+    m = dy.shape[0]
+    dx = torch.empty((m, k))
+    args = (dy, q.packed, q.scales.view(torch.uint8), q.global_scale, dx, m, n, k, gm.m_bucket(m),
+            dy.stride(0), dy.stride(1), q.packed.stride(0), q.scales.stride(0), dx.stride(0), dx.stride(1))
+    grid = lambda meta: (triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(k, meta["BLOCK_K"]),)
+    dg._nvfp4_dgrad_tuned[grid](*args, **P)
+    return dx
+inputs = {"nvfp4_blockdot": rnd(1, 1, k), "nvfp4_gemv": rnd(2, 8, k), "nvfp4_gemm": rnd(3, 32, k),
+          "nvfp4_dgrad": rnd(4, 16, n)}
+if dev == "cuda":
     from qerl_kit.kernels import nvfp4_linear
     from qerl_kit.kernels.nvfp4_decode_cuda import nvfp4_decode_cuda
-    calls["cuda_decode"] = lambda: nvfp4_decode_cuda(rnd(8, k), q.packed, q.scales, q.global_scale)
-    calls["dense"] = lambda: nvfp4_gemm(rnd(256, k), q.packed, q.scales, q.global_scale, strategy="dense")
+    calls = {"nvfp4_blockdot": lambda x: gv.nvfp4_gemv(x, *W), "nvfp4_gemv": lambda x: gv.nvfp4_gemv(x, *W),
+             "nvfp4_gemm": lambda x: gm.nvfp4_gemm(x, *W, strategy="fused"),
+             "nvfp4_dgrad": lambda dy: dg.nvfp4_dgrad(dy, *W, strategy="fused"),
+             # the kernels that choose by shape alone: CUDA decode, dense (cuBLAS), humming
+             "cuda_decode": lambda x: nvfp4_decode_cuda(x, *W), "dense": lambda x: gm.nvfp4_gemm(x, *W, strategy="dense")}
+    inputs.update(cuda_decode=rnd(5, 8, k), dense=rnd(6, 256, k))
     for m in (8, 256, 2048):
-        calls[f"humming_m{m}"] = lambda m=m: nvfp4_linear(rnd(m, k), q.packed, q.scales, q.global_scale,
-                                                          backend="humming")
+        calls[f"humming_m{m}"] = lambda x: nvfp4_linear(x, *W, backend="humming")
+        inputs[f"humming_m{m}"] = rnd(7 + m, m, k)
+else:
+    calls = {"nvfp4_blockdot": lambda x: gv.nvfp4_gemv(x, *W, INTERPRET=False, FAST=False), "nvfp4_gemv": cpu_gemv,
+             "nvfp4_gemm": cpu_gemm, "nvfp4_dgrad": cpu_dgrad}
 out = {}
 for name in sys.argv[1].split(","):
     before = len(timed)
-    y = calls[name]().float().cpu()
+    x = inputs[name]
+    y = calls[name](x).float().cpu()
+    ref = (nvfp4_dgrad_ref if name == "nvfp4_dgrad" else nvfp4_linear_ref)(x, *W, dtype=torch.float32).cpu()
     best = tuning.TUNED[name].best_config.all_kwargs() if name in tuning.TUNED else None
     out[name] = dict(sha=hashlib.sha256(y.numpy().tobytes()).hexdigest(), timed=len(timed) - before,
-                     config=json.loads(json.dumps(best)))
+                     rel=((y - ref).norm() / ref.norm()).item(), config=json.loads(json.dumps(best)))
+if os.environ.get("CANDIDATES") and dev == "cpu":  # the bits of each GEMV candidate, pinned by hand
+    out["candidates"] = []
+    for c in gv.GEMV_CONFIGS:
+        y = cpu_gemv(inputs["nvfp4_gemv"], c.all_kwargs())
+        out["candidates"].append([json.loads(json.dumps(c.all_kwargs())), hashlib.sha256(y.numpy().tobytes()).hexdigest()])
 print("RESULT " + json.dumps(out))
 """
 
 
-def run_kernels(names, cache: Path, mode: str = "cache") -> dict:
+def run_kernels(names, cache: Path, mode: str = "cache", candidates: bool = False) -> dict:
     env = {**os.environ, "TRITON_INTERPRET": "0" if CUDA else "1", "QERL_AUTOTUNE": mode,
-           "QERL_AUTOTUNE_CACHE": str(cache), "PYTHONPATH": str(ROOT)}
+           "QERL_AUTOTUNE_CACHE": str(cache), "PYTHONPATH": str(ROOT), "CANDIDATES": "1" if candidates else ""}
     proc = subprocess.run([sys.executable, "-c", SCRIPT, ",".join(names)], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
@@ -255,11 +300,13 @@ NAMES = ["nvfp4_gemv", "nvfp4_blockdot", "nvfp4_gemm", "nvfp4_dgrad"]
 
 
 def test_choices_are_stored_by_one_process_and_reused_by_the_next(tmp_path):
-    """Process 1 times every kernel and stores its choices (next to an entry for another GPU and
-    one for another Triton, which it does not take); process 2 runs the stored configs, times
-    nothing and gives the same bits. Process 2 also runs a hand-edited choice: the file is read."""
+    """Process 1 times every kernel and stores its choices; process 2 (next to entries for another
+    GPU and another Triton, which it does not take) runs the stored configs, times nothing and gives
+    the same bits. The GEMV's candidates give different bits (the choice matters), and a process
+    runs a hand-edited choice, with that candidate's bits: the file is what decides."""
     cache = tmp_path / "autotune.json"
-    first = run_kernels(NAMES, cache)
+    first = run_kernels(NAMES, cache, candidates=True)
+    assert all(first[name]["rel"] < 1e-2 for name in NAMES), first
     entries = json.loads(cache.read_text())["entries"]
     gemv_key = next(k for k in entries if k.startswith("nvfp4_gemv["))
     foreign = {gemv_key.replace(" on cpu (Triton interpreter) ", " on NVIDIA H200 "): "gpu",
@@ -281,11 +328,19 @@ def test_choices_are_stored_by_one_process_and_reused_by_the_next(tmp_path):
         assert second[name]["config"] == first[name]["config"] and second[name]["timed"] == 0, name
     assert set(foreign) <= set(json.loads(cache.read_text())["entries"])
     # the stored choice is what runs: edit it to another candidate of the same key
+    bits = {json.dumps(c, sort_keys=True): sha for c, sha in first.get("candidates", [])}
+    shas = [bits.get(json.dumps(c, sort_keys=True)) for c in _gemv_candidates(8)]
+    if not CUDA:
+        assert first["nvfp4_gemv"]["sha"] in shas and len(set(shas)) > 1, shas  # another tile, other bits
+    other = next((c for c, sha in zip(_gemv_candidates(8), shas) if sha != first["nvfp4_gemv"]["sha"]),
+                 next(c for c in _gemv_candidates(8) if c != first["nvfp4_gemv"]["config"]))
     data = json.loads(cache.read_text())
-    data["entries"][gemv_key]["config"] = next(c for c in _gemv_candidates(8) if c != first["nvfp4_gemv"]["config"])
+    data["entries"][gemv_key]["config"] = other
     cache.write_text(json.dumps(data))
-    third = run_kernels(["nvfp4_gemv"], cache)
-    assert third["nvfp4_gemv"]["config"] == data["entries"][gemv_key]["config"] and third["nvfp4_gemv"]["timed"] == 0
+    third = run_kernels(["nvfp4_gemv"], cache)["nvfp4_gemv"]
+    assert third["config"] == other and third["timed"] == 0
+    if not CUDA:
+        assert third["sha"] == shas[_gemv_candidates(8).index(other)] != first["nvfp4_gemv"]["sha"]
 
 
 def _triton_version(key: str) -> str:
