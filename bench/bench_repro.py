@@ -82,14 +82,6 @@ def worker(args) -> dict:
     """One process's step and its hashes."""
     from qerl_kit.kernels import tuning
 
-    timed: list[str] = []
-    bench = tuning.TunedKernel.bench
-
-    def counting(self, fn, quantiles=None):  # every real timing of a tile candidate
-        if self._local.candidates != 1:
-            timed.append(self.name)
-        return bench(self, fn, quantiles)
-    tuning.TunedKernel.bench = counting  # before any kernel module binds it
     if args.torch_deterministic:  # torch's deterministic kernels where it has them; a warning names the rest
         torch.use_deterministic_algorithms(True, warn_only=True)
     torch.manual_seed(args.seed)
@@ -111,7 +103,7 @@ def worker(args) -> dict:
     nondeterministic = sorted({str(w.message).split(" does not have a deterministic")[0][:120] for w in caught
                                if "deterministic" in str(w.message)})
     return dict(pid=os.getpid(), seconds=round(time.perf_counter() - start, 2), autotune=tuning.mode(),
-                timed=len(timed), loss=float(metrics.get("loss", float("nan"))),
+                timed=sum(k.timed for k in tuning.TUNED.values()), loss=float(metrics.get("loss", float("nan"))),
                 completion_ids=sha(prep.batch.completion_ids), rollout_logprobs=sha(prep.batch.logprobs),
                 old_logprobs=sha(getattr(prep, "old_logp", None)), adapter=adapter_sha(policy),
                 adapter_changed=adapter_sha(policy) != before, torch_nondeterministic=nondeterministic,

@@ -223,6 +223,7 @@ class TunedKernel:
     def __init__(self, name: str, autotuner, prune, do_bench):
         self.name, self.autotuner, self._prune, self._do_bench = name, autotuner, prune, do_bench
         self._local = _LaunchState()
+        self.timed = 0  # candidates timed in this process (0 once every choice comes from the file)
 
     def __getattr__(self, attr):
         if attr == "autotuner":  # not set yet: no recursion
@@ -278,6 +279,7 @@ class TunedKernel:
         """Triton's do_bench hook: a lone candidate is not timed (Triton times even one)."""
         if self._local.candidates == 1:
             return [0.0, 0.0, 0.0]
+        self.timed += 1
         if self._local.on_cpu:  # the interpreter: Triton's timer needs a GPU driver
             start = time.perf_counter()
             fn()
