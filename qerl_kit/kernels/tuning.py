@@ -20,9 +20,9 @@ The mode is ``$QERL_AUTOTUNE`` (``set_mode`` overrides it in a notebook); the fi
 the file lacks takes the file's ``flock`` (``locks``), reads it again, times, stores the winner
 (merged with what other processes stored, written atomically by ``file_writes.write_text_atomic``)
 and releases the lock: processes meeting one new key together (DDP ranks) run one choice. A file
-that cannot be written is a warning (the choice holds in this process). A damaged file (not JSON, or not this module's layout) is refused with
-``AutotuneCacheError`` naming its path, never ignored: silently re-timing would change the bits
-the file exists to keep. A stored config that is no longer a candidate (the kernel's config list
+that cannot be written is a warning (the choice holds in this process). A damaged file (not JSON,
+or not this module's layout) is refused with ``AutotuneCacheError`` naming its path, never
+ignored: silently re-timing would change the bits the file exists to keep. A stored config that is no longer a candidate (the kernel's config list
 changed) is re-timed and replaced. Choose the mode before a process's first kernel call: Triton
 keeps each choice in memory for the rest of the process (``reset()`` clears that, for tests).
 
