@@ -22,9 +22,10 @@ the file lacks takes the file's ``flock`` (``locks``), reads it again, times, st
 and releases the lock: processes meeting one new key together (DDP ranks) run one choice. A file
 that cannot be written is a warning (the choice holds in this process). A damaged file (not JSON,
 or not this module's layout) is refused with ``AutotuneCacheError`` naming its path, never
-ignored: silently re-timing would change the bits the file exists to keep. A stored config that is no longer a candidate (the kernel's config list
-changed) is re-timed and replaced. Choose the mode before a process's first kernel call: Triton
-keeps each choice in memory for the rest of the process (``reset()`` clears that, for tests).
+ignored: silently re-timing would change the bits the file exists to keep. A stored config that
+is no longer a candidate (the kernel's config list changed) is re-timed and replaced. Choose the
+mode before a process's first kernel call: Triton keeps each choice in memory for the rest of the
+process (``reset()`` clears that, for tests).
 
 Why not Triton's ``cache_results=True``: it is off under the interpreter (no CPU test could run
 it), keys its files by a hash of the compiler, the backend (the architecture, not the GPU) and the
