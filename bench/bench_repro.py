@@ -167,7 +167,8 @@ def main(argv=None) -> int:
                          "or the step changes nothing)")
     ap.add_argument("--autotune", default="cache", choices=["cache", "pinned", "time"])
     ap.add_argument("--cache", default=None, help="the autotune cache file (default: a fresh one in --out)")
-    ap.add_argument("--backend", default=None, help="QERL_KERNEL_BACKEND for the workers (auto, ours, triton, ...)")
+    ap.add_argument("--backend", default=None,
+                    help="QERL_KERNEL_BACKEND for the workers (auto; on a GPU also ours: no humming, triton, ...)")
     ap.add_argument("--torch-deterministic", action="store_true",
                     help="torch.use_deterministic_algorithms(True, warn_only=True) and "
                          "CUBLAS_WORKSPACE_CONFIG=:4096:8; the ops torch has no deterministic kernel for are listed")
