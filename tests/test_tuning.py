@@ -202,6 +202,22 @@ def test_store_merges_with_other_processes_entries_and_writes_atomically(clean):
     assert stat.S_IMODE(path.stat().st_mode) == 0o666 & ~_umask()
 
 
+def test_write_text_atomic_leaves_the_old_file_whole_when_the_write_fails(tmp_path, monkeypatch):
+    import errno
+
+    from qerl_kit import file_writes
+
+    path = tmp_path / "autotune.json"
+    file_writes.write_text_atomic(path, "old")
+
+    def full(src, dst):
+        raise OSError(errno.ENOSPC, "No space left on device")
+    monkeypatch.setattr(file_writes.os, "replace", full)
+    with pytest.raises(file_writes.DiskFullError, match=str(path)):
+        file_writes.write_text_atomic(path, "new")
+    assert path.read_text() == "old" and [p.name for p in tmp_path.iterdir()] == ["autotune.json"]
+
+
 def _umask() -> int:
     mask = os.umask(0o022)
     os.umask(mask)
