@@ -19,6 +19,11 @@
 #   memory [ARGS]             peak memory of GRPO steps against the memory plan (bench.bench_memory; ARGS e.g.
 #                             --models 0.5B 7B, or --models 32B --formats nvfp4); the rows are appended to a copy
 #                             of tests/data/measured_peaks.json in $OUT (copy it back over the committed one)
+#   repro-tests               NVFP4 bit-reproducibility, tests/test_tuning.py compiled: each kernel's bits in two
+#                             processes (humming a non-strict xfail: XPASS means the same bits)
+#   repro [ARGS]              bench.bench_repro (3 processes, one fixed-seed rollout + Trainer step each, sha256s
+#                             compared) on the tiny model and, after model-setup, the real 0.5B GGUF; ARGS go to
+#                             both runs (e.g. --backend ours --torch-deterministic)
 #   nb05                      notebook 05 on the GPU with vLLM; the Jupyter wheels from
 #                             bench/make_notebook_carry.sh (.whl/nb, a call of its own)
 #   unsloth                   Unsloth's GRPO rollout path (bench/probe_unsloth.py); carry .vllm/uns
@@ -132,6 +137,16 @@ memory)
   timeout "${MEM_TIMEOUT:-560}" python3 -m bench.bench_memory --out "$OUT/memory" --append "$OUT/measured_peaks.json" "$@" \
     > "$OUT/memory_log.txt" 2>&1; echo "bench_memory rc=$?"
   grep -E "step|failed|Error|appended" "$OUT/memory_log.txt" | tail -12; cat "$OUT/memory/memory.md" 2>/dev/null ;;
+repro-tests)
+  timeout 540 python3 -m pytest tests/test_tuning.py -q -rxX -p no:cacheprovider > "$OUT/repro_tests_log.txt" 2>&1
+  echo "autotune tests rc=$?"; grep -E "^(XPASS|XFAIL|FAILED)" "$OUT/repro_tests_log.txt"; tail -1 "$OUT/repro_tests_log.txt" ;;
+repro)
+  timeout 240 python3 -m bench.bench_repro --processes 3 --model tiny --new 64 --out "$OUT/repro_tiny" "$@" \
+    > "$OUT/repro_tiny_log.txt" 2>&1; echo "tiny rc=$?"; tail -4 "$OUT/repro_tiny/repro.md"
+  if [ -f /tmp/model.gguf ]; then
+    timeout 320 python3 -m bench.bench_repro --processes 3 --preset real-gsm8k --model /tmp/model.gguf --new 128 --temperature 1.0 \
+      --out "$OUT/repro_real" "$@" > "$OUT/repro_real_log.txt" 2>&1; echo "real 0.5B rc=$?"; tail -4 "$OUT/repro_real/repro.md"
+  fi ;;
 nb05)
   python3 -m bench.install_missing_wheels .whl/nb --target /tmp/nbsite && export PYTHONPATH="/tmp/nbsite:$PYTHONPATH"
   timeout "${NB_TIMEOUT:-500}" python3 scripts/execute_notebooks.py notebooks/05_gpu_real_model.ipynb --out "$OUT/nb05" \

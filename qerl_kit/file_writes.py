@@ -8,6 +8,8 @@
   reports a full disk as ``RuntimeError: ... unexpected pos N vs M`` and safetensors as its own error
   type, neither naming the file; ``DiskFullError`` (an ``OSError`` with errno ENOSPC) names the path
   and the free space.
+* ``write_text_atomic(path, text)``: a small text file (the autotune cache) written to a sibling and
+  renamed into place, so a reader or a crash never sees half of it.
 """
 
 from __future__ import annotations
@@ -79,3 +81,26 @@ def disk_full(err: BaseException, path: str | os.PathLike) -> DiskFullError | No
     left = f"{free} bytes free" if free is not None else "free space unknown"
     return DiskFullError(f"no space left on device while writing {path} ({left}; "
                          f"{type(err).__name__}: {str(err)[:200]})")
+
+
+def write_text_atomic(path: str | os.PathLike, text: str) -> None:
+    """Write ``text`` (UTF-8) to ``path`` all at once: into a hidden sibling, flushed to disk, then
+    renamed over ``path`` (a reader sees the old file or the new one, never half of one; a crash
+    leaves at most the sibling, ``.<name>.<pid>.tmp``). The file gets ``0666 & ~umask``; a full disk
+    is a ``DiskFullError`` naming ``path``."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        match_umask(tmp)
+        os.replace(tmp, path)
+    except OSError as err:
+        tmp.unlink(missing_ok=True)
+        full = disk_full(err, path)
+        if full is not None:
+            raise full from err
+        raise

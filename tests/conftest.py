@@ -1,15 +1,19 @@
-"""Test-session settings: one intra-op thread by default.
+"""Test-session settings: one intra-op thread by default; Triton tile choices kept in the session.
 
 The models in these tests are tiny; on a 2-core machine extra OpenMP threads only fight other
-processes (measured: up to 10x slower). QERL_TEST_THREADS overrides.
+processes (measured: up to 10x slower). QERL_TEST_THREADS overrides. The Triton kernels' tile
+choices (qerl_kit.kernels.tuning) go to a file of this session, not the user's
+~/.cache/qerl_kit/autotune.json, unless QERL_AUTOTUNE_CACHE names one.
 """
 
 import os
+import tempfile
 
 import pytest
 import torch
 
 torch.set_num_threads(int(os.environ.get("QERL_TEST_THREADS", "1")))
+os.environ.setdefault("QERL_AUTOTUNE_CACHE", os.path.join(tempfile.mkdtemp(prefix="qerl-autotune-"), "autotune.json"))
 
 
 @pytest.fixture

@@ -24,6 +24,7 @@ if HAS_TRITON:
 
     from qerl_kit.kernels.nvfp4_gemm_triton import _e2m1_to_f32, _e4m3_bits_to_f32, _quick_bench
     from qerl_kit.kernels.splitk import even_k, k_slice, split_k
+    from qerl_kit.kernels.tuning import autotune
 
     # One packed int32 word (8 codes, nibble p = column 8j + p) dotted with its 8 x values
     # (float32, $2..$9): per pair (p, p + 4) the two nibbles go to the top of the two 16-bit
@@ -289,8 +290,8 @@ if HAS_TRITON:
         _bcfg(128, 256, 4, True), _bcfg(64, 512, 4, True), _bcfg(64, 256, 4, True),
         _bcfg(128, 256, 4, True, ctas=8), _bcfg(128, 256, 4, False), _bcfg(64, 256, 4, False),
     ]
-    _nvfp4_gemv_blockdot_tuned = triton.autotune(BLOCKDOT_CONFIGS, key=["ROWS", "N", "K"],
-                                                 do_bench=_quick_bench)(_nvfp4_gemv_blockdot_kernel)
+    _nvfp4_gemv_blockdot_tuned = autotune("nvfp4_blockdot", BLOCKDOT_CONFIGS, key=["ROWS", "N", "K"],
+                                          do_bench=_quick_bench)(_nvfp4_gemv_blockdot_kernel)
 
 
 def _rows(m: int) -> int:

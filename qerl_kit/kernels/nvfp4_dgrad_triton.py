@@ -15,10 +15,11 @@ dequantizes into the even and odd columns of W, which give the even and odd colu
 
 The two accumulators are interleaved once, in registers, before the store. With ``SWAP_AB`` the
 products are taken transposed (dx^T = W^T @ dy^T), which puts the weight in wgmma's A slot.
-Configs are autotuned per (M bucket, N, K); the launcher does no host sync. Registered as
-``torch.ops.qerl_kit.nvfp4_dgrad``; qerl_kit/kernels/routes.py decides which calls reach the
-fused and dense paths; the dense path reads the W an open ``qerl_kit.dense_cache`` block holds
-(``nvfp4_gemm_triton.cached_dense_weight``). Tests: tests/test_kernels.py.
+Configs are autotuned per (M bucket, N, K), the choice stored and reused (``tuning``); the
+launcher does no host sync. Registered as ``torch.ops.qerl_kit.nvfp4_dgrad``;
+qerl_kit/kernels/routes.py decides which calls reach the fused and dense paths; the dense path reads
+the W an open ``qerl_kit.dense_cache`` block holds (``nvfp4_gemm_triton.cached_dense_weight``).
+Tests: tests/test_kernels.py.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ if HAS_TRITON:
     import triton.language as tl
 
     from qerl_kit.kernels.nvfp4_gemm_triton import _quick_bench, acc_fix, dequant_nvfp4, mma
+    from qerl_kit.kernels.tuning import autotune
 
     def even_n(args) -> bool:
         return args["N"] % args["BLOCK_N"] == 0
@@ -132,9 +134,8 @@ if HAS_TRITON:
         skip = 64 if named_args["M"] > 512 else 256  # BLOCK_M
         return [c for c in configs if c.kwargs["BLOCK_M"] != skip]
 
-    _nvfp4_dgrad_tuned = triton.autotune(DGRAD_CONFIGS, key=["M_BUCKET", "N", "K"],
-                                         prune_configs_by={"early_config_prune": _prune},
-                                         do_bench=_quick_bench)(_nvfp4_dgrad_kernel)
+    _nvfp4_dgrad_tuned = autotune("nvfp4_dgrad", DGRAD_CONFIGS, key=["M_BUCKET", "N", "K"], prune=_prune,
+                                  do_bench=_quick_bench)(_nvfp4_dgrad_kernel)
 
 
 def nvfp4_dgrad(dy: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor,

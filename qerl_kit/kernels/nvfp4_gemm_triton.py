@@ -28,11 +28,11 @@ Scales are loaded as bytes and decoded arithmetically (exact, subnormals include
 interpreter needs no float8 support; the hardware fp8 conversion is no faster on the H200.
 ``nvfp4_dequantize`` writes the dense W for the "dense" strategy (then cuBLAS); inside a
 ``qerl_kit.dense_cache`` block that takes the weight (the training pass) that W is computed once
-and reused by every later forward and input gradient of the block. Configs are
-autotuned per (M bucket, N, K); the launcher does no host sync (CUDA-graph safe after a warm-up
-call). Registered as ``torch.ops.qerl_kit.nvfp4_gemm``; qerl_kit/kernels/routes.py decides which
-calls reach the fused and dense paths. Reference: ``reference.nvfp4_linear_ref``; tests:
-tests/test_kernels.py.
+and reused by every later forward and input gradient of the block. Configs are autotuned per
+(M bucket, N, K), the choice stored and reused (``tuning``); the launcher does no host sync
+(CUDA-graph safe after a warm-up call). Registered as ``torch.ops.qerl_kit.nvfp4_gemm``;
+qerl_kit/kernels/routes.py decides which calls reach the fused and dense paths. Reference:
+``reference.nvfp4_linear_ref``; tests: tests/test_kernels.py.
 """
 
 from __future__ import annotations
@@ -51,6 +51,7 @@ if HAS_TRITON:
     import triton.language as tl
 
     from qerl_kit.kernels.backend import interpreting, patch_interpreter_for_numpy24
+    from qerl_kit.kernels.tuning import autotune
 
     if interpreting():
         patch_interpreter_for_numpy24()
@@ -322,9 +323,8 @@ if HAS_TRITON:
         tiles = _LARGE_M if named_args["M"] > 512 else _SMALL_M
         return [c for c in configs if (c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.kwargs["BLOCK_K"]) in tiles]
 
-    _nvfp4_gemm_tuned = triton.autotune(GEMM_CONFIGS, key=["M_BUCKET", "N", "K"],
-                                        prune_configs_by={"early_config_prune": _prune},
-                                        do_bench=_quick_bench)(_nvfp4_gemm_kernel)
+    _nvfp4_gemm_tuned = autotune("nvfp4_gemm", GEMM_CONFIGS, key=["M_BUCKET", "N", "K"], prune=_prune,
+                                 do_bench=_quick_bench)(_nvfp4_gemm_kernel)
 
 
 def m_bucket(m: int) -> int:

@@ -19,10 +19,10 @@ at full memory bandwidth with few instructions per weight. Layout and dequantiza
   ``nvfp4_gemv`` hands the call to the block-dot kernel (``nvfp4_blockdot_triton``), which
   multiplies the raw E2M1 codes with x and is faster than both paths above for one row.
 
-Configs are autotuned per (M bucket, N, K); the launcher does no host sync, so a warmed-up call
-can be captured in a CUDA graph. Registered as ``torch.ops.qerl_kit.nvfp4_gemv``;
-qerl_kit/kernels/routes.py decides which calls reach it. Tests: tests/test_kernels.py (Triton's
-interpreter on the CPU; real shapes and CUDA graphs on a GPU).
+Configs are autotuned per (M bucket, N, K), the choice stored and reused (``tuning``); the
+launcher does no host sync, so a warmed-up call can be captured in a CUDA graph. Registered
+as ``torch.ops.qerl_kit.nvfp4_gemv``; qerl_kit/kernels/routes.py decides which calls reach it.
+Tests: tests/test_kernels.py (Triton's interpreter on the CPU; real shapes and CUDA graphs on a GPU).
 """
 
 from __future__ import annotations
@@ -43,6 +43,7 @@ if HAS_TRITON:
 
     from qerl_kit.kernels.nvfp4_gemm_triton import _quick_bench, acc_fix, dequant_nvfp4, mma, split_even_odd
     from qerl_kit.kernels.splitk import even_k, k_slice, split_k
+    from qerl_kit.kernels.tuning import autotune
 
     def block_m(args) -> int:
         """Launch heuristic: the MMA's narrow side (16, 32 or 64 rows), 1 on the FMA path."""
@@ -203,9 +204,8 @@ if HAS_TRITON:
             return (c.kwargs["BLOCK_N"], c.kwargs["BLOCK_K"], c.num_stages, c.kwargs["CTAS_PER_SM"])
         return [c for c in configs if (c.kwargs["USE_DOT"] or m == 1) and (m > 16 or key(c) not in _WIDE_M_ONLY)]
 
-    _nvfp4_gemv_tuned = triton.autotune(GEMV_CONFIGS, key=["M_BUCKET", "N", "K"],
-                                        prune_configs_by={"early_config_prune": _prune},
-                                        do_bench=_quick_bench)(_nvfp4_gemv_kernel)
+    _nvfp4_gemv_tuned = autotune("nvfp4_gemv", GEMV_CONFIGS, key=["M_BUCKET", "N", "K"], prune=_prune,
+                                 do_bench=_quick_bench)(_nvfp4_gemv_kernel)
 
 
 def _workspace_elems(m: int, n: int, k: int, configs: list[dict]) -> int:
