@@ -89,7 +89,7 @@ def worker(args) -> dict:
     seen: dict = {}
     prepare = trainer._prepare
 
-    def spy(batch, rewards, metrics):  # the step's rollout and old log-probs, as the Trainer made them
+    def spy(batch, rewards, metrics):  # the step's rollout and its OldPolicy (filled by the pass or the update)
         prep = prepare(batch, rewards, metrics)
         seen["prep"] = prep
         return prep
@@ -105,7 +105,7 @@ def worker(args) -> dict:
     return dict(pid=os.getpid(), seconds=round(time.perf_counter() - start, 2), autotune=tuning.mode(),
                 timed=sum(k.timed for k in tuning.TUNED.values()), loss=float(metrics.get("loss", float("nan"))),
                 completion_ids=sha(prep.batch.completion_ids), rollout_logprobs=sha(prep.batch.logprobs),
-                old_logprobs=sha(getattr(prep, "old_logp", None)), adapter=adapter_sha(policy),
+                old_logprobs=sha(prep.old.old_logp if prep.old.ready else None), adapter=adapter_sha(policy),
                 adapter_changed=adapter_sha(policy) != before, torch_nondeterministic=nondeterministic,
                 backend=os.environ.get("QERL_KERNEL_BACKEND", "auto"))
 

@@ -133,13 +133,13 @@ def test_kv_cache_and_fused_copy_match_the_static_engine(tiny):
 
 
 def test_which_parts_each_setting_brings():
-    """The fused copy only where the fused plan runs (NVFP4, bf16), humming's repack only for NVFP4, the
+    """The fused copy only where the fused plan runs (StaticEngine, fused=True), humming's repack only for NVFP4, the
     engine's state and CUDA-graph streams only for the StaticEngine, the dense cache only when asked."""
     def names(**kw):
         return " | ".join(plan_memory("Qwen2.5-7B", **kw).parts)
 
-    assert "engine: fused" in names() and "engine: fused" in names(fmt="none")
-    assert "engine: fused" not in names(fmt="nf4") and "engine: fused" not in names(fused=False)
+    assert all("engine: fused" in names(fmt=f) for f in ("nvfp4", "none", "nf4", "mxfp4"))
+    assert "engine: fused" not in names(fused=False) and "engine: fused" not in names(engine="hf")
     assert "humming" in names() and "humming" not in names(humming=False) and "humming" not in names(fmt="mxfp4")
     assert "decode state" not in names(engine="hf") and "(1 streams" in names(engine="hf")
     assert "dense weight cache" not in names() and "dense weight cache" in names(dense_cache_bytes=2**30)

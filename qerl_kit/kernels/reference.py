@@ -52,7 +52,8 @@ def lut4_dequantize(packed: torch.Tensor, scales: torch.Tensor, fmt: str, dtype:
     """Dense W [N, K] of an NF4 (``scales`` = absmax) or MXFP4 weight: the format's own ``dequantize``
     (once per generation call on the CPU: ``qerl_kit.dense_cache``)."""
     qt = nf4.NF4Tensor(packed, scales) if fmt == "nf4" else mxfp4.MXFP4Tensor(packed, scales)
-    return cached((packed, scales), dtype, lambda: qt.dequantize(dtype))
+    return cached((packed, scales), dtype, lambda: qt.dequantize(dtype),
+                  shape=(packed.shape[0], packed.shape[1] * 2), tag=fmt)  # the layer path's key (linear._dense)
 
 
 def lut4_linear_ref(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, fmt: str,
