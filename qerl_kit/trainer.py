@@ -169,7 +169,7 @@ class Trainer:
         with dense_update.update_cache(self.model, self.config.model.dense_cache_gib) as cache:
             prep = self._prepare(batch, rewards, metrics)
             update = self._update(prep, metrics)
-            metrics.update(self._metrics(prep, update))  # with mu > 1, a log-prob pass of the new policy
+            metrics.update(self._metrics(prep, update))
         metrics["memory/dense_cache_gib"] = cache.peak_bytes / dense_update.GIB
         metrics["time/step"] = time.perf_counter() - start
         self.step += 1
@@ -291,7 +291,7 @@ class Trainer:
                                        int(self.dist.max(torch.tensor(mask.shape[1]))))
         forward = self._ddp if self._ddp is not None else self.model
         starts = list(range(0, n, lc.micro_batch))
-        skipped, loss_sum, grad_norm = 0, 0.0, torch.tensor(0.0)
+        skipped, loss_sum, grad_norm, seen = 0, 0.0, torch.tensor(0.0), []  # seen: each forward's logp, for the clip metrics
         for _ in range(lc.mu):
             loss_sum = 0.0
             self.optimizer.zero_grad(set_to_none=True)  # here, so a step stopped by an error leaves no gradient
@@ -299,6 +299,7 @@ class Trainer:
                 sl = slice(s, s + lc.micro_batch)
                 with distributed.no_sync(self._ddp, s != starts[-1]):  # all-reduce once, after the last
                     logp = prep.old.forward(forward, sl, temp)  # folded: also stores old_logp[sl], entropy, IS
+                    seen.append((sl, logp.detach()))
                     part = [t if t is None else t[sl] for t in (prep.old.old_logp, prep.adv, prep.ref_logp, prep.old.is_weights)]
                     loss = spec.fn(logp, part[0], part[1], mask[sl], eps_low=eps_low, eps_high=eps_high, beta=lc.beta,
                                    ref_logp=part[2], is_weights=part[3], **normalizer)
@@ -313,15 +314,14 @@ class Trainer:
         self.scheduler.step()
         self.model.eval()
         metrics["time/update"] = time.perf_counter() - t0
-        return {"loss": loss_sum, "grad_norm": float(grad_norm), "skipped": skipped}
+        return {"loss": loss_sum, "grad_norm": float(grad_norm), "skipped": skipped, "seen": seen}
 
     def _metrics(self, prep: _Prepared, update: dict) -> dict:
-        """The step's metrics after the update (clip ratios against the new policy, entropy, lengths)."""
-        lc, batch, mask, W = self.config.loss, prep.batch, prep.mask, self.dist.world
-        with torch.no_grad():
-            new_logp = batched_logprobs(self.model, batch, self.config.rollout.temperature, lc.micro_batch) \
-                if lc.mu > 1 else prep.old.old_logp
-        out = grpo.clip_stats(new_logp, prep.old.old_logp, prep.adv, mask, *self._eps())
+        """The step's metrics after the update: the clip shares over every forward the loss clipped (TRL's: all
+        ``mu`` iterations, each micro-batch against the old policy; no extra pass), entropy, lengths."""
+        batch, mask, W, rows = prep.batch, prep.mask, self.dist.world, [sl for sl, _ in update["seen"]]
+        out = grpo.clip_stats(torch.cat([lp for _, lp in update["seen"]]), torch.cat([prep.old.old_logp[sl] for sl in rows]),
+                              torch.cat([prep.adv[sl] for sl in rows]), torch.cat([mask[sl] for sl in rows]), *self._eps())
         lengths = batch.completion_lengths.float()
         ent = self.dist.sum(torch.stack([(prep.old.entropy * mask).sum(), mask.sum()]).double())
         out.update({

@@ -211,3 +211,18 @@ def test_a_non_finite_gradient_skips_the_update_and_training_goes_on(tmp_path):
     assert trainer.history[-1]["update/skipped"] == 0 and math.isfinite(trainer.history[-1]["grad_norm"])
     assert any(not torch.equal(p, before[n]) for n, p in trainer.model.named_parameters() if p.requires_grad)
     assert all(torch.isfinite(p).all() for p in trainer.model.parameters())
+
+
+@pytest.mark.parametrize("mu", [1, 2, 3])
+def test_clip_metrics_count_the_tokens_the_loss_clipped_over_all_iterations(tmp_path, mu):
+    # A large lr moves the policy far in one optimizer step, so iterations 2..mu clip many tokens; the
+    # first iteration runs at the old policy (ratio 1: nothing clipped), so over all mu iterations at
+    # most (mu - 1) / mu of the tokens were clipped, and with mu = 1 none.
+    trainer = _trainer(tmp_path, loss=dict(mu=mu, eps_low=0.01, eps_high=0.01), optim=dict(lr=0.5),
+                       aqn=dict(enabled=False))
+    trainer.train(2)
+    region = [row["clip_ratio/region_mean"] for row in trainer.history]
+    if mu == 1:
+        assert region == [0.0, 0.0]
+    else:
+        assert all(0.0 < r <= (mu - 1) / mu + 1e-9 for r in region), region
