@@ -42,20 +42,9 @@ import time  # noqa: E402
 import warnings  # noqa: E402
 from pathlib import Path  # noqa: E402
 
+from bench.common import IdTokenizer  # noqa: E402 - prompts are whitespace-separated token ids
+
 ROOT = Path(__file__).resolve().parents[1]
-
-
-class IdTokenizer:
-    """Prompts are whitespace-separated token ids; no EOS, so completions run to max_new_tokens."""
-
-    eos_token_id = None
-    pad_token_id = 0
-
-    def __call__(self, texts, add_special_tokens=False):
-        return {"input_ids": [[int(t) for t in s.split()] for s in texts]}
-
-    def batch_decode(self, rows, skip_special_tokens=True):
-        return [" ".join(str(int(t)) for t in r) for r in rows]
 
 
 def _args(argv=None):

@@ -30,20 +30,9 @@ from pathlib import Path
 
 import torch
 
-from bench.bench_ddp import IdTokenizer  # prompts are whitespace-separated token ids
-from bench.common import T0, build, free, log, random_prompts, with_lora
+from bench.common import T0, IdTokenizer, build, free, log, random_prompts, random_reward, timed_steps, with_lora
 from bench.common import sync as sync_device
 from qerl_kit.rollout import SamplingParams, StaticEngine
-
-
-def random_reward(seed: int = 0):
-    """A reward of random numbers (the random models' completions have no meaning): GRPO's arithmetic
-    runs as on a real task, with no group of equal rewards."""
-    g = torch.Generator().manual_seed(seed)
-
-    def reward(completions, **_):
-        return torch.rand(len(completions), generator=g).tolist()
-    return reward
 
 
 def step_trainer(peft, engine, args, out_dir: Path, *, checkpointing: bool = False, aqn: bool = False, vocab: int):
@@ -68,22 +57,6 @@ def step_row(m: dict) -> dict:
     return {k.replace("/", "_"): v for k, v in m.items() if k.startswith("time/")}
 
 
-def peak_gib() -> float:
-    return torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else float("nan")
-
-
-def run_steps(trainer, steps: int, label: str) -> tuple[dict, float]:
-    for i in range(steps):
-        if torch.cuda.is_available():
-            torch.cuda.reset_peak_memory_stats()
-        m = trainer.train_step()
-        log(f"{label} step #{i}: {m['time/step']:.2f}s (rollout {m['time/rollout']:.2f}, logprob "
-            f"{m['time/logprob']:.2f}, update {m['time/update']:.2f}"
-            + (f", sync {m['time/sync']:.3f}, sleep {m.get('time/sleep', 0):.3f}" if "time/sync" in m else "")
-            + f"), peak {peak_gib():.1f} GiB")
-    return m, peak_gib()
-
-
 def part_step(args, device, results):
     """One GRPO step (8 prompts x group 8, prompt 256, 512 new tokens at fixed length), StaticEngine."""
     rows = results.setdefault("step", [])
@@ -100,7 +73,7 @@ def part_step(args, device, results):
             trainer = step_trainer(peft, engine, args, Path(args.out) / "step_run", checkpointing=ckpt,
                                    aqn=fmt == "nvfp4", vocab=vocab)
             steps = 1 if ckpt else 2  # big models: one step (its peak includes graph capture)
-            m, peak = run_steps(trainer, steps, f"step {spec}")
+            m, peak, _ = timed_steps(trainer, steps, f"step {spec}")
             rows.append(dict(model=preset, format=fmt, checkpointing=ckpt, keep_cache=engine.keep_cache,
                              steps_timed=1, step_index=steps - 1, peak_gib=peak, micro_batch=args.micro_batch,
                              **step_row(m)))
@@ -186,7 +159,7 @@ def main() -> None:
                     engine, row["engine_start_s"] = vllm_engine(peft, fmt, args, root)
                     row["engine"] = f"vllm-{vllm.__version__}"
                 trainer = step_trainer(peft, engine, args, root / f"run-{fmt}-{name}", vocab=vocab)
-                m, row["peak_gib"] = run_steps(trainer, args.steps, f"{fmt} {name}")
+                m, row["peak_gib"], _ = timed_steps(trainer, args.steps, f"{fmt} {name}")
                 row.update(step_index=args.steps - 1, **step_row(m))
                 if name == "vllm":
                     row.update(adapter_load_seconds(engine, peft, random_prompts(1, args.prompt, vocab, seed=9)[0]))

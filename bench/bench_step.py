@@ -16,10 +16,10 @@ checkpointing on or off. AQN is on for NVFP4 and off for the baselines (``--aqn 
 recipe against plain LoRA and QLoRA). The phases are the Trainer's own ``time/*`` metrics of the last
 step (the first pays kernel compilation and graph capture): ``rollout`` (the AQN sync; on vLLM also
 wake, adapter upload and sleep, which ``sync`` shows apart), ``logprob`` (the old policy's log-probs),
-``update`` (mu x forward + backward, clipping, optimizer) and ``other`` = step minus those three
-(rewards, advantages, and with mu > 1 the clip statistics' log-prob pass against the new policy). A
-phase the Trainer does not report (no ``time/logprob`` once the old policy's log-probs come from the
-update's own forward) is empty, and the step still adds up.
+``update`` (mu x forward + backward, clipping, optimizer; the clip statistics come from these
+forwards) and ``other`` = step minus those three (rewards, advantages). Under ``loss.old_logp`` fold
+(the default) the old policy's log-probs come from the update's own first forward and the Trainer
+reports ``time/logprob`` 0.0.
 
 Lengths (``--lengths``, several allowed): ``fixed:N`` (every row N new tokens); ``paper`` (the
 paper's GSM8K preset, ``max_new_tokens`` 4096: lognormal of mean 300 and log-std 0.8 capped at 4096,
@@ -29,10 +29,16 @@ on GSM8K, ``bench/results/real_model_h200.md``; its longest of 128 rows is 1171 
 ``paper-tail`` (the same, with 4% of the rows running to the cap: the completions that never stop,
 the share that reached a 512-token cap in that file's GSM8K runs, 2.6-6.1%);
 ``lognormal:MEAN:SIGMA:CAP[:TAIL]``; ``natural:N`` (no forcing: the model's own completions up to
-N, for a real model). A drawn row runs to exactly its
+N, for a real model; not forced). A drawn row (every spec but ``natural``) runs to exactly its
 length: ``stop_after`` on the StaticEngine, one request with ``min_tokens = max_tokens`` and
 ``ignore_eos`` per row on vLLM. Every row records the draw's parameters and a hash of its lengths.
 ``--max-new-tokens M`` scales a distribution down (mean and cap times M / cap; fixed lengths capped).
+
+The dense-weight cache (``qerl_kit.dense_update``: 4-bit projections dequantized once for the log-prob
+pass and update) is set per run, ``--dense-cache all`` (default: every 4-bit projection's dense copy, a
+fixed figure where the Trainer's auto budget would depend on the free memory) or GiB (0: off); the row
+records the setting (``dense_cache``, ``dense_cache_gib``) and the most any step held
+(``dense_cache_held_gib``), which the plan counts.
 
 Each (model, format, engine) runs in a fresh process (``--isolate auto``: on a GPU, for honest peaks;
 always for vLLM, whose memory is not given back inside one); a run that fails, runs out of memory or
@@ -47,341 +53,27 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import platform
-import random
 import subprocess
 import sys
-import tempfile
 import time
-import traceback
 from itertools import product
 from pathlib import Path
 
 import torch
 
-from bench.bench_ddp import IdTokenizer  # random prompts are whitespace-separated token ids
-from bench.bench_grpo_engines import random_reward
-from bench.bench_live_rows import hash_lengths, lengths_for
-from bench.common import LOG, build, free, log, random_prompts, with_lora
+from bench.common import LOG, log
+from bench.step_group import case_row, run_group
+from bench.step_lengths import LENGTHS_HELP, draw_lengths
 from bench.step_report import read_csv, write_csv, write_report
 
 FORMATS = ("none", "nvfp4", "nf4", "mxfp4", "bnb-nf4")
-# bnb-nf4: bitsandbytes' NF4 layers (bench.common.to_nf4), the field's QLoRA kernels; qerl_kit's config
-# and memory plan know it as nf4
-CONFIG_FORMAT = {"bnb-nf4": "nf4"}
 ENGINES = ("static", "vllm", "unsloth")
-PAPER = dict(mean=300.0, sigma=0.8, cap=4096)  # the paper's GSM8K preset: max_new_tokens 4096
-# paper-tail: the share of GSM8K completions that never stop. The real 0.5B hit a 512-token cap on
-# 2.6-6.1% of GSM8K test problems greedily and 4.0-4.7% sampled (bench/results/real_model_h200.md)
-PAPER_TAIL = 0.04
-LENGTHS_HELP = "fixed:N, paper, paper-tail, lognormal:MEAN:SIGMA:CAP[:TAIL] or natural:N"
-
-
-# -- lengths ------------------------------------------------------------------------------------
-def _lognormal(spec: str) -> tuple[float, float, int, float]:
-    """(mean, sigma, cap, tail share) of ``paper``, ``paper-tail`` or ``lognormal:MEAN:SIGMA:CAP[:TAIL]``."""
-    kind, _, rest = spec.partition(":")
-    if kind in ("paper", "paper-tail") and not rest:
-        return PAPER["mean"], PAPER["sigma"], PAPER["cap"], PAPER_TAIL if kind == "paper-tail" else 0.0
-    values = [float(x) for x in rest.split(":")]
-    if kind != "lognormal" or len(values) not in (3, 4):
-        raise ValueError
-    mean, sigma, cap, tail = (values + [0.0])[:4]
-    if mean <= 0 or sigma < 0 or cap < 1 or not 0 <= tail <= 1 or cap != int(cap):
-        raise ValueError
-    return mean, sigma, int(cap), tail
-
-
-def draw_lengths(spec: str, rows: int, max_new_tokens: int | None = None, seed: int = 0) -> dict:
-    """The completion lengths ``spec`` asks for ``rows`` rows: ``lengths`` (None for ``natural``: not
-    forced), ``max_length``, ``mean_length``, ``params`` (what was drawn, after scaling), ``lengths_sha``
-    and ``max_new_tokens`` (the run's setting: the cap, as a real run of that preset sets it).
-    ``max_new_tokens`` caps a fixed length and scales a distribution's mean and cap. A tail share
-    sends that share of the rows (``round(share x rows)``, seeded choice) to the cap: the completions
-    that never stop."""
-    kind, _, rest = spec.partition(":")
-    try:
-        if kind in ("fixed", "natural"):
-            n = int(rest)
-            if n < 1:
-                raise ValueError
-            n = min(n, max_new_tokens or n)
-            if kind == "natural":
-                return dict(lengths=None, max_length=n, mean_length=float("nan"), params=f"natural up to {n}",
-                            lengths_sha="", max_new_tokens=n)
-            lengths, params, top = [n] * rows, f"fixed {n}", n
-        else:
-            mean, sigma, cap, tail = _lognormal(spec)
-            if max_new_tokens and max_new_tokens < cap:
-                mean, cap = mean * max_new_tokens / cap, max_new_tokens
-            lengths = lengths_for(rows, mean, sigma, cap, seed)
-            for i in random.Random(f"tail/{seed}/{rows}").sample(range(rows), round(tail * rows)):
-                lengths[i] = cap
-            params, top = f"lognormal mean {mean:g} sigma {sigma:g} cap {cap} seed {seed}", cap
-            params += f", {tail:g} of the rows to the cap" if tail else ""
-    except ValueError:
-        raise ValueError(f"--lengths {spec!r}: expected {LENGTHS_HELP} (N, MEAN, CAP >= 1, SIGMA >= 0, "
-                         "TAIL in [0, 1])") from None
-    return dict(lengths=lengths, max_length=max(lengths), mean_length=sum(lengths) / rows, params=params,
-                lengths_sha=hash_lengths(lengths), max_new_tokens=top)
-
-
-# -- engines that run each row to a given length ----------------------------------------------------
-def forced_static(*a, **kw):
-    """A StaticEngine whose ``generate`` runs row i to ``lengths[i]`` (``stop_after``) while its
-    ``lengths`` is set."""
-    from qerl_kit.rollout import StaticEngine
-
-    class ForcedStatic(StaticEngine):
-        lengths = None
-
-        def generate_ids(self, prompts, n=1, sampling=None, ignore_eos=None, stop_after=None):
-            return super().generate_ids(prompts, n, sampling, ignore_eos,
-                                        self.lengths if stop_after is None else stop_after)
-    return ForcedStatic(*a, **kw)
-
-
-def forced_vllm(*a, **kw):
-    """A VLLMEngine whose ``generate`` sends each row as a request of exactly ``lengths[i]`` tokens."""
-    from qerl_kit.rollout.vllm import VLLMEngine
-
-    class ForcedVLLM(VLLMEngine):
-        lengths = None
-
-        def _generate_texts(self, prompts, n, sampling, stop_after=None):
-            return super()._generate_texts(prompts, n, sampling, self.lengths if stop_after is None else stop_after)
-    return ForcedVLLM(*a, **kw)
-
-
-# -- one (model, format, engine): the policy, the engine, then every case ---------------------------
-def is_real(model: str) -> bool:
-    """A real model: a GGUF file or a model directory (else a preset name, random weights)."""
-    path = Path(model).expanduser()
-    return model.endswith(".gguf") or path.is_dir()
-
-
-def build_policy(model: str, fmt: str, device: str, lora_r: int, dense_dir: Path | None = None):
-    """(peft policy, tokenizer) of ``model`` in ``fmt``; ``dense_dir`` gets the bf16 checkpoint before
-    quantization (vLLM's NF4 baseline quantizes it with bitsandbytes itself)."""
-    from qerl_kit.build import load_base, quantize_base
-    from qerl_kit.config import ModelConfig
-
-    dtype = torch.bfloat16 if device == "cuda" else torch.float32
-    if is_real(model):  # qerl_kit's own loader: a GGUF file through load_gguf, a directory as saved
-        base, tok = load_base(ModelConfig(name=model), device=device, dtype=dtype)
-    else:
-        base, tok = build(model, "nvfp4" if fmt == "nvfp4" else "none", device), IdTokenizer()
-    if dense_dir is not None:
-        base.save_pretrained(str(dense_dir), safe_serialization=True)
-    if fmt == "bnb-nf4":
-        from bench.common import to_nf4
-
-        to_nf4(base)
-    else:
-        quantize_base(base, fmt)  # nothing for bf16 or a base built in its format already
-    return with_lora(base, lora_r), tok
-
-
-def make_task(model: str, peft, prompt_len: int, rows: int, seed: int):
-    """GSM8K for a real model; random-id prompts with a random reward for a random one (its
-    completions mean nothing; GRPO's arithmetic runs as on a task, no group of equal rewards)."""
-    from qerl_kit.tasks import Task
-
-    if is_real(model):
-        from qerl_kit.config import DataConfig
-        from qerl_kit.tasks import make_task as task_for
-
-        return task_for(DataConfig(dataset="gsm8k"))
-    vocab = peft.get_base_model().config.vocab_size
-    data = [{"prompt": " ".join(map(str, p)), "answer": "0"}
-            for p in random_prompts(max(64, rows), prompt_len, vocab, seed=3)]
-    return Task("random-ids", data, [], (random_reward(seed),), lambda tok, row: row["prompt"])
-
-
-def set_checkpointing(model, on: bool) -> None:
-    """The Trainer turns checkpointing on and never off: a later case in the same process that runs
-    without it turns it off here."""
-    if not on:
-        for name in ("activation_checkpointing_disable", "gradient_checkpointing_disable"):
-            if hasattr(model, name):
-                getattr(model, name)()
-                return
-
-
-def trainer_for(peft, tok, task, engine, case: dict, a: dict, max_len: int, out_dir: Path):
-    from qerl_kit.config import preset
-    from qerl_kit.trainer import Trainer
-
-    set_checkpointing(peft, case["gradient_checkpointing"])
-    # one AQN stage per step; the Trainer starts at step 1 (below): AQN's stage 0 is noise-free, and every
-    # timed step should pay for the noise as a step of a real run does
-    steps = a["steps"] + 10
-    cfg = preset("tiny-cpu", total_steps=steps, save_every=0, seed=case["seed"], output_dir=str(out_dir),
-                 model=dict(format=CONFIG_FORMAT.get(case["format"], case["format"]), lora_r=a["lora_r"],
-                            gradient_checkpointing=case["gradient_checkpointing"]),
-                 data=dict(dataset="gsm8k") if is_real(case["model"]) else {},
-                 rollout=dict(batch_size=a["prompts"] * a["group"], group_size=a["group"], max_new_tokens=max_len,
-                              temperature=1.0),
-                 loss=dict(loss="grpo", mu=case["mu"], micro_batch=case["micro_batch"]),
-                 aqn=dict(enabled=case["aqn"], stages=steps))
-    trainer = Trainer(peft, tok, task, cfg, engine=engine, progress="none")
-    trainer.step = 1
-    return trainer
 
 
 def aqn_on(setting: str, fmt: str) -> bool:
     return fmt == "nvfp4" if setting == "auto" else setting == "on"
-
-
-def plan_gib(peft, case: dict, a: dict, max_len: int) -> tuple[float, str]:
-    """``plan_memory``'s peak for the run's settings (GiB), or NaN and why it could not plan."""
-    from qerl_kit.memory_plan import plan_memory
-
-    try:
-        plan = plan_memory(peft.get_base_model().config, fmt=CONFIG_FORMAT.get(case["format"], case["format"]),
-                           lora_r=a["lora_r"], optimizer="adamw",
-                           rollout_batch=a["prompts"] * a["group"], prompt_len=a["prompt_len"],
-                           max_new_tokens=max_len, micro_batch=case["micro_batch"],
-                           gradient_checkpointing=case["gradient_checkpointing"], group_size=a["group"])
-        return plan.peak / 2**30, ""
-    except Exception as err:  # noqa: BLE001 - a reference figure: say why it is missing
-        return float("nan"), f"{type(err).__name__}: {err}"[:200]
-
-
-def peak_gib() -> float:
-    return torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else float("nan")
-
-
-def timed_steps(trainer, steps: int, label: str) -> tuple[dict, float]:
-    """``steps`` Trainer steps; the last one's metrics and its peak memory (reset before each step)."""
-    for i in range(steps):
-        if torch.cuda.is_available():
-            torch.cuda.reset_peak_memory_stats()
-        m = trainer.train_step()
-        log(f"{label} step #{i}: {m['time/step']:.2f}s (" + ", ".join(
-            f"{k[5:]} {m[k]:.2f}" for k in ("time/rollout", "time/sync", "time/logprob", "time/update") if k in m)
-            + f"), peak {peak_gib():.1f} GiB")
-    return m, peak_gib()
-
-
-def phase_times(m: dict) -> dict:
-    """The step's phases from its metrics; a phase the Trainer did not report is NaN (e.g. no
-    ``time/logprob`` when the old policy's log-probs come from the update's own forward)."""
-    nan = float("nan")
-    row = {f"time_{k}": m.get(f"time/{k}", nan) for k in ("step", "rollout", "sync", "wake", "upload", "sleep",
-                                                           "logprob", "update")}
-    row["time_other"] = row["time_step"] - sum(0.0 if math.isnan(row[k]) else row[k]
-                                               for k in ("time_rollout", "time_logprob", "time_update"))
-    row["measured_mean_length"] = m.get("completions/mean_length", nan)
-    row["rollout_tokens_per_s"] = m.get("rollout/tokens_per_s", nan)
-    row["aqn_sigma"] = m.get("aqn/sigma", 0.0)
-    return row
-
-
-def failure(err: BaseException) -> dict:
-    """A failed run's status (``oom`` or ``error``) and its error line."""
-    oom = isinstance(err, torch.OutOfMemoryError) or "out of memory" in str(err).lower()
-    return dict(status="oom" if oom else "error", error=f"{type(err).__name__}: {err}".splitlines()[0][:300])
-
-
-def case_row(case: dict, a: dict, meta: dict) -> dict:
-    """The settings half of a run's row (every setting, the lengths' draw, the versions)."""
-    rows = a["prompts"] * a["group"]
-    drawn = draw_lengths(case["lengths"], rows, a["max_new_tokens"], a["length_seed"])
-    return {**meta, "case_id": case["case_id"], "model": case["model"], "format": case["format"],
-            "engine": case["engine"], "lengths": case["lengths"], "length_params": drawn["params"],
-            "lengths_sha": drawn["lengths_sha"], "mean_length": drawn["mean_length"],
-            "max_length": drawn["max_length"], "max_new_tokens": drawn["max_new_tokens"], "prompts": a["prompts"],
-            "group": a["group"], "rows": rows,
-            "prompt_len": "gsm8k" if is_real(case["model"]) else a["prompt_len"], "lora_r": a["lora_r"],
-            "mu": case["mu"], "micro_batch": case["micro_batch"], "gradient_checkpointing": case["gradient_checkpointing"],
-            "aqn": case["aqn"], "keep_cache": a["keep_cache"], "optimizer": "adamw", "seed": case["seed"],
-            "steps": a["steps"], "step_index": a["steps"] - 1, "status": "", "error": ""}
-
-
-def vllm_for(peft, tok, fmt: str, a: dict, cases: list[dict], root: Path, dense_dir: Path | None):
-    """Our export in vLLM (nvfp4: compressed-tensors; none: bf16; nf4 and bnb-nf4: the bf16 checkpoint
-    quantized by vLLM's bitsandbytes), colocated with sleep mode, sized for the longest case."""
-    from bench.bench_vllm_lengths import export
-
-    if fmt == "mxfp4":
-        raise NotImplementedError("vLLM runs no MXFP4 + LoRA export of ours (nvfp4, bf16 and nf4 only)")
-    path = dense_dir if "nf4" in fmt else export(peft, "nvfp4" if fmt == "nvfp4" else "bf16", root)
-    longest = max(draw_lengths(c["lengths"], a["prompts"] * a["group"], a["max_new_tokens"],
-                               a["length_seed"])["max_new_tokens"] for c in cases)
-    prompt = 1024 if any(is_real(c["model"]) for c in cases) else a["prompt_len"]
-    extra = dict(quantization="bitsandbytes") if "nf4" in fmt else {}
-    if is_real(cases[0]["model"]):  # the StaticEngine's stop ids (EOS, generation config, chat turn end)
-        from qerl_kit.rollout.base import special_ids
-
-        extra["stop_token_ids"] = special_ids(tok, peft)[1]
-    return forced_vllm(path, tok, skip_tokenizer_init=True,  # our tokenizer decodes
-                       gpu_memory_utilization=a["vllm_memory"], max_lora_rank=a["lora_r"],
-                       max_model_len=-(-(prompt + longest + 16) // 64) * 64, max_num_seqs=a["prompts"] * a["group"],
-                       **extra)
-
-
-def run_group(cases: list[dict], a: dict, meta: dict, rows_path: Path) -> None:
-    """One (model, format, engine): build once, then every case; each case's row is appended to
-    ``rows_path`` as soon as it is known, so a process that dies keeps what it measured.
-
-    Long because: build, per-case trainer, timing and failure bookkeeping read best in one place."""
-    model, fmt, engine_kind = cases[0]["model"], cases[0]["format"], cases[0]["engine"]
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    root = Path(tempfile.mkdtemp(prefix="bench-step-"))
-    rows_n = a["prompts"] * a["group"]
-
-    def emit(row):
-        with open(rows_path, "a") as f:
-            f.write(json.dumps(row, default=str) + "\n")
-
-    try:
-        dense_dir = root / "dense" if engine_kind == "vllm" and "nf4" in fmt else None
-        peft, tok = build_policy(model, fmt, device, a["lora_r"], dense_dir)
-        vllm_engine, start = None, float("nan")
-        if engine_kind == "vllm":
-            t = time.perf_counter()
-            vllm_engine = vllm_for(peft, tok, fmt, a, cases, root, dense_dir)
-            start = time.perf_counter() - t
-    except Exception as err:  # noqa: BLE001 - every case of the group is a failed row
-        log(f"{model} {fmt} {engine_kind}: setup failed: {err!r}\n{traceback.format_exc()}")
-        for case in cases:
-            emit({**case_row(case, a, meta), **failure(err)})
-        return
-    for case in cases:
-        row = case_row(case, a, meta)
-        drawn = draw_lengths(case["lengths"], rows_n, a["max_new_tokens"], a["length_seed"])
-        label = f"{model} {fmt} {engine_kind} {case['lengths']} ckpt {case['gradient_checkpointing']} mu {case['mu']}"
-        row["plan_gib"], row["plan_note"] = plan_gib(peft, case, a, drawn["max_new_tokens"])
-        trainer = engine = None
-        try:
-            if vllm_engine is None:
-                engine = forced_static(peft, tok, ignore_eos=drawn["lengths"] is not None, keep_cache=a["keep_cache"])
-            else:
-                engine, row["engine_start_s"] = vllm_engine, start
-            engine.lengths, engine.ignore_eos = drawn["lengths"], drawn["lengths"] is not None  # per case
-            task = make_task(model, peft, a["prompt_len"], rows_n, case["seed"])
-            trainer = trainer_for(peft, tok, task, engine, case, a, drawn["max_new_tokens"],
-                                  root / f"run{case['case_id']}")
-            t = time.perf_counter()
-            m, row["peak_gib"] = timed_steps(trainer, a["steps"], label)
-            row["peak_reserved_gib"] = torch.cuda.max_memory_reserved() / 2**30 if device == "cuda" else float("nan")
-            row.update(status="ok", wall_s=time.perf_counter() - t, **phase_times(m))
-        except Exception as err:  # noqa: BLE001 - recorded, and the next case runs
-            row.update(failure(err))
-            log(f"{label} failed: {err!r}\n{traceback.format_exc()}")
-        emit(row)
-        if vllm_engine is None and engine is not None:
-            engine.reset()  # its KV cache and graphs, before the next case's engine
-        del trainer, engine
-        free()
-    if vllm_engine is not None:
-        vllm_engine.close()
-    import shutil
-
-    shutil.rmtree(root, ignore_errors=True)  # exports and run directories (GBs at 7B and above)
 
 
 # -- the run: cases, processes, outputs -------------------------------------------------------------
@@ -483,7 +175,7 @@ def run(args) -> list[dict]:
     rows_path = out / "rows.jsonl"
     rows_path.unlink(missing_ok=True)
     a = {k: getattr(args, k) for k in ("prompts", "group", "prompt_len", "lora_r", "steps", "max_new_tokens",
-                                       "keep_cache", "vllm_memory", "length_seed")}
+                                       "keep_cache", "vllm_memory", "length_seed", "dense_cache")}
     meta, start, first_line = versions(), time.perf_counter(), len(LOG)  # this call's clock and log lines
     limit = args.budget + 120 if args.limit is None else args.limit
     for cases in plan_cases(args):
@@ -517,6 +209,15 @@ def _lengths(value: str) -> str:
     return value
 
 
+def _dense_cache(value: str) -> str:
+    try:
+        if value == "all" or float(value) >= 0:
+            return value
+    except ValueError:
+        pass
+    raise argparse.ArgumentTypeError(f"dense-cache {value!r}: allowed all or GiB >= 0")
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -539,12 +240,14 @@ def parser() -> argparse.ArgumentParser:
     r.add_argument("--lora-r", type=int, default=32)
     r.add_argument("--aqn", default="auto", type=_choices("aqn", ("auto", "on", "off")), help="auto: on for nvfp4")
     r.add_argument("--keep-cache", default=True, type=lambda v: _choices("keep-cache", ("on", "off"))(v) == "on")
+    r.add_argument("--dense-cache", default="all", type=_dense_cache,
+                   help="model.dense_cache_gib per run: all (every 4-bit projection's dense copy) or GiB (0: off)")
     r.add_argument("--vllm-memory", type=float, default=0.3, help="vLLM's gpu_memory_utilization")
     r.add_argument("--isolate", default="auto", type=_choices("isolate", ("auto", "on", "off")))
     r.add_argument("--budget", type=float, default=420.0, help="seconds after which no new group starts")
     r.add_argument("--limit", type=float, default=None, help="seconds after which a group's process is killed "
                    "(its unfinished runs: crashed rows); default budget + 120")
-    rep = sub.add_parser("report", help="table + plot from several calls' step.csv (later rows win)")
+    rep = sub.add_parser("report", help="table + plot from several calls' step.csv")
     rep.add_argument("inputs", nargs="+", help="step.csv files or the folders holding them")
     rep.add_argument("--out", required=True)
     w = sub.add_parser("worker", help="internal: one (model, format, engine) group in this process")

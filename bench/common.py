@@ -158,6 +158,51 @@ def random_prompts(batch: int, length: int, vocab: int, seed: int = 0) -> list[l
     return torch.randint(10, vocab - 10, (batch, length), generator=g).tolist()
 
 
+class IdTokenizer:
+    """Prompts are whitespace-separated token ids; no EOS, so completions run to max_new_tokens."""
+
+    eos_token_id = None
+    pad_token_id = 0
+
+    def __call__(self, texts, add_special_tokens=False):
+        return {"input_ids": [[int(t) for t in s.split()] for s in texts]}
+
+    def batch_decode(self, rows, skip_special_tokens=True):
+        return [" ".join(str(int(t)) for t in r) for r in rows]
+
+
+def random_reward(seed: int = 0):
+    """A reward of random numbers (the random models' completions have no meaning): GRPO's arithmetic
+    runs as on a real task, with no group of equal rewards."""
+    g = torch.Generator().manual_seed(seed)
+
+    def reward(completions, **_):
+        return torch.rand(len(completions), generator=g).tolist()
+    return reward
+
+
+# -- timed Trainer steps --------------------------------------------------------------------------
+def peak_gib() -> float:
+    """``torch.cuda.max_memory_allocated`` in GiB (NaN without a GPU)."""
+    return torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else float("nan")
+
+
+def timed_steps(trainer, steps: int, label: str) -> tuple[dict, float, float]:
+    """``steps`` Trainer steps: the last one's metrics, its peak memory (GiB; the peak counter is reset
+    before each step, so it is the last step's alone) and the most dense-cache GiB any step held
+    (``memory/dense_cache_gib``)."""
+    held = 0.0
+    for i in range(steps):
+        if torch.cuda.is_available():
+            torch.cuda.reset_peak_memory_stats()
+        m = trainer.train_step()
+        held = max(held, m.get("memory/dense_cache_gib", 0.0))
+        log(f"{label} step #{i}: {m['time/step']:.2f}s (" + ", ".join(
+            f"{k[5:]} {m[k]:.2f}" for k in ("time/rollout", "time/sync", "time/sleep", "time/logprob", "time/update")
+            if k in m) + f"), peak {peak_gib():.1f} GiB")
+    return m, peak_gib(), held
+
+
 # -- output -------------------------------------------------------------------------------------
 def write(results: dict, out: Path, log: bool = True) -> None:
     out.mkdir(parents=True, exist_ok=True)

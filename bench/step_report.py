@@ -3,10 +3,12 @@ ratios against the same call's baselines and gradient checkpointing's cost, and 
 
     python -m bench.bench_step report OUT_A OUT_B ... --out MERGED
 
-``report`` reads several calls' step.csv (vLLM runs one format per call), keeps the last row of each
-setting, and writes MERGED/step.csv, step.md and step.png. A ratio is the baseline's seconds over
-NVFP4 + LoRA on our StaticEngine's (above 1: ours is faster), per phase, for rows of identical
-settings; "same call" says whether both rows came from one call (one process tree, one hold).
+``report`` reads several calls' step.csv (vLLM runs one format per call) and writes MERGED/step.csv,
+step.md and step.png. A baseline's row of a setting: the last input's wins; NVFP4 + LoRA on our
+StaticEngine (the subject) keeps one row per call, so each baseline is paired with the subject row
+measured in its own call where there is one. A ratio is the baseline's seconds over the subject's
+(above 1: ours is faster), per phase, for rows of identical settings; "same call" says whether both
+rows came from one call (one process tree, one hold).
 """
 
 from __future__ import annotations
@@ -17,17 +19,18 @@ from pathlib import Path
 # every run's row, in this order (later keys, if any, follow)
 SETTINGS = ["model", "format", "engine", "lengths", "length_params", "lengths_sha", "mean_length", "max_length",
             "max_new_tokens", "prompts", "group", "rows", "prompt_len", "lora_r", "mu", "micro_batch",
-            "gradient_checkpointing", "aqn", "keep_cache", "optimizer", "seed", "steps", "step_index"]
+            "gradient_checkpointing", "aqn", "keep_cache", "dense_cache", "dense_cache_gib", "optimizer", "seed", "steps",
+            "step_index"]
 RESULTS = ["status", "error", "time_step", "time_rollout", "time_sync", "time_wake", "time_upload", "time_sleep",
            "time_logprob", "time_update", "time_other", "measured_mean_length", "rollout_tokens_per_s", "aqn_sigma",
-           "peak_gib", "peak_reserved_gib", "plan_gib", "plan_note", "engine_start_s", "wall_s"]
+           "peak_gib", "peak_reserved_gib", "dense_cache_held_gib", "plan_gib", "plan_note", "engine_start_s", "wall_s"]
 META = ["case_id", "run_id", "date", "gpu", "torch", "triton", "transformers", "humming", "vllm", "bitsandbytes"]
 COLUMNS = META + SETTINGS + RESULTS
-NUMERIC = {"mean_length", "max_length", "max_new_tokens", "prompts", "group", "rows", "lora_r", "mu", "micro_batch",
+NUMERIC = {"dense_cache_gib", "mean_length", "max_length", "max_new_tokens", "prompts", "group", "rows", "lora_r", "mu", "micro_batch",
            "seed", "steps", "step_index", "case_id", *(c for c in RESULTS if c not in ("status", "error", "plan_note"))}
 # what a setting is, without format and engine: rows that share it are compared
 KEY = ["model", "lengths", "lengths_sha", "prompts", "group", "prompt_len", "lora_r", "mu", "micro_batch",
-       "gradient_checkpointing", "seed", "steps"]
+       "gradient_checkpointing", "dense_cache", "seed", "steps"]
 SUBJECT = ("nvfp4", "static")
 # (label, format, engine, the issue's target speed-up or None; "lengths" targets depend on the lengths)
 BASELINES = [("bf16 + LoRA, ours", "none", "static", "lengths"), ("NF4 + LoRA (QLoRA), ours", "nf4", "static", 1.5),
@@ -60,11 +63,14 @@ def read_csv(path: Path) -> list[dict]:
 
 
 def merge(paths) -> list[dict]:
-    """Rows of several step.csv files (or folders holding one); for the same setting, the later wins."""
+    """Rows of several step.csv files (or folders holding one), in input order. For the same setting,
+    format, engine and AQN the later input wins, but the subject (NVFP4 + LoRA, StaticEngine) keeps
+    one row per call (``run_id``): ``ratios`` pairs a baseline with the subject of its own call."""
     seen: dict[tuple, dict] = {}
     for p in map(Path, paths):
         for r in read_csv(p / "step.csv" if p.is_dir() else p):
-            seen[tuple(str(r.get(k)) for k in KEY + ["format", "engine", "aqn"])] = r
+            call = (str(r.get("run_id")),) if (r.get("format"), r.get("engine")) == SUBJECT else ()
+            seen[tuple(str(r.get(k)) for k in KEY + ["format", "engine", "aqn"]) + call] = r
     return list(seen.values())
 
 
@@ -96,14 +102,18 @@ def ratios(rows: list[dict]) -> list[dict]:
     """NVFP4 + LoRA on the StaticEngine against each baseline with identical settings: baseline
     seconds / ours, per phase (above 1: ours faster); a missing or failed baseline is left out."""
     out = []
-    by = {(_key(r), r["format"], r["engine"]): r for r in rows if _ok(r)}
-    for (key, fmt, engine), subj in by.items():
-        if (fmt, engine) != SUBJECT:
-            continue
+    by = {(_key(r), r["format"], r["engine"]): r for r in rows if _ok(r) and (r["format"], r["engine"]) != SUBJECT}
+    subjects: dict[tuple, list[dict]] = {}
+    for r in rows:
+        if _ok(r) and (r["format"], r["engine"]) == SUBJECT:
+            subjects.setdefault(_key(r), []).append(r)
+    for key, subs in subjects.items():
         for label, bfmt, bengine, target in BASELINES:
             base = by.get((key, bfmt, bengine))
             if base is None:
                 continue
+            # the subject measured in the baseline's call, else the last one
+            subj = next((r for r in subs if r.get("run_id") == base.get("run_id")), subs[-1])
             row = dict(model=subj["model"], lengths=subj["lengths"], mu=subj["mu"], micro_batch=subj["micro_batch"],
                        gradient_checkpointing=subj["gradient_checkpointing"], seed=subj["seed"], baseline=label,
                        target=_target(target, subj["model"], subj["lengths"]),
@@ -209,8 +219,18 @@ def header(rows: list[dict]) -> list[str]:
         lines.append(f"- lengths `{spec}`: {params}, {_f(n, '.0f')} rows" + (f", sha `{sha}`" if sha else ""))
     lines += ["", "Seconds of the last step (the Trainer's `time/*`); rollout includes the AQN sync (vLLM: wake, "
               "adapter upload and sleep, in brackets); other = step - rollout - log-probs - update. Peak: "
-              "`torch.cuda.max_memory_allocated` over that step (with vLLM: its pool too); plan: "
-              "`qerl_kit.memory_plan.plan_memory` for the same settings.", ""]
+              "`torch.cuda.max_memory_allocated` over the last step alone (its counter is reset before each step; "
+              "`bench.bench_memory`'s peaks, in tests/data/measured_peaks.json, span every step, the first's "
+              "compilation and graph capture included); with vLLM its pool is its own. Plan: "
+              "`qerl_kit.memory_plan.plan_memory(...).allocated` for the same settings (engine, keep_cache, "
+              "humming) and the dense-weight cache the steps held (`dense_cache_held_gib`, the most "
+              "`memory/dense_cache_gib` of any step; the run's `model.dense_cache_gib` is `dense_cache_gib`, "
+              "set by `--dense-cache`), the bound of the peak; none for vLLM rows.", ""]
+    models = {str(r.get("model")) for r in rows}
+    if "Qwen2.5-0.5B" in models and any(m.endswith(".gguf") or m.startswith("/") for m in models):
+        lines += ["The `Qwen2.5-0.5B` preset ties its output layer to the embedding; the real 0.5B (GGUF) carries "
+                  "its own `output.weight` (untied: 151936 x 896 bf16 more, about 0.25 GiB), so its peaks sit "
+                  "that much higher at equal settings.", ""]
     return lines
 
 

@@ -1,0 +1,286 @@
+"""One (model, format, engine) group of ``bench.bench_step``: the policy (random weights or a real
+model), its engine (our StaticEngine or vLLM, each forcing every row to its drawn length), a Trainer per
+case, the timed steps and the row each case leaves (``run_group``; ``bench.bench_step worker`` runs it in
+a fresh process)."""
+
+from __future__ import annotations
+
+import json
+import math
+import tempfile
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+from bench.common import IdTokenizer, build, free, log, random_prompts, random_reward, timed_steps, with_lora
+from bench.step_lengths import draw_lengths
+
+# bnb-nf4: bitsandbytes' NF4 layers (bench.common.to_nf4), the field's QLoRA kernels; qerl_kit's config
+# and memory plan know it as nf4
+CONFIG_FORMAT = {"bnb-nf4": "nf4"}
+
+
+# -- engines that run each row to a given length ----------------------------------------------------
+def forced_static(*a, **kw):
+    """A StaticEngine whose ``generate`` runs row i to ``lengths[i]`` (``stop_after``) while its
+    ``lengths`` is set."""
+    from qerl_kit.rollout import StaticEngine
+
+    class ForcedStatic(StaticEngine):
+        lengths = None
+
+        def generate_ids(self, prompts, n=1, sampling=None, ignore_eos=None, stop_after=None):
+            return super().generate_ids(prompts, n, sampling, ignore_eos,
+                                        self.lengths if stop_after is None else stop_after)
+    return ForcedStatic(*a, **kw)
+
+
+def forced_vllm(*a, **kw):
+    """A VLLMEngine whose ``generate`` sends each row as a request of exactly ``lengths[i]`` tokens."""
+    from qerl_kit.rollout.vllm import VLLMEngine
+
+    class ForcedVLLM(VLLMEngine):
+        lengths = None
+
+        def _generate_texts(self, prompts, n, sampling, stop_after=None):
+            return super()._generate_texts(prompts, n, sampling, self.lengths if stop_after is None else stop_after)
+    return ForcedVLLM(*a, **kw)
+
+
+# -- one (model, format, engine): the policy, the engine, then every case ---------------------------
+def is_real(model: str) -> bool:
+    """A real model: a GGUF file or a model directory (else a preset name, random weights)."""
+    path = Path(model).expanduser()
+    return model.endswith(".gguf") or path.is_dir()
+
+
+def build_policy(model: str, fmt: str, device: str, lora_r: int, dense_dir: Path | None = None):
+    """(peft policy, tokenizer) of ``model`` in ``fmt``; ``dense_dir`` gets the bf16 checkpoint before
+    quantization (vLLM's NF4 baseline quantizes it with bitsandbytes itself)."""
+    from qerl_kit.build import load_base, quantize_base
+    from qerl_kit.config import ModelConfig
+
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    if is_real(model):  # qerl_kit's own loader: a GGUF file through load_gguf, a directory as saved
+        base, tok = load_base(ModelConfig(name=model), device=device, dtype=dtype)
+    else:
+        base, tok = build(model, "nvfp4" if fmt == "nvfp4" else "none", device), IdTokenizer()
+    if dense_dir is not None:
+        base.save_pretrained(str(dense_dir), safe_serialization=True)
+    if fmt == "bnb-nf4":
+        from bench.common import to_nf4
+
+        to_nf4(base)
+    else:
+        quantize_base(base, fmt)  # nothing for bf16 or a base built in its format already
+    return with_lora(base, lora_r), tok
+
+
+def make_task(model: str, peft, prompt_len: int, rows: int, seed: int):
+    """GSM8K for a real model; random-id prompts with a random reward for a random one (its
+    completions mean nothing; GRPO's arithmetic runs as on a task, no group of equal rewards)."""
+    from qerl_kit.tasks import Task
+
+    if is_real(model):
+        from qerl_kit.config import DataConfig
+        from qerl_kit.tasks import make_task as task_for
+
+        return task_for(DataConfig(dataset="gsm8k"))
+    vocab = peft.get_base_model().config.vocab_size
+    data = [{"prompt": " ".join(map(str, p)), "answer": "0"}
+            for p in random_prompts(max(64, rows), prompt_len, vocab, seed=3)]
+    return Task("random-ids", data, [], (random_reward(seed),), lambda tok, row: row["prompt"])
+
+
+def set_checkpointing(model, on: bool) -> None:
+    """The Trainer turns checkpointing on and never off: a later case in the same process that runs
+    without it turns it off here."""
+    if not on:
+        for name in ("activation_checkpointing_disable", "gradient_checkpointing_disable"):
+            if hasattr(model, name):
+                getattr(model, name)()
+                return
+
+
+def trainer_for(peft, tok, task, engine, case: dict, a: dict, max_len: int, out_dir: Path):
+    from qerl_kit.config import preset
+    from qerl_kit.trainer import Trainer
+
+    set_checkpointing(peft, case["gradient_checkpointing"])
+    # one AQN stage per step; the Trainer starts at step 1 (below): AQN's stage 0 is noise-free, and every
+    # timed step should pay for the noise as a step of a real run does
+    steps = a["steps"] + 10
+    cfg = preset("tiny-cpu", total_steps=steps, save_every=0, seed=case["seed"], output_dir=str(out_dir),
+                 model=dict(format=CONFIG_FORMAT.get(case["format"], case["format"]), lora_r=a["lora_r"],
+                            gradient_checkpointing=case["gradient_checkpointing"],
+                            dense_cache_gib=dense_cache_gib(peft, a["dense_cache"])),
+                 data=dict(dataset="gsm8k") if is_real(case["model"]) else {},
+                 rollout=dict(batch_size=a["prompts"] * a["group"], group_size=a["group"], max_new_tokens=max_len,
+                              temperature=1.0),
+                 loss=dict(loss="grpo", mu=case["mu"], micro_batch=case["micro_batch"]),
+                 aqn=dict(enabled=case["aqn"], stages=steps))
+    trainer = Trainer(peft, tok, task, cfg, engine=engine, progress="none")
+    trainer.step = 1
+    return trainer
+
+
+def dense_cache_gib(peft, setting) -> float:
+    """The run's ``model.dense_cache_gib``: ``all`` is the dense bytes of every 4-bit projection of this
+    policy (0 for bf16 and bitsandbytes' layers, which the cache does not serve), a number is itself."""
+    from qerl_kit.dense_update import GIB, dense_projection_bytes
+
+    return dense_projection_bytes(peft) / GIB if setting == "all" else float(setting)
+
+
+def _humming(fmt: str) -> bool:
+    """Whether NVFP4 matmuls run on humming-kernels here (its repacked copy of the weights counts)."""
+    if fmt != "nvfp4" or not torch.cuda.is_available():
+        return False
+    from qerl_kit.kernels import nvfp4_humming
+
+    return nvfp4_humming.humming_status()[0]
+
+
+def plan_gib(peft, case: dict, a: dict, max_len: int, held_gib: float = 0.0) -> tuple[float, str]:
+    """``plan_memory(...).allocated`` for the run's settings (GiB: the bound of ``max_memory_allocated``,
+    as bench_memory and real_grpo compare it), with the dense cache the steps held (``held_gib``, the most
+    ``memory/dense_cache_gib`` of any step), or NaN and why there is none. vLLM's rows: NaN, the plan
+    counts our StaticEngine (vLLM's pool is its own)."""
+    from qerl_kit.memory_plan import plan_memory
+
+    if case["engine"] != "static":
+        return float("nan"), f"no plan: the plan counts our StaticEngine, not {case['engine']}'s memory"
+    try:
+        plan = plan_memory(peft.get_base_model().config, fmt=CONFIG_FORMAT.get(case["format"], case["format"]),
+                           lora_r=a["lora_r"], optimizer="adamw",
+                           rollout_batch=a["prompts"] * a["group"], prompt_len=a["prompt_len"],
+                           max_new_tokens=max_len, micro_batch=case["micro_batch"],
+                           gradient_checkpointing=case["gradient_checkpointing"], group_size=a["group"],
+                           engine="static", keep_cache=a["keep_cache"], humming=_humming(case["format"]),
+                           dense_cache_bytes=int(held_gib * 2**30))
+        return plan.allocated / 2**30, ""
+    except Exception as err:  # noqa: BLE001 - a reference figure: say why it is missing
+        return float("nan"), f"{type(err).__name__}: {err}"[:200]
+
+
+def phase_times(m: dict) -> dict:
+    """The step's phases from its metrics (a phase the Trainer did not report, e.g. vLLM's ``sync`` on
+    our engine, is NaN; under ``loss.old_logp`` fold the Trainer reports ``time/logprob`` 0.0)."""
+    nan = float("nan")
+    row = {f"time_{k}": m.get(f"time/{k}", nan) for k in ("step", "rollout", "sync", "wake", "upload", "sleep",
+                                                           "logprob", "update")}
+    row["time_other"] = row["time_step"] - sum(0.0 if math.isnan(row[k]) else row[k]
+                                               for k in ("time_rollout", "time_logprob", "time_update"))
+    row["measured_mean_length"] = m.get("completions/mean_length", nan)
+    row["rollout_tokens_per_s"] = m.get("rollout/tokens_per_s", nan)
+    row["aqn_sigma"] = m.get("aqn/sigma", 0.0)
+    return row
+
+
+def failure(err: BaseException) -> dict:
+    """A failed run's status (``oom`` or ``error``) and its error line."""
+    oom = isinstance(err, torch.OutOfMemoryError) or "out of memory" in str(err).lower()
+    return dict(status="oom" if oom else "error", error=f"{type(err).__name__}: {err}".splitlines()[0][:300])
+
+
+def case_row(case: dict, a: dict, meta: dict) -> dict:
+    """The settings half of a run's row (every setting, the lengths' draw, the versions)."""
+    rows = a["prompts"] * a["group"]
+    drawn = draw_lengths(case["lengths"], rows, a["max_new_tokens"], a["length_seed"])
+    return {**meta, "case_id": case["case_id"], "model": case["model"], "format": case["format"],
+            "engine": case["engine"], "lengths": case["lengths"], "length_params": drawn["params"],
+            "lengths_sha": drawn["lengths_sha"], "mean_length": drawn["mean_length"],
+            "max_length": drawn["max_length"], "max_new_tokens": drawn["max_new_tokens"], "prompts": a["prompts"],
+            "group": a["group"], "rows": rows,
+            "prompt_len": "gsm8k" if is_real(case["model"]) else a["prompt_len"], "lora_r": a["lora_r"],
+            "mu": case["mu"], "micro_batch": case["micro_batch"], "gradient_checkpointing": case["gradient_checkpointing"],
+            "aqn": case["aqn"], "keep_cache": a["keep_cache"], "dense_cache": a["dense_cache"], "optimizer": "adamw",
+            "seed": case["seed"],
+            "steps": a["steps"], "step_index": a["steps"] - 1, "status": "", "error": ""}
+
+
+def vllm_for(peft, tok, fmt: str, a: dict, cases: list[dict], root: Path, dense_dir: Path | None):
+    """Our export in vLLM (nvfp4: compressed-tensors; none: bf16; nf4 and bnb-nf4: the bf16 checkpoint
+    quantized by vLLM's bitsandbytes), colocated with sleep mode, sized for the longest case."""
+    from bench.bench_vllm_lengths import export
+
+    if fmt == "mxfp4":
+        raise NotImplementedError("vLLM runs no MXFP4 + LoRA export of ours (nvfp4, bf16 and nf4 only)")
+    path = dense_dir if "nf4" in fmt else export(peft, "nvfp4" if fmt == "nvfp4" else "bf16", root)
+    longest = max(draw_lengths(c["lengths"], a["prompts"] * a["group"], a["max_new_tokens"],
+                               a["length_seed"])["max_new_tokens"] for c in cases)
+    prompt = 1024 if any(is_real(c["model"]) for c in cases) else a["prompt_len"]
+    extra = dict(quantization="bitsandbytes") if "nf4" in fmt else {}
+    if is_real(cases[0]["model"]):  # the StaticEngine's stop ids (EOS, generation config, chat turn end)
+        from qerl_kit.rollout.base import special_ids
+
+        extra["stop_token_ids"] = special_ids(tok, peft)[1]
+    return forced_vllm(path, tok, skip_tokenizer_init=True,  # our tokenizer decodes
+                       gpu_memory_utilization=a["vllm_memory"], max_lora_rank=a["lora_r"],
+                       max_model_len=-(-(prompt + longest + 16) // 64) * 64, max_num_seqs=a["prompts"] * a["group"],
+                       **extra)
+
+
+def run_group(cases: list[dict], a: dict, meta: dict, rows_path: Path) -> None:
+    """One (model, format, engine): build once, then every case; each case's row is appended to
+    ``rows_path`` as soon as it is known, so a process that dies keeps what it measured.
+
+    Long because: build, per-case trainer, timing and failure bookkeeping read best in one place."""
+    model, fmt, engine_kind = cases[0]["model"], cases[0]["format"], cases[0]["engine"]
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    root = Path(tempfile.mkdtemp(prefix="bench-step-"))
+    rows_n = a["prompts"] * a["group"]
+
+    def emit(row):
+        with open(rows_path, "a") as f:
+            f.write(json.dumps(row, default=str) + "\n")
+
+    try:
+        dense_dir = root / "dense" if engine_kind == "vllm" and "nf4" in fmt else None
+        peft, tok = build_policy(model, fmt, device, a["lora_r"], dense_dir)
+        vllm_engine, start = None, float("nan")
+        if engine_kind == "vllm":
+            t = time.perf_counter()
+            vllm_engine = vllm_for(peft, tok, fmt, a, cases, root, dense_dir)
+            start = time.perf_counter() - t
+    except Exception as err:  # noqa: BLE001 - every case of the group is a failed row
+        log(f"{model} {fmt} {engine_kind}: setup failed: {err!r}\n{traceback.format_exc()}")
+        for case in cases:
+            emit({**case_row(case, a, meta), **failure(err)})
+        return
+    for case in cases:
+        row = case_row(case, a, meta)
+        drawn = draw_lengths(case["lengths"], rows_n, a["max_new_tokens"], a["length_seed"])
+        label = f"{model} {fmt} {engine_kind} {case['lengths']} ckpt {case['gradient_checkpointing']} mu {case['mu']}"
+        row["dense_cache_gib"], held = dense_cache_gib(peft, a["dense_cache"]), 0.0  # the run's model.dense_cache_gib
+        trainer = engine = None
+        try:
+            if vllm_engine is None:
+                engine = forced_static(peft, tok, ignore_eos=drawn["lengths"] is not None, keep_cache=a["keep_cache"])
+            else:
+                engine, row["engine_start_s"] = vllm_engine, start
+            engine.lengths, engine.ignore_eos = drawn["lengths"], drawn["lengths"] is not None  # per case
+            task = make_task(model, peft, a["prompt_len"], rows_n, case["seed"])
+            trainer = trainer_for(peft, tok, task, engine, case, a, drawn["max_new_tokens"],
+                                  root / f"run{case['case_id']}")
+            t = time.perf_counter()
+            m, row["peak_gib"], held = timed_steps(trainer, a["steps"], label)
+            row["peak_reserved_gib"] = torch.cuda.max_memory_reserved() / 2**30 if device == "cuda" else float("nan")
+            row.update(status="ok", wall_s=time.perf_counter() - t, **phase_times(m))
+        except Exception as err:  # noqa: BLE001 - recorded, and the next case runs
+            row.update(failure(err))
+            log(f"{label} failed: {err!r}\n{traceback.format_exc()}")
+        row["dense_cache_held_gib"] = held  # the most any step held: the plan counts it
+        row["plan_gib"], row["plan_note"] = plan_gib(peft, case, a, drawn["max_new_tokens"], held)
+        emit(row)
+        if vllm_engine is None and engine is not None:
+            engine.reset()  # its KV cache and graphs, before the next case's engine
+        del trainer, engine
+        free()
+    if vllm_engine is not None:
+        vllm_engine.close()
+    import shutil
+
+    shutil.rmtree(root, ignore_errors=True)  # exports and run directories (GBs at 7B and above)

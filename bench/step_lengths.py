@@ -1,0 +1,65 @@
+"""The step bench's completion lengths (``bench.bench_step --lengths``): ``fixed:N``, the paper's GSM8K
+preset (``paper``, ``paper-tail``), ``lognormal:MEAN:SIGMA:CAP[:TAIL]`` and ``natural:N`` (not forced),
+each drawn for a run's rows with its parameters and a hash of the draw."""
+
+from __future__ import annotations
+
+import random
+
+from bench.bench_live_rows import hash_lengths, lengths_for
+
+PAPER = dict(mean=300.0, sigma=0.8, cap=4096)  # the paper's GSM8K preset: max_new_tokens 4096
+# paper-tail: the share of GSM8K completions that never stop. The real 0.5B hit a 512-token cap on
+# 2.6-6.1% of GSM8K test problems greedily and 4.0-4.7% sampled (bench/results/real_model_h200.md)
+PAPER_TAIL = 0.04
+LENGTHS_HELP = "fixed:N, paper, paper-tail, lognormal:MEAN:SIGMA:CAP[:TAIL] or natural:N"
+
+
+def _lognormal(spec: str) -> tuple[float, float, int, float]:
+    """(mean, sigma, cap, tail share) of ``paper``, ``paper-tail`` or ``lognormal:MEAN:SIGMA:CAP[:TAIL]``."""
+    kind, _, rest = spec.partition(":")
+    if kind in ("paper", "paper-tail") and not rest:
+        return PAPER["mean"], PAPER["sigma"], PAPER["cap"], PAPER_TAIL if kind == "paper-tail" else 0.0
+    values = [float(x) for x in rest.split(":")]
+    if kind != "lognormal" or len(values) not in (3, 4):
+        raise ValueError
+    mean, sigma, cap, tail = (values + [0.0])[:4]
+    if mean <= 0 or sigma < 0 or cap < 1 or not 0 <= tail <= 1 or cap != int(cap):
+        raise ValueError
+    return mean, sigma, int(cap), tail
+
+
+def draw_lengths(spec: str, rows: int, max_new_tokens: int | None = None, seed: int = 0) -> dict:
+    """The completion lengths ``spec`` asks for ``rows`` rows: ``lengths`` (None for ``natural``: not
+    forced), ``max_length``, ``mean_length``, ``params`` (what was drawn, after scaling), ``lengths_sha``
+    and ``max_new_tokens`` (the run's setting: the cap, as a real run of that preset sets it).
+    ``max_new_tokens`` caps a fixed length and scales a distribution's mean and cap. A tail share
+    sends that share of the rows (``round(share x rows)``, seeded choice) to the cap: the completions
+    that never stop."""
+    kind, _, rest = spec.partition(":")
+    try:
+        if kind in ("fixed", "natural"):
+            n = int(rest)
+            if n < 1:
+                raise ValueError
+            n = min(n, max_new_tokens or n)
+            if kind == "natural":
+                return dict(lengths=None, max_length=n, mean_length=float("nan"), params=f"natural up to {n}",
+                            lengths_sha="", max_new_tokens=n)
+            lengths, params, top = [n] * rows, f"fixed {n}", n
+        else:
+            mean, sigma, cap, tail = _lognormal(spec)
+            if max_new_tokens and max_new_tokens < cap:
+                mean, cap = mean * max_new_tokens / cap, max_new_tokens
+            lengths = lengths_for(rows, mean, sigma, cap, seed)
+            for i in random.Random(f"tail/{seed}/{rows}").sample(range(rows), round(tail * rows)):
+                lengths[i] = cap
+            params, top = f"lognormal mean {mean:g} sigma {sigma:g} cap {cap} seed {seed}", cap
+            params += f", {tail:g} of the rows to the cap" if tail else ""
+    except ValueError:
+        raise ValueError(f"--lengths {spec!r}: expected {LENGTHS_HELP} (N, MEAN, CAP >= 1, SIGMA >= 0, "
+                         "TAIL in [0, 1])") from None
+    return dict(lengths=lengths, max_length=max(lengths), mean_length=sum(lengths) / rows, params=params,
+                lengths_sha=hash_lengths(lengths), max_new_tokens=top)
+
+
