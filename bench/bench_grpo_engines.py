@@ -32,6 +32,7 @@ import torch
 
 from bench.common import T0, IdTokenizer, build, free, log, random_prompts, random_reward, timed_steps, with_lora
 from bench.common import sync as sync_device
+from qerl_kit.models import make_config
 from qerl_kit.rollout import SamplingParams, StaticEngine
 
 
@@ -60,9 +61,9 @@ def step_row(m: dict) -> dict:
 def part_step(args, device, results):
     """One GRPO step (8 prompts x group 8, prompt 256, 512 new tokens at fixed length), StaticEngine."""
     rows = results.setdefault("step", [])
-    vocab = 512 if args.smoke else 152064
     for spec in args.step_cases:
         preset, fmt = spec.split(":")
+        vocab = make_config(preset).vocab_size  # ids in range for every preset
         ckpt = preset in args.checkpointing
         if time.perf_counter() - T0 > args.budget:
             log(f"budget spent: skip step {spec}")
@@ -134,7 +135,7 @@ def main() -> None:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     if args.smoke:
         args.model, args.prompt, args.new, args.lora_r = "qwen2-tiny", 8, 6, 4
-    vocab = 512 if args.smoke else 152064
+    vocab = make_config(args.model).vocab_size
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     meta = dict(date=time.strftime("%Y-%m-%d"), torch=torch.__version__, args=vars(args),

@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import csv
 import datetime
+import importlib.util
 import statistics
 import time
 from pathlib import Path
@@ -141,7 +142,7 @@ def write(out: Path, rows: list[dict], info: dict) -> None:
         return (f"{v:.2f}" if "_vs_" in c else f"{v:.1f}") if isinstance(v, float) else str(v)
 
     lines = [f"# NF4 / MXFP4 kernels against bf16 and NVFP4 ({info['device']}, {info['date']}, torch "
-             f"{info['torch']}, triton {info['triton']})", "",
+             f"{info['torch']}, triton {info['triton']})", ""] + ([info["note"], ""] if info.get("note") else []) + [
              "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     lines += ["| " + " | ".join(fmt(c, r.get(c, "")) for c in cols) + " |" for r in rows]
     (out / "lut4.md").write_text("\n".join(lines) + "\n")
@@ -163,10 +164,13 @@ def main(argv=None) -> None:
     ms = [1, 20] if smoke else args.ms
     info = dict(device="CPU (interpreter smoke run)" if smoke else torch.cuda.get_device_name(),
                 date=datetime.date.today().isoformat(), torch=torch.__version__, triton=triton.__version__)
+    with_bnb = args.bnb and not smoke
+    if with_bnb and importlib.util.find_spec("bitsandbytes") is None:  # the other sides still run
+        with_bnb, info["note"] = False, "--bnb: bitsandbytes is not importable here, its side (nf4_bnb) not timed"
     print(info, flush=True)
     # smoke: the kernels in the interpreter (TRITON_INTERPRET=1), not the CPU's reference path
     with kernels.set_backend("triton" if smoke else kernels.get_backend()):
-        rows = run(shapes, ms, device, args.bnb and not smoke, smoke)
+        rows = run(shapes, ms, device, with_bnb, smoke)
     write(Path(args.out), rows, info)
 
 

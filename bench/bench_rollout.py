@@ -29,6 +29,7 @@ import torch
 # The shared helpers, also imported from here by tests and lab/ scripts (bench.bench_rollout.build, ...).
 from bench.common import (T0, build, copy_bandwidth, free, log, random_prompts, sync, to_nf4,  # noqa: F401
                           weight_bytes, with_lora, write)
+from qerl_kit.models import make_config
 from qerl_kit.rollout import SamplingParams, StaticEngine
 
 
@@ -147,7 +148,7 @@ def part_rollout(args, device, results, bw):
         batches = {v: args.aqn_batches if v == "engine-nvfp4-aqn" else args.batches for v in variants}
         variants = [v for v in variants if any((preset, v, b) not in done for b in batches[v])]
         todo = lambda v, b: v in variants and (preset, v, b) not in done  # noqa: E731
-        vocab = 512 if args.smoke else 152064
+        vocab = make_config(preset).vocab_size  # ids in range for every preset (0.5B/1.5B: 151936)
         # 1) the bf16 model: transformers and our engine, both with LoRA
         if any(v in variants for v in ("hf-bf16", "engine-bf16", "engine-bf16-sdpa", "hf-nf4")):
             if time.perf_counter() - T0 > args.budget:
@@ -183,7 +184,8 @@ def part_rollout(args, device, results, bw):
                 except Exception as err:  # noqa: BLE001 - record and go on
                     log(f"{preset} bf16/nf4 failed: {err!r}\n{traceback.format_exc()}")
                 free()
-        # 1b) NF4 / MXFP4 + LoRA on our engine (the lut4 kernels): QLoRA's format decoded as NVFP4 is
+        # 1b) NF4 / MXFP4 + LoRA on our engine (the lut4 kernels): QLoRA's format, decoded by the same
+        # fused engine step as NVFP4
         _lut4_engine_cases(args, preset, device, rows, todo, variants, vocab, bw)
         # 2) NVFP4 + LoRA on our engine, with and without AQN
         if not any(v in variants for v in ("engine-nvfp4", "engine-nvfp4-sdpa", "engine-nvfp4-ours",

@@ -63,7 +63,7 @@ from pathlib import Path
 
 import torch
 
-from bench.common import LOG, log
+from bench.common import LOG, dense_cache_arg, log
 from bench.step_group import case_row, run_group
 from bench.step_lengths import LENGTHS_HELP, draw_lengths
 from bench.step_report import read_csv, write_csv, write_report
@@ -209,15 +209,6 @@ def _lengths(value: str) -> str:
     return value
 
 
-def _dense_cache(value: str) -> str:
-    try:
-        if value == "all" or float(value) >= 0:
-            return value
-    except ValueError:
-        pass
-    raise argparse.ArgumentTypeError(f"dense-cache {value!r}: allowed all or GiB >= 0")
-
-
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -240,7 +231,7 @@ def parser() -> argparse.ArgumentParser:
     r.add_argument("--lora-r", type=int, default=32)
     r.add_argument("--aqn", default="auto", type=_choices("aqn", ("auto", "on", "off")), help="auto: on for nvfp4")
     r.add_argument("--keep-cache", default=True, type=lambda v: _choices("keep-cache", ("on", "off"))(v) == "on")
-    r.add_argument("--dense-cache", default="all", type=_dense_cache,
+    r.add_argument("--dense-cache", default="all", type=dense_cache_arg,
                    help="model.dense_cache_gib per run: all (every 4-bit projection's dense copy) or GiB (0: off)")
     r.add_argument("--vllm-memory", type=float, default=0.3, help="vLLM's gpu_memory_utilization")
     r.add_argument("--isolate", default="auto", type=_choices("isolate", ("auto", "on", "off")))

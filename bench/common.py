@@ -181,6 +181,18 @@ def random_reward(seed: int = 0):
     return reward
 
 
+def dense_cache_arg(value: str) -> str:
+    """``--dense-cache``: ``all`` (every 4-bit projection's dense copy) or GiB >= 0 (0: off)."""
+    import argparse
+
+    try:
+        if value == "all" or float(value) >= 0:
+            return value
+    except ValueError:
+        pass
+    raise argparse.ArgumentTypeError(f"dense-cache {value!r}: allowed all or GiB >= 0 (0: off)")
+
+
 # -- timed Trainer steps --------------------------------------------------------------------------
 def peak_gib() -> float:
     """``torch.cuda.max_memory_allocated`` in GiB (NaN without a GPU)."""

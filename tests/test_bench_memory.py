@@ -25,6 +25,8 @@ def test_smoke_run_writes_its_table_and_appends_nothing_on_the_cpu(tmp_path):
     rows = json.loads((tmp_path / "out" / "memory.json").read_text())["rows"]
     assert len(rows) == 1 and rows[0]["plan_gib"] > 0 and "error" not in rows[0]
     assert rows[0]["engine_class"] == "StaticEngine"  # the engine the plan's settings describe
+    # model.dense_cache_gib was set (--dense-cache all); what the steps held is the plan's dense_cache_bytes
+    assert rows[0]["dense_cache_gib"] > 0 and 0 <= rows[0]["settings"]["dense_cache_bytes"] <= rows[0]["dense_cache_gib"] * 2**30
     assert json.loads(peaks.read_text()) == json.loads(PEAKS.read_text())  # no GPU peak: nothing appended
     assert "appended 0 measured cases" in proc.stdout
 
@@ -49,6 +51,22 @@ def test_appended_gpu_row_is_a_case_the_plan_test_reads(tmp_path):
     assert len(cases) == len(json.loads(PEAKS.read_text())["cases"]) + 1
     assert new["model"] == shape and new["settings"] == settings and new["measured_gib"] == 12.3
     assert plan_memory(new["model"], **new["settings"]).allocated > 0  # the test's call works on it
+
+
+def test_each_case_runs_in_its_own_process_and_none_starts_after_the_budget(tmp_path):
+    # --isolate on (the GPU's default): the case's row comes back from its own process, written at once
+    proc = subprocess.run([sys.executable, "-m", "bench.bench_memory", "--smoke", "--isolate", "on", "--out",
+                           str(tmp_path / "iso")], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = json.loads((tmp_path / "iso" / "memory.json").read_text())["rows"]
+    assert len(rows) == 1 and "error" not in rows[0] and rows[0]["plan_gib"] > 0
+    assert (tmp_path / "iso" / "case_tiny_nvfp4_log.txt").exists()  # the child's own log
+    # a spent budget: the case is a row saying so, and the table is still written
+    proc = subprocess.run([sys.executable, "-m", "bench.bench_memory", "--smoke", "--budget", "-1", "--out",
+                           str(tmp_path / "late")], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = json.loads((tmp_path / "late" / "memory.json").read_text())["rows"]
+    assert rows[0]["error"].startswith("skipped: --budget") and "failed: skipped" in (tmp_path / "late" / "memory.md").read_text()
 
 
 @pytest.mark.parametrize("argv", [["--append", "/nonexistent/peaks.json"]])
