@@ -18,18 +18,21 @@
 #   grpo-engines FMT          one whole GRPO step on StaticEngine and on vLLM (FMT nvfp4|bf16)
 #   memory [ARGS]             peak memory of GRPO steps against the memory plan (bench.bench_memory; ARGS e.g.
 #                             --models 0.5B 7B, or --models 32B --formats nvfp4); the rows are appended to a copy
-#                             of tests/data/measured_peaks.json in $OUT (copy it back over the committed one)
+#                             of tests/data/measured_peaks.json in $OUT (copy it back over the committed one);
+#                             one process per case, MEM_BUDGET (default 420 s) stops new cases; logs in memory/logs.tgz
 #   repro-tests               NVFP4 bit-reproducibility, tests/test_tuning.py compiled: each kernel's bits in two
 #                             processes (humming a non-strict xfail: XPASS means the same bits)
 #   repro [ARGS]              bench.bench_repro (3 processes, one fixed-seed rollout + Trainer step each, sha256s
 #                             compared) on the tiny model and, after model-setup, the real 0.5B GGUF; ARGS go to
-#                             both runs (e.g. --backend ours --torch-deterministic)
+#                             both runs (e.g. --backend ours --torch-deterministic); each repro.md loose, logs,
+#                             repro.json and autotune.json in repro_logs.tgz
 #   nb05                      notebook 05 on the GPU with vLLM; the Jupyter wheels from
 #                             bench/make_notebook_carry.sh (.whl/nb, a call of its own)
 #   unsloth                   Unsloth's GRPO rollout path (bench/probe_unsloth.py); carry .vllm/uns
 #                             (bench/make_unsloth_carry.sh)
 # The whole GRPO step per phase (bench.bench_step; 8 prompts x group 8, prompt 256, LoRA r32, the last of
-# two steps; each (format, engine) in its own process; writes $OUT/<command-args>/step.{csv,md,png}; merge
+# two steps; each (format, engine) in its own process; writes $OUT/<command-args>/step.{csv,md,png} and logs.tgz
+# (rows.jsonl and every log: a call returns at most 8 files); merge
 # several calls' tables with `python -m bench.bench_step report DIR... --out MERGED`):
 #   step7b ["FORMATS"] ["CKPT"]   7B, 512 tokens, StaticEngine; FORMATS default "none nvfp4" (also nf4 mxfp4, and
 #                             bnb-nf4: bitsandbytes' NF4, needs .vllm/uns/slim.tgz or .vllm/bnb/*.whl),
@@ -60,7 +63,8 @@
 #     latex2sympy2_extended antlr4-python3-runtime==4.13.2
 # (.rm, .rdata and .whl ignored in .git/info/exclude), then one call each:
 #   model-piece NN            (carry .rm/pNN) for 01 ... 10
-#   model-setup NN            (carry .rm/pNN .rdata .whl) the last piece, sha256, data, convert
+#   model-setup NN            (carry .rm/pNN .rdata .whl) the last piece, sha256 (then /tmp/model.sha256.ok, which
+#                             repro and step05b-real test), data, convert
 #   real-eval [ARGS]          bench.real_model eval (EVAL_TAG names the output; ARGS e.g. --pass-k 8)
 #   real-regress [ARGS]       bench.real_model regress
 #   real-grpo [ARGS]          bench.real_grpo run, resumable: call again to continue
@@ -133,20 +137,29 @@ grpo-engines)
   timeout 330 python3 -m bench.bench_grpo_engines --formats "$fmt" --out "$OUT/grpo" > "$OUT/grpo_${fmt}_log.txt" 2>&1
   grep -E "step #|adapter|failed|Error" "$OUT/grpo_${fmt}_log.txt" | tail -20 ;;
 memory)
+  # one process per case (bench.bench_memory --isolate auto); table, JSON and peaks file rewritten after each
   cp tests/data/measured_peaks.json "$OUT/measured_peaks.json"
-  timeout "${MEM_TIMEOUT:-560}" python3 -m bench.bench_memory --out "$OUT/memory" --append "$OUT/measured_peaks.json" "$@" \
-    > "$OUT/memory_log.txt" 2>&1; echo "bench_memory rc=$?"
-  grep -E "step|failed|Error|appended" "$OUT/memory_log.txt" | tail -12; cat "$OUT/memory/memory.md" 2>/dev/null ;;
+  timeout "${MEM_TIMEOUT:-560}" python3 -m bench.bench_memory --out "$OUT/memory" --append "$OUT/measured_peaks.json" \
+    --budget "${MEM_BUDGET:-420}" --limit 540 "$@" > "$OUT/memory_log.txt" 2>&1; echo "bench_memory rc=$?"
+  grep -E "step|failed|Error|appended|measured" "$OUT/memory_log.txt" | tail -12; cat "$OUT/memory/memory.md" 2>/dev/null
+  # a call returns at most 8 files: the logs (one per case) travel as one archive
+  mv "$OUT/memory_log.txt" "$OUT/memory/"
+  (cd "$OUT/memory" && tar czf logs.tgz --remove-files $(ls -d ./*_log.txt run 2>/dev/null)) 2>/dev/null ;;
 repro-tests)
   timeout 540 python3 -m pytest tests/test_tuning.py -q -rxX -p no:cacheprovider > "$OUT/repro_tests_log.txt" 2>&1
   echo "autotune tests rc=$?"; grep -E "^(XPASS|XFAIL|FAILED)" "$OUT/repro_tests_log.txt"; tail -1 "$OUT/repro_tests_log.txt" ;;
 repro)
   timeout 240 python3 -m bench.bench_repro --processes 3 --model tiny --new 64 --out "$OUT/repro_tiny" "$@" \
     > "$OUT/repro_tiny_log.txt" 2>&1; echo "tiny rc=$?"; tail -4 "$OUT/repro_tiny/repro.md"
-  if [ -f /tmp/model.gguf ]; then
+  if [ -f /tmp/model.sha256.ok ]; then  # written by model-setup only after the GGUF's sha256 matched
     timeout 320 python3 -m bench.bench_repro --processes 3 --preset real-gsm8k --model /tmp/model.gguf --new 128 --temperature 1.0 \
       --out "$OUT/repro_real" "$@" > "$OUT/repro_real_log.txt" 2>&1; echo "real 0.5B rc=$?"; tail -4 "$OUT/repro_real/repro.md"
-  fi ;;
+  else
+    echo "real 0.5B: skipped (no checked /tmp/model.gguf: run model-piece 01..09 and model-setup 10 first)"
+  fi
+  # at most 8 files come back: repro.md of each run loose, the rest (logs, repro.json, autotune.json) in one archive
+  (cd "$OUT" && tar czf repro_logs.tgz --remove-files $(ls ./*_log.txt repro_*/repro.json repro_*/autotune.json \
+    repro_*/process*.json 2>/dev/null)) 2>/dev/null ;;
 nb05)
   python3 -m bench.install_missing_wheels .whl/nb --target /tmp/nbsite && export PYTHONPATH="/tmp/nbsite:$PYTHONPATH"
   timeout "${NB_TIMEOUT:-500}" python3 scripts/execute_notebooks.py notebooks/05_gpu_real_model.ipynb --out "$OUT/nb05" \
@@ -171,11 +184,16 @@ step7b|step-model|step-paper|step-vllm|step05b-real)
   step-vllm) fmt="${1:?format}"; [ "$fmt" != nf4 ] || bitsandbytes
     args=(--models Qwen2.5-7B --formats "$fmt" --engines static vllm --lengths fixed:512) ;;
   step05b-real) read -r -a fmts <<< "${1:-none nvfp4}"; read -r -a lens <<< "${2:-fixed:512 natural:512}"
+    [ -f /tmp/model.sha256.ok ] && [ -f /tmp/m05/config.json ] \
+      || { echo "step05b-real: no checked and converted real 0.5B (/tmp/m05): run model-setup first" >&2; exit 2; }
     args=(--models /tmp/m05 --formats "${fmts[@]}" --lengths "${lens[@]}" --prompts 16 --mu 4 --lora-r 16) ;;
   esac
   timeout 560 python3 -m bench.bench_step run "${args[@]}" "${common[@]}" > "$OUT/${tag}_log.txt" 2>&1
   echo "bench_step rc=$?"; grep -E "step #1|failed|exit|Error" "$OUT/${tag}_log.txt" | grep -v Warning | tail -16
-  sed -n '/^## NVFP4/,$p' "$OUT/$tag/step.md" 2>/dev/null | head -30 ;;
+  sed -n '/^## NVFP4/,$p' "$OUT/$tag/step.md" 2>/dev/null | head -30
+  # at most 8 files come back: step.csv, step.md and step.png loose; rows.jsonl and every log in one archive
+  mkdir -p "$OUT/$tag" && mv "$OUT/${tag}_log.txt" "$OUT/$tag/"
+  (cd "$OUT/$tag" && tar czf logs.tgz --remove-files $(ls rows.jsonl ./*log.txt 2>/dev/null)) 2>/dev/null ;;
 countdown)
   mkdir -p /tmp/cd "$OUT/cd"
   # the knob is the near-miss share; each stops once held-out greedy accuracy reaches 30% (the band is 10-40%)
@@ -230,11 +248,14 @@ cdsweep)
 model-piece)
   n="${1:?piece number}"
   [ "$n" = 01 ] && rm -f /tmp/model.gguf
+  rm -f /tmp/model.sha256.ok  # the file changes: unchecked until model-setup
   cat ".rm/p$n/part" >> /tmp/model.gguf && ls -l /tmp/model.gguf ;;
 model-setup)
   n="${1:?last piece number}"
+  rm -f /tmp/model.sha256.ok
   cat ".rm/p$n/part" >> /tmp/model.gguf
   echo "$MODEL_SHA  /tmp/model.gguf" | sha256sum -c - || exit 1
+  touch /tmp/model.sha256.ok  # repro and step05b-real test this: the whole file, checked
   mkdir -p /tmp/data && cp .rdata/*.jsonl /tmp/data/
   python3 -c "import torch, transformers, gguf; print(torch.__version__, transformers.__version__)"
   python3 -m bench.real_model convert /tmp/model.gguf /tmp/m05 2>&1 | grep -v "it/s\]" ;;

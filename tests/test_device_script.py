@@ -58,3 +58,74 @@ def test_step_commands_call_the_step_bench_with_their_table_settings(tmp_path):
     assert "--formats none nvfp4 --lengths fixed:512 --gradient-checkpointing off on" in calls[1]
     assert "--models Qwen2.5-32B --formats nvfp4 --lengths fixed:512 --gradient-checkpointing on" in calls[2]
     assert calls[1].endswith(f"--out {out}/step7b") and calls[2].endswith(f"--out {out}/step-model-Qwen2.5-32B-nvfp4")
+
+
+FAKE_PYTHON = r'''#!/bin/bash
+# a stand-in python3: records its arguments and writes the files the real command would
+echo "$@" >> "$OUT/calls.txt"
+out=""; prev=""
+for a in "$@"; do [ "$prev" = "--out" ] && out="$a"; prev="$a"; done
+case "$*" in
+*bench.bench_step*) mkdir -p "$out"; for f in rows.jsonl step.csv step.md step.png log.txt group0_log.txt \
+    group4_log.txt group8_log.txt; do echo x > "$out/$f"; done ;;
+*bench.bench_memory*) mkdir -p "$out"; for f in memory.json memory.md case_0.5B_nvfp4_log.txt case_0.5B_bf16_log.txt \
+    case_7B_nvfp4_log.txt case_7B_bf16_log.txt case_32B_nvfp4_log.txt case_32B_bf16_log.txt; do echo x > "$out/$f"; done ;;
+*bench.bench_repro*) mkdir -p "$out"; for f in repro.md repro.json autotune.json; do echo x > "$out/$f"; done ;;
+esac
+exit 0
+'''
+
+
+def _fake_env(tmp_path):
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir(parents=True)
+    (bin_dir / "python3").write_text(FAKE_PYTHON)
+    (bin_dir / "python3").chmod(0o755)
+    out = tmp_path / "out"
+    out.mkdir()
+    return out, {"OUT": str(out), "PATH": f"{bin_dir}:/usr/bin:/bin"}
+
+
+def _files(root: Path) -> list[Path]:
+    return [p for p in root.rglob("*") if p.is_file() and p.name != "calls.txt"]
+
+
+def test_every_bench_command_returns_at_most_eight_files_with_the_logs_archived(tmp_path):
+    import tarfile
+
+    for args, loose, archived in (
+            (["step7b", "none nvfp4 nf4"], {"step.csv", "step.md", "step.png"},
+             {"rows.jsonl", "log.txt", "group0_log.txt", "group4_log.txt", "group8_log.txt", "step7b-none-nvfp4-nf4_log.txt"}),
+            (["memory"], {"measured_peaks.json", "memory.json", "memory.md"},
+             {"memory_log.txt", "case_0.5B_nvfp4_log.txt", "case_32B_bf16_log.txt"}),
+            (["repro"], {"repro.md"}, {"repro_tiny_log.txt", "repro.json", "autotune.json"})):
+        out, env = _fake_env(tmp_path / args[0])
+        proc = subprocess.run(["bash", str(SCRIPT), *args], cwd=SCRIPT.parents[1], capture_output=True, text=True,
+                              env=env, timeout=60)
+        files = _files(out)
+        assert len(files) <= 8, (args, files, proc.stderr)
+        assert loose <= {p.name for p in files}, (args, files)
+        tgz = [p for p in files if p.name.endswith(".tgz")]
+        assert len(tgz) == 1, files
+        with tarfile.open(tgz[0]) as t:
+            names = {Path(n).name for n in t.getnames()}
+        assert archived <= names, (args, names)
+
+
+def test_real_model_commands_need_the_checked_model(tmp_path):
+    # /tmp/model.sha256.ok is written by model-setup only after the sha256 check; without it (a machine
+    # where only some pieces arrived) repro skips the real run and step05b-real refuses
+    if Path("/tmp/model.sha256.ok").exists():
+        import pytest
+
+        pytest.skip("this machine holds a checked real model")
+    out, env = _fake_env(tmp_path)
+    proc = subprocess.run(["bash", str(SCRIPT), "repro"], cwd=SCRIPT.parents[1], capture_output=True, text=True,
+                          env=env, timeout=60)
+    assert "real 0.5B: skipped" in proc.stdout and "--model /tmp/model.gguf" not in (out / "calls.txt").read_text()
+    proc = subprocess.run(["bash", str(SCRIPT), "step05b-real"], cwd=SCRIPT.parents[1], capture_output=True,
+                          text=True, env=env, timeout=60)
+    assert proc.returncode == 2 and "run model-setup first" in proc.stderr
+    text = SCRIPT.read_text()
+    setup = text[text.index("model-setup)"):text.index("real-eval)")]
+    assert setup.index("sha256sum -c") < setup.index("touch /tmp/model.sha256.ok")  # only after the check
