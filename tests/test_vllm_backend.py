@@ -79,6 +79,24 @@ class FakeSamplingParams:
         self.kwargs = kwargs
 
 
+def _min_tokens_run(kw: dict, i: int, j: int) -> list[int]:
+    """A request with ``min_tokens`` as vLLM runs it: this request's model would write EOS as its
+    2nd and 4th token; a stop id (EOS, ``stop_token_ids``) is masked until ``min_tokens`` tokens exist
+    (the next likeliest token instead), then stops the request, EOS only without ``ignore_eos``;
+    ``max_tokens`` ends it."""
+    stops = {EOS, *(kw.get("stop_token_ids") or ())}
+    toks = []
+    for t in [40 + i, EOS, 50 + j, EOS] + [60 + k for k in range(kw["max_tokens"])]:
+        if len(toks) == kw["max_tokens"]:
+            break
+        if t in stops and len(toks) < kw["min_tokens"]:
+            t = 70 + len(toks)  # masked
+        toks.append(t)
+        if t in stops and not (t == EOS and kw.get("ignore_eos")):
+            break
+    return toks
+
+
 class FakeLLM:
     """Records calls; ``generate`` answers completion j of prompt i with tokens 10+i, 20+j, ..."""
 
@@ -97,10 +115,11 @@ class FakeLLM:
             comps = []
             p = params[i] if isinstance(params, list) else params  # a list: one SamplingParams per request
             for j in range(p.kwargs["n"]):
-                stop = j % 2 == 0 and "min_tokens" not in p.kwargs
+                stop = j % 2 == 0
                 toks = [10 + i, 20 + j] + ([EOS] if stop else [30, 31])
-                if "min_tokens" in p.kwargs:  # vLLM runs such a request to exactly min_tokens = max_tokens
-                    toks = [40 + i + k for k in range(p.kwargs["max_tokens"])]
+                if "min_tokens" in p.kwargs:
+                    toks = _min_tokens_run(p.kwargs, i, j)
+                    stop = toks[-1] in {EOS, *(p.kwargs.get("stop_token_ids") or ())}
                 comps.append(CompletionOutput(j, f"p{i}c{j}", toks, [{t: Logprob(-0.1 * (k + 1) - j)} for k, t in enumerate(toks)],
                                               "stop" if stop else "length"))
             outs.append(types.SimpleNamespace(outputs=comps[::-1]))  # vLLM does not promise order
@@ -268,6 +287,12 @@ def test_stop_after_sends_one_request_per_row_forced_to_its_length(fake_vllm, tm
         [(1, L, L) for L in lengths]
     assert [p.kwargs["seed"] for p in params] == [7, 8, 9, 10, 11, 12]  # distinct samples within a group
     assert gen.completion_mask.sum(1).tolist() == lengths
+    # each row's model wrote EOS as its 2nd token: min_tokens masked it, the row still ran to its length
+    assert all(EOS not in row[:L].tolist() for row, L in zip(gen.completion_ids, lengths))
+    assert gen.completion_ids[2, :5].tolist() == [42, 71, 50, 73, 60]  # request 2, length 5
+    # the fake keeps vLLM's rule: once min_tokens are out, a stop id ends the request (EOS unless ignore_eos)
+    assert _min_tokens_run(dict(max_tokens=6, min_tokens=2), 0, 0) == [40, 71, 50, EOS]
+    assert _min_tokens_run(dict(max_tokens=6, min_tokens=2, ignore_eos=True), 0, 0) == [40, 71, 50, EOS, 60, 61]
     with pytest.raises(ValueError, match="one length >= 1 per row \\(6\\); got 2 values"):
         engine.generate_ids([[101, 102], [103]], n=3, stop_after=[1, 2])
     with pytest.raises(ValueError, match="smallest 0"):
