@@ -255,7 +255,10 @@ def _package_files() -> dict[str, str]:
 
 
 def test_no_module_over_500_lines():
-    sizes = {path: len(text.splitlines()) for path, text in _package_files().items()}
+    # the package and the benchmarks (bench/: scripts a reader opens as often as the package)
+    bench = {p.relative_to(ROOT.parent).as_posix(): p.read_text() for p in sorted((ROOT.parent / "bench").glob("*.py"))}
+    assert "bench/bench_step.py" in bench
+    sizes = {path: len(text.splitlines()) for path, text in {**_package_files(), **bench}.items()}
     assert {path: n for path, n in sizes.items() if n > MAX_MODULE_LINES} == {}
 
 
