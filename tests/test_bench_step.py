@@ -294,3 +294,32 @@ def test_the_vllm_driven_step_sends_each_row_at_its_drawn_length_through_the_tra
 from tests.test_vllm_backend import fake_vllm  # noqa: E402 - the fake vLLM module, as a fixture here
 
 _FIXTURES = (fake_vllm,)
+
+
+def test_the_plan_bounds_what_ran_and_vllm_rows_have_none():
+    # the plan is plan_memory(...).allocated (the bound of max_memory_allocated), with the dense cache
+    # the steps held; a vLLM row gets no figure, with a note saying why
+    from bench.common import build, with_lora
+    from qerl_kit.memory_plan import plan_memory
+
+    peft = with_lora(build("qwen2-tiny", "nvfp4", "cpu"), 4)
+    a = dict(lora_r=4, prompts=2, group=2, prompt_len=8, keep_cache=True)
+    case = dict(format="nvfp4", engine="static", micro_batch=2, gradient_checkpointing=False)
+    none, note = step_group.plan_gib(peft, case, a, 16)
+    held, _ = step_group.plan_gib(peft, case, a, 16, held_gib=0.5)
+    expect = plan_memory(peft.get_base_model().config, fmt="nvfp4", lora_r=4, optimizer="adamw", rollout_batch=4,
+                         prompt_len=8, max_new_tokens=16, micro_batch=2, gradient_checkpointing=False, group_size=2,
+                         engine="static", keep_cache=True, humming=False, dense_cache_bytes=0)
+    assert note == "" and math.isclose(none, expect.allocated / 2**30)
+    assert math.isclose(held - none, 0.5, rel_tol=0.2)  # the held dense copies are counted
+    nan, why = step_group.plan_gib(peft, dict(case, engine="vllm"), a, 16)
+    assert math.isnan(nan) and "vllm" in why
+    assert step_group.dense_cache_gib(peft, "all") > 0 and step_group.dense_cache_gib(peft, "1.5") == 1.5
+
+
+def test_step_md_states_the_peak_and_plan_and_the_untied_real_model():
+    rows = [_row("nvfp4", "static", 8.0, 4.0, model="Qwen2.5-0.5B"), _row("nvfp4", "static", 8.0, 4.0, model="/tmp/m05")]
+    md = step_report.markdown(rows)
+    assert "over the last step alone" in md and "span every step" in md and "`.allocated`" not in md
+    assert "plan_memory(...).allocated" in md and "untied" in md
+    assert "untied" not in step_report.markdown(rows[:1])
