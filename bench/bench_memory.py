@@ -7,8 +7,8 @@ Per (model, format, checkpointing), a case: a random Qwen2.5-shaped policy (``be
 the ``qerl_kit.models`` preset ``Qwen2.5-0.5B``, ``-1.5B``, ``-7B``, ``-14B`` or ``-32B``) with LoRA, trained
 by the ``Trainer`` for ``--steps`` GRPO steps on the ``StaticEngine`` (``--prompts`` prompts x group
 ``--group``, prompts of ``--prompt`` random ids, every row to ``--new`` tokens: ``ignore_eos``), with
-``model.dense_cache_gib`` set by ``--dense-cache`` (``all``: every 4-bit projection's dense copy; or
-GiB), ``torch.cuda.max_memory_allocated()`` over all of the steps (the first step's graph captures and
+``model.dense_cache_gib`` set by ``--dense-cache`` (``all``: every 4-bit projection's dense copy; ``auto``:
+the Trainer's budget; or GiB), ``torch.cuda.max_memory_allocated()`` over all of the steps (the first step's graph captures and
 kernel compilations included; ``bench.bench_step``'s peak is its last step's alone) next to
 ``plan_memory(...).allocated`` for the same settings and the dense cache the steps held (the most
 ``memory/dense_cache_gib`` of any step, ``dense_cache_bytes`` in the settings). Each case runs in a
@@ -42,7 +42,7 @@ MODELS = {"tiny": "qwen2-tiny", "0.5B": "Qwen2.5-0.5B", "1.5B": "Qwen2.5-1.5B", 
           "14B": "Qwen2.5-14B", "32B": "Qwen2.5-32B"}
 
 
-def _trainer(peft, engine, args, out_dir: Path, checkpointing: bool, vocab: int, dense_gib: float):
+def _trainer(peft, engine, args, out_dir: Path, checkpointing: bool, vocab: int, dense_gib: float | None):
     """A Trainer for GRPO steps on random-id prompts with random rewards (the settings the plan gets)."""
     from qerl_kit.config import preset
     from qerl_kit.tasks import Task
@@ -75,7 +75,8 @@ def case(name: str, fmt: str, checkpointing: bool, args, device: str) -> dict:
     peft = with_lora(build(preset, "none" if fmt == "bf16" else fmt, device), args.lora_r)
     keep = not checkpointing  # as bench_rollout's step: the big models free the cache before the update
     engine = StaticEngine(peft, IdTokenizer(), ignore_eos=True, keep_cache=keep)
-    dense_gib = dense_projection_bytes(peft) / GIB if args.dense_cache == "all" else float(args.dense_cache)
+    dense_gib = None if args.dense_cache == "auto" else \
+        dense_projection_bytes(peft) / GIB if args.dense_cache == "all" else float(args.dense_cache)
     trainer, cfg = _trainer(peft, engine, args, Path(args.out) / "run", checkpointing, peft.config.vocab_size,
                             dense_gib)
     if device == "cuda":

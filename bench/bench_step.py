@@ -36,7 +36,8 @@ length: ``stop_after`` on the StaticEngine, one request with ``min_tokens = max_
 
 The dense-weight cache (``qerl_kit.dense_update``: 4-bit projections dequantized once for the log-prob
 pass and update) is set per run, ``--dense-cache all`` (default: every 4-bit projection's dense copy, a
-fixed figure where the Trainer's auto budget would depend on the free memory) or GiB (0: off); the row
+fixed figure where the Trainer's auto budget would depend on the free memory), ``auto`` (that budget: for
+models whose dense copy does not fit beside the step, 32B on one H200) or GiB (0: off); the row
 records the setting (``dense_cache``, ``dense_cache_gib``) and the most any step held
 (``dense_cache_held_gib``), which the plan counts.
 
@@ -232,7 +233,8 @@ def parser() -> argparse.ArgumentParser:
     r.add_argument("--aqn", default="auto", type=_choices("aqn", ("auto", "on", "off")), help="auto: on for nvfp4")
     r.add_argument("--keep-cache", default=True, type=lambda v: _choices("keep-cache", ("on", "off"))(v) == "on")
     r.add_argument("--dense-cache", default="all", type=dense_cache_arg,
-                   help="model.dense_cache_gib per run: all (every 4-bit projection's dense copy) or GiB (0: off)")
+                   help="model.dense_cache_gib per run: all (every 4-bit projection's dense copy), auto (the "
+                        "Trainer's budget) or GiB (0: off)")
     r.add_argument("--vllm-memory", type=float, default=0.3, help="vLLM's gpu_memory_utilization")
     r.add_argument("--isolate", default="auto", type=_choices("isolate", ("auto", "on", "off")))
     r.add_argument("--budget", type=float, default=420.0, help="seconds after which no new group starts")

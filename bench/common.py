@@ -182,15 +182,16 @@ def random_reward(seed: int = 0):
 
 
 def dense_cache_arg(value: str) -> str:
-    """``--dense-cache``: ``all`` (every 4-bit projection's dense copy) or GiB >= 0 (0: off)."""
+    """``--dense-cache``: ``all`` (every 4-bit projection's dense copy), ``auto`` (the Trainer's own budget
+    from the free memory: what a user's run does; 32B-sized models where ``all`` does not fit) or GiB >= 0 (0: off)."""
     import argparse
 
     try:
-        if value == "all" or float(value) >= 0:
+        if value in ("all", "auto") or float(value) >= 0:
             return value
     except ValueError:
         pass
-    raise argparse.ArgumentTypeError(f"dense-cache {value!r}: allowed all or GiB >= 0 (0: off)")
+    raise argparse.ArgumentTypeError(f"dense-cache {value!r}: allowed all, auto or GiB >= 0 (0: off)")
 
 
 # -- timed Trainer steps --------------------------------------------------------------------------

@@ -38,7 +38,8 @@
 #                             bnb-nf4: bitsandbytes' NF4, needs .vllm/uns/slim.tgz or .vllm/bnb/*.whl),
 #                             CKPT (gradient checkpointing) default "off on"
 #   step-model MODEL ["FORMATS"] ["CKPT"]  another preset (Qwen2.5-0.5B, -1.5B, -14B, -32B), 512 tokens, StaticEngine;
-#                             CKPT default "on" (14B and 32B need it; give "off on" for the small ones)
+#                             CKPT default "on" (14B and 32B need it; give "off on" for the small ones); 32B and
+#                             72B run the Trainer's own dense-cache budget (--dense-cache auto), the others all of it
 #   step-paper ["FORMATS"] [MU] [LENGTHS]  7B, the paper's GSM8K preset: 16 x 8 rows, LENGTHS "paper" (lognormal
 #                             mean 300, cap 4096; the default) or "paper-tail" (4% of rows to 4096), checkpointing on,
 #                             micro-batch 8, mu default 1 (the preset's is 4)
@@ -177,7 +178,8 @@ step7b|step-model|step-paper|step-vllm|step05b-real)
   step7b) read -r -a fmts <<< "${1:-none nvfp4}"; read -r -a ckpt <<< "${2:-off on}"
     args=(--models Qwen2.5-7B --formats "${fmts[@]}" --lengths fixed:512 --gradient-checkpointing "${ckpt[@]}") ;;
   step-model) read -r -a fmts <<< "${2:-none nvfp4}"; read -r -a ckpt <<< "${3:-on}"
-    args=(--models "${1:?model}" --formats "${fmts[@]}" --lengths fixed:512 --gradient-checkpointing "${ckpt[@]}") ;;
+    args=(--models "${1:?model}" --formats "${fmts[@]}" --lengths fixed:512 --gradient-checkpointing "${ckpt[@]}")
+    case "$1" in *32B*|*72B*) args+=(--dense-cache auto) ;; esac ;;  # all of a 32B's dense copy would not fit
   step-paper) read -r -a fmts <<< "${1:-none nvfp4}"
     args=(--models Qwen2.5-7B --formats "${fmts[@]}" --lengths "${3:-paper}" --prompts 16 --gradient-checkpointing on
           --mu "${2:-1}") ;;

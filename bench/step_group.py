@@ -126,11 +126,14 @@ def trainer_for(peft, tok, task, engine, case: dict, a: dict, max_len: int, out_
     return trainer
 
 
-def dense_cache_gib(peft, setting) -> float:
+def dense_cache_gib(peft, setting) -> float | None:
     """The run's ``model.dense_cache_gib``: ``all`` is the dense bytes of every 4-bit projection of this
-    policy (0 for bf16 and bitsandbytes' layers, which the cache does not serve), a number is itself."""
+    policy (0 for bf16 and bitsandbytes' layers, which the cache does not serve), ``auto`` None (the
+    Trainer's budget), a number is itself."""
     from qerl_kit.dense_update import GIB, dense_projection_bytes
 
+    if setting == "auto":
+        return None
     return dense_projection_bytes(peft) / GIB if setting == "all" else float(setting)
 
 
