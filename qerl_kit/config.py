@@ -101,7 +101,8 @@ class ModelConfig:
     train_norms: bool = False  # also train the RMSNorm scales before the projections
     gradient_checkpointing: bool = False
     # GiB of dense base weights kept through the log-prob pass + update (qerl_kit.dense_update):
-    # None = auto (CUDA: free memory minus the measured working set; CPU: all if <= 1/4 of free RAM), 0 = off
+    # None = auto (CUDA: free memory minus the measured working set per token x the longest completion;
+    # CPU: all if <= 1/4 of free RAM), 0 = off; resume-neutral (the same results either way)
     dense_cache_gib: float | None = _rule(None, ge=0, why=DENSE_CACHE_GIB_WHY)
     trust_remote_code: bool = False
 

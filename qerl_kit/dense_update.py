@@ -61,7 +61,7 @@ from qerl_kit.dense_cache import DenseCacheBlock, dense_weight_cache
 __all__ = ["update_cache", "cache_budget", "dense_projection_bytes", "DENSE_CACHE_GIB_WHY"]
 
 GIB = 1 << 30
-WORKING_SET_MARGIN = 1.25   # completion lengths, and so activations, vary between steps
+WORKING_SET_MARGIN = 1.25   # the working set is not quite linear in the tokens (attention, fixed buffers)
 SLACK_MIN, SLACK_SHARE = GIB, 0.05  # allocator fragmentation: max(1 GiB, 5% of the GPU)
 CPU_RAM_SHARE = 0.25        # auto on the CPU: the whole dense size if it is at most this share of free RAM
 
