@@ -46,7 +46,6 @@ import torch
 from qerl_kit import checkpoint as ckpt
 from qerl_kit import distributed
 from qerl_kit import dense_update, divergence, finite, grpo, runs, trainer_state
-from qerl_kit.step_phases import Prepared, dense_block, phase_clock
 from qerl_kit.aqn import AQN
 from qerl_kit.config import TrainConfig, check_lr
 from qerl_kit.data import DataError
@@ -59,6 +58,7 @@ from qerl_kit.rollout.registry import engine_options, make_engine
 from qerl_kit.rollout.types import Rollouts, SamplingParams
 from qerl_kit.sampling_filters import KeptGroups, accumulate_groups, overlong_penalty
 from qerl_kit.scoring import score_rollouts
+from qerl_kit.step_phases import Prepared, dense_block, phase_clock
 from qerl_kit.tasks.task import Task
 
 
