@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from qerl_kit.config_types import (EVAL_SIZE_RULE, LR_RULE, NEW_TOKENS_RULE, OLD_LOGP_MODES, OPTIMIZERS,  # noqa: F401
-                                   RESAMPLE, SCHEDULES,
+                                   DENSE_CACHE_GIB_WHY, RESAMPLE, SCHEDULES,
                                    SEED_RULE, STEPS_RULE, TEMPERATURE_RULE, TOP_K_RULE, TOP_P_RULE,
                                    TRAIN_SIZE_RULE, _SIGMA, ConfigError, _bad, _check, _check_keys, _rule, _section,
                                    _validate, check_aqn_sigmas, check_lora_alpha, check_lr, check_seed, check_sigma,
@@ -101,9 +101,9 @@ class ModelConfig:
     train_norms: bool = False  # also train the RMSNorm scales before the projections
     gradient_checkpointing: bool = False
     # GiB of dense base weights kept through the log-prob pass + update (qerl_kit.dense_update):
-    # None = auto (CUDA: free memory minus the measured working set; CPU: all if <= 1/4 of free RAM), 0 = off
-    dense_cache_gib: float | None = _rule(None, ge=0, why="GiB of dense base weights kept for the log-prob pass + "
-                                          "update; 0 = off, null = auto")
+    # None = auto (CUDA: free memory minus the measured working set per token x the longest completion;
+    # CPU: all if <= 1/4 of free RAM), 0 = off; resume-neutral (the same results either way)
+    dense_cache_gib: float | None = _rule(None, ge=0, why=DENSE_CACHE_GIB_WHY)
     trust_remote_code: bool = False
 
     def __post_init__(self):

@@ -416,6 +416,7 @@ def importance_weights(
     mode: str = "token_truncate",
     cap: float | None = 3.0,       # C_max; None = no upper bound
     floor: float | None = None,    # C_min; None = no lower bound
+    stats: bool = True,            # False: the weights alone, {} for stats (no host sync)
 ) -> tuple[torch.Tensor, dict[str, float]]:  # weights [B, T] (0 on padding), stats
     """Truncated / masked importance-sampling weights for the rollout-vs-training mismatch.
 
@@ -424,7 +425,9 @@ def importance_weights(
     [floor, cap]; ``*_mask`` sets rho to 0 outside it (TRL's ``vllm_importance_sampling_*``).
     Pass the result as ``is_weights=`` to a loss; it multiplies the policy term (not the KL).
     Stats use TRL's names; the ratio stats are taken after truncation/masking, over active tokens
-    (token modes) or over all B sequences (sequence modes), as TRL does.
+    (token modes) or over all B sequences (sequence modes), as TRL does. ``stats=False`` returns the
+    same weights with ``{}``: no statistic is reduced, so nothing waits for the device (five
+    ``.item()`` syncs fewer; ``OldPolicy.fill`` per micro-batch).
     """
     active, m = _active(train_old_logp, mask)
     _check("rollout_logp", rollout_logp, tuple(train_old_logp.shape), "[B, T] like train_old_logp")
@@ -442,17 +445,20 @@ def importance_weights(
         lo = -math.inf if floor is None else floor
         hi = math.inf if cap is None else cap
         rho = rho.masked_fill((rho < lo) | (rho > hi), 0.0)
+    weights = rho.expand_as(diff) * m
+    if not stats:
+        return weights, {}
     delta = diff.abs()[active]
     flat = rho.flatten() if seq else rho[active]
 
     def _stat(x: torch.Tensor, fn) -> float:
         return fn(x).item() if x.numel() else 0.0
 
-    stats = {
+    out = {
         "sampling/sampling_logp_difference/mean": _stat(delta, torch.mean),
         "sampling/sampling_logp_difference/max": _stat(delta, torch.max),
         "sampling/importance_sampling_ratio/min": _stat(flat, torch.min),
         "sampling/importance_sampling_ratio/mean": _stat(flat, torch.mean),
         "sampling/importance_sampling_ratio/max": _stat(flat, torch.max),
     }
-    return rho.expand_as(diff) * m, stats
+    return weights, out

@@ -27,6 +27,11 @@ over a GRPO step, checked against every measured peak in tests/data/measured_pea
 of them; docs/training.md, "Memory"). ``peak`` adds ``overhead`` (10% by default) for what that counter does
 not see: the CUDA context, the allocator's reserved but unused blocks. Not counted: evaluation
 calls of other shapes, a colocated vLLM engine (``vllm_memory_share``), other processes.
+
+``dense_cache_bytes`` defaults to 0, a run with ``model.dense_cache_gib: 0``. The Trainer's default
+(``dense_cache_gib: null``, auto) caches nothing in its first step and up to every quantized
+projection in bf16 (``dense_update.dense_projection_bytes``) from the second, as much as the free
+memory allows: such a run is bounded by ``dense_cache_bytes="all"``.
 """
 
 from __future__ import annotations
@@ -88,7 +93,7 @@ def model_shape(model: Any) -> dict:
     return shape
 
 
-def _projections(s: dict) -> dict[str, tuple[int, int]]:
+def layer_projections(s: dict) -> dict[str, tuple[int, int]]:
     """(in_features, out_features) of each projection of one decoder layer."""
     h, q, kv, i = s["hidden"], s["heads"] * s["head_dim"], s["kv_heads"] * s["head_dim"], s["inter"]
     return {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h),
@@ -207,7 +212,7 @@ def plan_memory(model: Any = "Qwen2.5-7B", fmt: str = "nvfp4", lora_r: int = 32,
                           lora_bytes=lora_bytes, overhead=overhead, gpu_bytes=gpu_bytes, group_size=group_size)
     a |= _checked_engine(engine, fused, keep_cache, humming)
     s = model_shape(model)
-    proj = _projections(s)
+    proj = layer_projections(s)
     targets = check_names("targets", targets, proj, what="LoRA target", empty=False)
     a["dense_cache_bytes"] = _checked_dense_cache(dense_cache_bytes, s, proj, a["fmt"])
     rollout = {**T.kv_parts(s, a), **T.decode_parts(s, proj, a)}

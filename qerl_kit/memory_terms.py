@@ -33,8 +33,11 @@ SAMPLER_BYTES_PER_LOGIT = 64
 # the gather, the log_softmax and the division (4 each) and the chunk's gradient in the model's
 # dtype (2) next to the saved output: at most 4 + 3 x 4 + 2.
 CHUNK_BYTES_PER_ELEM = 18
-# The log-prob pass's chunk (no gradient): log_softmax's float copy, / T and output (4 each), then
-# the entropy's exp and product next to the output (logprobs._chunk_entropy): at most 12.
+# A chunk whose entropy is taken too: the no-grad log-prob pass's (loss.old_logp "pass"), or under
+# "fold" the first update iteration's forward. log_softmax's float copy, / T and output (4 each), then
+# the entropy's exp and product next to the output (logprobs._entropy, from _chunk_logp_entropy's
+# log-softmax or, for a checkpointed chunk, its own, freed before the next chunk): at most 12, next
+# to which the update's backward (CHUNK_BYTES_PER_ELEM) never runs at the same time.
 ENTROPY_BYTES_PER_ELEM = 12
 
 
@@ -225,9 +228,12 @@ def training_parts(s: dict, proj: dict, targets, a: dict) -> dict[str, int]:
     return parts
 
 
-def dense_cache_all(s: dict, proj: dict, fmt: str) -> int:
-    """The bf16 bytes of every quantized projection: what a dense weight cache holding them all takes (0 for bf16)."""
-    return 0 if fmt == "none" else 2 * s["layers"] * sum(i * o for i, o in proj.values())
+def dense_cache_all(s: dict, proj: dict, fmt: str | None = None, value_bytes: int = 2) -> int:
+    """The bytes of every quantized projection in dense form (``value_bytes`` per weight, bf16 by
+    default): what a dense weight cache holding them all takes. 0 for ``fmt="none"`` (a bf16 base
+    has nothing to dequantize); ``fmt=None``: a shape without a format, every projection counted
+    (``dense_update.dense_projection_bytes`` of a shape)."""
+    return 0 if fmt == "none" else value_bytes * s["layers"] * sum(i * o for i, o in proj.values())
 
 
 def fixed_parts(a: dict) -> dict[str, int]:

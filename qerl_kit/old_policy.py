@@ -13,8 +13,10 @@ engine's sampling log-probs. ``loss.old_logp`` says where ``old_logp`` comes fro
 
 Both fill the same tensors micro-batch by micro-batch (``OldPolicy.fill``), with the same slices and
 the same kernels, so on the CPU the two modes give bit-equal log-probs, weights, metrics and adapters
-(tests/test_old_policy.py; on CUDA an NVFP4 layer runs the same ``kernels.nvfp4_linear`` with or without
-autograd, so the same is expected there: the gpu-marked tests check it). The fold runs the forward in train mode: with an active dropout
+(tests/test_old_policy.py). On CUDA an NVFP4 layer runs the same ``kernels.nvfp4_linear`` with or
+without autograd, so equal values are expected there too; the gpu-marked tests check them within a
+tolerance (bf16 logit rounding) and warn on any difference, they do not assert bit-equality.
+The fold runs the forward in train mode: with an active dropout
 (``active_dropout``: an ``nn.Dropout`` with p > 0, such as a LoRA adapter attached with dropout, or an
 attention module's ``attention_dropout`` > 0) train-mode log-probs are not the clean policy's, so
 ``resolve_mode`` falls back to ``"pass"`` and warns once.
@@ -86,12 +88,13 @@ class OldPolicy:
 
     def fill(self, sl: slice, logp: torch.Tensor, entropy: torch.Tensor) -> None:
         """Store the clean policy's log-probs and entropy of rows ``sl``; their IS weights follow from
-        them (per token, or per row for the sequence modes, so a slice of rows is computed alone)."""
+        them (per token, or per row for the sequence modes, so a slice of rows is computed alone;
+        weights only: the statistics are ``finish``'s, so no host sync per micro-batch)."""
         self.old_logp[sl] = logp.detach()
         self.entropy[sl] = entropy
         if self.is_mode:
             self.is_weights[sl] = importance_weights(self.old_logp[sl], self.batch.logprobs[sl], self.mask[sl],
-                                                     mode=self.is_mode, cap=self.is_cap)[0]
+                                                     mode=self.is_mode, cap=self.is_cap, stats=False)[0]
 
     def finish(self) -> dict[str, float]:
         """Mark every row filled; the IS statistics over the whole batch (TRL's names; {} without IS)."""

@@ -38,7 +38,6 @@ from __future__ import annotations
 import json
 import time
 import warnings
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Sequence
 
@@ -59,19 +58,8 @@ from qerl_kit.rollout.registry import engine_options, make_engine
 from qerl_kit.rollout.types import Rollouts, SamplingParams
 from qerl_kit.sampling_filters import KeptGroups, accumulate_groups, overlong_penalty
 from qerl_kit.scoring import score_rollouts
+from qerl_kit.step_phases import Prepared, dense_block, phase_clock
 from qerl_kit.tasks.task import Task
-
-
-@dataclass
-class _Prepared:
-    """What the update phase trains on: this rank's slice of the step's batch."""
-    batch: Rollouts
-    rewards: torch.Tensor      # [n] this rank's rewards
-    all_rewards: torch.Tensor  # [W*n] the global batch's
-    mask: torch.Tensor         # [n, C] float: completion tokens in the loss
-    adv: torch.Tensor          # [n]
-    old: OldPolicy             # the clean policy's log-probs, entropy, IS weights (filled by the update when folded)
-    ref_logp: torch.Tensor | None
 
 
 class Trainer:
@@ -166,7 +154,7 @@ class Trainer:
         start = time.perf_counter()
         batch, rewards, metrics = self._collect(self.step)
         # the base's dense weights, made once for the log-prob passes + update, freed before the next rollout
-        with dense_update.update_cache(self.model, self.config.model.dense_cache_gib) as cache:
+        with dense_block(self.model, self.config, batch, self.engine) as cache:
             prep = self._prepare(batch, rewards, metrics)
             update = self._update(prep, metrics)
             metrics.update(self._metrics(prep, update))
@@ -252,7 +240,7 @@ class Trainer:
                                                  fc.overlong_buffer, fc.overlong_penalty)
         return rewards, metrics, correct
 
-    def _prepare(self, batch: Rollouts, rewards: torch.Tensor, metrics: dict) -> _Prepared:
+    def _prepare(self, batch: Rollouts, rewards: torch.Tensor, metrics: dict) -> Prepared:
         """Loss mask, global advantages, the reference's log-probs; the clean policy's when not folded."""
         lc, temp = self.config.loss, self.config.rollout.temperature
         mask = batch.completion_mask.float()
@@ -263,7 +251,7 @@ class Trainer:
         mine = slice(self.dist.rank * len(rewards), (self.dist.rank + 1) * len(rewards))
         adv = grpo.group_advantages(all_rewards, self.config.rollout.group_size,
                                     scale=lc.scale_rewards)[mine].to(mask.device)  # rewards: CPU
-        t0, ran = time.perf_counter(), self._old_logp == "pass" or lc.beta > 0
+        t0, ran = phase_clock(self._device), self._old_logp == "pass" or lc.beta > 0
         self.model.eval()
         old = OldPolicy(batch, mask, lc.is_correction, lc.is_cap)
         if self._old_logp == "pass":  # else the update's first iteration fills it
@@ -272,17 +260,17 @@ class Trainer:
         if lc.beta > 0:
             with self.model.disable_adapter():
                 ref_logp = batched_logprobs(self.model, batch, temp, lc.micro_batch)
-        metrics["time/logprob"] = time.perf_counter() - t0 if ran else 0.0  # what ran before the update
-        return _Prepared(batch, rewards, all_rewards, mask, adv, old, ref_logp)
+        t1 = phase_clock(self._device)
+        metrics["time/logprob"] = t1 - t0 if ran else 0.0  # what ran before the update
+        return Prepared(batch, rewards, all_rewards, mask, adv, old, ref_logp, t1)
 
     def _eps(self) -> tuple[float, float]:
         lc = self.config.loss
         return lc.eps_low, (lc.eps_low if lc.eps_high is None else lc.eps_high)  # the one pair loss and stats use
 
-    def _update(self, prep: _Prepared, metrics: dict) -> dict:
+    def _update(self, prep: Prepared, metrics: dict) -> dict:
         """``mu`` optimizer steps on the prepared batch; returns loss, grad_norm and skipped steps."""
         lc, temp, mask = self.config.loss, self.config.rollout.temperature, prep.mask
-        t0 = time.perf_counter()
         self.model.train()
         spec, n = grpo.LOSSES[lc.loss], mask.shape[0]
         eps_low, eps_high = self._eps()
@@ -313,10 +301,10 @@ class Trainer:
             skipped += self._grads.step(self.optimizer, grad_norm, self.model, self.step + 1)  # 1: skipped
         self.scheduler.step()
         self.model.eval()
-        metrics["time/update"] = time.perf_counter() - t0
+        metrics["time/update"] = phase_clock(self._device) - prep.ready_at
         return {"loss": loss_sum, "grad_norm": float(grad_norm), "skipped": skipped, "seen": seen}
 
-    def _metrics(self, prep: _Prepared, update: dict) -> dict:
+    def _metrics(self, prep: Prepared, update: dict) -> dict:
         """The step's metrics after the update: the clip shares over every forward the loss clipped (TRL's: all
         ``mu`` iterations, each micro-batch against the old policy; no extra pass), entropy, lengths."""
         batch, mask, W, rows = prep.batch, prep.mask, self.dist.world, [sl for sl, _ in update["seen"]]

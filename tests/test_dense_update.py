@@ -17,9 +17,9 @@ import torch
 from qerl_kit import dense_cache, dense_update, mxfp4, nf4, nvfp4
 from qerl_kit.config import ConfigError, from_dict
 from qerl_kit.linear import QuantLinear
-from qerl_kit.lora import attach_lora
 from qerl_kit.models import build_model
 from qerl_kit.quantize import quantize_model
+from tests.tiny_policy import tiny_policy
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
@@ -28,9 +28,7 @@ CUDA = torch.cuda.is_available()
 
 
 def _policy(fmt, seed=0, device="cpu", dtype=torch.float32):
-    model = build_model("qwen2-tiny", seed=seed, dtype=dtype, device=device)
-    quantize_model(model, fmt=fmt)
-    return attach_lora(model, r=4, seed=seed)
+    return tiny_policy(fmt, seed=seed, device=device, dtype=dtype)  # random lora_B: real LoRA gradients
 
 
 def _batch(seed=1, rows=3, length=11, device="cpu"):
@@ -206,27 +204,134 @@ def test_the_auto_budget_on_cuda_measures_first_then_takes_free_memory_minus_the
     assert dense_update.cache_budget(model, 3.0, device=cuda) == 3 * gib
 
 
-def test_on_cuda_the_first_block_measures_and_the_next_caches_then_empties_the_allocator(monkeypatch):
-    """update_cache's CUDA path (measure, budget, empty_cache) with the device and its queries injected."""
-    model, ids, gib = _policy("nvfp4"), _batch(), dense_update.GIB
+def _fake_cuda(monkeypatch, free, allocated, peak, total=100 * dense_update.GIB):
+    """update_cache's CUDA path on the CPU: the device and its memory queries injected (``free`` and
+    ``peak`` are lists, so a test can change them between blocks); returns the empty_cache calls."""
     emptied = []
     monkeypatch.setattr(dense_update, "_device", lambda m: torch.device("cuda"))
-    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (40 * gib, 100 * gib))
-    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 2 * gib)
-    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: 2 * gib)
-    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: 9 * gib)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (free[0], total))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: allocated)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: allocated)
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: peak[0])
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: emptied.append(1))
+    return emptied
+
+
+def test_on_cuda_the_first_block_measures_and_the_next_caches_then_empties_for_an_own_allocator(monkeypatch):
+    """update_cache's CUDA path (measure, budget, empty_cache) with the device and its queries injected."""
+    model, ids, gib = _policy("nvfp4"), _batch(), dense_update.GIB
+    emptied = _fake_cuda(monkeypatch, [40 * gib], 2 * gib, [9 * gib])
     plain = _train_pass(model, ids, passes=1)
-    with dense_update.update_cache(model) as first:
+    with dense_update.update_cache(model, own_allocator=True) as first:
         one = _train_pass(model, ids, passes=1)
     assert first.peak_bytes == 0 and first.refused == len(_layers(model)) and not emptied
-    assert dense_update._working_set[model] == 7 * gib  # peak 9 - 2 on entry - 0 cached
-    with dense_update.update_cache(model) as second:
+    assert dense_update._working_set[model] == 7 * gib  # peak 9 - 2 on entry - 0 cached, per 1 token
+    with dense_update.update_cache(model, own_allocator=True) as second:
         two = _train_pass(model, ids, passes=1)
     assert second.budget_bytes == 40 * gib - int(1.25 * 7 * gib) - 5 * gib
     assert second.peak_bytes == dense_update.dense_projection_bytes(model) and emptied == [1]
+    with dense_update.update_cache(model) as third:  # an engine on PyTorch's allocator: nothing emptied
+        _train_pass(model, ids, passes=1)
+    assert third.peak_bytes > 0 and emptied == [1]
     _same(plain, one)
     _same(plain, two)
+
+
+def test_on_cuda_a_later_step_with_longer_completions_keeps_its_headroom(monkeypatch):
+    """The first step trains on 1,500-token completions, a later one reaches the 4,096 cap: the budget
+    reserves the working set per token at the cap, so the cache leaves the longer step its room."""
+    model, gib = _policy("nvfp4"), dense_update.GIB
+    micro, P, new = 4, 100, 4096
+    first_tokens, cap_tokens = micro * (P + 1500), micro * (P + new)
+    free, peak = [60 * gib], [2 * gib + 10 * gib]  # 2 GiB allocated on entry, a 10 GiB working set
+    _fake_cuda(monkeypatch, free, 2 * gib, peak)
+    with dense_update.update_cache(model, tokens=first_tokens, max_tokens=cap_tokens) as first:
+        pass
+    rate = dense_update._working_set[model]
+    assert first.peak_bytes == 0 and rate == 10 * gib / first_tokens
+    # the next block's budget leaves 1.25 x the working set at the cap (about 27 GiB), not at 1,500 tokens
+    expect = 60 * gib - int(1.25 * rate * cap_tokens) - 5 * gib
+    assert dense_update.cache_budget(model, device=torch.device("cuda"), max_tokens=cap_tokens) == expect
+    longer_ws = int(rate * cap_tokens)  # what the step at the cap needs, growing with its tokens
+    assert 60 * gib - expect - 5 * gib >= longer_ws > 2.5 * 10 * gib  # the old rule reserved 12.5 GiB
+    # a block that measures a higher rate raises it for the next; a lower one leaves it
+    peak[0] = 2 * gib + 40 * gib
+    with dense_update.update_cache(model, gib=0.0, tokens=cap_tokens, max_tokens=cap_tokens):
+        pass  # gib=0: off, nothing measured
+    assert dense_update._working_set[model] == rate
+    with dense_update.update_cache(model, tokens=cap_tokens, max_tokens=cap_tokens):
+        pass
+    higher = dense_update._working_set[model]
+    assert higher == pytest.approx(40 * gib / cap_tokens) and higher > rate
+    peak[0] = 2 * gib + 1 * gib
+    with dense_update.update_cache(model, tokens=cap_tokens, max_tokens=cap_tokens):
+        pass
+    assert dense_update._working_set[model] == higher
+    with pytest.raises(ValueError, match="max_tokens must be an int >= 1"):
+        with dense_update.update_cache(model, max_tokens=0):
+            pass
+
+
+def test_an_error_in_the_block_frees_the_dense_copies_and_empties_the_allocator(monkeypatch):
+    model, ids, gib = _policy("nvfp4"), _batch(), dense_update.GIB
+    emptied = _fake_cuda(monkeypatch, [40 * gib], 2 * gib, [9 * gib])
+    dense_update._working_set[model] = 1.0  # measured before: this block caches
+    for own, expect in ((True, [1]), (False, [])):
+        emptied.clear()
+        with pytest.raises(torch.OutOfMemoryError):
+            with dense_update.update_cache(model, own_allocator=own) as block:
+                _train_pass(model, ids, passes=1)
+                assert block.bytes_held > 0
+                raise torch.OutOfMemoryError("CUDA out of memory (injected)")
+        assert dense_cache._block is None and not block.entries and block.bytes_held == 0 and block.peak_bytes > 0
+        assert emptied == expect  # only for an engine with its own allocator, after an error too
+    assert dense_update._working_set[model] == 1.0  # an interrupted block measures nothing
+
+
+def test_the_step_block_is_sized_from_the_batch_and_the_engine(monkeypatch):
+    from types import SimpleNamespace
+
+    from qerl_kit import step_phases
+    from qerl_kit.rollout.base import Engine, ModelEngine
+
+    seen = []
+    monkeypatch.setattr(dense_update, "update_cache", lambda model, gib, **kw: seen.append((gib, kw)))
+    cfg = from_dict({"loss": {"micro_batch": 4}, "rollout": {"max_new_tokens": 64}, "model": {"dense_cache_gib": 2}})
+    batch = SimpleNamespace(prompt_ids=torch.zeros(6, 10), completion_ids=torch.zeros(6, 30))
+    step_phases.dense_block(None, cfg, batch, object.__new__(ModelEngine))
+    step_phases.dense_block(None, cfg, SimpleNamespace(prompt_ids=torch.zeros(2, 10), completion_ids=torch.zeros(2, 80)),
+                            object.__new__(Engine))
+    assert seen == [(2.0, dict(tokens=4 * 40, max_tokens=4 * 74, own_allocator=False)),
+                    (2.0, dict(tokens=2 * 90, max_tokens=2 * 90, own_allocator=True))]  # 2 rows; C past the cap
+
+
+def test_a_run_resumes_with_dense_cache_gib_changed_exactly(tmp_path):
+    """model.dense_cache_gib is resume-neutral: a run saved with the cache off (after an OOM, say)
+    resumes with it on, without allow_config_change, and continues as the uninterrupted run."""
+    from tests.test_old_policy import _timing
+    from tests.test_rollout import make_tokenizer
+    from tests.test_trainer import TASK, _config
+
+    from qerl_kit.checkpoint import config_changes
+    from qerl_kit.config import TrainConfig
+    from qerl_kit.trainer import Trainer
+
+    def trainer(path, gib):
+        cfg = _config(path, save_every=2, model={"lora_r": 4, "dense_cache_gib": gib})
+        return Trainer(_policy("nvfp4"), make_tokenizer(), TASK, cfg, progress="none")
+
+    assert config_changes(TrainConfig().to_dict(), TrainConfig(model=dict(dense_cache_gib=0)).to_dict()) == {}
+    full = trainer(tmp_path / "full", None).train(4)
+    trainer(tmp_path / "killed", 0).train(3)
+    resumed = trainer(tmp_path / "killed", None)
+    assert resumed.resume(resumed.output_dir / "checkpoint-2") == 2
+    resumed.train(2)
+    assert [r["memory/dense_cache_gib"] > 0 for r in resumed.history] == [False, False, True, True]
+    for a, b in zip(resumed.history, full.history, strict=True):  # the saved steps ran without the cache
+        same = [k for k in a if not _timing(k) and k != "memory/dense_cache_gib"]
+        assert set(a) == set(b) and {k: a[k] for k in same} == {k: b[k] for k in same}
+    pa, pb = dict(resumed.model.named_parameters()), dict(full.model.named_parameters())
+    assert all(torch.equal(p, pb[n]) for n, p in pa.items())
 
 
 def test_the_config_key_is_validated_with_a_clear_error():

@@ -322,6 +322,23 @@ def test_importance_weights_stats():
     assert s["sampling/importance_sampling_ratio/max"] == pytest.approx(2.25, abs=1e-5)
 
 
+@pytest.mark.parametrize("mode", ["token_truncate", "token_mask", "sequence_truncate", "sequence_mask"])
+def test_importance_weights_without_stats_are_the_same_weights_and_read_nothing_back(mode, monkeypatch):
+    """stats=False (OldPolicy.fill, per micro-batch): bit-equal weights, {} for stats, and no .item()."""
+    g = torch.Generator().manual_seed(11)
+    train_old, rollout = -torch.rand(5, 7, generator=g) * 3, -torch.rand(5, 7, generator=g) * 3
+    mask = (torch.rand(5, 7, generator=g) > 0.3).long()
+    nonzero = 0
+    for kwargs in ({}, {"cap": 1.5, "floor": 0.7}, {"cap": None}):
+        full, stats = importance_weights(train_old, rollout, mask, mode=mode, **kwargs)
+        with monkeypatch.context() as m:
+            m.setattr(torch.Tensor, "item", lambda self: pytest.fail("a host read with stats=False"))
+            bare, none = importance_weights(train_old, rollout, mask, mode=mode, stats=False, **kwargs)
+        assert torch.equal(bare, full) and none == {} and len(stats) == 5
+        nonzero += int(full.count_nonzero())
+    assert nonzero > 0
+
+
 def test_identical_logps_give_unit_weights():
     torch.manual_seed(0)
     lp = -torch.rand(3, 4) - 0.1

@@ -226,3 +226,24 @@ def test_clip_metrics_count_the_tokens_the_loss_clipped_over_all_iterations(tmp_
         assert region == [0.0, 0.0]
     else:
         assert all(0.0 < r <= (mu - 1) / mu + 1e-9 for r in region), region
+
+
+def test_phase_times_wait_for_the_device_at_each_boundary(tmp_path, monkeypatch):
+    """time/logprob and time/update are read after step_phases.synchronize at the three phase
+    boundaries of a step (before the log-prob phase, between it and the update, after the update);
+    on the CPU the helper waits for nothing, on CUDA it is torch.cuda.synchronize."""
+    from qerl_kit import step_phases
+
+    trainer, calls, order = _trainer(tmp_path, loss=dict(beta=0.05)), [], []
+    real_sync, update = step_phases.synchronize, trainer._update
+    monkeypatch.setattr(step_phases, "synchronize", lambda device: (calls.append(device), real_sync(device))[1])
+    trainer._update = lambda prep, metrics: (order.append(len(calls)), update(prep, metrics))[1]
+    trainer.train(2)
+    assert calls == [trainer._device] * 6 and order == [2, 5]  # two before each update, one after
+    row = trainer.history[-1]
+    assert row["time/logprob"] > 0 and row["time/update"] > 0  # beta > 0: a reference pass runs first
+    cuda = []
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: cuda.append(device))
+    real_sync(torch.device("cpu"))
+    real_sync(torch.device("cuda", 0))
+    assert cuda == [torch.device("cuda", 0)]

@@ -1,0 +1,63 @@
+"""What frames the training phases of one GRPO step: their clock, the dense-weight block around them
+and what the prepare phase hands the update (``Prepared``).
+
+* ``phase_clock(device)``: the host clock at a phase boundary. On CUDA it first waits for the work
+  already queued (``torch.cuda.synchronize``), so ``time/logprob`` and ``time/update`` are the
+  phases' own times, not the time it took to queue their kernels (the benchmarks read them). The
+  Trainer reads it three times a step: before the log-prob phase, between it and the update, after
+  the update. On the CPU a plain clock read.
+* ``dense_block(model, config, batch, engine)``: the step's ``dense_update.update_cache`` block,
+  sized from the batch: ``tokens`` = micro-batch x (P + C) of this batch, ``max_tokens`` the same
+  with C at ``rollout.max_new_tokens`` (a later batch's completions can reach the cap), and
+  ``own_allocator`` when the engine keeps its own weights and memory (not a ``ModelEngine``: vLLM).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from qerl_kit import dense_update
+from qerl_kit.old_policy import OldPolicy
+from qerl_kit.rollout.base import ModelEngine
+from qerl_kit.rollout.types import Rollouts
+
+__all__ = ["Prepared", "synchronize", "phase_clock", "dense_block"]
+
+
+@dataclass
+class Prepared:
+    """What the update phase trains on: this rank's slice of the step's batch."""
+    batch: Rollouts
+    rewards: torch.Tensor      # [n] this rank's rewards
+    all_rewards: torch.Tensor  # [W*n] the global batch's
+    mask: torch.Tensor         # [n, C] float: completion tokens in the loss
+    adv: torch.Tensor          # [n]
+    old: OldPolicy             # the clean policy's log-probs, entropy, IS weights (filled by the update when folded)
+    ref_logp: torch.Tensor | None
+    ready_at: float            # phase_clock when the log-prob phase ended: the update's start
+
+
+def synchronize(device: torch.device) -> None:
+    """Wait for ``device``'s queued work when it is a CUDA device; nothing elsewhere."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def phase_clock(device: torch.device) -> float:
+    """``time.perf_counter()`` once ``device`` has finished what was queued on it (a phase boundary)."""
+    synchronize(device)
+    return time.perf_counter()
+
+
+def dense_block(model: torch.nn.Module, config: Any, batch: Any, engine: Any):
+    """The ``update_cache`` block of one step over ``batch`` (this rank's ``Rollouts``), as the
+    module docstring sizes it; ``config`` a ``TrainConfig``."""
+    rows, P, C = batch.completion_ids.shape[0], batch.prompt_ids.shape[1], batch.completion_ids.shape[1]
+    micro = max(1, min(config.loss.micro_batch, rows))
+    return dense_update.update_cache(model, config.model.dense_cache_gib, tokens=max(1, micro * (P + C)),
+                                     max_tokens=max(1, micro * (P + max(C, config.rollout.max_new_tokens))),
+                                     own_allocator=not isinstance(engine, ModelEngine))
