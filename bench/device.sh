@@ -20,6 +20,8 @@
 #                             --models 0.5B 7B, or --models 32B --formats nvfp4); the rows are appended to a copy
 #                             of tests/data/measured_peaks.json in $OUT (copy it back over the committed one);
 #                             one process per case, MEM_BUDGET (default 420 s) stops new cases; logs in memory/logs.tgz
+#   gpu-tests [FILES]         the GPU-only tests of what was written without a GPU (#45: dense cache, fold, NF4/MXFP4
+#                             kernels, engine groups, memory plan, step bench); FILES replace the default list
 #   repro-tests               NVFP4 bit-reproducibility, tests/test_tuning.py compiled: each kernel's bits in two
 #                             processes (humming a non-strict xfail: XPASS means the same bits)
 #   repro [ARGS]              bench.bench_repro (3 processes, one fixed-seed rollout + Trainer step each, sha256s
@@ -146,6 +148,13 @@ memory)
   # a call returns at most 8 files: the logs (one per case) travel as one archive
   mv "$OUT/memory_log.txt" "$OUT/memory/"
   (cd "$OUT/memory" && tar czf logs.tgz --remove-files $(ls -d ./*_log.txt run 2>/dev/null)) 2>/dev/null ;;
+gpu-tests)
+  files=("$@"); [ ${#files[@]} -gt 0 ] || files=(tests/test_dense_update.py tests/test_dense_cache_kernels.py
+    tests/test_old_policy.py tests/test_lut4_kernels.py tests/test_engine_fused.py tests/test_routes.py
+    tests/test_kernel_report.py tests/test_memory_plan.py tests/test_bench_step.py)
+  timeout 540 python3 -m pytest "${files[@]}" -q -rsxX -p no:cacheprovider -W always > "$OUT/gpu_tests_log.txt" 2>&1
+  echo "gpu tests rc=$?"; grep -E "^(FAILED|ERROR|XPASS)|UserWarning: .*(differ|max)" "$OUT/gpu_tests_log.txt" | head -30
+  tail -2 "$OUT/gpu_tests_log.txt" ;;
 repro-tests)
   timeout 540 python3 -m pytest tests/test_tuning.py -q -rxX -p no:cacheprovider > "$OUT/repro_tests_log.txt" 2>&1
   echo "autotune tests rc=$?"; grep -E "^(XPASS|XFAIL|FAILED)" "$OUT/repro_tests_log.txt"; tail -1 "$OUT/repro_tests_log.txt" ;;
