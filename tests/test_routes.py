@@ -124,6 +124,12 @@ def test_nf4_and_mxfp4_take_the_lut4_rows(fmt):
                r.kernel == "reference" for r in ROUTES)
     with pytest.raises(ValueError, match="forward rows of nf4 do not end"):  # the row NF4 and MXFP4 share
         check_table(tuple(r for r in ROUTES if not (r.kernel == "reference" and r.op == "forward" and fmt in r.formats)))
+    # a catch-all reference row that leaves out a dtype the format's kernel rows take (fp32) is refused
+    narrow = tuple(Route("reference", op=r.op, dtypes=(BF,), why=r.why, formats=r.formats)
+                   if r.kernel == "reference" and r.op == "dgrad" and fmt in r.formats else r for r in ROUTES)
+    with pytest.raises(ValueError, match=r"dgrad rows of nf4 end with a reference row for dtypes "
+                                         r".*missing \[torch.float16, torch.float32\]"):
+        check_table(narrow)
 
 
 def test_nf4_on_the_cpu_routes_to_the_reference_unless_a_kernel_backend_is_forced():
@@ -135,6 +141,8 @@ def test_nf4_on_the_cpu_routes_to_the_reference_unless_a_kernel_backend_is_force
     assert kernels.route("dgrad", torch.randn(5, 96), q.packed, q.absmax, fmt="nf4", backend="reference") == "reference"
     with pytest.raises(ValueError, match="no rows for format 'int4'"):
         kernels.route("forward", x, q.packed, q.absmax, fmt="int4")
-    if not kernels.backend.interpreting():
-        with pytest.raises(RuntimeError, match="kernel backend 'triton' was forced but cannot run nf4 on cpu"):
-            kernels.route("forward", x, q.packed, q.absmax, fmt="nf4", backend="triton")
+    if not kernels.backend.interpreting():  # every forced kernel backend: one behaviour, one message
+        for forced in ("triton", "ours", "humming"):
+            with pytest.raises(RuntimeError, match=f"kernel backend '{forced}' was forced but cannot run nf4 on "
+                               "cpu: nf4 has no humming or CUDA C kernel, only the Triton kernels"):
+                kernels.route("forward", x, q.packed, q.absmax, fmt="nf4", backend=forced)

@@ -190,8 +190,9 @@ def may_take(kernel: str, n: int, k: int, op: str = "forward", table=ROUTES, fmt
 
 
 def check_table(table=ROUTES) -> None:
-    """Raise ValueError if a row names an unknown kernel or op, a range is empty, or an op does not
-    end with a catch-all ``reference`` row (so every call finds a row)."""
+    """Raise ValueError if a row names an unknown kernel or op, a range is empty, or an op of a format
+    does not end with a catch-all ``reference`` row taking every dtype that format's rows take (so
+    every call a kernel row could take finds a row)."""
     for r in table:
         if r.kernel not in KERNELS:
             raise ValueError(f"route {r}: kernel {r.kernel!r} is not one of {sorted(KERNELS)}")
@@ -203,11 +204,15 @@ def check_table(table=ROUTES) -> None:
                 raise ValueError(f"route {r}: empty {name} range [{lo}, {hi})")
     for fmt in dict.fromkeys(f for r in table for f in r.formats):  # in the table's order: nvfp4 first
         for op in ("forward", "dgrad"):
-            last = [r for r in table if r.op == op and fmt in r.formats][-1:]
-            if not last or last[0] != Route("reference", op=op, dtypes=last[0].dtypes, why=last[0].why,
-                                            formats=last[0].formats):
-                where = "" if fmt == "nvfp4" else f" of {fmt}"
+            rows = [r for r in table if r.op == op and fmt in r.formats]
+            where = "" if fmt == "nvfp4" else f" of {fmt}"
+            if not rows or rows[-1] != Route("reference", op=op, dtypes=rows[-1].dtypes, why=rows[-1].why,
+                                             formats=rows[-1].formats):
                 raise ValueError(f"the {op} rows{where} do not end with a catch-all reference row")
+            missing = [d for d in dict.fromkeys(d for r in rows for d in r.dtypes) if d not in rows[-1].dtypes]
+            if missing:  # a call in such a dtype would match no row: it must fall through to the reference
+                raise ValueError(f"the {op} rows{where} end with a reference row for dtypes {list(rows[-1].dtypes)}, "
+                                 f"missing {missing} that other rows of it take")
 
 
 def _span(lo: int, hi: int, unit: int = 1, suffix: str = "") -> str:
