@@ -161,7 +161,7 @@ def main(argv=None) -> None:
     smoke = args.smoke or not torch.cuda.is_available()
     device = "cpu" if smoke else "cuda"
     shapes = [("tiny", 64, 128)] if smoke else layer_shapes(args.model)
-    ms = [1, 20] if smoke else args.ms
+    ms = [1, 65] if smoke else args.ms  # one row: lut4_gemv; 65 rows: the dense path
     info = dict(device="CPU (interpreter smoke run)" if smoke else torch.cuda.get_device_name(),
                 date=datetime.date.today().isoformat(), torch=torch.__version__, triton=triton.__version__)
     with_bnb = args.bnb and not smoke

@@ -1,7 +1,8 @@
 """Dequantize each frozen 4-bit weight once per block, not at every call.
 
-A 4-bit layer dequantizes its weight at every call: the plain-PyTorch path (the CPU, MXFP4, NF4)
-and the NVFP4 dense route on CUDA (``dense``: Triton dequantize + cuBLAS, from 128 rows) alike.
+A 4-bit layer dequantizes its weight at every call: the plain-PyTorch path (the CPU) and, on
+CUDA, the dense routes (NVFP4's ``dense``: Triton dequantize + cuBLAS from 128 rows; NF4's and
+MXFP4's ``lut4_dense``: Triton dequantize + cuBLAS above 64 rows and for every input gradient) alike.
 Generation calls every layer once per token, and a training step calls it once per forward and
 once per backward (a third time under gradient checkpointing), in every micro-batch of every one
 of the ``mu`` updates. Inside ``dense_weight_cache()``, ``cached(tensors, dtype, make)`` keeps
@@ -10,8 +11,9 @@ copy is dropped, so the 4-bit model's memory is back to 4 bits between blocks.
 
 Two users:
 
-* generation on the CPU (``qerl_kit.rollout.base.inference``): ``dense_weight_cache()``, no
-  budget, CUDA tensors never cached (the GPU decode kernels read the packed weight directly);
+* generation (``qerl_kit.rollout.base.inference``): ``dense_weight_cache()``, no budget, CUDA
+  tensors never cached (the CPU's plain-PyTorch path; on CUDA the decode kernels read the packed
+  weight directly);
 * the training pass (``qerl_kit.dense_update.update_cache``, around the log-prob pass and the
   update): ``dense_weight_cache(budget_bytes=..., cuda=True)``. A weight is cached while the
   budget allows (first come, first cached); a weight that would exceed it is refused and
@@ -19,7 +21,8 @@ Two users:
 
 Exact: a cached weight is the tensor the uncached path computes for that call (the same function
 ``make`` of the same frozen buffers; ``tag`` names the function, so the NVFP4 Triton dequantize
-and the plain-PyTorch one never share an entry). Keys are the packed tensors themselves (storage,
+and the plain-PyTorch one never share an entry; NF4's and MXFP4's Triton dequantize is bit for bit
+the format's plain-PyTorch ``dequantize``, tested, so those paths share the tag ``nf4`` / ``mxfp4``). Keys are the packed tensors themselves (storage,
 offset, shape, strides) and the entry holds them, so a freed and reused address can never hit;
 the entry also records their in-place versions, and a weight changed in place inside the block is
 dequantized again (its stale copy dropped), never served stale.

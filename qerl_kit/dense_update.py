@@ -2,10 +2,10 @@
 
 The update phase calls every frozen 4-bit projection many times per step: a forward and an input
 gradient per micro-batch (a second forward under gradient checkpointing), for each of the ``mu``
-updates, after the log-prob pass's forwards. Each call dequantizes the weight again (the NVFP4
-``dense`` route: Triton dequantize + cuBLAS; MXFP4, NF4 and the CPU: plain PyTorch). The frozen
-base never changes during a step (AQN's noise lives in the RMSNorm scales, LoRA is separate), so
-one dense copy per weight per step gives the same results. ``update_cache(model, gib)`` is the
+updates, after the log-prob pass's forwards. Each call dequantizes the weight again (on CUDA the
+NVFP4 ``dense`` route and NF4's / MXFP4's ``lut4_dense``: Triton dequantize + cuBLAS; the CPU:
+plain PyTorch). The frozen base never changes during a step (AQN's noise lives in the RMSNorm
+scales, LoRA is separate), so one dense copy per weight per step gives the same results. ``update_cache(model, gib)`` is the
 block the trainer opens around the log-prob pass and the update and leaves before the next
 rollout (which needs the memory for its KV cache and reads the packed weights anyway): a
 ``qerl_kit.dense_cache`` block with CUDA tensors allowed, under a byte budget.

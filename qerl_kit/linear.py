@@ -52,38 +52,22 @@ class _FrozenQuantMatmul(torch.autograd.Function):
         return grad_x, None
 
 
-class _NVFP4Matmul(torch.autograd.Function):
-    """y = x @ W^T + b for an NVFP4 weight, routed by ``qerl_kit.kernels`` (humming-kernels or our
-    kernels on CUDA, the reference elsewhere); the input gradient comes from the packed weight too."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, layer: "NVFP4Linear") -> torch.Tensor:
-        ctx.layer = layer
-        return kernels.nvfp4_linear(x, layer.packed, layer.scales, layer.global_scale, layer.bias)
-
-    @staticmethod
-    def backward(ctx, grad_out: torch.Tensor):
-        if not ctx.needs_input_grad[0]:
-            return None, None
-        layer = ctx.layer
-        return kernels.nvfp4_dgrad(grad_out, layer.packed, layer.scales, layer.global_scale), None
-
-
-class _LUT4Matmul(torch.autograd.Function):
-    """y = x @ W^T + b for an NF4 / MXFP4 weight through the routed kernels (``kernels.lut4_linear``:
-    the decode GEMV for few rows, else dequantize + cuBLAS); the input gradient is routed too."""
+class _RoutedMatmul(torch.autograd.Function):
+    """y = layer._linear(x) for a weight whose matmuls the kernels route (``qerl_kit.kernels``: NVFP4's
+    ``nvfp4_linear`` / ``nvfp4_dgrad``, NF4's and MXFP4's ``lut4_linear`` / ``lut4_dgrad``); the input
+    gradient is ``layer._dgrad(grad_out)``, from the packed weight too. The layer (passed as before the
+    two were one Function, so torch.compile traces the same call) brings its own two callables."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, layer: "QuantLinear") -> torch.Tensor:
         ctx.layer = layer
-        return kernels.lut4_linear(x, layer.packed, layer.block_scales, layer.fmt, layer.bias)
+        return layer._linear(x)
 
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor):
         if not ctx.needs_input_grad[0]:
             return None, None
-        layer = ctx.layer
-        return kernels.lut4_dgrad(grad_out, layer.packed, layer.block_scales, layer.fmt), None
+        return ctx.layer._dgrad(grad_out), None
 
 
 class QuantLinear(nn.Module):
@@ -168,8 +152,14 @@ class NVFP4Linear(QuantLinear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         self._check_input(x)
         if x.requires_grad and torch.is_grad_enabled():
-            return _NVFP4Matmul.apply(x, self)
+            return _RoutedMatmul.apply(x, self)
+        return self._linear(x)
+
+    def _linear(self, x: torch.Tensor) -> torch.Tensor:
         return kernels.nvfp4_linear(x, self.packed, self.scales, self.global_scale, self.bias)
+
+    def _dgrad(self, dy: torch.Tensor) -> torch.Tensor:
+        return kernels.nvfp4_dgrad(dy, self.packed, self.scales, self.global_scale)
 
 
 class _LUT4Linear(QuantLinear):
@@ -185,8 +175,14 @@ class _LUT4Linear(QuantLinear):
                 "forward", x2, self.packed, self.block_scales, fmt=self.fmt) == "reference":
             return _FrozenQuantMatmul.apply(x, self)
         if x.requires_grad and torch.is_grad_enabled():
-            return _LUT4Matmul.apply(x, self)
+            return _RoutedMatmul.apply(x, self)
+        return self._linear(x)
+
+    def _linear(self, x: torch.Tensor) -> torch.Tensor:
         return kernels.lut4_linear(x, self.packed, self.block_scales, self.fmt, self.bias)
+
+    def _dgrad(self, dy: torch.Tensor) -> torch.Tensor:
+        return kernels.lut4_dgrad(dy, self.packed, self.block_scales, self.fmt)
 
 
 class MXFP4Linear(_LUT4Linear):

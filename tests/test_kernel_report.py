@@ -46,7 +46,7 @@ def test_paths_come_from_the_routing_table_when_the_kernels_run(tiny, monkeypatc
     """With every kernel runnable (faked, as on a GPU with humming), the report shows the table's
     first row for each shape and row count; these tiny layers (< 8M weights) stay on our kernels."""
     monkeypatch.setattr(kernels, "_runs", lambda kernel, *a: True)
-    monkeypatch.setattr(kernels, "_route", lambda op, x2, p, s, choice: next(
+    monkeypatch.setattr(kernels, "_route", lambda op, x2, p, s, choice, fmt="nvfp4": next(
         r.kernel for r in kernels.routes.candidates(op, x2.shape[0], p.shape[0], p.shape[1] * 2, x2.dtype)))
     kernels._forget_routes()
     try:
@@ -70,17 +70,22 @@ def test_html_escapes_and_labels_every_path():
 
 @pytest.mark.parametrize("fmt", ["nf4", "mxfp4"])
 def test_nf4_and_mxfp4_layers_are_reported_with_their_own_rows(fmt, monkeypatch):
+    """The real router, with only the machine faked (Triton usable, CPU tensors interpreted): every
+    forced kernel backend runs the LUT4 Triton kernels (humming and CUDA C have none for NF4/MXFP4),
+    the GEMV up to 64 rows and the dense path above; unfaked, the CPU takes the reference."""
     from qerl_kit.tiny import load_tiny
 
     model, _ = load_tiny(quantize=fmt)
     assert all(paths == ("reference",) for *_, paths in kernel_report(model, rows=(8,)).layers)  # the CPU
-    monkeypatch.setattr(kernels, "_route_lut4", lambda op, x2, p, s, choice, f: next(
-        r.kernel for r in kernels.routes.candidates(op, x2.shape[0], p.shape[0], p.shape[1] * 2, x2.dtype, fmt=f)))
+    monkeypatch.setattr(kernels, "interpreting", lambda: True)
+    monkeypatch.setattr(kernels, "triton_status", lambda: (True, "faked"))
     kernels._forget_routes()
     try:
-        report = kernel_report(model, rows=(1, 16, 17, 2048), dtype=torch.float32)
+        reports = [kernel_report(model, rows=(1, 16, 64, 65, 2048), dtype=torch.float32, backend=b)
+                   for b in ("triton", "ours", "humming")]
+        assert all(p == ("reference",) for *_, p in kernel_report(model, rows=(8,), backend="reference").layers)
     finally:
         kernels._forget_routes()
-    assert report.layers and all(paths == ("lut4_gemv", "lut4_gemv", "lut4_dense", "lut4_dense")
-                                 for *_, paths in report.layers)
-    assert "Triton LUT4 decode" in str(report) and "LUT4 dequant + cuBLAS" in str(report)
+    for report in reports:
+        assert report.layers and all(paths == ("lut4_gemv",) * 3 + ("lut4_dense",) * 2 for *_, paths in report.layers)
+    assert "Triton LUT4 decode" in str(reports[0]) and "LUT4 dequant + cuBLAS" in str(reports[0])

@@ -1,5 +1,6 @@
 """The NF4/MXFP4 Triton kernels compile for the H200 (sm_90) on a machine without a GPU, at the
-tile configs the launchers use, without spilling registers to the stack.
+tile configs the launchers use (every BLOCK_M of the GEMV; K = 3584 and Qwen2.5-0.5B's K = 896),
+without spilling registers to the stack, the one-row GEMV and the dequantize with 16-byte loads.
 
 Triton compiles ahead of time with its bundled ptxas (``triton.compile`` of an ``ASTSource`` for a
 ``GPUTarget``); the interpreter tests (tests/test_lut4_kernels.py) cannot catch what only the GPU
@@ -44,26 +45,34 @@ def compiled(fn, types, consts, **options):
     return (int(re.search(r"REG:(\d+)", usage).group(1)), int(re.search(r"STACK:(\d+)", usage).group(1)),
             vector_loads)
 
+# (rows, K): every BLOCK_M (1, 16, 32, 64) at 7B's K = 3584, and one row and 64 rows at Qwen2.5-0.5B's
+# K = 896 (not a multiple of 256: the one-row BLOCK_K and the dequantize's BLOCK_K become 128)
+GEMV = [(1, 3584), (8, 3584), (32, 3584), (64, 3584), (1, 896), (64, 896)]
 for fmt in ("nf4", "mxfp4"):
     scales = "*fp32" if fmt == "nf4" else "*u8"
+    lut = "*fp32" if fmt == "nf4" else "*u8"  # MXFP4: packed, a dummy pointer (lut4_triton.lut)
     for dt in ("bf16", "fp16", "fp32"):
-        for m in (1, 8):
-            cfg = L.gemv_config(m, 4608, 3584, fmt, interpret=False)
-            types = dict(x_ptr=PTR[dt], p_ptr="*u8", s_ptr=scales, lut_ptr="*fp32", b_ptr=PTR[dt], y_ptr=PTR[dt],
+        for m, k in GEMV:
+            cfg = L.gemv_config(m, 4608, k, fmt, interpret=False)
+            types = dict(x_ptr=PTR[dt], p_ptr="*u8", s_ptr=scales, lut_ptr=lut, b_ptr=PTR[dt], y_ptr=PTR[dt],
                          ws_ptr="*fp32", cnt_ptr="*i32", M="i32", N="i32", K="i32", stride_xm="i32", stride_xk="i32",
                          stride_pn="i32", stride_sn="i32", stride_ym="i32", stride_yn="i32")
             consts = dict(FMT=L.FORMAT_IDS[fmt], BS=L.BLOCK_SIZES[fmt], HAS_BIAS=True, INTERPRET=False,
-                          IEEE=dt == "fp32", EVEN_K=True, USE_DOT=cfg["USE_DOT"], SPLIT_K=cfg["SPLIT_K"],
-                          BLOCK_M=16 if cfg["USE_DOT"] else 1, BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"])
+                          IEEE=dt == "fp32", EVEN_K=k % cfg["BLOCK_K"] == 0, USE_DOT=cfg["USE_DOT"],
+                          SPLIT_K=cfg["SPLIT_K"], BLOCK_M=L.gemv_block_m(m, cfg["USE_DOT"]),
+                          BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"])
             regs, stack, vec = compiled(L._lut4_gemv_kernel, types, consts, num_warps=cfg["num_warps"],
                                         num_stages=cfg["num_stages"])
-            print("gemv", fmt, dt, m, regs, vec, stack)
-        types = dict(p_ptr="*u8", s_ptr=scales, lut_ptr="*fp32", w_ptr=PTR[dt], N="i32", K="i32", stride_pn="i32",
+            print("gemv", fmt, dt, m, k, consts["EVEN_K"], regs, vec, stack)
+        types = dict(p_ptr="*u8", s_ptr=scales, lut_ptr=lut, w_ptr=PTR[dt], N="i32", K="i32", stride_pn="i32",
                      stride_sn="i32", stride_wn="i32")
-        for even in (True, False):
-            consts = dict(FMT=L.FORMAT_IDS[fmt], BS=L.BLOCK_SIZES[fmt], EVEN=even, BLOCK_N=32, BLOCK_K=256)
-            regs, stack, vec = compiled(L._lut4_dequant_kernel, types, consts, num_warps=4)
-            print("dequant", fmt, dt, even, regs, vec, stack)
+        for k in (3584, 896):
+            bn, bk = L.dequant_config(k, interpret=False)
+            for even_n in (True, False):
+                consts = dict(FMT=L.FORMAT_IDS[fmt], BS=L.BLOCK_SIZES[fmt], EVEN_N=even_n, EVEN_K=k % bk == 0,
+                              BLOCK_N=bn, BLOCK_K=bk)
+                regs, stack, vec = compiled(L._lut4_dequant_kernel, types, consts, num_warps=4)
+                print("dequant", fmt, dt, even_n, k, consts["EVEN_K"], regs, vec, stack)
 '''
 
 
@@ -78,9 +87,14 @@ def test_kernels_compile_for_sm90_without_spilling():
         pytest.skip("this Triton has no ahead-of-time GPUTarget API")
     assert proc.returncode == 0, proc.stderr[-4000:]
     rows = [line.split() for line in proc.stdout.splitlines() if line.startswith(("gemv", "dequant"))]
-    assert len(rows) == 2 * 3 * (2 + 2)
+    assert len(rows) == 2 * 3 * (6 + 4)
+    # BLOCK_K divides K at every shape here (3584, 896): whole tiles, no masks along K
+    assert all(r[5] == "True" for r in rows), [r for r in rows if r[5] != "True"]
     spilled = [r for r in rows if int(r[-1]) != 0]
+    print("\n".join(" ".join(r) for r in rows))
     assert not spilled, f"register spills (bytes of stack): {spilled}"
-    # one row: packed rows stream as 16-byte vectors (no software pipeline moves them through shared memory)
-    scalar = [r for r in rows if r[0] == "gemv" and r[3] == "1" and int(r[-2]) == 0]
+    # one row and the dequantize: packed rows stream as 16-byte vectors (no software pipeline moves
+    # them through shared memory), at K = 896 too
+    scalar = [r for r in rows if (r[0] == "dequant" or r[3] == "1") and int(r[-2]) == 0]
     assert not scalar, f"no 16-byte loads of the packed weight: {scalar}"
+    assert {r[4] for r in rows if r[0] == "gemv" and r[3] == "1"} == {"3584", "896"}

@@ -98,7 +98,7 @@ def test_gemv_matches_the_reference(fmt, dtype):
         q = _weight(fmt, n, k, seed=10 + i)
         w = q.dequantize(dtype)
         bias = _randn(n, dtype=dtype, seed=20 + i)
-        for m in (1, 3, 16):
+        for m in (1, 3, 16, 17, 64) if dtype != torch.float16 else (1, 3, 33):  # BLOCK_M 1, 16, 16, 32, 64
             x = _randn(m, k, dtype=dtype, seed=30 + m)
             y = lut4_triton.lut4_gemv(x, q.packed, q.scales, fmt, bias if m != 3 else None)
             assert y.shape == (m, n) and y.dtype == dtype
@@ -107,8 +107,10 @@ def test_gemv_matches_the_reference(fmt, dtype):
 
 def test_gemv_refuses_what_it_does_not_take():
     q = _weight("nf4", 32, 128, seed=1)
-    with pytest.raises(ValueError, match="at most 16 rows"):
-        lut4_triton.lut4_gemv(_randn(17, 128, dtype=torch.float32, seed=2), q.packed, q.scales, "nf4")
+    with pytest.raises(ValueError, match="at most 64 rows"):
+        lut4_triton.lut4_gemv(_randn(65, 128, dtype=torch.float32, seed=2), q.packed, q.scales, "nf4")
+    with pytest.raises(ValueError, match=r"unit stride along K .*packed strides \(1, 32\)"):
+        lut4_triton.lut4_gemv(_randn(2, 128, dtype=torch.float32, seed=2), q.packed.T.contiguous().T, q.scales, "nf4")
     with pytest.raises(TypeError, match="float64"):
         lut4_triton.lut4_gemv(_randn(2, 128, dtype=torch.float64, seed=2), q.packed, q.scales, "nf4")
     with pytest.raises(ValueError, match="bad MXFP4 weight"):
@@ -120,7 +122,7 @@ def test_gemv_refuses_what_it_does_not_take():
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
 @pytest.mark.parametrize("fmt", ["nf4", "mxfp4"])
 def test_routed_layer_forward_and_backward_match_the_reference_path(fmt, dtype):
-    """3 rows take the GEMV (and the dense input gradient), 3 x 7 = 21 rows the dense path both ways."""
+    """3 x 7 = 21 rows take the GEMV (and the dense input gradient), 5 x 13 = 65 rows the dense path both ways."""
     n, k = SHAPES[fmt][0]
     g = torch.Generator().manual_seed(5)
     dense = torch.nn.Linear(k, n)
@@ -129,7 +131,7 @@ def test_routed_layer_forward_and_backward_match_the_reference_path(fmt, dtype):
         dense.bias.copy_(torch.randn(n, generator=g))
     layer = LAYERS[fmt].from_linear(dense).to(DEVICE)
     w = layer.dequantized_weight(dtype)
-    for shape, kernel in (((3, k), "lut4_gemv"), ((3, 7, k), "lut4_dense")):
+    for shape, kernel in (((3, 7, k), "lut4_gemv"), ((5, 13, k), "lut4_dense")):
         x = _randn(*shape, dtype=dtype, seed=6).requires_grad_()
         up = _randn(*shape[:-1], n, dtype=dtype, seed=7)
         with kernels.set_backend("reference"):
@@ -148,6 +150,45 @@ def test_routed_layer_forward_and_backward_match_the_reference_path(fmt, dtype):
             assert torch.equal(y, y_ref)
         else:
             _assert_within_fp32_accumulation(y, x.detach(), w, layer.bias.to(dtype))
+
+
+@pytest.mark.parametrize("fmt", ["nf4", "mxfp4"])
+def test_the_kernel_and_the_reference_share_one_dense_cache_entry(fmt):
+    """Bit-identical dequantizations share the tag ``fmt``: a block dequantizes each weight once."""
+    from qerl_kit.dense_cache import block_stats, dense_weight_cache
+    from qerl_kit.kernels import reference
+
+    q = _weight(fmt, 40, 192, seed=12)
+    with dense_weight_cache(cuda=True):
+        first = reference.lut4_dequantize(q.packed, q.scales, fmt, torch.bfloat16)
+        assert lut4_triton._dense_weight(q.packed, q.scales, fmt, torch.bfloat16) is first
+        assert (block_stats()["misses"], block_stats()["hits"]) == (1, 1)
+    with dense_weight_cache(cuda=True):  # the other way round: the kernel's entry serves the reference
+        first = lut4_triton._dense_weight(q.packed, q.scales, fmt, torch.float32)
+        assert reference.lut4_dequantize(q.packed, q.scales, fmt, torch.float32) is first
+        assert torch.equal(first, q.dequantize(torch.float32))
+
+
+def test_block_k_and_block_m_follow_the_shape():
+    """BLOCK_K: the widest of 256/128/64 dividing K (whole tiles: 16-byte loads); BLOCK_M: 16..64."""
+    assert [lut4_triton.k_tile(k) for k in (3584, 896, 192, 96, 18944)] == [256, 128, 64, 256, 256]
+    assert lut4_triton.gemv_config(1, 896, 896, "nf4", interpret=False)["BLOCK_K"] == 128
+    assert lut4_triton.dequant_config(896, interpret=False) == (32, 128)
+    assert [lut4_triton.gemv_block_m(m, True) for m in (2, 16, 17, 32, 33, 64)] == [16, 16, 32, 32, 64, 64]
+    assert lut4_triton.gemv_block_m(1, False) == 1
+
+
+def test_the_nf4_table_is_the_codebook_cache_and_mxfp4_reads_none(monkeypatch):
+    q = _weight("nf4", 16, 64, seed=3)
+    assert lut4_triton.lut("nf4", q.packed) is nf4._codebook(q.packed.device)
+    packed = torch.zeros(16, 16, dtype=torch.uint8)
+    assert lut4_triton.lut("mxfp4", packed) is packed  # a dummy pointer: MXFP4 decodes from the bits
+    # the first NF4 call on a CUDA device during graph capture would upload the table: an error instead
+    fake = torch.device("cuda", 7)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    monkeypatch.setattr(nf4, "_codebook", lambda device: pytest.fail("uploaded during capture"))
+    with pytest.raises(RuntimeError, match="outside CUDA-graph capture first"):
+        lut4_triton.lut("nf4", type("P", (), {"device": fake})())
 
 
 @pytest.mark.skipif(CUDA, reason="the CPU's own path")
@@ -175,7 +216,7 @@ def test_gpu_real_shapes(fmt, n, k):
     w = q.dequantize(torch.bfloat16)
     assert torch.equal(lut4_triton.lut4_dequantize(q.packed, q.scales, fmt, torch.bfloat16).view(torch.int16),
                        w.view(torch.int16))
-    for m in (1, 8, 16):
+    for m in (1, 8, 16, 40, 64):
         x = _randn(m, k, dtype=torch.bfloat16, seed=m)
         _assert_within_fp32_accumulation(lut4_triton.lut4_gemv(x, q.packed, q.scales, fmt), x, w)
 
@@ -186,13 +227,16 @@ def test_gpu_real_shapes(fmt, n, k):
 def test_gpu_gemv_replays_in_a_cuda_graph(fmt):
     q = _weight(fmt, 4608, 3584, seed=4)
     x = _randn(8, 3584, dtype=torch.bfloat16, seed=9)
-    eager = lut4_triton.lut4_gemv(x, q.packed, q.scales, fmt)  # warm-up: compiles, allocates counters
+    lut4_triton.lut4_gemv(x, q.packed, q.scales, fmt)  # warm-up: compiles, allocates counters and the table
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         y = lut4_triton.lut4_gemv(x, q.packed, q.scales, fmt)
-    graph.replay()
-    torch.cuda.synchronize()
-    assert torch.equal(y, eager)  # split-K sums its slices in order: deterministic
+    assert lut4_triton.gemv_config(8, 4608, 3584, fmt, interpret=False)["SPLIT_K"] > 1  # the counters matter
+    for seed in (10, 11):  # new input each replay: it is read, and the counters are back at zero
+        x.copy_(_randn(8, 3584, dtype=torch.bfloat16, seed=seed))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(y, lut4_triton.lut4_gemv(x, q.packed, q.scales, fmt))  # split-K sums in order
 
 
 @pytest.mark.skipif(CUDA, reason="the CPU smoke run; on a GPU: python -m bench.bench_lut4")
@@ -210,11 +254,12 @@ def test_bench_runs_its_smoke_shape_in_the_interpreter(tmp_path):
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
 @pytest.mark.parametrize("fmt", ["nf4", "mxfp4"])
 def test_gpu_auto_backend_routes_layers_to_the_kernels(fmt):
-    """On CUDA the default backend sends NF4/MXFP4 layers to lut4_gemv (<= 16 rows) and the dense
+    """On CUDA the default backend sends NF4/MXFP4 layers to lut4_gemv (<= 64 rows) and the dense
     path, in bf16 and fp32, and the layer's output is the routed kernel's."""
     layer = LAYERS[fmt].from_linear(torch.nn.Linear(3584, 512)).cuda()
     for dtype in (torch.bfloat16, torch.float32):
-        for m, kernel in ((1, "lut4_gemv"), (16, "lut4_gemv"), (17, "lut4_dense"), (2048, "lut4_dense")):
+        for m, kernel in ((1, "lut4_gemv"), (17, "lut4_gemv"), (64, "lut4_gemv"), (65, "lut4_dense"),
+                          (2048, "lut4_dense")):
             x = _randn(m, 3584, dtype=dtype, seed=m)
             assert kernels.route("forward", x, layer.packed, layer.block_scales, fmt=fmt) == kernel
             with torch.no_grad():

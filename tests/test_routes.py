@@ -109,18 +109,27 @@ def test_forced_backends_skip_kernels_they_exclude(monkeypatch):
 
 @pytest.mark.parametrize("fmt", routes.LUT4)
 def test_nf4_and_mxfp4_take_the_lut4_rows(fmt):
-    """Up to 16 rows the decode GEMV, from 17 the dense path, the input gradient always dense; fp32
-    activations too; never an NVFP4 kernel, and the NVFP4 rows never take an NF4/MXFP4 weight."""
+    """Up to 64 rows (lut4_gemv's limit) the decode GEMV, from 65 the dense path, the input gradient
+    always dense; fp32 activations too; never an NVFP4 kernel, and the NVFP4 rows never take an
+    NF4/MXFP4 weight."""
+    DECODE_MAX_M = routes.LUT4_DECODE_MAX_M  # noqa: N806
     for dtype in (BF, FP, torch.float32):
         kinds = lambda op, m: [r.kernel for r in candidates(op, m, 4608, 3584, dtype, fmt=fmt)]  # noqa: E731
-        assert kinds("forward", 1) == kinds("forward", 16) == ["lut4_gemv", "lut4_dense", "reference"]
-        assert kinds("forward", 17) == kinds("forward", 8192) == ["lut4_dense", "reference"]
+        assert kinds("forward", 1) == kinds("forward", 24) == kinds("forward", DECODE_MAX_M) == [
+            "lut4_gemv", "lut4_dense", "reference"]
+        assert kinds("forward", DECODE_MAX_M + 1) == kinds("forward", 8192) == ["lut4_dense", "reference"]
         assert kinds("dgrad", 1) == kinds("dgrad", 4096) == ["lut4_dense", "reference"]
     assert candidates("forward", 8, 4608, 3584, torch.float64, fmt=fmt) == []
     assert all(r.formats == routes.LUT4 if r.kernel.startswith("lut4_") else fmt not in r.formats or
                r.kernel == "reference" for r in ROUTES)
     with pytest.raises(ValueError, match="forward rows of nf4 do not end"):  # the row NF4 and MXFP4 share
         check_table(tuple(r for r in ROUTES if not (r.kernel == "reference" and r.op == "forward" and fmt in r.formats)))
+    # a catch-all reference row that leaves out a dtype the format's kernel rows take (fp32) is refused
+    narrow = tuple(Route("reference", op=r.op, dtypes=(BF,), why=r.why, formats=r.formats)
+                   if r.kernel == "reference" and r.op == "dgrad" and fmt in r.formats else r for r in ROUTES)
+    with pytest.raises(ValueError, match=r"dgrad rows of nf4 end with a reference row for dtypes "
+                                         r".*missing \[torch.float16, torch.float32\]"):
+        check_table(narrow)
 
 
 def test_nf4_on_the_cpu_routes_to_the_reference_unless_a_kernel_backend_is_forced():
@@ -132,6 +141,8 @@ def test_nf4_on_the_cpu_routes_to_the_reference_unless_a_kernel_backend_is_force
     assert kernels.route("dgrad", torch.randn(5, 96), q.packed, q.absmax, fmt="nf4", backend="reference") == "reference"
     with pytest.raises(ValueError, match="no rows for format 'int4'"):
         kernels.route("forward", x, q.packed, q.absmax, fmt="int4")
-    if not kernels.backend.interpreting():
-        with pytest.raises(RuntimeError, match="kernel backend 'triton' was forced but cannot run nf4 on cpu"):
-            kernels.route("forward", x, q.packed, q.absmax, fmt="nf4", backend="triton")
+    if not kernels.backend.interpreting():  # every forced kernel backend: one behaviour, one message
+        for forced in ("triton", "ours", "humming"):
+            with pytest.raises(RuntimeError, match=f"kernel backend '{forced}' was forced but cannot run nf4 on "
+                               "cpu: nf4 has no humming or CUDA C kernel, only the Triton kernels"):
+                kernels.route("forward", x, q.packed, q.absmax, fmt="nf4", backend=forced)

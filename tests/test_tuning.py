@@ -252,7 +252,7 @@ def test_chooser_uses_the_stored_config_pins_the_first_and_retimes_a_stale_entry
     kernel._local.pending = None
     assert kernel.choose(configs, args) == [configs[1]] and kernel._local.pending is None
     assert kernel.bench(lambda: 1 / 0) == [0.0, 0.0, 0.0] and kernel.timed == 0  # a lone candidate: not even run
-    tuning._store(clean / "c.json", key, {"config": {"BLOCK_N": 16, "num_warps": 2}})  # pruned away: stale
+    tuning._store(clean / "c.json", key, {"config": {"BLOCK_N": 16, "num_warps": 2}}, stale=lambda c: True)
     assert kernel.choose(configs, args) == configs[:2] and kernel._local.pending is not None
     tuning.set_mode("pinned")
     (clean / "c.json").write_text("damaged")  # pinned mode never reads the file
@@ -298,11 +298,139 @@ def test_a_cache_that_cannot_be_written_is_a_warning_and_the_choice_still_holds(
     kernel.autotuner.best_config = _Config(BLOCK_N=64, num_warps=4)
     kernel.autotuner.configs_timings = {kernel.autotuner.best_config: [0.5, 0.4, 0.6]}
     with pytest.warns(UserWarning, match="not_a_dir/autotune.json was not written .*QERL_AUTOTUNE_CACHE"):
-        kernel._record(blocker / "autotune.json", "k")
+        kernel._record(blocker / "autotune.json", "k", [], ("k",))
     path = clean / "ok.json"
-    kernel._record(path, "k")
+    kernel._record(path, "k", [], ("k",))
     entry = tuning._read(path)["k"]
     assert entry["config"] == {"BLOCK_N": 64, "num_warps": 4} and entry["median_ms"] == [[entry["config"], 0.5]]
+
+
+def _hold(path, pid=None):
+    """Hold the cache's lock as "another process" would (a second open file: flock refuses us);
+    ``pid`` overwrites the holder's id in the lock file (a holder that is no live process here)."""
+    fd = tuning._lock(path)
+    if pid is not None:
+        path.with_name(path.name + ".lock").write_text(f"{pid}\n")
+    return fd
+
+
+def test_the_lock_is_waited_for_while_its_holder_lives_and_a_timeout_warns(clean, monkeypatch):
+    path = clean / "c.json"
+    monkeypatch.setattr(tuning, "LOCK_WAIT_S", 0.1)
+    monkeypatch.setattr(tuning, "LOCK_CAP_S", 0.6)
+    fd = _hold(path)  # held by this process: alive, so waited for up to the cap
+    start = time.monotonic()
+    with pytest.warns(UserWarning, match=rf"c.json.lock is still held \(process {os.getpid()}, alive\)"):
+        assert tuning._lock(path) is None
+    assert time.monotonic() - start >= 0.6
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    path.with_name("c.json.lock").write_text(dead.stdout)  # the holder's id names no live process here
+    start = time.monotonic()
+    with pytest.warns(UserWarning, match="not a live process of this machine"):
+        assert tuning._lock(path) is None
+    assert 0.1 <= time.monotonic() - start < 0.6
+    # never merge-and-write unlocked: the store gives up (None) and the file is not written
+    with pytest.warns(UserWarning, match="still held"):
+        assert tuning._store(path, "k", {"config": {"BLOCK_N": 64}}) is None
+    assert not path.exists()
+    locks.release(fd)
+
+
+def test_a_late_writer_keeps_the_first_writers_entry_and_takes_its_tile(clean, monkeypatch):
+    """A process that timed a key without the lock (its wait timed out) finds another process's
+    entry when it stores: the file keeps the first writer's tile, with a warning, and this process
+    runs that tile from its next call."""
+    monkeypatch.setattr(tuning, "LOCK_WAIT_S", 0.1)
+    monkeypatch.setattr(tuning, "LOCK_CAP_S", 0.2)
+    configs = [_Config(BLOCK_N=64, num_warps=4), _Config(BLOCK_N=128, num_warps=8)]
+    args = {"x": torch.randn(2, 2), "N": 8, "K": 16}
+    path = clean / "c.json"
+    tuning.set_cache_path(path)
+    kernel = _kernel()
+    kernel.autotuner.cache, kernel.autotuner.configs = {}, configs
+    key = kernel.key(args, {})
+    holder = _hold(path)  # the first process is timing this key
+    kernel._local.launching = True
+    with pytest.warns(UserWarning, match="still held"):
+        assert kernel.choose(configs, args) == configs and kernel._local.lock is None  # times it itself
+    pending = kernel._local.pending
+    tuning._store(path, key, {"config": {"BLOCK_N": 128, "num_warps": 8}}, locked=True)  # the first writer
+    locks.release(holder)
+    kernel.autotuner.best_config = configs[0]  # this process timed 64 the faster
+    kernel.autotuner.configs_timings = {configs[0]: [0.5, 0.4, 0.6], configs[1]: [0.7, 0.6, 0.8]}
+    kernel.autotuner.cache[pending[3]] = configs[0]
+    with pytest.warns(UserWarning, match=r"another process stored tile \{'BLOCK_N': 128, 'num_warps': 8\} first"):
+        kernel._record(*pending)
+    assert tuning._read(path)[key]["config"] == {"BLOCK_N": 128, "num_warps": 8}  # the first writer's survives
+    assert kernel.autotuner.cache[pending[3]] is configs[1]  # and this process runs it from now on
+    # a stale entry (no longer a candidate) is replaced, not kept
+    assert tuning._store(path, key, {"config": {"BLOCK_N": 64}}, stale=lambda c: True)["config"] == {"BLOCK_N": 64}
+
+
+def test_a_winner_that_failed_to_run_is_never_stored(clean):
+    kernel = _kernel()
+    kernel.autotuner.best_config = best = _Config(BLOCK_N=64, num_warps=4)
+    kernel.autotuner.configs_timings = {best: [float("inf")] * 3, _Config(BLOCK_N=128): [float("inf")] * 3}
+    with pytest.warns(UserWarning, match="every candidate failed to run"):
+        kernel._record(clean / "c.json", "k", [], ("k",))
+    assert not (clean / "c.json").exists()
+
+
+class _OutOfResources(Exception):
+    pass
+
+
+class _Triton:
+    """What ``Autotuner.run`` does with one launch: the prune hook for a new key, the timing of more
+    than one candidate (none here: the first wins), ``best_config``, then the launch, which raises
+    OutOfResources for a config that does not ``fit``."""
+
+    arg_names, keys = ["x", "N", "K"], ["N", "K"]
+
+    def __init__(self, configs, fit):
+        self.configs, self.cache, self.fit, self.ran, self.hook = configs, {}, fit, [], None
+
+    def __getitem__(self, grid):
+        def run(**kw):
+            key = tuning._triton_key(self, kw, {})
+            if key not in self.cache:
+                self.cache[key] = self.hook(self.configs, kw)[0]
+            self.best_config = self.cache[key]
+            if not self.fit(self.best_config):
+                raise _OutOfResources(f"out of resource: shared memory for {self.best_config.kw}")
+            self.ran.append(self.best_config.kw["BLOCK_N"])
+        return run
+
+
+@pytest.mark.parametrize("how", ["pinned", "cache"])
+def test_a_lone_choice_that_does_not_fit_falls_back_to_the_next_candidate(clean, monkeypatch, how):
+    monkeypatch.setattr(tuning, "_out_of_resources", lambda: (_OutOfResources,))
+    configs = [_Config(BLOCK_N=n, num_warps=4) for n in (256, 128, 64, 32)]
+    fake = _Triton(configs, fit=lambda c: c.kw["BLOCK_N"] <= 64)
+    kernel = tuning.TunedKernel("fake", fake, lambda cs, named_args, **kw: cs[:3], None)  # prunes 32 away
+    fake.hook = kernel.choose
+    tuning.set_mode(how)
+    tuning.set_cache_path(clean / "c.json")
+    args = {"x": torch.randn(2, 2), "N": 8, "K": 16}
+    if how == "cache":  # a stored choice, e.g. from a GPU of the same name with more shared memory
+        tuning._store(clean / "c.json", kernel.key(args, {}), {"config": {"BLOCK_N": 256, "num_warps": 4}})
+    with pytest.warns(UserWarning, match="does not fit this GPU") as got:
+        kernel[(1,)](**args)
+    said = [str(w.message) for w in got]
+    assert len(said) == 2 and "tile {'BLOCK_N': 256" in said[0] and "next candidate {'BLOCK_N': 128" in said[0]
+    assert "tile {'BLOCK_N': 128" in said[1] and "next candidate {'BLOCK_N': 64" in said[1]
+    assert fake.ran == [64]  # 256, then 128, did not fit; 64 ran, once
+    kernel[(1,)](**args)
+    assert fake.ran == [64, 64] and kernel.timed == 0  # remembered: no new warning, nothing timed
+    assert [c["BLOCK_N"] for c in kernel.failed[kernel.key(args, {})]] == [256, 128]
+    if how == "cache":
+        assert tuning._read(clean / "c.json")[kernel.key(args, {})]["config"]["BLOCK_N"] == 256  # file unchanged
+    tuning.set_mode("pinned")
+    never = _Triton(configs, fit=lambda c: False)  # nothing fits: the error stands after the last candidate
+    kernel = tuning.TunedKernel("never", never, lambda cs, named_args, **kw: cs[:2], None)
+    never.hook = kernel.choose
+    with pytest.warns(UserWarning, match="does not fit"), pytest.raises(_OutOfResources, match="128"):
+        kernel[(1,)](**args)
 
 
 # -- kernels in fresh processes ----------------------------------------------------------------------

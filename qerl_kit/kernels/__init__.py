@@ -22,7 +22,9 @@ launch. Backends:
 
 NF4 and MXFP4 weights (``packed`` and their block scales: NF4's ``absmax``, MXFP4's E8M0 bytes)
 take the table's rows for their format, ``kernels/lut4_triton.py``'s decode GEMV and dequantize +
-cuBLAS (bf16, fp16 and fp32 activations), the plain-PyTorch reference on the CPU::
+cuBLAS (bf16, fp16 and fp32 activations), the plain-PyTorch reference on the CPU. humming and our
+CUDA C kernel have none for them, so every forced kernel backend (``ours``, ``triton``, ``humming``)
+runs those Triton kernels, or raises one error where they cannot run::
 
     y  = lut4_linear(x, packed, scales, "nf4", bias)     # or "mxfp4"
     dx = lut4_dgrad(dy, packed, scales, "nf4")
@@ -115,48 +117,46 @@ def route(op: str, x2: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor,
     if kernel is None:
         if len(_decisions) >= 8192:  # many distinct row counts (variable-length batches): start over
             _decisions.clear()
-        kernel = _decisions[key] = (_route(op, x2, packed, scales, choice) if fmt == "nvfp4"
-                                    else _route_lut4(op, x2, packed, scales, choice, fmt))
+        kernel = _decisions[key] = _route(op, x2, packed, scales, choice, fmt)
     return kernel
 
 
-def _route_lut4(op, x2, packed, scales, choice: Backend, fmt: str) -> str:
-    """``_route`` for an NF4 / MXFP4 weight: the table's ``lut4_*`` rows (no humming, no CUDA C;
-    fp32 activations too)."""
-    if fmt not in routes.LUT4:
+def _check_forced_lut4(x2, choice: Backend, fmt: str) -> None:
+    """A forced kernel backend (``ours``, ``triton``, ``humming``) on an NF4 / MXFP4 weight: neither
+    humming nor our CUDA C kernel has an NF4/MXFP4 kernel, so each of them runs the LUT4 Triton kernels,
+    and raises the same error where those cannot run (the CPU without ``TRITON_INTERPRET=1``)."""
+    ok, why = triton_status()
+    if not ok or not (x2.is_cuda or interpreting()):
+        raise RuntimeError(f"kernel backend {choice.value!r} was forced but cannot run {fmt} on {x2.device}: {fmt} "
+                           f"has no humming or CUDA C kernel, only the Triton kernels (lut4_triton), and they "
+                           f"cannot run here: {why if not ok else 'CPU tensors need TRITON_INTERPRET=1'}")
+    if x2.dtype not in routes.LUT4_DTYPES:
+        raise TypeError(f"the {fmt} kernels take bfloat16, float16 or float32 activations; got {x2.dtype}")
+
+
+def _route(op, x2, packed, scales, choice: Backend, fmt: str = "nvfp4") -> str:
+    """The first row of the table for a ``fmt`` weight whose kernel this backend lets run and that can
+    take the call here. NF4 / MXFP4 read their own rows (no humming, no CUDA C; fp32 activations too)."""
+    if fmt not in routes.FORMATS_ROUTED:
         raise ValueError(f"the routing table has no rows for format {fmt!r}; formats: {list(routes.FORMATS_ROUTED)}")
-    if choice is Backend.REFERENCE or (choice is Backend.AUTO and (not x2.is_cuda or x2.dtype not in
-                                                                    routes.LUT4_DTYPES)):
-        return "reference"
-    if choice is not Backend.AUTO:  # a forced kernel backend must run here: say why not
-        ok, why = triton_status()
-        if not ok or not (x2.is_cuda or interpreting()):
-            raise RuntimeError(f"kernel backend {choice.value!r} was forced but cannot run {fmt} on {x2.device}: {why}")
-        if x2.dtype not in routes.LUT4_DTYPES:
-            raise TypeError(f"the {fmt} kernels take bfloat16, float16 or float32 activations; got {x2.dtype}")
-    allowed = routes.allowed(choice.value)
-    m, n, k = x2.shape[0], packed.shape[0], packed.shape[1] * 2
-    for row in routes.candidates(op, m, n, k, x2.dtype, fmt=fmt):
-        if row.kernel in allowed and (row.kernel == "reference" or triton_status()[0]):
-            return row.kernel
-    return "reference"  # no row matches (M = 0): the reference handles an empty batch
-
-
-def _route(op, x2, packed, scales, choice: Backend) -> str:
     if choice is Backend.REFERENCE:
         return "reference"
-    if choice is Backend.AUTO and (not x2.is_cuda or x2.dtype not in KERNEL_DTYPES):
+    dtypes = KERNEL_DTYPES if fmt == "nvfp4" else routes.LUT4_DTYPES
+    if choice is Backend.AUTO and (not x2.is_cuda or x2.dtype not in dtypes):
         return "reference"
-    if choice is Backend.HUMMING and op == "forward":
+    if fmt == "nvfp4" and choice is Backend.HUMMING and op == "forward":
         ok, why = _humming().humming_status()
         if not ok or not x2.is_cuda:
             raise RuntimeError(f"kernel backend 'humming' was forced but cannot run on {x2.device}: {why}")
         return "humming"
-    if choice is not Backend.AUTO:
-        resolve(x2, Backend.TRITON)  # a forced backend of our kernels must run here: raises why not
+    if choice is not Backend.AUTO:  # a forced kernel backend must run here: raises why not
+        if fmt == "nvfp4":
+            resolve(x2, Backend.TRITON)
+        else:
+            _check_forced_lut4(x2, choice, fmt)
     allowed = routes.allowed(choice.value)  # the kernels of the families this backend lets run
     m, n, k = x2.shape[0], packed.shape[0], packed.shape[1] * 2
-    for row in routes.candidates(op, m, n, k, x2.dtype):
+    for row in routes.candidates(op, m, n, k, x2.dtype, fmt=fmt):
         if row.kernel in allowed and _runs(row.kernel, x2, packed, scales):
             return row.kernel
     return "reference"  # no row matches (M = 0): the reference handles an empty batch

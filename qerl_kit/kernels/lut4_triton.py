@@ -6,8 +6,9 @@ of each kind serves both, the format a compile-time constant (``FMT``: 0 NF4, 1 
     packed  [N, K/2]   uint8; NF4: W[n, 2j] in the HIGH nibble (bitsandbytes' order),
                               MXFP4: W[n, 2j] in the LOW nibble (NVFP4's order, qerl_kit.fp4)
     scales  [N, K/BS]  NF4: float32 absmax, BS = 64; MXFP4: uint8 biased E8M0 exponent, BS = 32
-    lut     [16]       float32: NF4's codebook (``nf4.NF4_CODEBOOK``), gathered per code; MXFP4's
-                       E2M1 values are built from the code's bits instead (``_e2m1_to_f32``, exact)
+    lut     [16]       float32: NF4's codebook (``nf4._codebook``'s per-device copy), gathered per
+                       code; MXFP4 reads no table: its E2M1 values are built from the code's bits
+                       (``_e2m1_to_f32``, exact), and the launchers pass ``packed`` as a dummy pointer
     W[n, k] = lut[code] * scale   (one float32 multiply, then rounded to the activation dtype)
 
 The MXFP4 scale 2^(byte - 127) is built from its bits (byte << 23; byte 0 is the subnormal 2^-127),
@@ -15,13 +16,17 @@ exactly ``torch.exp2(byte - 127.)``, so the product is the reference's float32 p
 
 * ``lut4_dequantize`` writes the dense W in bf16/fp16/fp32 in one launch: bit-identical to
   ``nf4.dequantize`` / ``mxfp4.dequantize`` (the same float32 product, rounded to nearest even
-  once). The dense path (``lut4_dense_linear`` / ``lut4_dense_dgrad``) then calls cuBLAS.
+  once); its BLOCK_K is the largest of 256, 128, 64 that divides K (``dequant_config``), so real
+  shapes take whole tiles without masks along K. The dense path (``lut4_dense_linear`` /
+  ``lut4_dense_dgrad``) then calls cuBLAS.
 * ``lut4_gemv`` takes up to ``DECODE_MAX_M`` rows (decode), following ``nvfp4_gemv_triton``: a
   grid over N times a split of K, packed tiles [BLOCK_N, BLOCK_K/2] loaded along a weight row,
   the pair's two weights multiplied with x's even and odd columns (x split in registers, never
-  the weight interleaved); one row takes float32 FMAs, 2..16 rows ``tl.dot`` with the weight on
-  the MMA's wide side. The weight is rounded to x's dtype first (what the reference multiplies),
-  products accumulate in float32 (fp32 activations: ``input_precision="ieee"``, no TF32). Split
+  the weight interleaved); one row takes float32 FMAs, 2..64 rows ``tl.dot`` with the weight on
+  the MMA's wide side and x's rows on its narrow side (BLOCK_M = 16, 32 or 64, the next power of
+  two, as ``nvfp4_gemv``; rows past M are clamped on load and dropped on store). The weight is
+  rounded to x's dtype first (what the reference multiplies), products accumulate in float32
+  (fp32 activations: ``input_precision="ieee"``, no TF32). Split
   slices park float32 partial tiles and the last to arrive sums them in slice order
   (deterministic; the atomics touch only ``splitk``'s counters, never y).
 
@@ -36,16 +41,17 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from qerl_kit import fp4, mxfp4, nf4
+from qerl_kit import mxfp4, nf4
 from qerl_kit.kernels.nvfp4_gemm_triton import HAS_TRITON, launch_options
-from qerl_kit.kernels.routes import LUT4_DTYPES
+from qerl_kit.kernels.routes import LUT4_DECODE_MAX_M, LUT4_DTYPES
 from qerl_kit.kernels.splitk import arrival_counters, choose_split_k
 
 FORMAT_IDS = {"nf4": 0, "mxfp4": 1}
 BLOCK_SIZES = {"nf4": nf4.BLOCK_SIZE, "mxfp4": mxfp4.BLOCK_SIZE}
 SCALE_DTYPES = {"nf4": torch.float32, "mxfp4": torch.uint8}
 DTYPES = LUT4_DTYPES  # activation dtypes the kernels take (bf16, fp16, fp32: the routing table's)
-DECODE_MAX_M = 16  # the most rows lut4_gemv takes (the dense path takes any number)
+DECODE_MAX_M = LUT4_DECODE_MAX_M  # the most rows lut4_gemv takes (the dense path takes any number): 64, as nvfp4_gemv
+K_TILES = (256, 128, 64)  # BLOCK_K candidates, widest first: the first that divides K is taken
 
 if HAS_TRITON:
     import triton
@@ -80,10 +86,10 @@ if HAS_TRITON:
 
     @triton.jit
     def _lut4_dequant_kernel(p_ptr, s_ptr, lut_ptr, w_ptr, N, K, stride_pn, stride_sn, stride_wn,
-                             FMT: tl.constexpr, BS: tl.constexpr, EVEN: tl.constexpr, BLOCK_N: tl.constexpr,
-                             BLOCK_K: tl.constexpr):
-        """W[n, k0:k0+BK] for BLOCK_N rows: one tile of the dense weight per program (EVEN: whole
-        tiles, no masks)."""
+                             FMT: tl.constexpr, BS: tl.constexpr, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr,
+                             BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        """W[n, k0:k0+BK] for BLOCK_N rows: one tile of the dense weight per program (EVEN_N, EVEN_K:
+        whole tiles along N, K: no mask there; a row mask alone keeps the loads along K vectorized)."""
         k0 = tl.program_id(1) * BLOCK_K
         offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         offs_j = tl.arange(0, BLOCK_K // 2)
@@ -92,15 +98,21 @@ if HAS_TRITON:
         p_ptrs = p_ptr + offs_n[:, None] * stride_pn + (k0 // 2 + offs_j)[None, :]
         s_ptrs = s_ptr + offs_n[:, None] * stride_sn + (k0 // BS + offs_g)[None, :]
         w_ptrs = w_ptr + offs_n[:, None] * stride_wn + offs_k[None, :]
-        if EVEN:
+        if EVEN_N and EVEN_K:
             even, odd = dequant_lut4(tl.load(p_ptrs), tl.load(s_ptrs), lut_ptr, FMT, BS, BLOCK_N, BLOCK_K)
             tl.store(w_ptrs, tl.interleave(even, odd).to(w_ptr.dtype.element_ty))  # rounded once, to nearest even
         else:
             rows = offs_n[:, None] < N
-            p = tl.load(p_ptrs, mask=rows & (offs_j[None, :] < (K - k0) // 2), other=0)
-            s = tl.load(s_ptrs, mask=rows & (offs_g[None, :] < (K - k0) // BS), other=0)
+            if EVEN_K:
+                p = tl.load(p_ptrs, mask=rows, other=0)
+                s = tl.load(s_ptrs, mask=rows, other=0)
+                w_mask = rows
+            else:
+                p = tl.load(p_ptrs, mask=rows & (offs_j[None, :] < (K - k0) // 2), other=0)
+                s = tl.load(s_ptrs, mask=rows & (offs_g[None, :] < (K - k0) // BS), other=0)
+                w_mask = rows & (offs_k[None, :] < K)
             even, odd = dequant_lut4(p, s, lut_ptr, FMT, BS, BLOCK_N, BLOCK_K)
-            tl.store(w_ptrs, tl.interleave(even, odd).to(w_ptr.dtype.element_ty), mask=rows & (offs_k[None, :] < K))
+            tl.store(w_ptrs, tl.interleave(even, odd).to(w_ptr.dtype.element_ty), mask=w_mask)
 
     @triton.jit
     def _dot(a, b, acc, IEEE: tl.constexpr):
@@ -142,7 +154,7 @@ if HAS_TRITON:
         else:
             acc = tl.zeros((BLOCK_N, BLOCK_K // 2), dtype=tl.float32)
         for k0 in range(k_start, k_end, BLOCK_K):
-            if EVEN_K:  # whole tiles: no masks, so packed rows load as 16-byte vectors
+            if EVEN_K:  # whole tiles: no masks along K (16-byte loads of packed rows where the tile allows)
                 x = tl.load(x_ptrs)
                 p = tl.load(p_ptrs)
                 s = tl.load(s_ptrs)
@@ -197,21 +209,19 @@ if HAS_TRITON:
                 tl.atomic_xchg(cnt_ptr + pid_n, 0, sem="relaxed", scope="gpu")
 
 
-_LUTS: dict[tuple[str, torch.device], torch.Tensor] = {}
-
-
-def lut(fmt: str, device: torch.device | str) -> torch.Tensor:
-    """The format's 16 float32 values on ``device``, made once per device (a copy per call would
-    break CUDA-graph capture)."""
-    key = (fmt, torch.device(device))
-    table = _LUTS.get(key)
-    if table is None:
-        if fmt == "nf4":
-            table = torch.tensor(nf4.NF4_CODEBOOK, dtype=torch.float32)
-        else:
-            table = fp4.e2m1_lut("cpu", torch.float32)
-        table = _LUTS[key] = table.to(device)
-    return table
+def lut(fmt: str, packed: torch.Tensor) -> torch.Tensor:
+    """The kernels' ``lut_ptr`` for a ``fmt`` weight: NF4's 16 float32 levels on ``packed``'s device
+    (``nf4._codebook``'s per-device copy, the one ``nf4.dequantize`` uses); for MXFP4, which the
+    kernels decode from the bits, ``packed`` itself (a dummy pointer, never read). The first NF4 call
+    on a device uploads the table: inside CUDA-graph capture that copy would invalidate the capture,
+    so it is an error there (run the layer once eagerly first, as for the split-K counters)."""
+    if fmt != "nf4":
+        return packed
+    device = packed.device
+    if device.type == "cuda" and device not in nf4._BOOK_CACHE and torch.cuda.is_current_stream_capturing():
+        raise RuntimeError(f"the NF4 codebook is not on {device} yet: call lut4_gemv / lut4_dequantize (or the "
+                           f"layer) once outside CUDA-graph capture first (warm-up)")
+    return nf4._codebook(device)
 
 
 def check_lut4_operands(packed: torch.Tensor, scales: torch.Tensor, fmt: str, a: torch.Tensor | None = None,
@@ -226,7 +236,8 @@ def check_lut4_operands(packed: torch.Tensor, scales: torch.Tensor, fmt: str, a:
                          f"{tuple(scales.shape)} {scales.dtype} (want uint8 [N, K/2] and {SCALE_DTYPES[fmt]} "
                          f"[N, K/{bs}])")
     if packed.stride(1) != 1 or scales.stride(1) != 1:
-        raise ValueError("packed and scales need unit stride along K")
+        raise ValueError(f"packed and scales need unit stride along K (stride(1) == 1); got packed strides "
+                         f"{packed.stride()}, scales strides {scales.stride()} (pass .contiguous() tensors)")
     if a is not None:
         if a.dim() != 2 or a.shape[1] != a_cols:
             raise ValueError(f"{what} must be 2-D with {a_cols} columns; got {tuple(a.shape)}")
@@ -248,10 +259,10 @@ def lut4_dequantize(packed: torch.Tensor, scales: torch.Tensor, fmt: str,
     n, k = packed.shape[0], packed.shape[1] * 2
     interpret = launch_options(packed.device)["INTERPRET"]
     w = torch.empty((n, k), dtype=torch.float32 if interpret else dtype, device=packed.device)
-    bn, bk = (16, 64) if interpret else (32, 256)
+    bn, bk = dequant_config(k, interpret)
     _lut4_dequant_kernel[(triton.cdiv(n, bn), triton.cdiv(k, bk))](
-        packed, scales, lut(fmt, packed.device), w, n, k, packed.stride(0), scales.stride(0), w.stride(0),
-        FMT=FORMAT_IDS[fmt], BS=BLOCK_SIZES[fmt], EVEN=n % bn == 0 and k % bk == 0, BLOCK_N=bn, BLOCK_K=bk,
+        packed, scales, lut(fmt, packed), w, n, k, packed.stride(0), scales.stride(0), w.stride(0),
+        FMT=FORMAT_IDS[fmt], BS=BLOCK_SIZES[fmt], EVEN_N=n % bn == 0, EVEN_K=k % bk == 0, BLOCK_N=bn, BLOCK_K=bk,
         num_warps=4)
     return w.to(dtype)
 
@@ -265,10 +276,14 @@ def lut4_dense_linear(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tenso
 
 
 def _dense_weight(packed: torch.Tensor, scales: torch.Tensor, fmt: str, dtype: torch.dtype) -> torch.Tensor:
+    """The dense weight through ``dense_cache.cached`` under the tag ``fmt``, deliberately the one the
+    reference (``kernels.reference.lut4_dequantize``) and the layer path (``linear._dense``) use: the
+    kernel's output is bit-identical to the format's ``dequantize`` (tests/test_lut4_kernels.py), so
+    one cache entry per weight serves every path of a block, whichever made it."""
     from qerl_kit.dense_cache import cached
 
     return cached((packed, scales), dtype, lambda: lut4_dequantize(packed, scales, fmt, dtype),
-                  shape=(packed.shape[0], packed.shape[1] * 2), tag=f"{fmt}-triton")
+                  shape=(packed.shape[0], packed.shape[1] * 2), tag=fmt)
 
 
 def lut4_dense_dgrad(dy: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, fmt: str) -> torch.Tensor:
@@ -276,29 +291,48 @@ def lut4_dense_dgrad(dy: torch.Tensor, packed: torch.Tensor, scales: torch.Tenso
     return dy @ _dense_weight(packed, scales, fmt, dy.dtype)
 
 
+def k_tile(k: int, widest: int = 256) -> int:
+    """The widest BLOCK_K of ``K_TILES`` (up to ``widest``) that divides K, so the K loop runs whole,
+    unmasked tiles (Qwen2.5-0.5B's K = 896 takes 128); ``widest`` when none divides (masked tail)."""
+    return next((t for t in K_TILES if t <= widest and k % t == 0), widest)
+
+
+def dequant_config(k: int, interpret: bool) -> tuple[int, int]:
+    """(BLOCK_N, BLOCK_K) of ``lut4_dequantize``: 32 rows x ``k_tile(K)`` (16 x 64 in the interpreter)."""
+    return (16, 64) if interpret else (32, k_tile(k))
+
+
+def gemv_block_m(m: int, use_dot: bool) -> int:
+    """The rows one ``lut4_gemv`` program holds: 1 on the FMA path, else the MMA's narrow side, the
+    next power of two of M from 16 to 64 (``nvfp4_gemv``'s rule; one binary per value)."""
+    return max(16, 1 << max(0, (m - 1).bit_length())) if use_dot else 1
+
+
 def gemv_config(m: int, n: int, k: int, fmt: str, interpret: bool) -> dict:
     """The fixed tile config of ``lut4_gemv`` for this shape (no autotuning: reproducible runs).
 
-    One row: float32 FMAs over [32, 128] weight pairs per step; 2..16 rows: ``tl.dot`` tiles of 64
-    weight rows x BLOCK_K 64. Chosen by compiling for sm_90 (``tests/test_lut4_compile.py``), not by
-    timing: NVFP4's measured decode shapes (64 x 256 FMA, 64 x 128 x 4 stages dot) spill registers
-    here (NF4's gather and the float32 products: 255 registers and 232 bytes of stack at M = 1),
-    these do not (64-128 registers with aligned operands; one row loads packed rows as 16-byte
-    vectors, more rows stream them through shared memory with cp.async). Not yet timed on a GPU. K is split until
-    the grid has two programs per SM (``splitk.choose_split_k``)."""
+    One row: float32 FMAs over [32, BLOCK_K / 2] weight pairs per step, BLOCK_K = ``k_tile(K)``;
+    2..64 rows: ``tl.dot`` tiles of 64 weight rows x BLOCK_K 64 x BLOCK_M (``gemv_block_m``). Chosen
+    by compiling for sm_90 (``tests/test_lut4_compile.py``), not by timing: NVFP4's measured decode
+    shapes (64 x 256 FMA, 64 x 128 x 4 stages dot) spill registers here (NF4's gather and the float32
+    products: 255 registers and 232 bytes of stack at M = 1), these do not (the test checks every
+    BLOCK_M at K = 3584 and 896); one row loads packed rows as 16-byte vectors when K is a whole
+    number of tiles (the test checks that too), more rows stream them through shared memory with
+    cp.async. Not yet timed on a GPU. K is split until the grid has two programs per SM
+    (``splitk.choose_split_k``)."""
     if interpret:
         cfg = dict(BLOCK_N=16, BLOCK_K=64, USE_DOT=m > 1, num_warps=4, num_stages=1)
     elif m == 1:
-        cfg = dict(BLOCK_N=32, BLOCK_K=256, USE_DOT=False, num_warps=4, num_stages=2)
-    else:
-        cfg = dict(BLOCK_N=64, BLOCK_K=64, USE_DOT=True, num_warps=4, num_stages=3)
+        cfg = dict(BLOCK_N=32, BLOCK_K=k_tile(k), USE_DOT=False, num_warps=4, num_stages=2)
+    else:  # 64 rows: 8 warps (at 4, NF4's fp32 tile spills 8 bytes at 168 registers)
+        cfg = dict(BLOCK_N=64, BLOCK_K=64, USE_DOT=True, num_warps=8 if m > 32 else 4, num_stages=3)
     cfg["SPLIT_K"] = choose_split_k(n, k, cfg["BLOCK_N"], cfg["BLOCK_K"], 2)
     return cfg
 
 
 def lut4_gemv(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, fmt: str,
               bias: torch.Tensor | None = None, config: dict | None = None) -> torch.Tensor:
-    """y = x @ W^T + bias for x [M, K] with M <= 16 (``config`` overrides ``gemv_config``'s keys)."""
+    """y = x @ W^T + bias for x [M, K] with M <= ``DECODE_MAX_M`` (``config`` overrides ``gemv_config``'s keys)."""
     if not HAS_TRITON:
         raise ImportError("the LUT4 Triton kernels need triton (pip install triton)")
     n, k = packed.shape[0], packed.shape[1] * 2
@@ -315,12 +349,13 @@ def lut4_gemv(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, fmt: 
         raise ValueError(f"USE_DOT=False (the FMA path) takes M == 1; got M={m}")
     if cfg["BLOCK_K"] % BLOCK_SIZES[fmt]:
         raise ValueError(f"BLOCK_K {cfg['BLOCK_K']} is not a multiple of {fmt.upper()}'s block {BLOCK_SIZES[fmt]}")
-    block_m = 16 if cfg["USE_DOT"] else 1
+    block_m = gemv_block_m(m, cfg["USE_DOT"])
     split, block_n = cfg["SPLIT_K"], cfg["BLOCK_N"]
+    # the split-K workspace: SPLIT_K partial tiles of [BLOCK_M, BLOCK_N] float32 per N tile
     ws = torch.empty(max(1, triton.cdiv(n, block_n) * split * block_m * block_n if split > 1 else 1),
                      dtype=torch.float32, device=x.device)
     _lut4_gemv_kernel[(triton.cdiv(n, block_n), split)](
-        x, packed, scales, lut(fmt, x.device), bias if bias is not None else y, y, ws, arrival_counters(x.device),
+        x, packed, scales, lut(fmt, packed), bias if bias is not None else y, y, ws, arrival_counters(x.device),
         m, n, k, x.stride(0), x.stride(1), packed.stride(0), scales.stride(0), y.stride(0), y.stride(1),
         FMT=FORMAT_IDS[fmt], BS=BLOCK_SIZES[fmt], HAS_BIAS=bias is not None, INTERPRET=interpret,
         IEEE=interpret or x.dtype == torch.float32, EVEN_K=k % cfg["BLOCK_K"] == 0,

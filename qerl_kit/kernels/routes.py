@@ -84,7 +84,7 @@ KERNELS: dict[str, Kernel] = {k.name: k for k in (
     Kernel("triton_dgrad", "triton", "Triton dgrad", "ours, Triton", "fused input-gradient kernel",
            "`nvfp4_dgrad_triton.py`"),
     Kernel("lut4_gemv", "triton", "Triton LUT4 decode", "ours, Triton",
-           "NF4 / MXFP4 decode kernel for up to 16 rows (float32 FMAs at one row, `tl.dot` above), split-K",
+           "NF4 / MXFP4 decode kernel for up to 64 rows (float32 FMAs at one row, `tl.dot` above), split-K",
            "`lut4_triton.py`"),
     Kernel("lut4_dense", "triton", "LUT4 dequant + cuBLAS", "ours (Triton dequantization) + cuBLAS",
            "NF4 / MXFP4: dequantize into a transient weight of the activation dtype (bit-identical to the "
@@ -118,6 +118,7 @@ def kernels_markdown() -> str:
 BF16 = (torch.bfloat16,)
 LUT4 = ("nf4", "mxfp4")  # the formats of lut4_triton's kernels (a 16-value table times a block scale)
 LUT4_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+LUT4_DECODE_MAX_M = 64  # the most rows lut4_gemv takes (its largest tl.dot tile; lut4_triton.DECODE_MAX_M)
 _RUN = "bench/results/routes_h200.md"   # humming, our kernels and bf16 per layer and M, in one run
 _DECODE = "lab/results/cuda_decode_h200.md, against the Triton decode kernel (the rule without humming)"
 
@@ -161,11 +162,12 @@ ROUTES: tuple[Route, ...] = (
     Route("dense", op="dgrad", why="bench/results/nvfp4_gemm_h200.md"),
     Route("triton_dgrad", op="dgrad", why="Triton's CPU interpreter, where the dense path does not run"),
     Route("reference", op="dgrad", why="no kernel can take the call here"),
-    # -- NF4 and MXFP4 (lut4_triton): decode GEMV up to 16 rows, else dequantize + cuBLAS ----------
-    Route("lut4_gemv", rows=(1, 17), dtypes=LUT4_DTYPES, formats=LUT4, why="the decode rule of NVFP4's Triton kernel "
-          "(lab/results/sweep_small_m_h200.md) with its 16-row tensor-core tile; not measured on a GPU for NF4/MXFP4"),
-    Route("lut4_dense", dtypes=LUT4_DTYPES, formats=LUT4, why="the dense path (NVFP4's from 128 rows, "
-          "bench/results/nvfp4_gemm_h200.md); between 17 and 127 rows not measured for NF4/MXFP4"),
+    # -- NF4 and MXFP4 (lut4_triton): decode GEMV up to 64 rows, else dequantize + cuBLAS ----------
+    Route("lut4_gemv", rows=(1, LUT4_DECODE_MAX_M + 1), dtypes=LUT4_DTYPES, formats=LUT4, why="lut4_gemv's row "
+          "limit (DECODE_MAX_M = 64, tl.dot tiles of 16, 32 or 64 rows), the same limit as nvfp4_gemv's; no "
+          "crossover to the dense path measured on a GPU for NF4/MXFP4"),
+    Route("lut4_dense", dtypes=LUT4_DTYPES, formats=LUT4, why="every row count above lut4_gemv's 64 (NVFP4's dense "
+          "path wins from 128 rows, bench/results/nvfp4_gemm_h200.md; 65-127 rows not measured for NF4/MXFP4)"),
     Route("reference", dtypes=LUT4_DTYPES, formats=LUT4, why="no kernel can take the call here"),
     Route("lut4_dense", op="dgrad", dtypes=LUT4_DTYPES, formats=LUT4, why="the dense path: NF4/MXFP4 have no fused "
           "input-gradient kernel"),
@@ -188,8 +190,9 @@ def may_take(kernel: str, n: int, k: int, op: str = "forward", table=ROUTES, fmt
 
 
 def check_table(table=ROUTES) -> None:
-    """Raise ValueError if a row names an unknown kernel or op, a range is empty, or an op does not
-    end with a catch-all ``reference`` row (so every call finds a row)."""
+    """Raise ValueError if a row names an unknown kernel or op, a range is empty, or an op of a format
+    does not end with a catch-all ``reference`` row taking every dtype that format's rows take (so
+    every call a kernel row could take finds a row)."""
     for r in table:
         if r.kernel not in KERNELS:
             raise ValueError(f"route {r}: kernel {r.kernel!r} is not one of {sorted(KERNELS)}")
@@ -201,11 +204,15 @@ def check_table(table=ROUTES) -> None:
                 raise ValueError(f"route {r}: empty {name} range [{lo}, {hi})")
     for fmt in dict.fromkeys(f for r in table for f in r.formats):  # in the table's order: nvfp4 first
         for op in ("forward", "dgrad"):
-            last = [r for r in table if r.op == op and fmt in r.formats][-1:]
-            if not last or last[0] != Route("reference", op=op, dtypes=last[0].dtypes, why=last[0].why,
-                                            formats=last[0].formats):
-                where = "" if fmt == "nvfp4" else f" of {fmt}"
+            rows = [r for r in table if r.op == op and fmt in r.formats]
+            where = "" if fmt == "nvfp4" else f" of {fmt}"
+            if not rows or rows[-1] != Route("reference", op=op, dtypes=rows[-1].dtypes, why=rows[-1].why,
+                                             formats=rows[-1].formats):
                 raise ValueError(f"the {op} rows{where} do not end with a catch-all reference row")
+            missing = [d for d in dict.fromkeys(d for r in rows for d in r.dtypes) if d not in rows[-1].dtypes]
+            if missing:  # a call in such a dtype would match no row: it must fall through to the reference
+                raise ValueError(f"the {op} rows{where} end with a reference row for dtypes {list(rows[-1].dtypes)}, "
+                                 f"missing {missing} that other rows of it take")
 
 
 def _span(lo: int, hi: int, unit: int = 1, suffix: str = "") -> str:

@@ -19,8 +19,19 @@ The mode is ``$QERL_AUTOTUNE`` (``set_mode`` overrides it in a notebook); the fi
 ``~/.cache/qerl_kit/autotune.json`` (``set_cache_path`` overrides it). A process that meets a key
 the file lacks takes the file's ``flock`` (``locks``), reads it again, times, stores the winner
 (merged with what other processes stored, written atomically by ``file_writes.write_text_atomic``)
-and releases the lock: processes meeting one new key together (DDP ranks) run one choice. A file
-that cannot be written is a warning (the choice holds in this process). A damaged file (not JSON,
+and releases the lock: processes meeting one new key together (DDP ranks) run one choice. A process
+waits for the lock while its holder (the pid in the lock file) is alive on this machine, up to
+``LOCK_CAP_S``; a holder it cannot see (another host on a shared file system) is waited for
+``LOCK_WAIT_S``. A wait that ends without the lock is a warning; the process then reads the file
+again and runs a stored choice if there is one, else times the key itself. The first writer wins:
+a store never replaces an entry another process wrote meanwhile (it warns that this process ran a
+different tile in that call, and the process takes the stored tile from its next call), nothing is
+written without the lock, and a winner whose timing is inf (every candidate failed) is never
+stored. A file that cannot be written is a warning (the choice holds in this process). A lone
+candidate (pinned, stored) is not timed, so Triton's own fallback (a config that does not fit the
+GPU times as inf) cannot see it fail: when its launch raises ``OutOfResources`` the wrapper warns,
+drops it for this key in this process and launches the next candidate the kernel's pruning left
+(the file is not changed). A damaged file (not JSON,
 or not this module's layout) is refused with ``AutotuneCacheError`` naming its path, never
 ignored: silently re-timing would change the bits the file exists to keep. A stored config that
 is no longer a candidate (the kernel's config list changed) is re-timed and replaced. Choose the
@@ -37,6 +48,7 @@ timing-free mode. The autotuner itself (pruning, timing, the in-memory cache) is
 from __future__ import annotations
 
 import json
+import math
 import os
 import threading
 import time
@@ -53,7 +65,8 @@ AUTOTUNE_ENV = "QERL_AUTOTUNE"
 CACHE_ENV = "QERL_AUTOTUNE_CACHE"
 MODES = ("cache", "pinned", "time")
 FORMAT = 1  # the file's layout: {"format": 1, "entries": {key: entry}}
-LOCK_WAIT_S = 30.0
+LOCK_WAIT_S = 30.0   # the wait for a lock whose holder is not a live process of this machine
+LOCK_CAP_S = 1800.0  # the longest wait for a live holder (timing every candidate of one key takes seconds)
 
 _OVERRIDE: dict[str, object] = {}
 _STORES: dict[Path, dict] = {}  # entries read from each file, this process
@@ -161,29 +174,61 @@ def _stored(path: Path) -> dict:
     return _STORES[path]
 
 
+def _alive(pid: str) -> bool:
+    """Whether ``pid`` (as ``locks.holder`` read it) is a live process of this machine."""
+    if not pid.isdigit():
+        return False
+    try:
+        os.kill(int(pid), 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's live process
+        return True
+    except OSError:
+        return False
+    return True
+
+
 def _lock(path: Path) -> int | None:
-    """The file's ``flock`` (on ``<name>.lock``), waited for up to ``LOCK_WAIT_S``; None if not taken
-    (then the caller goes on unlocked: the lock only orders the processes that time one key)."""
+    """The file's ``flock`` (on ``<name>.lock``), waited for while its holder is alive here (up to
+    ``LOCK_CAP_S``), else up to ``LOCK_WAIT_S``; None, with a warning, if not taken."""
     path.parent.mkdir(parents=True, exist_ok=True)
     lock_path = path.with_name(path.name + ".lock")
-    deadline = time.monotonic() + LOCK_WAIT_S
+    start = time.monotonic()
     fd = locks.try_lock(lock_path)
-    while fd is None and time.monotonic() < deadline:  # another process is timing a key or writing
+    while fd is None:  # another process is timing a key or writing
+        waited, pid = time.monotonic() - start, locks.holder(lock_path)
+        if waited >= LOCK_CAP_S or (waited >= LOCK_WAIT_S and not _alive(pid)):
+            warnings.warn(f"the autotune cache lock {lock_path} is still held (process {pid}, "
+                          f"{'alive' if _alive(pid) else 'not a live process of this machine'}) after {waited:.1f} s "
+                          f"(waits: {LOCK_WAIT_S} s, {LOCK_CAP_S} s for a live holder); going on without it: a "
+                          f"key the file lacks is timed here and its tile may differ from the holder's", stacklevel=3)
+            return None
         time.sleep(0.02)
         fd = locks.try_lock(lock_path)
     return fd
 
 
-def _store(path: Path, key: str, entry: dict, locked: bool = False) -> None:
-    """Add one entry to the file, merged with the file as it is now, written atomically; under its
-    lock (taken here unless the caller holds it: ``locked``)."""
+def _store(path: Path, key: str, entry: dict, locked: bool = False, stale=None) -> dict | None:
+    """Add one entry to the file under its lock (taken here unless the caller holds it: ``locked``),
+    merged with the file as it is now, written atomically. The first writer wins: an entry for
+    ``key`` already in the file is kept unless ``stale(its config)`` (no longer a candidate). Returns
+    the file's entry for ``key`` after the call, or None when the lock was not taken (nothing is
+    written: merging unlocked could drop another process's entry)."""
     fd = None if locked else _lock(path)
+    if fd is None and not locked:
+        return None
     try:
         entries = _read(path)
+        old = entries.get(key)
+        if old is not None and not (stale is not None and stale(old["config"])):
+            _STORES[path] = entries
+            return old
         entries[key] = entry
         file_writes.write_text_atomic(path, json.dumps({"format": FORMAT, "entries": entries}, indent=1,
                                                        sort_keys=True) + "\n")
         _STORES[path] = entries
+        return entry
     finally:
         if fd is not None:
             locks.release(fd)
@@ -208,13 +253,32 @@ def _plain(config) -> dict:
 
 class _LaunchState(threading.local):
     """Per thread, during one launch: the key to store after timing, how many candidates are left, the
-    lock held while timing, whether a launch is under way, whether the tensors are on the CPU."""
+    lock held while timing, whether a launch is under way, whether the tensors are on the CPU, and
+    for a lone (pinned or stored) choice the next candidates and the keys to drop it under if its
+    launch does not fit the GPU."""
 
     pending: tuple | None = None
     candidates: int | None = None
     lock: int | None = None
     launching: bool = False
     on_cpu: bool = False
+    fallback: tuple | None = None  # (entry key, Triton's key, [the next candidates])
+
+
+def _triton_key(autotuner, named_args: dict, kwargs: dict) -> tuple:
+    """The key of Triton's in-memory ``Autotuner.cache`` for a launch (as ``Autotuner.run`` builds it)."""
+    args = {k: v for k, v in {**named_args, **kwargs}.items() if k in autotuner.arg_names}
+    return tuple([args[k] for k in autotuner.keys if k in args] + [str(v.dtype) for v in args.values()
+                                                                    if hasattr(v, "dtype")])
+
+
+def _out_of_resources() -> tuple:
+    """Triton's OutOfResources exception class (a tuple for ``except``; empty where it has none)."""
+    try:
+        from triton.runtime.errors import OutOfResources
+    except ImportError:  # pragma: no cover - an older Triton
+        return ()
+    return (OutOfResources,)
 
 
 class TunedKernel:
@@ -225,6 +289,7 @@ class TunedKernel:
         self.name, self.autotuner, self._prune, self._do_bench = name, autotuner, prune, do_bench
         self._local = _LaunchState()
         self.timed = 0  # candidates timed in this process (0 once every choice comes from the file)
+        self.failed: dict[str, list[dict]] = {}  # entry key -> configs whose launch did not fit, this process
 
     def __getattr__(self, attr):
         if attr == "autotuner":  # not set yet: no recursion
@@ -233,18 +298,40 @@ class TunedKernel:
 
     def __getitem__(self, grid):
         def launch(*args, **kwargs):
-            local = self._local
-            local.pending, local.candidates, local.lock, local.launching = None, None, None, True
-            try:
-                out = self.autotuner[grid](*args, **kwargs)
-                if local.pending is not None:
-                    self._record(*local.pending)
-                return out
-            finally:
-                if local.lock is not None:
-                    locks.release(local.lock)
-                local.pending, local.candidates, local.lock, local.launching = None, None, None, False
+            while True:
+                try:
+                    return self._launch(grid, args, kwargs)
+                except _out_of_resources() as err:
+                    if not self._drop_unfit(err):
+                        raise
         return launch
+
+    def _launch(self, grid, args, kwargs):
+        local = self._local
+        local.pending, local.candidates, local.lock, local.launching, local.fallback = None, None, None, True, None
+        try:
+            out = self.autotuner[grid](*args, **kwargs)
+            if local.pending is not None:
+                self._record(*local.pending)
+            return out
+        finally:
+            if local.lock is not None:
+                locks.release(local.lock)
+            local.pending, local.candidates, local.lock, local.launching = None, None, None, False
+
+    def _drop_unfit(self, err: Exception) -> bool:
+        """After a lone choice's launch raised OutOfResources: forget it for this key in this process
+        and say which candidate runs next (True), or False when none is left (the error stands)."""
+        fallback, self._local.fallback = self._local.fallback, None
+        if not fallback or not fallback[2]:
+            return False
+        key, triton_key, rest = fallback
+        bad = _plain(self.autotuner.best_config)
+        self.failed.setdefault(key, []).append(bad)
+        self.autotuner.cache.pop(triton_key, None)
+        warnings.warn(f"{key}: tile {bad} does not fit this GPU ({err}); launching the next candidate "
+                      f"{_plain(rest[0])} instead (the autotune cache file is not changed)", stacklevel=3)
+        return True
 
     def choose(self, configs, named_args, **kwargs):
         """Triton's early_config_prune hook (called once per new key in a process): the kernel's own
@@ -254,10 +341,13 @@ class TunedKernel:
         pruned = list(self._prune(configs, named_args, **kwargs) if self._prune else configs)
         chosen, how = pruned, mode()
         self._local.on_cpu = _device(named_args).type != "cuda"
-        if how == "pinned":
-            chosen = pruned[:1]
+        key = self.key(named_args, kwargs) if how != "time" else None
+        failed = self.failed.get(key, []) if self.failed else []
+        usable = [c for c in pruned if _plain(c) not in failed]  # [] once all failed: the error stands
+        if how == "pinned" or (how == "cache" and failed):  # a lone choice that did not fit: the next one
+            chosen = (usable or pruned)[:1]
         elif how == "cache" and len(pruned) > 1:
-            path, key = cache_path(), self.key(named_args, kwargs)
+            path = cache_path()
             match = _match(pruned, _stored(path).get(key))
             if not match and self._local.launching:
                 try:
@@ -272,7 +362,11 @@ class TunedKernel:
             if match:
                 chosen = match
             else:
-                self._local.pending = (path, key)
+                self._local.pending = (path, key, [_plain(c) for c in pruned],
+                                       _triton_key(self.autotuner, named_args, kwargs))
+        if how != "time" and len(chosen) == 1:
+            self._local.fallback = (key, _triton_key(self.autotuner, named_args, kwargs),
+                                    [c for c in usable if c is not chosen[0]])
         self._local.candidates = len(chosen)
         return chosen
 
@@ -297,18 +391,36 @@ class TunedKernel:
         dtypes = [str(v.dtype) for v in args.values() if hasattr(v, "dtype")]
         return entry_key(self.name, values, dtypes, gpu_name(_device(args)), triton.__version__)
 
-    def _record(self, path: Path, key: str) -> None:
-        """Store this process's timed choice; a file that cannot be written (a read-only home, a full
-        disk) is a warning, not a stopped run: the choice holds in this process, later ones time again."""
+    def _record(self, path: Path, key: str, candidates: list[dict], triton_key: tuple) -> None:
+        """Store this process's timed choice, unless every candidate failed (inf) or another process
+        stored one first (first writer wins: then this process takes the stored tile from its next
+        call). A file that cannot be written (a read-only home, a full disk) is a warning, not a
+        stopped run: the choice holds in this process, later ones time again."""
         best = self.autotuner.best_config
         timings = getattr(self.autotuner, "configs_timings", None) or {}
+        medians = sorted(([_plain(c), _median(t)] for c, t in timings.items()), key=lambda e: e[1])
+        if best in timings and not math.isfinite(_median(timings[best])):
+            warnings.warn(f"{key}: every candidate failed to run (timings {medians}); nothing is stored", stacklevel=3)
+            return
         entry = {"config": _plain(best), "stored": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-                 "median_ms": sorted(([_plain(c), _median(t)] for c, t in timings.items()), key=lambda e: e[1])}
+                 "median_ms": medians}
         try:
-            _store(path, key, entry, locked=self._local.lock is not None)
+            kept = _store(path, key, entry, locked=self._local.lock is not None,
+                          stale=lambda config: config not in candidates)
         except OSError as err:
-            warnings.warn(f"the autotune cache {path} was not written ({err}); {key} is timed again in the next "
-                          f"process, whose tile choice may differ (set {CACHE_ENV} to a writable file)", stacklevel=2)
+            kept, why = None, f"({err}); set {CACHE_ENV} to a writable file"
+        else:
+            why = "(its lock was not taken)"
+        if kept is None:
+            warnings.warn(f"the autotune cache {path} was not written {why}; {key} is timed again in the next "
+                          f"process, whose tile choice may differ", stacklevel=3)
+        elif kept["config"] != entry["config"]:  # another process stored first: take its tile from now on
+            stored = next((c for c in self.autotuner.configs if _plain(c) == kept["config"]), None)
+            if stored is not None:
+                self.autotuner.cache[triton_key] = stored
+            warnings.warn(f"{key}: another process stored tile {kept['config']} first; this call ran "
+                          f"{entry['config']}, later calls of this process run the stored tile (the file keeps "
+                          f"the first writer's)", stacklevel=3)
 
 
 def autotune(name: str, configs: list, key: list[str], prune=None, do_bench=None):
