@@ -135,7 +135,7 @@ def test_dispatcher_humming_branch_adds_bias_keeps_shape_and_falls_back(monkeypa
     build falls back to the next row of the table within the same call."""
     monkeypatch.setattr(hm, "humming_status", lambda: (True, "faked"))
     monkeypatch.setattr(hm, "HummingGemm", FakeGemm)
-    monkeypatch.setattr(kernels, "_route", lambda op, x2, p, s, choice: "humming" if hm.shape_ok(
+    monkeypatch.setattr(kernels, "_route", lambda op, x2, p, s, choice, fmt="nvfp4": "humming" if hm.shape_ok(
         p.shape[0], p.shape[1] * 2, x2.dtype) else "reference")
     p, s, g = weight(64, 128)
     bias = torch.randn(64)
