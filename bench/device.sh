@@ -22,6 +22,7 @@
 #                             one process per case, MEM_BUDGET (default 420 s) stops new cases; logs in memory/logs.tgz
 #   gpu-tests [FILES]         the GPU-only tests of what was written without a GPU (#45: dense cache, fold, NF4/MXFP4
 #                             kernels, engine groups, memory plan, step bench); FILES replace the default list
+#                             (pytest travels as wheels: python3 -m pip download -d .whl/test pytest; carry .whl)
 #   repro-tests               NVFP4 bit-reproducibility, tests/test_tuning.py compiled: each kernel's bits in two
 #                             processes (humming a non-strict xfail: XPASS means the same bits)
 #   repro [ARGS]              bench.bench_repro (3 processes, one fixed-seed rollout + Trainer step each, sha256s
@@ -82,7 +83,7 @@ export PYTHONPATH="/tmp/site:${PYTHONPATH:-}:$PWD" HF_HUB_OFFLINE=1 PYTHONUNBUFF
 
 carried_wheels() {  # the pinned wheels this repository carries (humming-kernels, gguf, math-verify, ...)
   local wheels=()
-  for d in .whl/h19 .whl/common .whl/real; do [ -d "$d" ] && wheels+=("$d"/*.whl); done
+  for d in .whl/h19 .whl/common .whl/real .whl/test; do [ -d "$d" ] && wheels+=("$d"/*.whl); done
   [ ${#wheels[@]} -eq 0 ] || python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
     --target /tmp/site "${wheels[@]}" 2>/dev/null
 }
