@@ -192,9 +192,20 @@ def test_checkpointing_off_after_on_is_off_again():
     assert not peft.get_base_model().is_activation_checkpointing
 
 
-def test_a_real_model_directory_runs_on_gsm8k_prompts_with_its_own_or_forced_lengths(tmp_path):
-    # the shipped tiny model saved as a model directory stands for bench.real_model convert's output
+def test_a_real_model_directory_runs_on_gsm8k_prompts_with_its_own_or_forced_lengths(tmp_path, monkeypatch):
+    # the shipped tiny model saved as a model directory stands for bench.real_model convert's output; a few
+    # GSM8K-shaped rows stand for the data folder (CI's clone may have no ../shared/data)
+    import json
+
     from qerl_kit.tiny import load_tiny
+
+    data = tmp_path / "data"
+    data.mkdir()
+    for split in ("train", "test"):
+        rows = [{"question": f"Tom has {a} apples and buys {b} more. How many apples does he have?",
+                 "answer": f"{a} + {b} = {a + b}\n#### {a + b}"} for a, b in ((3, 4), (5, 9), (12, 7), (2, 8))]
+        (data / f"gsm8k_{split}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    monkeypatch.setenv("QERL_DATA", str(data))
 
     model, tok = load_tiny()
     model.save_pretrained(tmp_path / "m")
