@@ -50,7 +50,8 @@
 #                             vLLM installed as for `vllm`)
 #   step05b-real ["FORMATS"] ["LENGTHS"]  the real 0.5B converted by model-setup (/tmp/m05), GSM8K prompts,
 #                             16 x 8, mu 4, LoRA r16; FORMATS default "none nvfp4" (then "nf4 mxfp4"),
-#                             LENGTHS default "fixed:512 natural:512" (natural: its own completions)
+#                             LENGTHS default "fixed:512 natural:512" (natural: its own completions); ENGINES="static vllm"
+#                             adds vLLM 0.26 on the same prompts and lengths (after the vLLM pieces' install)
 # The Countdown model and grid (docs/experiments.md):
 #   countdown                 three calibrations side by side, the best kept (bench.countdown_pick)
 #   cdtrain                   the shipped calibration alone, its shards' sha256 checked against the committed ones
@@ -198,7 +199,9 @@ step7b|step-model|step-paper|step-vllm|step05b-real)
   step05b-real) read -r -a fmts <<< "${1:-none nvfp4}"; read -r -a lens <<< "${2:-fixed:512 natural:512}"
     [ -f /tmp/model.sha256.ok ] && [ -f /tmp/m05/config.json ] \
       || { echo "step05b-real: no checked and converted real 0.5B (/tmp/m05): run model-setup first" >&2; exit 2; }
-    args=(--models /tmp/m05 --formats "${fmts[@]}" --lengths "${lens[@]}" --prompts 16 --mu 4 --lora-r 16) ;;
+    read -r -a engines <<< "${ENGINES:-static}"  # ENGINES="static vllm" after the vLLM pieces' install.sh
+    args=(--models /tmp/m05 --formats "${fmts[@]}" --lengths "${lens[@]}" --prompts 16 --mu 4 --lora-r 16
+          --engines "${engines[@]}") ;;
   esac
   timeout 560 python3 -m bench.bench_step run "${args[@]}" "${common[@]}" > "$OUT/${tag}_log.txt" 2>&1
   echo "bench_step rc=$?"; grep -E "step #1|failed|exit|Error" "$OUT/${tag}_log.txt" | grep -v Warning | tail -16
