@@ -30,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-from bench.common import T0, IdTokenizer, build, free, log, random_prompts, random_reward, timed_steps, with_lora
+from bench.common import T0, IdTokenizer, build, free, log, random_id_task, random_prompts, timed_steps, with_lora
 from bench.common import sync as sync_device
 from qerl_kit.models import make_config
 from qerl_kit.rollout import SamplingParams, StaticEngine
@@ -40,17 +40,14 @@ def step_trainer(peft, engine, args, out_dir: Path, *, checkpointing: bool = Fal
     """A Trainer for one GRPO step per call on random-id prompts: 8 prompts x group 8, prompt
     ``args.prompt``, ``args.new`` new tokens (the engine runs every row to the end: ``ignore_eos``)."""
     from qerl_kit.config import preset as cfg_preset
-    from qerl_kit.tasks import Task
     from qerl_kit.trainer import Trainer
 
-    data = [{"prompt": " ".join(map(str, p)), "answer": "0"} for p in random_prompts(64, args.prompt, vocab, seed=3)]
     cfg = cfg_preset("tiny-cpu", total_steps=10, save_every=0, output_dir=str(out_dir),
                      model=dict(gradient_checkpointing=checkpointing),
                      rollout=dict(batch_size=64, group_size=8, max_new_tokens=args.new),
                      loss=dict(micro_batch=args.micro_batch, old_logp=getattr(args, "old_logp", "fold")),
                      aqn=dict(enabled=aqn))
-    task = Task("random-ids", data, [], (random_reward(),), lambda tok, row: row["prompt"])
-    return Trainer(peft, IdTokenizer(), task, cfg, engine=engine, progress="none")
+    return Trainer(peft, IdTokenizer(), random_id_task(64, args.prompt, vocab), cfg, engine=engine, progress="none")
 
 
 def step_row(m: dict) -> dict:

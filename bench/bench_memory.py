@@ -35,7 +35,7 @@ from pathlib import Path
 
 import torch
 
-from bench.common import IdTokenizer, build, dense_cache_arg, free, log, random_prompts, random_reward, with_lora
+from bench.common import IdTokenizer, build, dense_cache_arg, free, log, random_id_task, with_lora
 
 # name -> qerl_kit.models preset (Qwen2.5's published sizes)
 MODELS = {"tiny": "qwen2-tiny", "0.5B": "Qwen2.5-0.5B", "1.5B": "Qwen2.5-1.5B", "7B": "Qwen2.5-7B",
@@ -45,17 +45,14 @@ MODELS = {"tiny": "qwen2-tiny", "0.5B": "Qwen2.5-0.5B", "1.5B": "Qwen2.5-1.5B", 
 def _trainer(peft, engine, args, out_dir: Path, checkpointing: bool, vocab: int, dense_gib: float | None):
     """A Trainer for GRPO steps on random-id prompts with random rewards (the settings the plan gets)."""
     from qerl_kit.config import preset
-    from qerl_kit.tasks import Task
 
-    data = [{"prompt": " ".join(map(str, p)), "answer": "0"}
-            for p in random_prompts(8 * args.prompts, args.prompt, vocab, seed=3)]
     cfg = preset("tiny-cpu", total_steps=10, save_every=0, output_dir=str(out_dir),
                  model=dict(gradient_checkpointing=checkpointing, lora_r=args.lora_r, dense_cache_gib=dense_gib),
                  rollout=dict(batch_size=args.prompts * args.group, group_size=args.group, max_new_tokens=args.new),
                  loss=dict(micro_batch=args.micro_batch), aqn=dict(enabled=False))
-    task = Task("random-ids", data, [], (random_reward(),), lambda tok, row: row["prompt"])
     from qerl_kit.trainer import Trainer
 
+    task = random_id_task(8 * args.prompts, args.prompt, vocab)
     return Trainer(peft, IdTokenizer(), task, cfg, engine=engine, progress="none"), cfg
 
 

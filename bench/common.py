@@ -181,6 +181,15 @@ def random_reward(seed: int = 0):
     return reward
 
 
+def random_id_task(rows: int, length: int, vocab: int, reward_seed: int = 0):
+    """A Task of ``rows`` prompts of ``length`` random ids (seed 3, as every bench's) with ``random_reward``:
+    GRPO steps on a random-weight model, prompts passed through as text (``IdTokenizer`` reads them back)."""
+    from qerl_kit.tasks import Task
+
+    data = [{"prompt": " ".join(map(str, p)), "answer": "0"} for p in random_prompts(rows, length, vocab, seed=3)]
+    return Task("random-ids", data, [], (random_reward(reward_seed),), lambda tok, row: row["prompt"])
+
+
 def dense_cache_arg(value: str) -> str:
     """``--dense-cache``: ``all`` (every 4-bit projection's dense copy), ``auto`` (the Trainer's own budget
     from the free memory: what a user's run does; 32B-sized models where ``all`` does not fit) or GiB >= 0 (0: off)."""

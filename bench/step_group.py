@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from bench.common import IdTokenizer, build, free, log, random_prompts, random_reward, timed_steps, with_lora
+from bench.common import IdTokenizer, build, free, log, random_id_task, timed_steps, with_lora
 from bench.step_lengths import draw_lengths
 
 # bnb-nf4: bitsandbytes' NF4 layers (bench.common.to_nf4), the field's QLoRA kernels; qerl_kit's config
@@ -81,17 +81,13 @@ def build_policy(model: str, fmt: str, device: str, lora_r: int, dense_dir: Path
 def make_task(model: str, peft, prompt_len: int, rows: int, seed: int):
     """GSM8K for a real model; random-id prompts with a random reward for a random one (its
     completions mean nothing; GRPO's arithmetic runs as on a task, no group of equal rewards)."""
-    from qerl_kit.tasks import Task
-
     if is_real(model):
         from qerl_kit.config import DataConfig
         from qerl_kit.tasks import make_task as task_for
 
         return task_for(DataConfig(dataset="gsm8k"))
     vocab = peft.get_base_model().config.vocab_size
-    data = [{"prompt": " ".join(map(str, p)), "answer": "0"}
-            for p in random_prompts(max(64, rows), prompt_len, vocab, seed=3)]
-    return Task("random-ids", data, [], (random_reward(seed),), lambda tok, row: row["prompt"])
+    return random_id_task(max(64, rows), prompt_len, vocab, reward_seed=seed)
 
 
 def set_checkpointing(model, on: bool) -> None:
