@@ -26,9 +26,7 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 @pytest.fixture(autouse=True)
 def _kernels_runnable(request):
-    if not IN_PROCESS and request.node.name != "test_in_an_interpreter_subprocess":
-        pytest.skip("Triton was imported before TRITON_INTERPRET=1 could be set: "
-                    "test_in_an_interpreter_subprocess runs these tests")
+    triton_interp.skip_unless_runnable(request, IN_PROCESS, "test_in_an_interpreter_subprocess")
 
 
 @pytest.mark.skipif(IN_PROCESS, reason="the kernel tests run in this process")

@@ -29,8 +29,7 @@ DEVICE = "cuda" if CUDA else "cpu"
 
 @pytest.fixture(autouse=True)
 def _runnable(request):
-    if not IN_PROCESS and request.node.name != "test_in_an_interpreter_subprocess":
-        pytest.skip("Triton was imported before TRITON_INTERPRET=1: the subprocess test runs these")
+    triton_interp.skip_unless_runnable(request, IN_PROCESS, "test_in_an_interpreter_subprocess")
 
 
 @pytest.mark.skipif(IN_PROCESS, reason="the tests run in this process")

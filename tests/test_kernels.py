@@ -34,9 +34,7 @@ DEVICE = "cuda" if CUDA else "cpu"
 
 @pytest.fixture(autouse=True)
 def _kernels_runnable(request):
-    if not IN_PROCESS and request.node.name != "test_kernels_in_an_interpreter_subprocess":
-        pytest.skip("Triton was imported before TRITON_INTERPRET=1 could be set: "
-                    "test_kernels_in_an_interpreter_subprocess runs these tests")
+    triton_interp.skip_unless_runnable(request, IN_PROCESS, "test_kernels_in_an_interpreter_subprocess")
 
 
 @pytest.mark.skipif(IN_PROCESS, reason="the kernel tests run in this process")

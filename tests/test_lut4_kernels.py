@@ -38,9 +38,7 @@ SHAPES = {"nf4": [(40, 192), (40, 512)], "mxfp4": [(40, 96), (40, 512)]}
 
 @pytest.fixture(autouse=True)
 def _kernels_runnable(request):
-    if not IN_PROCESS and request.node.name != "test_lut4_kernels_in_an_interpreter_subprocess":
-        pytest.skip("Triton was imported before TRITON_INTERPRET=1 could be set: "
-                    "test_lut4_kernels_in_an_interpreter_subprocess runs these tests")
+    triton_interp.skip_unless_runnable(request, IN_PROCESS, "test_lut4_kernels_in_an_interpreter_subprocess")
     kernels._forget_routes()
 
 

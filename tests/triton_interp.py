@@ -13,6 +13,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 
@@ -32,3 +33,10 @@ def rerun_in_subprocess(test_file: str, timeout: int = 900) -> None:
                           cwd=Path(test_file).resolve().parents[1], env=env, capture_output=True, text=True,
                           timeout=timeout)
     assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
+
+
+def skip_unless_runnable(request, in_process: bool, runner: str) -> None:
+    """Skip a kernel test that cannot run in this process (Triton was imported before ``enable()``);
+    the module's subprocess test, named ``runner``, runs it (``rerun_in_subprocess``)."""
+    if not in_process and request.node.name != runner:
+        pytest.skip(f"Triton was imported before TRITON_INTERPRET=1 could be set: {runner} runs these tests")
