@@ -120,16 +120,13 @@ class EvalResult:
                 "per_problem": self.per_problem}
 
     def save(self, path, meta: dict | None = None) -> None:
-        """Write the summary, ``meta`` and every completion as JSON (a temporary file renamed into place)."""
+        """Write the summary, ``meta`` and every completion as JSON, all at once
+        (``file_writes.write_text_atomic``: a reader never sees half a file)."""
         import json
-        import os
-        from pathlib import Path
 
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(path.name + ".partial")
-        tmp.write_text(json.dumps({"meta": meta or {}, **self.to_dict()}, indent=1, default=str), encoding="utf-8")
-        os.replace(tmp, path)
+        from qerl_kit.file_writes import write_text_atomic
+
+        write_text_atomic(path, json.dumps({"meta": meta or {}, **self.to_dict()}, indent=1, default=str))
 
     def example_rows(self, k: int = 3, limit: int = 80) -> list[dict]:
         """The first ``k`` problems (an int >= 0) as table rows, texts cut to ``limit`` characters."""

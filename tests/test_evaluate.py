@@ -128,6 +128,18 @@ def test_summary_html_and_dataframe():
     assert isinstance(df, pd.DataFrame) and len(df) == 3 and df["pass_rate"].tolist() == [1.0, 0.0, 0.0]
 
 
+
+def test_save_writes_the_summary_meta_and_completions_in_one_piece(tmp_path):
+    import json
+
+    res = evaluate(None, make_tokenizer(), ROWS, exact_reward, samples=2, engine=ScriptedEngine(default="#### 2"))
+    out = tmp_path / "eval" / "result.json"  # a folder that does not exist yet
+    res.save(out, meta={"model": "tiny"})
+    saved = json.loads(out.read_text())
+    assert saved["meta"] == {"model": "tiny"} and saved["accuracy"] == res.accuracy
+    assert [p["completions"] for p in saved["per_problem"]] == [p["completions"] for p in res.per_problem]
+    assert sorted(p.name for p in out.parent.iterdir()) == ["result.json"]  # no temporary file left
+
 # ----------------------------------------------------------------------------- real models
 
 def test_evaluate_with_hf_engine_end_to_end():
