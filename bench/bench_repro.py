@@ -111,18 +111,10 @@ def worker(args) -> dict:
 
 
 def versions() -> dict:
-    import transformers
-    import triton
+    from bench.common import package_versions
 
-    out = dict(python=platform.python_version(), torch=torch.__version__, triton=triton.__version__,
-               transformers=transformers.__version__)
-    try:
-        from importlib.metadata import version
-
-        out["humming"] = version("humming-kernels")
-    except Exception:  # noqa: BLE001 - not installed
-        out["humming"] = "not installed"
-    return out
+    return dict(python=platform.python_version(), torch=torch.__version__,
+                **package_versions(triton="triton", transformers="transformers", humming="humming-kernels"))
 
 
 def report(args, rows: list[dict]) -> str:

@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import csv
 import datetime
-import importlib.metadata
 import json
 import os
 import statistics
@@ -38,6 +37,7 @@ import torch
 import torch.nn.functional as F
 
 from bench.bench_nvfp4_gemm import copies_for, copy_bandwidth, layer_shapes, random_nvfp4, time_alternating
+from bench.common import package_versions
 from qerl_kit.kernels import nvfp4_linear, route
 from qerl_kit.kernels.reference import nvfp4_linear_ref
 
@@ -48,15 +48,9 @@ MS = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 2048, 8192]
 def versions() -> dict:
     import triton
 
-    def ver(name):
-        try:
-            return importlib.metadata.version(name)
-        except importlib.metadata.PackageNotFoundError:
-            return "not installed"
-
     props = torch.cuda.get_device_properties(0)
     return dict(gpu=props.name, sms=props.multi_processor_count, date=datetime.date.today().isoformat(),
-                torch=torch.__version__, triton=triton.__version__, humming=ver("humming-kernels"))
+                torch=torch.__version__, triton=triton.__version__, **package_versions(humming="humming-kernels"))
 
 
 def start_compiler(shapes: list[tuple[int, int]], log: Path) -> subprocess.Popen:

@@ -64,7 +64,7 @@ from pathlib import Path
 
 import torch
 
-from bench.common import LOG, dense_cache_arg, log
+from bench.common import LOG, dense_cache_arg, log, package_versions
 from bench.step_group import case_row, run_group
 from bench.step_lengths import LENGTHS_HELP, draw_lengths
 from bench.step_report import read_csv, write_csv, write_report
@@ -93,16 +93,9 @@ def gpu_name() -> str:
 
 def versions() -> dict:
     """The GPU, date and package versions every row carries (a report of several calls shows each)."""
-    from importlib.metadata import PackageNotFoundError, version
-
-    meta = dict(date=time.strftime("%Y-%m-%d"), run_id=f"{platform.node()}-{int(time.time())}", gpu=gpu_name())
-    for key, dist in (("torch", "torch"), ("triton", "triton"), ("transformers", "transformers"),
-                      ("humming", "humming-kernels"), ("vllm", "vllm"), ("bitsandbytes", "bitsandbytes")):
-        try:
-            meta[key] = version(dist)
-        except PackageNotFoundError:
-            meta[key] = "not installed"
-    return meta
+    return dict(date=time.strftime("%Y-%m-%d"), run_id=f"{platform.node()}-{int(time.time())}", gpu=gpu_name(),
+                **package_versions(torch="torch", triton="triton", transformers="transformers",
+                                   humming="humming-kernels", vllm="vllm", bitsandbytes="bitsandbytes"))
 
 
 def plan_cases(args) -> list[list[dict]]:

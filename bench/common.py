@@ -181,6 +181,19 @@ def random_reward(seed: int = 0):
     return reward
 
 
+def package_versions(**dists: str) -> dict:
+    """{key: the installed version of distribution ``dists[key]``, or "not installed"} for result files."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    out = {}
+    for key, dist in dists.items():
+        try:
+            out[key] = version(dist)
+        except PackageNotFoundError:
+            out[key] = "not installed"
+    return out
+
+
 def random_id_task(rows: int, length: int, vocab: int, reward_seed: int = 0):
     """A Task of ``rows`` prompts of ``length`` random ids (seed 3, as every bench's) with ``random_reward``:
     GRPO steps on a random-weight model, prompts passed through as text (``IdTokenizer`` reads them back)."""
