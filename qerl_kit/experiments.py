@@ -149,8 +149,11 @@ def _check_seeds(seeds: Sequence[int]) -> list[int]:
 
 
 def _device(device: str) -> torch.device:
-    dev = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device)
-    if dev.type not in ("cpu", "cuda") or (dev.type == "cuda" and not torch.cuda.is_available()):
+    try:  # torch's own message for "gpu" lists twenty device types and is a traceback from main()
+        dev = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device)
+    except (RuntimeError, ValueError, TypeError):
+        dev = None
+    if dev is None or dev.type not in ("cpu", "cuda") or (dev.type == "cuda" and not torch.cuda.is_available()):
         raise ValueError(f"device must be auto, cpu or cuda[:N] with a CUDA GPU present; got {device!r}")
     return dev
 

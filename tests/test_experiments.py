@@ -462,3 +462,16 @@ def test_cli_eval_every_reaches_the_grid(tmp_path, monkeypatch):
         with pytest.raises(SystemExit):
             ex.main(["--grid", "smoke", "--out", str(tmp_path / f"g{want}"), *argv])
     assert seen == [25, 0]
+
+
+@pytest.mark.parametrize("device", ["gpu", "cuda:x", "tpu"])
+def test_grid_refuses_a_device_that_is_not_one_as_a_usage_error(tmp_path, monkeypatch, capsys, device):
+    """``--device gpu`` is a one-line usage error (rc 2) naming the value and what is allowed, before
+    anything trains or is written; it was torch's traceback from inside main()."""
+    trained = []
+    monkeypatch.setattr(ex, "run_one", _fake_run_one(trained))
+    with pytest.raises(SystemExit) as exit_:
+        ex.main(["--grid", "smoke", "--device", device, "--out", str(tmp_path / "grid")])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and trained == [] and not (tmp_path / "grid").exists()
+    assert repr(device) in err and "auto, cpu or cuda" in err and "Traceback" not in err
