@@ -159,12 +159,25 @@ class RolloutConfig:
     # from the model, the batch and the longest prompt (memory_plan.vllm_memory_share)
     vllm_gpu_memory: float | None = _rule(None, gt=0, le=0.95, why="a share of the GPU's memory; vLLM "
                                                                    "needs the training's share to stay free")
+    # engine: static (or auto on a GPU) only (qerl_kit.engine_memory). Keep the KV cache and decode graphs
+    # through the update (no re-allocation or graph capture per step) or free them after each rollout (the
+    # update gets their memory); None: kept when the run's memory plan fits the GPU with them
+    keep_cache: bool | None = None
+    # engine: static (or auto) only. The most completions decoded at once, whole groups (the KV cache's
+    # rows); a larger batch is decoded in turns. None: the whole batch, or the most the memory plan fits
+    max_rows: int | None = _rule(None, ge=1, why="completions decoded at once: whole groups, at least one")
 
     def __post_init__(self):
         _validate(self)
         _check(self.batch_size >= self.group_size and self.batch_size % self.group_size == 0,
                "rollout.batch_size", self.batch_size,
                f"a positive multiple of rollout.group_size = {self.group_size}", "groups are never split")
+        _check(self.max_rows is None or self.max_rows % self.group_size == 0, "rollout.max_rows", self.max_rows,
+               f"null or a positive multiple of rollout.group_size = {self.group_size}", "groups are never split")
+        for key in ("keep_cache", "max_rows"):  # what the StaticEngine alone reads
+            _check(getattr(self, key) is None or self.engine in ("auto", "static"), f"rollout.{key}",
+                   getattr(self, key), f"null with rollout.engine = {self.engine!r}",
+                   "it sets the static engine (rollout.engine: static, or auto on a GPU)")
         tokens = self.batch_size * self.max_new_tokens  # a step's completions, each up to max_new_tokens long
         if tokens > TOKENS_PER_STEP_MAX:
             raise ConfigError(f"rollout.batch_size x rollout.max_new_tokens must be <= 2**28 tokens per step (their "

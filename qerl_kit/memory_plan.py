@@ -195,7 +195,8 @@ def plan_memory(model: Any = "Qwen2.5-7B", fmt: str = "nvfp4", lora_r: int = 32,
                 micro_batch: int | None = None, gradient_checkpointing: bool = True, kv_bytes: int = 2,
                 act_bytes: int = 2, lora_bytes: int = 2, overhead: float = 0.10,
                 gpu_bytes: int | None = None, group_size: int = 1, engine: str = "static", fused: bool = True,
-                keep_cache: bool = True, humming: bool = True, dense_cache_bytes: int | str = 0) -> MemoryPlan:
+                keep_cache: bool = True, humming: bool = True, dense_cache_bytes: int | str = 0,
+                max_rows: int | None = None) -> MemoryPlan:
     """Bound the memory of a QeRL run; see the module docstring for what each part counts. Every
     argument is checked where it enters (a ConfigError naming it): sizes and counts are ints >= 1,
     ``micro_batch`` at most ``rollout_batch`` (default: 8 or the whole batch if smaller), bytes per value
@@ -205,25 +206,30 @@ def plan_memory(model: Any = "Qwen2.5-7B", fmt: str = "nvfp4", lora_r: int = 32,
     ``engine``: ``static`` (the StaticEngine: ``fused`` copy, ``keep_cache``) or ``hf`` (transformers'
     generate). ``humming``: count humming-kernels' repacked NVFP4 weights (where it is installed,
     ``kernels`` backend ``auto``). ``dense_cache_bytes``: bytes of dequantized weights kept for the
-    log-prob and update passes, or ``"all"`` (the bf16 bytes of every quantized projection)."""
+    log-prob and update passes, or ``"all"`` (the bf16 bytes of every quantized projection).
+    ``max_rows``: the StaticEngine's ``max_rows`` (``rollout.max_rows``): it decodes at most that many
+    rows at once, whole groups (``max_rows // group_size`` prompts, at least one), so the KV cache,
+    decode state and prefill hold that many rows; None: the whole batch."""
     a = _checked_settings(fmt=fmt, optimizer=optimizer, lora_r=lora_r, rollout_batch=rollout_batch,
                           prompt_len=prompt_len, max_new_tokens=max_new_tokens, micro_batch=micro_batch,
                           gradient_checkpointing=gradient_checkpointing, kv_bytes=kv_bytes, act_bytes=act_bytes,
                           lora_bytes=lora_bytes, overhead=overhead, gpu_bytes=gpu_bytes, group_size=group_size)
     a |= _checked_engine(engine, fused, keep_cache, humming)
+    a |= _checked_rows(max_rows, a)
     s = model_shape(model)
     proj = layer_projections(s)
     targets = check_names("targets", targets, proj, what="LoRA target", empty=False)
     a["dense_cache_bytes"] = _checked_dense_cache(dense_cache_bytes, s, proj, a["fmt"])
-    rollout = {**T.kv_parts(s, a), **T.decode_parts(s, proj, a)}
+    ra = a | {"rollout_batch": a["engine_rows"]}  # what one engine batch allocates
+    rollout = {**T.kv_parts(s, ra), **T.decode_parts(s, proj, ra)}
     kept = tuple(k for k in rollout if a["keep_cache"] and a["engine"] == "static"
                  and k.startswith(("rollout: KV cache", "rollout: decode state")))
     parts = {**_weight_parts(s, proj, a["fmt"]), **T.engine_parts(s, proj, a), **T.humming_parts(s, proj, a),
              **_lora_parts(s, proj, targets, a), **T.fixed_parts(a), **rollout,
-             **T.prefill_parts(s, proj, targets, a), **T.training_parts(s, proj, targets, a)}
+             **T.prefill_parts(s, proj, targets, ra), **T.training_parts(s, proj, targets, a)}
     settings = {k: a[k] for k in ("fmt", "lora_r", "optimizer", "rollout_batch", "prompt_len", "max_new_tokens",
                                   "micro_batch", "gradient_checkpointing", "group_size", "engine", "fused",
-                                  "keep_cache", "humming", "dense_cache_bytes")} | {"vocab": s["vocab"]}
+                                  "keep_cache", "humming", "dense_cache_bytes", "max_rows")} | {"vocab": s["vocab"]}
     name = model if isinstance(model, str) else (model.get("model_type", "model") if isinstance(model, dict)
                                                  else getattr(model, "model_type", "model"))
     return MemoryPlan(str(name), parts, settings, a["overhead"], a["gpu_bytes"], kept)
@@ -237,6 +243,15 @@ def _checked_engine(engine, fused, keep_cache, humming) -> dict:
     return {"engine": check_value("engine", engine, str, choices=ENGINES),
             "fused": check_value("fused", fused, bool), "keep_cache": check_value("keep_cache", keep_cache, bool),
             "humming": check_value("humming", humming, bool)}
+
+
+def _checked_rows(max_rows, a: dict) -> dict:
+    """``max_rows`` (None or an int >= 1) and ``engine_rows``, the rows one StaticEngine batch decodes
+    (whole groups, as the engine splits a batch; transformers' generate decodes the whole batch)."""
+    max_rows = check_value("max_rows", max_rows, int | None, ge=1, why="the most rows the engine decodes at once")
+    rows, group = a["rollout_batch"], a["group_size"]
+    engine_rows = rows if max_rows is None or a["engine"] != "static" else min(rows, max(1, max_rows // group) * group)
+    return {"max_rows": max_rows, "engine_rows": engine_rows}
 
 
 def _checked_dense_cache(value, s: dict, proj: dict, fmt: str) -> int:

@@ -97,15 +97,16 @@ def _row_ranges(a: dict) -> dict[str, list[tuple[int, int]]]:
     (micro-batches of prompt + completion; a completion may stop after one token)."""
     rows, group, micro = a["rollout_batch"], a["group_size"], a["micro_batch"]
     width, prompt = padded_prompt(a), a["prompt_len"]
+    engine_rows = a.get("engine_rows", rows)  # plan_memory's max_rows: one engine batch
     if a["engine"] == "static":
-        prompts = rows // group
+        prompts = engine_rows // group
         chunk = min(prompts, max(1, MAX_PREFILL_TOKENS // max(width, 1)))
         prefill = [(chunk * width, chunk * width)] + ([((prompts % chunk) * width,) * 2] if prompts % chunk else [])
     else:  # transformers' generate prefills every row, the prompt repeated per sample
         prefill = [(rows * prompt, rows * prompt)]
     last = rows % micro or micro
     train = [(min(last, micro) * (prompt + 1), micro * (prompt + a["max_new_tokens"]))]
-    return {"decode": [(1, rows)], "prefill": prefill, "train": train}
+    return {"decode": [(1, engine_rows)], "prefill": prefill, "train": train}
 
 
 def humming_parts(s: dict, proj: dict, a: dict) -> dict[str, int]:

@@ -54,6 +54,7 @@ from qerl_kit.logprobs import batched_logprobs
 from qerl_kit.old_policy import OldPolicy, resolve_mode
 from qerl_kit.optim import lr_lambda, make_optimizer, steps_to_run
 from qerl_kit.rollout.base import check_engine
+from qerl_kit.engine_memory import static_options
 from qerl_kit.rollout.registry import engine_options, make_engine
 from qerl_kit.rollout.types import Rollouts, SamplingParams
 from qerl_kit.sampling_filters import KeptGroups, accumulate_groups, overlong_penalty
@@ -79,8 +80,11 @@ class Trainer:
             raise ValueError("the model has no trainable parameters; attach LoRA first "
                              "(qerl_kit.lora.attach_lora)")
         self.model, self.tokenizer, self.config, self.task = model, tokenizer, config, task
+        # the StaticEngine's keep_cache / max_rows: as configured, or planned for this GPU (engine_memory)
+        static, self.engine_memory = static_options(config, model, tokenizer, task) if engine is None else ({}, None)
         self.engine = check_engine(engine) if engine is not None else make_engine(
-            config.rollout.engine, model, tokenizer, **engine_options(config.rollout, model, tokenizer, task, config.model.lora_r))
+            config.rollout.engine, model, tokenizer, **engine_options(config.rollout, model, tokenizer, task, config.model.lora_r),
+            **static)
         self.progress = progress
         self.dist = distributed.Context.detect()  # world 1 unless launched by torchrun & co
         distributed.check_config(config, self.dist.world)

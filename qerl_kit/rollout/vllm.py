@@ -68,8 +68,7 @@ def vllm_options(rollout, policy, tokenizer, task, lora_r: int, sample: int = 20
     task formats them) + ``max_new_tokens``, and ``gpu_memory_utilization`` = ``rollout.vllm_gpu_memory``
     or the share the memory planner gives for that length and ``rollout.batch_size``
     (``memory_plan.vllm_memory_share``). ``rollout.registry.engine_options`` calls it for ``vllm``."""
-    rows = list(task.train[:sample]) + list(task.eval[:sample])
-    longest = max(map(len, task.encode(tokenizer, rows).ids))  # rendered and tokenized as the rollouts will be
+    longest = task.longest_prompt(tokenizer, sample)
     max_len = -(-(longest + rollout.max_new_tokens) // 64) * 64
     share = rollout.vllm_gpu_memory
     if share is None:

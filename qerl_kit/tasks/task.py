@@ -99,6 +99,12 @@ class Task:
 
         return Prompts.encode(tokenizer, [self.prompt(tokenizer, row) for row in rows])
 
+    def longest_prompt(self, tokenizer: Any, sample: int = 2000) -> int:
+        """Tokens of the longest prompt among the first ``sample`` train and eval rows, rendered and
+        tokenized as the rollouts will be (what an engine's context and KV cache must hold)."""
+        rows = list(self.train[:sample]) + list(self.eval[:sample])
+        return max(map(len, self.encode(tokenizer, rows).ids), default=0)
+
     def with_rows(self, train: Sequence[dict] | None = None, eval: Sequence[dict] | None = None) -> "Task":
         """The same task on other rows (a subset, a curriculum)."""
         import dataclasses

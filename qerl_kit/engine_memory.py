@@ -1,0 +1,151 @@
+"""The StaticEngine's memory settings for a training run: ``rollout.keep_cache`` and ``rollout.max_rows``.
+
+Two switches trade rollout speed for memory (``qerl_kit.rollout.static.engine``):
+
+* ``keep_cache``: the engine keeps its KV cache and captured decode graphs from one rollout to the
+  next (no re-allocation, no graph capture per step), so they stay allocated through the update;
+  ``False`` frees them after each rollout and the update gets their memory back. Either way the
+  rollouts are the same (tests/test_engine_memory.py).
+* ``max_rows``: the most completions the engine decodes at once (whole groups); the KV cache holds
+  that many rows and a larger batch is decoded in turns, at a lower throughput.
+
+``None`` (auto, the default) lets ``choose`` pick them on a CUDA GPU from the memory plan of this run
+(``qerl_kit.memory_plan.plan_memory``: the model's shape, ``model.format``, LoRA rank, optimizer,
+``loss.micro_batch``, gradient checkpointing, the task's longest prompt, ``rollout.max_new_tokens``
+and group size): the most rows whose planned peak fits the GPU's memory, the cache kept when it
+still fits. The whole batch with the cache kept is the default wherever it fits; a 32B model on one
+H200 at the paper's GSM8K batch (128 x 4096 tokens) decodes 64 rows at a time with the cache freed.
+When no setting fits, the one with the smallest plan is taken (the plan is an upper bound, 1.1-1.3x
+of measured peaks) and the warning says by how much it exceeds the GPU. A setting the config gives
+is kept as given. Off a GPU nothing is planned: the whole batch, the cache kept.
+
+The choice is a ``EngineMemory`` (``Trainer.engine_memory``) with a one-line ``reason``; a choice
+other than the default (cache kept, whole batch) is also a warning, since it costs rollout time.
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = ["EngineMemory", "choose", "static_options", "CANDIDATES"]
+
+CANDIDATES = 48  # most row counts planned (every whole number of groups up to it, else a geometric grid)
+
+
+@dataclass(frozen=True)
+class EngineMemory:
+    """The StaticEngine settings a run uses: ``keep_cache``, ``max_rows`` (None: the whole batch), the
+    planned peak in bytes (None when nothing was planned) and why, in one line."""
+
+    keep_cache: bool
+    max_rows: int | None
+    planned_bytes: int | None
+    reason: str
+
+    @property
+    def is_default(self) -> bool:
+        return self.keep_cache and self.max_rows is None
+
+
+def _group_counts(groups: int) -> list[int]:
+    """Whole numbers of groups to plan, largest first: all of them up to ``CANDIDATES``, else a
+    geometric grid from ``groups`` down to 1 (the plan is not monotone in rows: humming's repacked
+    weights depend on the row counts, so the candidates are planned one by one, not bisected)."""
+    if groups <= CANDIDATES:
+        return list(range(groups, 0, -1))
+    ratio = groups ** (1 / (CANDIDATES - 1))
+    return sorted({max(1, round(groups / ratio ** k)) for k in range(CANDIDATES)}, reverse=True)
+
+
+def _planner(config, policy, prompt_len: int):
+    """``plan(rows, keep) -> peak bytes`` for this run, or None (with the reason) when the model's
+    config is not one the planner reads."""
+    from qerl_kit.config_types import ConfigError
+    from qerl_kit.memory_plan import model_shape, plan_memory
+
+    shape = getattr(policy, "config", None)  # a transformers config (a preset name or a dict of its sizes in tests)
+    try:
+        model_shape(shape)
+    except ConfigError as err:
+        return None, f"no memory plan for this model ({err})"
+    r, fmt = config.rollout, config.model.format
+    humming = False
+    if fmt == "nvfp4":
+        from qerl_kit.kernels import nvfp4_humming
+
+        humming = nvfp4_humming.humming_status()[0]
+    settings = dict(fmt=fmt, lora_r=config.model.lora_r, optimizer=config.optim.optimizer,
+                    rollout_batch=r.batch_size, group_size=r.group_size, prompt_len=max(1, prompt_len),
+                    max_new_tokens=r.max_new_tokens, micro_batch=min(config.loss.micro_batch, r.batch_size),
+                    gradient_checkpointing=config.model.gradient_checkpointing, engine="static", humming=humming)
+
+    def plan(rows: int, keep: bool) -> int:
+        return int(plan_memory(shape, keep_cache=keep, max_rows=rows, **settings).peak)
+
+    return plan, ""
+
+
+def choose(config, policy, tokenizer, task, *, gpu_bytes: int | None = None, prompt_len: int | None = None,
+           warn: bool = True) -> EngineMemory:
+    """The ``EngineMemory`` of a run (``config``: a TrainConfig) on ``policy``; see the module docstring.
+    ``gpu_bytes`` (default: the policy's CUDA device's total memory) and ``prompt_len`` (default: the
+    task's longest prompt, ``Task.longest_prompt``) are seams for tests and notebooks."""
+    from qerl_kit.table import human_bytes
+
+    r = config.rollout
+    if r.keep_cache is not None and r.max_rows is not None:
+        return EngineMemory(r.keep_cache, r.max_rows, None, "rollout.keep_cache and rollout.max_rows as configured")
+    if gpu_bytes is None:
+        device = next(policy.parameters()).device
+        if device.type != "cuda":
+            return EngineMemory(r.keep_cache is not False, r.max_rows, None, f"not planned on {device.type}")
+        import torch
+
+        gpu_bytes = torch.cuda.get_device_properties(device).total_memory
+    if prompt_len is None:
+        prompt_len = task.longest_prompt(tokenizer)
+    plan, why = _planner(config, policy, prompt_len)
+    if plan is None:
+        return EngineMemory(r.keep_cache is not False, r.max_rows, None, why)
+    rows_options = [r.max_rows] if r.max_rows is not None else \
+        [g * r.group_size for g in _group_counts(r.batch_size // r.group_size)]
+    keep_options = [r.keep_cache] if r.keep_cache is not None else [True, False]
+    planned = [(rows, keep, plan(rows, keep)) for rows in rows_options for keep in keep_options]
+    smallest = min(p for _, _, p in planned)
+    budget = max(gpu_bytes, smallest)
+    rows, keep, peak = next(c for c in planned if c[2] <= budget)  # most rows first, the cache kept first
+    max_rows = None if r.max_rows is None and rows >= r.batch_size else rows
+    fits = f"planned peak {human_bytes(peak)} of the GPU's {human_bytes(gpu_bytes)}"
+    if smallest > gpu_bytes:
+        reason = (f"no setting fits: the smallest {fits} (the plan is an upper bound, 1.1-1.3x of measured "
+                  "peaks); lower loss.micro_batch or rollout.max_new_tokens, or turn on "
+                  "model.gradient_checkpointing, if the run runs out of memory")
+    else:
+        reason = fits
+    choice = EngineMemory(keep, max_rows, peak, f"keep_cache={keep}, max_rows={max_rows}: {reason}")
+    if warn and (not choice.is_default or smallest > gpu_bytes):
+        warnings.warn(f"rollout (auto): {choice.reason}. {_cost(choice, r.batch_size)}", stacklevel=2)
+    return choice
+
+
+def _cost(choice: EngineMemory, batch: int) -> str:
+    """What a non-default choice costs, and how to override it."""
+    out = []
+    if not choice.keep_cache:
+        out.append("the KV cache is freed after each rollout and its decode graphs are captured again each step")
+    if choice.max_rows is not None and choice.max_rows < batch:
+        out.append(f"the {batch} completions of a step are decoded {choice.max_rows} at a time")
+    return ("; ".join(out) + ". " if out else "") + "Set rollout.keep_cache / rollout.max_rows to choose."
+
+
+def static_options(config, policy, tokenizer, task) -> tuple[dict[str, Any], EngineMemory | None]:
+    """(the StaticEngine keyword arguments, the choice) when ``config.rollout.engine`` resolves to the
+    StaticEngine on ``policy``; ({}, None) for another backend."""
+    from qerl_kit.rollout.registry import resolve_engine
+
+    if resolve_engine(config.rollout.engine, policy) != "static":
+        return {}, None
+    choice = choose(config, policy, tokenizer, task)
+    return {"keep_cache": choice.keep_cache, "max_rows": choice.max_rows}, choice

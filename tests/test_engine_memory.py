@@ -1,0 +1,209 @@
+"""rollout.keep_cache / rollout.max_rows: the config keys, the plan's rows, the auto choice
+(qerl_kit.engine_memory) and what the StaticEngine and the Trainer do with them."""
+
+import types
+import warnings
+
+import pytest
+import torch
+
+from qerl_kit import engine_memory
+from qerl_kit.checkpoint import config_changes
+from qerl_kit.config import ConfigError, RolloutConfig, preset
+from qerl_kit.memory_plan import plan_memory
+
+GiB = 2**30
+PAPER = dict(batch_size=128, group_size=8, max_new_tokens=4096)  # the paper's GSM8K rollout
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    from qerl_kit.lora import attach_lora
+    from qerl_kit.tiny import load_tiny
+
+    model, tok = load_tiny(quantize="nvfp4")
+    return attach_lora(model, r=4, seed=0), tok
+
+
+def _part(plan, prefix):
+    (value,) = [v for k, v in plan.parts.items() if k.startswith(prefix)]
+    return value
+
+
+# ---- the config keys ----------------------------------------------------------------------------------
+def test_the_keys_default_to_auto_and_are_checked_where_they_enter():
+    r = RolloutConfig()
+    assert r.keep_cache is None and r.max_rows is None
+    assert RolloutConfig(keep_cache=False, max_rows=16, group_size=8).max_rows == 16
+    with pytest.raises(ConfigError, match="rollout.max_rows") as err:
+        RolloutConfig(max_rows=12, group_size=8)  # would split a group
+    assert "multiple of rollout.group_size = 8" in str(err.value)
+    with pytest.raises(ConfigError, match="rollout.max_rows"):
+        RolloutConfig(max_rows=0)
+    for key, value in (("keep_cache", False), ("max_rows", 8)):
+        with pytest.raises(ConfigError, match=f"rollout.{key}") as err:  # another engine never reads it
+            RolloutConfig(engine="hf", **{key: value})
+        assert "static engine" in str(err.value)
+    with pytest.raises(ConfigError, match="rollout.keep_cache"):
+        RolloutConfig(keep_cache="sometimes")
+
+
+def test_keep_cache_is_resume_neutral_and_max_rows_is_not():
+    """Freeing the cache changes no rollout (test below); decoding in turns draws other samples."""
+    a = preset("tiny-cpu").to_dict()
+    b = preset("tiny-cpu", rollout=dict(engine="static", keep_cache=False)).to_dict()
+    c = preset("tiny-cpu", rollout=dict(engine="static", max_rows=8)).to_dict()
+    assert set(config_changes(a, b)) == {"rollout.engine"}
+    assert set(config_changes(a, c)) == {"rollout.engine", "rollout.max_rows"}
+
+
+# ---- the plan's rows --------------------------------------------------------------------------------------
+def test_the_plan_decodes_max_rows_at_a_time():
+    full = plan_memory("Qwen2.5-7B", rollout_batch=128, group_size=8, max_new_tokens=1024, prompt_len=200)
+    half = plan_memory("Qwen2.5-7B", rollout_batch=128, group_size=8, max_new_tokens=1024, prompt_len=200,
+                       max_rows=64)
+    odd = plan_memory("Qwen2.5-7B", rollout_batch=128, group_size=8, max_new_tokens=1024, prompt_len=200,
+                      max_rows=70)  # the engine takes whole groups: 8 prompts x 8
+    assert _part(half, "rollout: KV cache") * 2 == _part(full, "rollout: KV cache") == 2 * _part(odd, "rollout: KV cache")
+    assert half.training == full.training and half.peak < full.peak  # the update's micro-batches are the same
+    big = plan_memory("Qwen2.5-7B", rollout_batch=128, group_size=8, max_rows=4096)
+    assert big.parts == plan_memory("Qwen2.5-7B", rollout_batch=128, group_size=8).parts
+    hf = plan_memory("Qwen2.5-7B", rollout_batch=128, engine="hf", max_rows=8)  # generate has no max_rows
+    assert hf.parts == plan_memory("Qwen2.5-7B", rollout_batch=128, engine="hf").parts
+    with pytest.raises(ConfigError, match="max_rows"):
+        plan_memory("Qwen2.5-7B", max_rows=0)
+
+
+def test_the_plans_kv_cache_is_what_the_engine_allocates_with_max_rows(tiny):
+    from qerl_kit.rollout import SamplingParams, StaticEngine
+
+    model, tok = tiny
+    engine = StaticEngine(model, cuda_graphs=False, max_rows=8)
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(3, 250, (n,), generator=g).tolist() for n in (9, 30, 17, 5, 21, 12)]
+    engine.generate_ids(prompts, 4, SamplingParams(max_new_tokens=6, temperature=1.0, seed=2), ignore_eos=True)
+    plan = plan_memory(model.config, lora_r=4, rollout_batch=24, group_size=4, prompt_len=30, max_new_tokens=6,
+                       micro_batch=4, kv_bytes=4, max_rows=8)  # the CPU model is float32
+    assert _part(plan, "rollout: KV cache") == engine._state[1].cache.nbytes
+
+
+# ---- the auto choice ----------------------------------------------------------------------------------------
+def _policy(name="Qwen2.5-32B"):
+    return types.SimpleNamespace(config=name)  # model_shape reads a preset name as it reads a config
+
+
+def _choose(gpu_gib, warn=False, model="Qwen2.5-32B", **rollout):
+    cfg = preset("tiny-cpu", model=dict(format="nvfp4", lora_r=32, gradient_checkpointing=True), loss=dict(micro_batch=4),
+                 rollout={**PAPER, **rollout})
+    return engine_memory.choose(cfg, _policy(model), None, None, gpu_bytes=int(gpu_gib * GiB), prompt_len=200,
+                                warn=warn), cfg
+
+
+def _peak(cfg, rows, keep, model="Qwen2.5-32B"):
+    return plan_memory(model, fmt="nvfp4", lora_r=32, optimizer=cfg.optim.optimizer,
+                       rollout_batch=128, group_size=8, prompt_len=200, max_new_tokens=4096, micro_batch=4,
+                       gradient_checkpointing=cfg.model.gradient_checkpointing, engine="static", humming=False,
+                       keep_cache=keep, max_rows=rows).peak
+
+
+def test_the_whole_batch_with_the_cache_kept_wherever_it_fits():
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the default choice is silent
+        choice, cfg = _choose(10_000, warn=True)
+    assert (choice.keep_cache, choice.max_rows) == (True, None) and choice.is_default
+    assert choice.planned_bytes == _peak(cfg, None, True) and "planned peak" in choice.reason
+
+
+def test_on_an_h200_the_32b_paper_batch_takes_the_most_rows_that_fit():
+    """32B NVFP4 at 128 x 4096 does not fit 140 GiB whole; the choice is the largest number of rows
+    whose plan fits, the cache kept if it still fits, and no candidate with more rows fits."""
+    gpu = 140
+    choice, cfg = _choose(gpu)
+    assert choice.max_rows is not None and choice.max_rows % 8 == 0 and choice.max_rows < 128
+    assert choice.planned_bytes == _peak(cfg, choice.max_rows, choice.keep_cache) <= gpu * GiB
+    for rows in range(choice.max_rows + 8, 129, 8):
+        assert _peak(cfg, rows, False) > gpu * GiB, rows
+    if not choice.keep_cache:
+        assert _peak(cfg, choice.max_rows, True) > gpu * GiB
+    with pytest.warns(UserWarning, match=rf"decoded {choice.max_rows} at a time") as rec:
+        _choose(gpu, warn=True)
+    assert "rollout.keep_cache / rollout.max_rows" in str(rec[0].message)
+
+
+def test_freeing_the_cache_comes_before_fewer_rows():
+    """A GPU between the plan with the cache freed and the plan with it kept: the whole batch, freed."""
+    cfg = _choose(10_000)[1]
+    kept, freed = _peak(cfg, None, True, "Qwen2.5-7B"), _peak(cfg, None, False, "Qwen2.5-7B")
+    assert freed < kept
+    choice, _ = _choose((freed + kept) / 2 / GiB, model="Qwen2.5-7B")
+    assert (choice.keep_cache, choice.max_rows) == (False, None)
+
+
+def test_when_nothing_fits_the_smallest_plan_is_taken_and_named():
+    choice, cfg = _choose(8)
+    smallest = min(_peak(cfg, rows, keep) for rows in range(8, 129, 8) for keep in (True, False))
+    assert choice.planned_bytes == smallest and "no setting fits" in choice.reason
+    with pytest.warns(UserWarning, match="no setting fits"):
+        _choose(8, warn=True)
+
+
+def test_a_configured_setting_is_kept_and_the_other_is_planned_around_it():
+    choice, cfg = _choose(140, keep_cache=True)
+    assert choice.keep_cache is True and choice.max_rows < 128
+    assert _peak(cfg, choice.max_rows, True) <= 140 * GiB < _peak(cfg, choice.max_rows + 8, True)
+    choice, _ = _choose(140, max_rows=32)
+    assert choice.max_rows == 32
+    both, _ = _choose(1, keep_cache=False, max_rows=16)
+    assert (both.keep_cache, both.max_rows, both.planned_bytes) == (False, 16, None)
+
+
+def test_many_groups_are_planned_on_a_bounded_grid():
+    counts = engine_memory._group_counts(2**17)
+    assert len(counts) <= engine_memory.CANDIDATES and counts[0] == 2**17 and counts[-1] == 1
+    assert counts == sorted(set(counts), reverse=True)
+    assert engine_memory._group_counts(5) == [5, 4, 3, 2, 1]
+
+
+def test_a_model_the_planner_cannot_read_keeps_the_defaults():
+    cfg = preset("tiny-cpu", rollout=dict(engine="static"))
+    choice = engine_memory.choose(cfg, types.SimpleNamespace(config={"hidden_size": 8}), None, None,
+                                  gpu_bytes=GiB, prompt_len=10)
+    assert choice.is_default and choice.planned_bytes is None and "no memory plan" in choice.reason
+
+
+# ---- the engine and the trainer ------------------------------------------------------------------------
+def test_freeing_the_cache_changes_no_rollout(tiny):
+    from qerl_kit.rollout import SamplingParams, StaticEngine
+
+    model, tok = tiny
+    prompts = [[5, 6, 7], [8, 9, 10, 11, 12]]
+    outs = {}
+    for keep in (True, False):
+        engine = StaticEngine(model, tok, keep_cache=keep)
+        outs[keep] = [engine.generate_ids(prompts, 2, SamplingParams(max_new_tokens=8, temperature=1.0, seed=s))
+                      for s in (1, 2, 1)]
+        assert (engine._state is None) is (not keep)
+    for a, b in zip(outs[True], outs[False]):
+        assert torch.equal(a.completion_ids, b.completion_ids) and torch.equal(a.logprobs, b.logprobs)
+    assert torch.equal(outs[True][0].completion_ids, outs[True][2].completion_ids)  # a kept state is reset
+
+
+def test_the_trainer_builds_the_static_engine_with_the_run_settings(tiny, tmp_path):
+    from qerl_kit.tasks import make_task
+    from qerl_kit.trainer import Trainer
+
+    model, tok = tiny
+    cfg = preset("tiny-cpu", output_dir=str(tmp_path), save_every=0,
+                 rollout=dict(engine="static", batch_size=8, group_size=4, max_new_tokens=8, keep_cache=False,
+                              max_rows=4))
+    trainer = Trainer(model, tok, make_task(cfg.data), cfg, progress="none")
+    assert (trainer.engine.keep_cache, trainer.engine.max_rows) == (False, 4)
+    assert trainer.engine_memory.reason.endswith("as configured")
+    row = trainer.train_step()
+    assert row["num_tokens"] > 0 and trainer.engine._state is None  # freed after the rollout
+    auto = Trainer(model, tok, make_task(cfg.data), preset("tiny-cpu", output_dir=str(tmp_path / "b"),
+                                                             rollout=dict(engine="static")), progress="none")
+    assert auto.engine.keep_cache and auto.engine.max_rows is None  # the CPU: not planned, the defaults
+    assert auto.engine_memory.reason == "not planned on cpu"
+    hf = Trainer(model, tok, make_task(cfg.data), preset("tiny-cpu", output_dir=str(tmp_path / "c")), progress="none")
+    assert hf.engine_memory is None  # auto on the CPU is transformers' generate: nothing to choose
