@@ -48,7 +48,7 @@
 #                             micro-batch 8, mu default 1 (the preset's is 4)
 #   step-vllm FMT             7B, 512 tokens, the same step on StaticEngine and on vLLM 0.26 (FMT none|nvfp4|nf4;
 #                             vLLM installed as for `vllm`)
-#   step05b-real ["FORMATS"] ["LENGTHS"]  the real 0.5B converted by model-setup (/tmp/m05), GSM8K prompts,
+#   step05b-real ["FORMATS"] ["LENGTHS"]  the real 0.5B converted by model-setup (/tmp/m05; REAL_MODEL=1.5b: /tmp/m15), GSM8K prompts,
 #                             16 x 8, mu 4, LoRA r16; FORMATS default "none nvfp4" (then "nf4 mxfp4"),
 #                             LENGTHS default "fixed:512 natural:512" (natural: its own completions); ENGINES="static vllm"
 #                             adds vLLM 0.26 on the same prompts and lengths (after the vLLM pieces' install)
@@ -67,6 +67,8 @@
 #     --platform manylinux_2_28_x86_64 --platform any -d .whl/real gguf humming-kernels==0.1.19 math-verify \
 #     latex2sympy2_extended antlr4-python3-runtime==4.13.2
 # (.rm, .rdata and .whl ignored in .git/info/exclude), then one call each:
+#   (the 1.5B: REAL_MODEL=1.5b on every call below and on step05b-real / repro, the same steps with
+#   qwen2.5-coder-1.5b-instruct: 25 pieces of 44 MiB, converted to /tmp/m15; results tagged step15b-real)
 #   model-piece NN            (carry .rm/pNN) for 01 ... 10
 #   model-setup NN            (carry .rm/pNN .rdata .whl) the last piece, sha256 (then /tmp/model.sha256.ok, which
 #                             repro and step05b-real test), data, convert
@@ -76,7 +78,16 @@
 set -uo pipefail
 cmd="${1:?command}"; shift
 OUT="${OUT:?set OUT}"
-MODEL_SHA=1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32  # qwen2.5-coder-0.5b-instruct.gguf
+# REAL_MODEL=0.5b (default) or 1.5b: which real GGUF the model-* commands join and check, and the real-* /
+# step05b-real / repro commands read (converted to /tmp/m05 or /tmp/m15; the marker holds the checked sha256)
+case "${REAL_MODEL:-0.5b}" in
+0.5b) MODEL_SHA=1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32; MODEL_DIR=/tmp/m05 ;;
+1.5b) MODEL_SHA=cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046; MODEL_DIR=/tmp/m15 ;;
+*) echo "REAL_MODEL must be 0.5b or 1.5b; got ${REAL_MODEL}" >&2; exit 2 ;;
+esac
+model_checked() {  # model-setup wrote the marker after this model's sha256 matched (not the other model's)
+  [ -f /tmp/model.sha256.ok ] && [ "$(cat /tmp/model.sha256.ok)" = "$MODEL_SHA" ]
+}
 
 # -- plumbing -------------------------------------------------------------------------------------
 export PYTHONPATH="/tmp/site:${PYTHONPATH:-}:$PWD" HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1 HUMMING_CACHE_DIR=/tmp/hc \
@@ -163,11 +174,11 @@ repro-tests)
 repro)
   timeout 240 python3 -m bench.bench_repro --processes 3 --model tiny --new 64 --out "$OUT/repro_tiny" "$@" \
     > "$OUT/repro_tiny_log.txt" 2>&1; echo "tiny rc=$?"; tail -4 "$OUT/repro_tiny/repro.md"
-  if [ -f /tmp/model.sha256.ok ]; then  # written by model-setup only after the GGUF's sha256 matched
+  if model_checked; then  # written by model-setup only after the GGUF's sha256 matched
     timeout 320 python3 -m bench.bench_repro --processes 3 --preset real-gsm8k --model /tmp/model.gguf --new 128 --temperature 1.0 \
-      --out "$OUT/repro_real" "$@" > "$OUT/repro_real_log.txt" 2>&1; echo "real 0.5B rc=$?"; tail -4 "$OUT/repro_real/repro.md"
+      --out "$OUT/repro_real" "$@" > "$OUT/repro_real_log.txt" 2>&1; echo "real ${REAL_MODEL:-0.5b} rc=$?"; tail -4 "$OUT/repro_real/repro.md"
   else
-    echo "real 0.5B: skipped (no checked /tmp/model.gguf: run model-piece 01..09 and model-setup 10 first)"
+    echo "real ${REAL_MODEL:-0.5b}: skipped (no checked /tmp/model.gguf of it: run model-piece 01.. and model-setup first)"
   fi
   # at most 8 files come back: repro.md of each run loose, the rest (logs, repro.json, autotune.json) in one archive
   (cd "$OUT" && tar czf repro_logs.tgz --remove-files $(ls ./*_log.txt repro_*/repro.json repro_*/autotune.json \
@@ -183,6 +194,7 @@ unsloth)
 step7b|step-model|step-paper|step-vllm|step05b-real)
   # one bench.bench_step call per table; --budget stops new (format, engine) groups in time for the tail
   tag=$(echo "$cmd" "$@" | tr -s ' :' '--')  # e.g. step7b-nf4-mxfp4: calls of one command keep apart
+  [ "$cmd" = step05b-real ] && [ "${REAL_MODEL:-0.5b}" = 1.5b ] && tag="step15b-real${tag#step05b-real}"
   case " $* " in *bnb-nf4*) bitsandbytes ;; esac  # bitsandbytes' NF4 layers (the field's QLoRA)
   common=(--steps 2 --budget "${STEP_BUDGET:-400}" --limit 540 --out "$OUT/$tag")
   case "$cmd" in
@@ -197,10 +209,10 @@ step7b|step-model|step-paper|step-vllm|step05b-real)
   step-vllm) fmt="${1:?format}"; [ "$fmt" != nf4 ] || bitsandbytes
     args=(--models Qwen2.5-7B --formats "$fmt" --engines static vllm --lengths fixed:512) ;;
   step05b-real) read -r -a fmts <<< "${1:-none nvfp4}"; read -r -a lens <<< "${2:-fixed:512 natural:512}"
-    [ -f /tmp/model.sha256.ok ] && [ -f /tmp/m05/config.json ] \
-      || { echo "step05b-real: no checked and converted real 0.5B (/tmp/m05): run model-setup first" >&2; exit 2; }
+    model_checked && [ -f "$MODEL_DIR/config.json" ] \
+      || { echo "step05b-real: no checked and converted real ${REAL_MODEL:-0.5b} ($MODEL_DIR): run model-setup first" >&2; exit 2; }
     read -r -a engines <<< "${ENGINES:-static}"  # ENGINES="static vllm" after the vLLM pieces' install.sh
-    args=(--models /tmp/m05 --formats "${fmts[@]}" --lengths "${lens[@]}" --prompts 16 --mu 4 --lora-r 16
+    args=(--models "$MODEL_DIR" --formats "${fmts[@]}" --lengths "${lens[@]}" --prompts 16 --mu 4 --lora-r 16
           --engines "${engines[@]}") ;;
   esac
   timeout 560 python3 -m bench.bench_step run "${args[@]}" "${common[@]}" > "$OUT/${tag}_log.txt" 2>&1
@@ -270,20 +282,20 @@ model-setup)
   rm -f /tmp/model.sha256.ok
   cat ".rm/p$n/part" >> /tmp/model.gguf
   echo "$MODEL_SHA  /tmp/model.gguf" | sha256sum -c - || exit 1
-  touch /tmp/model.sha256.ok  # repro and step05b-real test this: the whole file, checked
+  echo "$MODEL_SHA" > /tmp/model.sha256.ok  # repro and step05b-real test this: the whole file, checked
   mkdir -p /tmp/data && cp .rdata/*.jsonl /tmp/data/
   python3 -c "import torch, transformers, gguf; print(torch.__version__, transformers.__version__)"
-  python3 -m bench.real_model convert /tmp/model.gguf /tmp/m05 2>&1 | grep -v "it/s\]" ;;
+  python3 -m bench.real_model convert /tmp/model.gguf "$MODEL_DIR" 2>&1 | grep -v "it/s\]" ;;
 real-eval)
   tag="${EVAL_TAG:-eval}"  # the JSONs travel as one archive ($OUT returns a few files)
-  timeout "${LIMIT_S:-560}" python3 -m bench.real_model eval /tmp/m05 --out "/tmp/$tag" "$@" 2>&1 | grep -v "it/s\]"
+  timeout "${LIMIT_S:-560}" python3 -m bench.real_model eval "$MODEL_DIR" --out "/tmp/$tag" "$@" 2>&1 | grep -v "it/s\]"
   cp "/tmp/$tag/summary.md" "$OUT/$tag-summary.md"; tar czf "$OUT/$tag.tgz" -C /tmp "$tag" ;;
 real-regress)
-  timeout "${LIMIT_S:-560}" python3 -m bench.real_model regress /tmp/m05 --out /tmp/regress "$@" 2>&1 | grep -v "it/s\]"
+  timeout "${LIMIT_S:-560}" python3 -m bench.real_model regress "$MODEL_DIR" --out /tmp/regress "$@" 2>&1 | grep -v "it/s\]"
   cp /tmp/regress/regress.json "$OUT/" ;;
 real-grpo)
   mkdir -p /tmp/grpo
-  timeout "${LIMIT_S:-540}" python3 -m bench.real_grpo run /tmp/m05 --out /tmp/grpo "$@" 2>&1 | grep -v "it/s\]"
+  timeout "${LIMIT_S:-540}" python3 -m bench.real_grpo run "$MODEL_DIR" --out /tmp/grpo "$@" 2>&1 | grep -v "it/s\]"
   python3 -m bench.real_grpo report /tmp/grpo
   mkdir -p "$OUT/grpo" && cp /tmp/grpo/study.md /tmp/grpo/curves.json "$OUT/grpo/" 2>/dev/null
   (cd /tmp/grpo && tar czf "$OUT/grpo/runs.tgz" --exclude='checkpoint-*' */metrics.jsonl */final.json */log.txt 2>/dev/null) ;;

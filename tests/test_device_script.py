@@ -122,10 +122,27 @@ def test_real_model_commands_need_the_checked_model(tmp_path):
     out, env = _fake_env(tmp_path)
     proc = subprocess.run(["bash", str(SCRIPT), "repro"], cwd=SCRIPT.parents[1], capture_output=True, text=True,
                           env=env, timeout=60)
-    assert "real 0.5B: skipped" in proc.stdout and "--model /tmp/model.gguf" not in (out / "calls.txt").read_text()
+    assert "real 0.5b: skipped" in proc.stdout and "--model /tmp/model.gguf" not in (out / "calls.txt").read_text()
     proc = subprocess.run(["bash", str(SCRIPT), "step05b-real"], cwd=SCRIPT.parents[1], capture_output=True,
                           text=True, env=env, timeout=60)
     assert proc.returncode == 2 and "run model-setup first" in proc.stderr
     text = SCRIPT.read_text()
     setup = text[text.index("model-setup)"):text.index("real-eval)")]
-    assert setup.index("sha256sum -c") < setup.index("touch /tmp/model.sha256.ok")  # only after the check
+    assert setup.index("sha256sum -c") < setup.index('"$MODEL_SHA" > /tmp/model.sha256.ok')  # only after the check
+
+
+def test_the_real_model_switch(tmp_path):
+    """REAL_MODEL picks the GGUF whose sha256 model-setup checks and the directory it converts to; a
+    marker of the other model does not count, and an unknown name is refused before anything runs."""
+    out, env = _fake_env(tmp_path)
+    proc = subprocess.run(["bash", str(SCRIPT), "model-piece", "01"], cwd=SCRIPT.parents[1], capture_output=True,
+                          text=True, env={**env, "REAL_MODEL": "7b"}, timeout=60)
+    assert proc.returncode == 2 and "REAL_MODEL must be 0.5b or 1.5b; got 7b" in proc.stderr
+    proc = subprocess.run(["bash", str(SCRIPT), "step05b-real"], cwd=SCRIPT.parents[1], capture_output=True,
+                          text=True, env={**env, "REAL_MODEL": "1.5b"}, timeout=60)
+    assert proc.returncode == 2 and "real 1.5b (/tmp/m15): run model-setup first" in proc.stderr
+    text = SCRIPT.read_text()
+    sums = dict(re.findall(r"^(0\.5b|1\.5b)\) MODEL_SHA=([0-9a-f]{64}); MODEL_DIR=/tmp/m(?:05|15) ;;$", text, re.M))
+    assert sums == {"0.5b": "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
+                    "1.5b": "cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046"}  # fetch-real-model's
+    assert "/tmp/m05" not in text[text.index("model-setup)"):]  # every real-* command reads $MODEL_DIR
