@@ -59,13 +59,12 @@ def _group_counts(groups: int) -> list[int]:
     return sorted({max(1, round(groups / ratio ** k)) for k in range(CANDIDATES)}, reverse=True)
 
 
-def _planner(config, policy, prompt_len: int):
+def _planner(config, shape, prompt_len: int):
     """``plan(rows, keep) -> peak bytes`` for this run, or None (with the reason) when the model's
     config is not one the planner reads."""
     from qerl_kit.config_types import ConfigError
     from qerl_kit.memory_plan import model_shape, plan_memory
 
-    shape = getattr(policy, "config", None)  # a transformers config (a preset name or a dict of its sizes in tests)
     try:
         model_shape(shape)
     except ConfigError as err:
@@ -87,14 +86,18 @@ def _planner(config, policy, prompt_len: int):
     return plan, ""
 
 
-def choose(config, policy, tokenizer, task, *, gpu_bytes: int | None = None, prompt_len: int | None = None,
-           warn: bool = True) -> EngineMemory:
+def choose(config, policy=None, tokenizer=None, task=None, *, shape: Any = None, gpu_bytes: int | None = None,
+           prompt_len: int | None = None, warn: bool = True) -> EngineMemory:
     """The ``EngineMemory`` of a run (``config``: a TrainConfig) on ``policy``; see the module docstring.
-    ``gpu_bytes`` (default: the policy's CUDA device's total memory) and ``prompt_len`` (default: the
-    task's longest prompt, ``Task.longest_prompt``) are seams for tests and notebooks."""
+    Without a policy (a plan before any download) give ``shape`` (a preset name of
+    ``qerl_kit.models.PRESETS`` or a transformers config; default ``policy.config``), ``gpu_bytes``
+    (default: the policy's CUDA device's total memory) and ``prompt_len`` (default: the task's longest
+    prompt, ``Task.longest_prompt``)."""
     from qerl_kit.table import human_bytes
 
     r = config.rollout
+    if policy is None and (shape is None or gpu_bytes is None or (prompt_len is None and task is None)):
+        raise ValueError("choose() without a policy needs shape=, gpu_bytes= and prompt_len= (or task and tokenizer)")
     if r.keep_cache is not None and r.max_rows is not None:
         return EngineMemory(r.keep_cache, r.max_rows, None, "rollout.keep_cache and rollout.max_rows as configured")
     if gpu_bytes is None:
@@ -106,7 +109,7 @@ def choose(config, policy, tokenizer, task, *, gpu_bytes: int | None = None, pro
         gpu_bytes = torch.cuda.get_device_properties(device).total_memory
     if prompt_len is None:
         prompt_len = task.longest_prompt(tokenizer)
-    plan, why = _planner(config, policy, prompt_len)
+    plan, why = _planner(config, getattr(policy, "config", None) if shape is None else shape, prompt_len)
     if plan is None:
         return EngineMemory(r.keep_cache is not False, r.max_rows, None, why)
     rows_options = [r.max_rows] if r.max_rows is not None else \

@@ -34,7 +34,7 @@ LAYERS: list[tuple[str, list[str]]] = [
                          "qerl_kit.optim", "qerl_kit.evaluate", "qerl_kit.old_policy"]),
     ("building", ["qerl_kit.config", "qerl_kit.build", "qerl_kit.checkpoint", "qerl_kit.trainer_state",
                   "qerl_kit.runs", "qerl_kit.distributed", "qerl_kit.grid_dir",
-                  "qerl_kit.step_phases"]),
+                  "qerl_kit.step_phases", "qerl_kit.engine_memory"]),
     ("loop", ["qerl_kit.trainer"]),
     ("entry", ["qerl_kit.cli", "qerl_kit.demo", "qerl_kit.experiments", "qerl_kit.experiment_views",
                "qerl_kit.kernel_report", "qerl_kit.plots", "qerl_kit.widgets", "qerl_kit"]),

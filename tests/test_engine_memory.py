@@ -157,6 +157,14 @@ def test_a_configured_setting_is_kept_and_the_other_is_planned_around_it():
     assert (both.keep_cache, both.max_rows, both.planned_bytes) == (False, 16, None)
 
 
+def test_a_plan_without_a_model_takes_its_shape():
+    cfg = _choose(140)[1]
+    by_shape = engine_memory.choose(cfg, shape="Qwen2.5-32B", gpu_bytes=140 * GiB, prompt_len=200, warn=False)
+    assert by_shape == _choose(140)[0]
+    with pytest.raises(ValueError, match="shape=, gpu_bytes= and prompt_len="):
+        engine_memory.choose(cfg, shape="Qwen2.5-32B", prompt_len=200)
+
+
 def test_many_groups_are_planned_on_a_bounded_grid():
     counts = engine_memory._group_counts(2**17)
     assert len(counts) <= engine_memory.CANDIDATES and counts[0] == 2**17 and counts[-1] == 1
