@@ -165,6 +165,26 @@ def test_a_plan_without_a_model_takes_its_shape():
         engine_memory.choose(cfg, shape="Qwen2.5-32B", prompt_len=200)
 
 
+def test_a_peft_policy_is_planned_from_its_config_and_its_tasks_longest_prompt(tiny):
+    """The Trainer's path on a GPU, with the GPU's size given: the shape from the peft model's config,
+    the prompt length from the task as the rollouts render it."""
+    from qerl_kit.memory_plan import plan_memory as plan
+    from qerl_kit.tasks import make_task
+
+    model, tok = tiny
+    cfg = preset("tiny-cpu", rollout=dict(engine="static", batch_size=16, group_size=4, max_new_tokens=32),
+                 loss=dict(micro_batch=4))
+    task = make_task(cfg.data)
+    longest = task.longest_prompt(tok)
+    sampled = [*task.train[:2000], *task.eval[:2000]]  # the first rows of each split, as vllm_options reads them
+    assert longest == max(len(tok(task.prompt(tok, row), add_special_tokens=False)["input_ids"]) for row in sampled)
+    choice = engine_memory.choose(cfg, model, tok, task, gpu_bytes=80 * GiB, warn=False)
+    want = plan(model.config, fmt="nvfp4", lora_r=cfg.model.lora_r, optimizer=cfg.optim.optimizer, rollout_batch=16,
+                group_size=4, prompt_len=longest, max_new_tokens=32, micro_batch=4, gradient_checkpointing=False,
+                engine="static", humming=False)
+    assert choice.is_default and choice.planned_bytes == want.peak
+
+
 def test_many_groups_are_planned_on_a_bounded_grid():
     counts = engine_memory._group_counts(2**17)
     assert len(counts) <= engine_memory.CANDIDATES and counts[0] == 2**17 and counts[-1] == 1
