@@ -21,7 +21,7 @@
 #                             of tests/data/measured_peaks.json in $OUT (copy it back over the committed one);
 #                             one process per case, MEM_BUDGET (default 420 s) stops new cases; logs in memory/logs.tgz
 #   gpu-tests [FILES]         the GPU-only tests of what was written without a GPU (#45: dense cache, fold, NF4/MXFP4
-#                             kernels, engine groups, memory plan, step bench); FILES replace the default list
+#                             kernels, engine groups, memory plan and engine memory, step bench); FILES replace the default list
 #                             (pytest travels as wheels: python3 -m pip download -d .whl/test pytest; carry .whl)
 #   repro-tests               NVFP4 bit-reproducibility, tests/test_tuning.py compiled: each kernel's bits in two
 #                             processes (humming a non-strict xfail: XPASS means the same bits)
@@ -164,7 +164,7 @@ memory)
 gpu-tests)
   files=("$@"); [ ${#files[@]} -gt 0 ] || files=(tests/test_dense_update.py tests/test_dense_cache_kernels.py
     tests/test_old_policy.py tests/test_lut4_kernels.py tests/test_engine_fused.py tests/test_routes.py
-    tests/test_kernel_report.py tests/test_memory_plan.py tests/test_bench_step.py)
+    tests/test_kernel_report.py tests/test_memory_plan.py tests/test_bench_step.py tests/test_engine_memory.py)
   timeout 540 python3 -m pytest "${files[@]}" -q -rsxX -p no:cacheprovider -W always > "$OUT/gpu_tests_log.txt" 2>&1
   echo "gpu tests rc=$?"; grep -E "^(FAILED|ERROR|XPASS)|UserWarning: .*(differ|max)" "$OUT/gpu_tests_log.txt" | head -30
   tail -2 "$OUT/gpu_tests_log.txt" ;;

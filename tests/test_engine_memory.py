@@ -235,3 +235,32 @@ def test_the_trainer_builds_the_static_engine_with_the_run_settings(tiny, tmp_pa
     assert auto.engine_memory.reason == "not planned on cpu"
     hf = Trainer(model, tok, make_task(cfg.data), preset("tiny-cpu", output_dir=str(tmp_path / "c")), progress="none")
     assert hf.engine_memory is None  # auto on the CPU is transformers' generate: nothing to choose
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_on_a_gpu_the_trainer_plans_the_engine_and_a_freed_cache_gives_its_memory_back(tmp_path):
+    """The Trainer's auto path on CUDA: planned against this GPU (the tiny run fits: the defaults);
+    with keep_cache false the KV cache is gone when the update starts, and the same step's
+    rollouts come out either way."""
+    from qerl_kit.lora import attach_lora
+    from qerl_kit.tasks import make_task
+    from qerl_kit.tiny import load_tiny
+    from qerl_kit.trainer import Trainer
+
+    rows = {}
+    for keep in (None, False):
+        model, tok = load_tiny(quantize="nvfp4", device="cuda", dtype=torch.bfloat16)
+        model = attach_lora(model, r=4, seed=0)
+        cfg = preset("tiny-cpu", output_dir=str(tmp_path / str(keep)), save_every=0,
+                     rollout=dict(engine="static", batch_size=16, group_size=4, max_new_tokens=32, keep_cache=keep))
+        trainer = Trainer(model, tok, make_task(cfg.data), cfg, progress="none")
+        if keep is None:
+            assert trainer.engine_memory.is_default and "planned peak" in trainer.engine_memory.reason
+            assert trainer.engine_memory.planned_bytes <= torch.cuda.get_device_properties(0).total_memory
+        seen = []
+        generate = trainer.engine.generate_ids
+        trainer.engine.generate_ids = lambda *a, **k: seen.append(generate(*a, **k)) or seen[-1]
+        trainer.train_step()
+        assert (trainer.engine._state is None) is (keep is False)
+        rows[keep] = seen[0].completion_ids.cpu()
+    assert torch.equal(rows[None], rows[False])
