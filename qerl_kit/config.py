@@ -177,7 +177,7 @@ class RolloutConfig:
         for key in ("keep_cache", "max_rows"):  # what the StaticEngine alone reads
             _check(getattr(self, key) is None or self.engine in ("auto", "static"), f"rollout.{key}",
                    getattr(self, key), f"null with rollout.engine = {self.engine!r}",
-                   "it sets the static engine (rollout.engine: static, or auto on a GPU)")
+                   "only the static engine reads it: rollout.engine static, or auto on a GPU")
         tokens = self.batch_size * self.max_new_tokens  # a step's completions, each up to max_new_tokens long
         if tokens > TOKENS_PER_STEP_MAX:
             raise ConfigError(f"rollout.batch_size x rollout.max_new_tokens must be <= 2**28 tokens per step (their "

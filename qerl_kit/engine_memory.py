@@ -148,7 +148,12 @@ def static_options(config, policy, tokenizer, task) -> tuple[dict[str, Any], Eng
     StaticEngine on ``policy``; ({}, None) for another backend."""
     from qerl_kit.rollout.registry import resolve_engine
 
-    if resolve_engine(config.rollout.engine, policy) != "static":
+    r = config.rollout
+    if resolve_engine(r.engine, policy) != "static":
+        given = [f"rollout.{k}" for k in ("keep_cache", "max_rows") if getattr(r, k) is not None]
+        if given:  # auto resolved to transformers' generate (the CPU): a GPU config runs here, without them
+            warnings.warn(f"{' and '.join(given)} set the static engine; rollout.engine {r.engine!r} runs "
+                          f"transformers' generate here, which ignores them", stacklevel=3)
         return {}, None
     choice = choose(config, policy, tokenizer, task)
     return {"keep_cache": choice.keep_cache, "max_rows": choice.max_rows}, choice

@@ -235,6 +235,10 @@ def test_the_trainer_builds_the_static_engine_with_the_run_settings(tiny, tmp_pa
     assert auto.engine_memory.reason == "not planned on cpu"
     hf = Trainer(model, tok, make_task(cfg.data), preset("tiny-cpu", output_dir=str(tmp_path / "c")), progress="none")
     assert hf.engine_memory is None  # auto on the CPU is transformers' generate: nothing to choose
+    gpu_config = preset("tiny-cpu", output_dir=str(tmp_path / "d"), rollout=dict(keep_cache=False, max_rows=16))
+    with pytest.warns(UserWarning, match="rollout.keep_cache and rollout.max_rows set the static engine; "
+                                         "rollout.engine 'auto' runs transformers' generate here"):
+        Trainer(model, tok, make_task(cfg.data), gpu_config, progress="none")
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
