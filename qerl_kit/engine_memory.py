@@ -13,8 +13,10 @@ Two switches trade rollout speed for memory (``qerl_kit.rollout.static.engine``)
 (``qerl_kit.memory_plan.plan_memory``: the model's shape, ``model.format``, LoRA rank, optimizer,
 ``loss.micro_batch``, gradient checkpointing, the task's longest prompt, ``rollout.max_new_tokens``
 and group size): the most rows whose planned peak fits the GPU's memory, the cache kept when it
-still fits. The whole batch with the cache kept is the default wherever it fits; a 32B model on one
-H200 at the paper's GSM8K batch (128 x 4096 tokens) decodes 64 rows at a time with the cache freed.
+still fits. The whole batch with the cache kept is the default wherever it fits; a 32B NVFP4 model on
+one H200 at the paper's GSM8K recipe (128 x 4096 tokens, micro-batches of 8) decodes 80 of its 128
+completions at a time with the cache freed (notebook 05, exercise 4). Under data parallelism each
+rank plans its own share of the batch (``world``).
 When no setting fits, the one with the smallest plan is taken (the plan is an upper bound, 1.1-1.3x
 of measured peaks) and the warning says by how much it exceeds the GPU. A setting the config gives
 is kept as given. Off a GPU nothing is planned: the whole batch, the cache kept.
@@ -59,7 +61,7 @@ def _group_counts(groups: int) -> list[int]:
     return sorted({max(1, round(groups / ratio ** k)) for k in range(CANDIDATES)}, reverse=True)
 
 
-def _planner(config, shape, prompt_len: int):
+def _planner(config, shape, prompt_len: int, batch: int):
     """``plan(rows, keep) -> peak bytes`` for this run, or None (with the reason) when the model's
     config is not one the planner reads."""
     from qerl_kit.config_types import ConfigError
@@ -76,8 +78,8 @@ def _planner(config, shape, prompt_len: int):
 
         humming = nvfp4_humming.humming_status()[0]
     settings = dict(fmt=fmt, lora_r=config.model.lora_r, optimizer=config.optim.optimizer,
-                    rollout_batch=r.batch_size, group_size=r.group_size, prompt_len=max(1, prompt_len),
-                    max_new_tokens=r.max_new_tokens, micro_batch=min(config.loss.micro_batch, r.batch_size),
+                    rollout_batch=batch, group_size=r.group_size, prompt_len=max(1, prompt_len),
+                    max_new_tokens=r.max_new_tokens, micro_batch=min(config.loss.micro_batch, batch),
                     gradient_checkpointing=config.model.gradient_checkpointing, engine="static", humming=humming)
 
     def plan(rows: int, keep: bool) -> int:
@@ -87,12 +89,13 @@ def _planner(config, shape, prompt_len: int):
 
 
 def choose(config, policy=None, tokenizer=None, task=None, *, shape: Any = None, gpu_bytes: int | None = None,
-           prompt_len: int | None = None, warn: bool = True) -> EngineMemory:
+           prompt_len: int | None = None, world: int = 1, warn: bool = True) -> EngineMemory:
     """The ``EngineMemory`` of a run (``config``: a TrainConfig) on ``policy``; see the module docstring.
     Without a policy (a plan before any download) give ``shape`` (a preset name of
     ``qerl_kit.models.PRESETS`` or a transformers config; default ``policy.config``), ``gpu_bytes``
     (default: the policy's CUDA device's total memory) and ``prompt_len`` (default: the task's longest
-    prompt, ``Task.longest_prompt``)."""
+    prompt, ``Task.longest_prompt``). ``world``: data-parallel ranks; each decodes and trains on
+    ``rollout.batch_size / world`` completions (``distributed.check_config`` has made that whole groups)."""
     from qerl_kit.table import human_bytes
 
     r = config.rollout
@@ -109,17 +112,18 @@ def choose(config, policy=None, tokenizer=None, task=None, *, shape: Any = None,
         gpu_bytes = torch.cuda.get_device_properties(device).total_memory
     if prompt_len is None:
         prompt_len = task.longest_prompt(tokenizer)
-    plan, why = _planner(config, getattr(policy, "config", None) if shape is None else shape, prompt_len)
+    batch = r.batch_size // world  # this rank's completions
+    plan, why = _planner(config, getattr(policy, "config", None) if shape is None else shape, prompt_len, batch)
     if plan is None:
         return EngineMemory(r.keep_cache is not False, r.max_rows, None, why)
     rows_options = [r.max_rows] if r.max_rows is not None else \
-        [g * r.group_size for g in _group_counts(r.batch_size // r.group_size)]
+        [g * r.group_size for g in _group_counts(batch // r.group_size)]
     keep_options = [r.keep_cache] if r.keep_cache is not None else [True, False]
     planned = [(rows, keep, plan(rows, keep)) for rows in rows_options for keep in keep_options]
     smallest = min(p for _, _, p in planned)
     budget = max(gpu_bytes, smallest)
     rows, keep, peak = next(c for c in planned if c[2] <= budget)  # most rows first, the cache kept first
-    max_rows = None if r.max_rows is None and rows >= r.batch_size else rows
+    max_rows = None if r.max_rows is None and rows >= batch else rows
     fits = f"planned peak {human_bytes(peak)} of the GPU's {human_bytes(gpu_bytes)}"
     if smallest > gpu_bytes:
         reason = (f"no setting fits: the smallest {fits} (the plan is an upper bound, 1.1-1.3x of measured "
@@ -129,23 +133,24 @@ def choose(config, policy=None, tokenizer=None, task=None, *, shape: Any = None,
         reason = fits
     choice = EngineMemory(keep, max_rows, peak, f"keep_cache={keep}, max_rows={max_rows}: {reason}")
     if warn and (not choice.is_default or smallest > gpu_bytes):
-        warnings.warn(f"rollout (auto): {choice.reason}. {_cost(choice, r.batch_size)}", stacklevel=2)
+        warnings.warn(f"rollout (auto): {choice.reason}. {_cost(choice, batch, world)}", stacklevel=2)
     return choice
 
 
-def _cost(choice: EngineMemory, batch: int) -> str:
+def _cost(choice: EngineMemory, batch: int, world: int) -> str:
     """What a non-default choice costs, and how to override it."""
     out = []
     if not choice.keep_cache:
         out.append("the KV cache is freed after each rollout and its decode graphs are captured again each step")
     if choice.max_rows is not None and choice.max_rows < batch:
-        out.append(f"the {batch} completions of a step are decoded {choice.max_rows} at a time")
+        whose = "a step's" if world == 1 else "each rank's"
+        out.append(f"{whose} {batch} completions are decoded {choice.max_rows} at a time")
     return ("; ".join(out) + ". " if out else "") + "Set rollout.keep_cache / rollout.max_rows to choose."
 
 
-def static_options(config, policy, tokenizer, task) -> tuple[dict[str, Any], EngineMemory | None]:
+def static_options(config, policy, tokenizer, task, world: int = 1) -> tuple[dict[str, Any], EngineMemory | None]:
     """(the StaticEngine keyword arguments, the choice) when ``config.rollout.engine`` resolves to the
-    StaticEngine on ``policy``; ({}, None) for another backend."""
+    StaticEngine on ``policy``; ({}, None) for another backend. ``world``: data-parallel ranks."""
     from qerl_kit.rollout.registry import resolve_engine
 
     r = config.rollout
@@ -155,5 +160,5 @@ def static_options(config, policy, tokenizer, task) -> tuple[dict[str, Any], Eng
             warnings.warn(f"{' and '.join(given)} set the static engine; rollout.engine {r.engine!r} runs "
                           f"transformers' generate here, which ignores them", stacklevel=3)
         return {}, None
-    choice = choose(config, policy, tokenizer, task)
+    choice = choose(config, policy, tokenizer, task, world=world)
     return {"keep_cache": choice.keep_cache, "max_rows": choice.max_rows}, choice

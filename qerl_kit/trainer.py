@@ -80,14 +80,15 @@ class Trainer:
             raise ValueError("the model has no trainable parameters; attach LoRA first "
                              "(qerl_kit.lora.attach_lora)")
         self.model, self.tokenizer, self.config, self.task = model, tokenizer, config, task
+        self.dist = distributed.Context.detect()  # world 1 unless launched by torchrun & co
+        distributed.check_config(config, self.dist.world)
         # the StaticEngine's keep_cache / max_rows: as configured, or planned for this GPU (engine_memory)
-        static, self.engine_memory = static_options(config, model, tokenizer, task) if engine is None else ({}, None)
+        static, self.engine_memory = static_options(config, model, tokenizer, task, self.dist.world) \
+            if engine is None else ({}, None)
         self.engine = check_engine(engine) if engine is not None else make_engine(
             config.rollout.engine, model, tokenizer, **engine_options(config.rollout, model, tokenizer, task, config.model.lora_r),
             **static)
         self.progress = progress
-        self.dist = distributed.Context.detect()  # world 1 unless launched by torchrun & co
-        distributed.check_config(config, self.dist.world)
         self.aqn = AQN(config.aqn.sigma_start, config.aqn.sigma_end, config.aqn.stages,
                        config.total_steps, seed=config.seed, resample=config.aqn.resample,
                        allow_increasing=config.aqn.allow_increasing) \

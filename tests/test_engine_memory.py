@@ -125,7 +125,7 @@ def test_on_an_h200_the_32b_paper_batch_takes_the_most_rows_that_fit():
         assert _peak(cfg, rows, False) > gpu * GiB, rows
     if not choice.keep_cache:
         assert _peak(cfg, choice.max_rows, True) > gpu * GiB
-    with pytest.warns(UserWarning, match=rf"decoded {choice.max_rows} at a time") as rec:
+    with pytest.warns(UserWarning, match=rf"a step's 128 completions are decoded {choice.max_rows} at a time") as rec:
         _choose(gpu, warn=True)
     assert "rollout.keep_cache / rollout.max_rows" in str(rec[0].message)
 
@@ -183,6 +183,16 @@ def test_a_peft_policy_is_planned_from_its_config_and_its_tasks_longest_prompt(t
                 group_size=4, prompt_len=longest, max_new_tokens=32, micro_batch=4, gradient_checkpointing=False,
                 engine="static", humming=False)
     assert choice.is_default and choice.planned_bytes == want.peak
+
+
+def test_each_data_parallel_rank_plans_its_share_of_the_batch():
+    cfg = _choose(140)[1]
+    two = engine_memory.choose(cfg, shape="Qwen2.5-32B", gpu_bytes=140 * GiB, prompt_len=200, world=2, warn=False)
+    half, _ = _choose(140, batch_size=64)  # one rank's 64 completions, planned as a run of 64
+    assert (two.keep_cache, two.max_rows, two.planned_bytes) == (half.keep_cache, half.max_rows, half.planned_bytes)
+    assert two.max_rows is None or two.max_rows < 64
+    with pytest.warns(UserWarning, match="each rank's 64 completions"):
+        engine_memory.choose(cfg, shape="Qwen2.5-32B", gpu_bytes=100 * GiB, prompt_len=200, world=2)
 
 
 def test_many_groups_are_planned_on_a_bounded_grid():
