@@ -39,7 +39,10 @@ pass and update) is set per run, ``--dense-cache all`` (default: every 4-bit pro
 fixed figure where the Trainer's auto budget would depend on the free memory), ``auto`` (that budget: for
 models whose dense copy does not fit beside the step, 32B on one H200) or GiB (0: off); the row
 records the setting (``dense_cache``, ``dense_cache_gib``) and the most any step held
-(``dense_cache_held_gib``), which the plan counts.
+(``dense_cache_held_gib``), which the plan counts. Our engine's memory switches are flags too:
+``--keep-cache on|off`` (``rollout.keep_cache``) and ``--max-rows N`` (``rollout.max_rows``: N
+completions decoded at a time, every row still forced to its drawn length); the row and the plan
+record both.
 
 Each (model, format, engine) runs in a fresh process (``--isolate auto``: on a GPU, for honest peaks;
 always for vLLM, whose memory is not given back inside one); a run that fails, runs out of memory or
@@ -169,7 +172,7 @@ def run(args) -> list[dict]:
     rows_path = out / "rows.jsonl"
     rows_path.unlink(missing_ok=True)
     a = {k: getattr(args, k) for k in ("prompts", "group", "prompt_len", "lora_r", "steps", "max_new_tokens",
-                                       "keep_cache", "vllm_memory", "length_seed", "dense_cache")}
+                                       "keep_cache", "max_rows", "vllm_memory", "length_seed", "dense_cache")}
     meta, start, first_line = versions(), time.perf_counter(), len(LOG)  # this call's clock and log lines
     limit = args.budget + 120 if args.limit is None else args.limit
     for cases in plan_cases(args):
@@ -225,6 +228,8 @@ def parser() -> argparse.ArgumentParser:
     r.add_argument("--lora-r", type=int, default=32)
     r.add_argument("--aqn", default="auto", type=_choices("aqn", ("auto", "on", "off")), help="auto: on for nvfp4")
     r.add_argument("--keep-cache", default=True, type=lambda v: _choices("keep-cache", ("on", "off"))(v) == "on")
+    r.add_argument("--max-rows", type=int, default=None,
+                   help="our engine decodes at most this many completions at once (rollout.max_rows); default all")
     r.add_argument("--dense-cache", default="all", type=dense_cache_arg,
                    help="model.dense_cache_gib per run: all (every 4-bit projection's dense copy), auto (the "
                         "Trainer's budget) or GiB (0: off)")
@@ -250,6 +255,9 @@ def main(argv=None) -> int:
                 raise SystemExit(f"--{key.replace('_', '-')} {getattr(args, key)}: must be >= 1")
         if min(args.mu + args.micro_batch) < 1:
             raise SystemExit(f"--mu {args.mu} / --micro-batch {args.micro_batch}: every value must be >= 1")
+        if args.max_rows is not None and (args.max_rows < 1 or args.max_rows % args.group):
+            raise SystemExit(f"--max-rows {args.max_rows}: must be a positive multiple of --group {args.group} "
+                             "(the engine decodes whole groups)")
         run(args)
     elif args.cmd == "report":
         from bench.step_report import report_main

@@ -36,7 +36,8 @@
 # The whole GRPO step per phase (bench.bench_step; 8 prompts x group 8, prompt 256, LoRA r32, the last of
 # two steps; each (format, engine) in its own process; writes $OUT/<command-args>/step.{csv,md,png} and logs.tgz
 # (rows.jsonl and every log: a call returns at most 8 files); merge
-# several calls' tables with `python -m bench.bench_step report DIR... --out MERGED`):
+# several calls' tables with `python -m bench.bench_step report DIR... --out MERGED`; STEP_ARGS adds flags to any
+# of them, e.g. STEP_ARGS="--max-rows 32 --keep-cache off": decoding in turns with the cache freed):
 #   step7b ["FORMATS"] ["CKPT"]   7B, 512 tokens, StaticEngine; FORMATS default "none nvfp4" (also nf4 mxfp4, and
 #                             bnb-nf4: bitsandbytes' NF4, needs .vllm/uns/slim.tgz or .vllm/bnb/*.whl),
 #                             CKPT (gradient checkpointing) default "off on"
@@ -215,7 +216,8 @@ step7b|step-model|step-paper|step-vllm|step05b-real)
     args=(--models "$MODEL_DIR" --formats "${fmts[@]}" --lengths "${lens[@]}" --prompts 16 --mu 4 --lora-r 16
           --engines "${engines[@]}") ;;
   esac
-  timeout 560 python3 -m bench.bench_step run "${args[@]}" "${common[@]}" > "$OUT/${tag}_log.txt" 2>&1
+  read -r -a extra <<< "${STEP_ARGS:-}"  # more bench_step flags, e.g. STEP_ARGS="--max-rows 32 --keep-cache off"
+  timeout 560 python3 -m bench.bench_step run "${args[@]}" "${common[@]}" "${extra[@]}" > "$OUT/${tag}_log.txt" 2>&1
   echo "bench_step rc=$?"; grep -E "step #1|failed|exit|Error" "$OUT/${tag}_log.txt" | grep -v Warning | tail -16
   sed -n '/^## NVFP4/,$p' "$OUT/$tag/step.md" 2>/dev/null | head -30
   # at most 8 files come back: step.csv, step.md and step.png loose; rows.jsonl and every log in one archive

@@ -157,7 +157,8 @@ def plan_gib(peft, case: dict, a: dict, max_len: int, held_gib: float = 0.0) -> 
                            rollout_batch=a["prompts"] * a["group"], prompt_len=a["prompt_len"],
                            max_new_tokens=max_len, micro_batch=case["micro_batch"],
                            gradient_checkpointing=case["gradient_checkpointing"], group_size=a["group"],
-                           engine="static", keep_cache=a["keep_cache"], humming=_humming(case["format"]),
+                           engine="static", keep_cache=a["keep_cache"], max_rows=a["max_rows"],
+                           humming=_humming(case["format"]),
                            dense_cache_bytes=int(held_gib * 2**30))
         return plan.allocated / 2**30, ""
     except Exception as err:  # noqa: BLE001 - a reference figure: say why it is missing
@@ -195,7 +196,8 @@ def case_row(case: dict, a: dict, meta: dict) -> dict:
             "group": a["group"], "rows": rows,
             "prompt_len": "gsm8k" if is_real(case["model"]) else a["prompt_len"], "lora_r": a["lora_r"],
             "mu": case["mu"], "micro_batch": case["micro_batch"], "gradient_checkpointing": case["gradient_checkpointing"],
-            "aqn": case["aqn"], "keep_cache": a["keep_cache"], "dense_cache": a["dense_cache"], "optimizer": "adamw",
+            "aqn": case["aqn"], "keep_cache": a["keep_cache"], "max_rows": a["max_rows"] or rows,
+            "dense_cache": a["dense_cache"], "optimizer": "adamw",
             "seed": case["seed"],
             "steps": a["steps"], "step_index": a["steps"] - 1, "status": "", "error": ""}
 
@@ -257,7 +259,8 @@ def run_group(cases: list[dict], a: dict, meta: dict, rows_path: Path) -> None:
         trainer = engine = None
         try:
             if vllm_engine is None:
-                engine = forced_static(peft, tok, ignore_eos=drawn["lengths"] is not None, keep_cache=a["keep_cache"])
+                engine = forced_static(peft, tok, ignore_eos=drawn["lengths"] is not None, keep_cache=a["keep_cache"],
+                                       max_rows=a["max_rows"])
             else:
                 engine, row["engine_start_s"] = vllm_engine, start
             engine.lengths, engine.ignore_eos = drawn["lengths"], drawn["lengths"] is not None  # per case

@@ -153,7 +153,7 @@ def test_a_run_that_fails_or_whose_process_dies_is_a_row(tmp_path):
     (tmp_path / "c").mkdir()
     cases = bench_step.plan_cases(args)[0]
     a = {k: getattr(args, k) for k in ("prompts", "group", "prompt_len", "lora_r", "steps", "max_new_tokens",
-                                       "keep_cache", "vllm_memory", "length_seed", "dense_cache")}
+                                       "keep_cache", "max_rows", "vllm_memory", "length_seed", "dense_cache")}
     bench_step.run_isolated(cases, a, {"run_id": "t"}, tmp_path / "c", timeout=0.01)
     crashed = bench_step.read_rows(tmp_path / "c" / "rows.jsonl")
     assert [r["status"] for r in crashed] == ["crashed"]
@@ -281,7 +281,7 @@ def test_the_vllm_driven_step_sends_each_row_at_its_drawn_length_through_the_tra
                                            "paper", "--max-new-tokens", "32", "--out", str(tmp_path)])
     cases = bench_step.plan_cases(args)[0]
     a = {k: getattr(args, k) for k in ("prompts", "group", "prompt_len", "lora_r", "steps", "max_new_tokens",
-                                       "keep_cache", "vllm_memory", "length_seed", "dense_cache")}
+                                       "keep_cache", "max_rows", "vllm_memory", "length_seed", "dense_cache")}
     peft, tok = step_group.build_policy("qwen2-tiny", "nvfp4", "cpu", 4)
     engine = step_group.vllm_for(peft, tok, "nvfp4", a, cases, tmp_path, None)
     assert engine.llm.kwargs["max_model_len"] == 64 and engine.llm.kwargs["skip_tokenizer_init"] is True
@@ -314,7 +314,7 @@ def test_the_plan_bounds_what_ran_and_vllm_rows_have_none():
     from qerl_kit.memory_plan import plan_memory
 
     peft = with_lora(build("qwen2-tiny", "nvfp4", "cpu"), 4)
-    a = dict(lora_r=4, prompts=2, group=2, prompt_len=8, keep_cache=True)
+    a = dict(lora_r=4, prompts=2, group=2, prompt_len=8, keep_cache=True, max_rows=None)
     case = dict(format="nvfp4", engine="static", micro_batch=2, gradient_checkpointing=False)
     none, note = step_group.plan_gib(peft, case, a, 16)
     held, _ = step_group.plan_gib(peft, case, a, 16, held_gib=0.5)
@@ -326,6 +326,28 @@ def test_the_plan_bounds_what_ran_and_vllm_rows_have_none():
     nan, why = step_group.plan_gib(peft, dict(case, engine="vllm"), a, 16)
     assert math.isnan(nan) and "vllm" in why
     assert step_group.dense_cache_gib(peft, "all") > 0 and step_group.dense_cache_gib(peft, "1.5") == 1.5
+
+
+def test_decoding_in_turns_is_a_setting_of_the_row_and_the_plan(tmp_path):
+    """--max-rows (rollout.max_rows): the engine decodes that many completions at a time, with every
+    row still forced to its drawn length; the row and the plan say so; a value that splits a group
+    is refused."""
+    from bench.common import build, with_lora
+
+    rows = _run(tmp_path / "m", "--formats", "nvfp4", "--lengths", "paper", "--max-new-tokens", "16",
+                "--max-rows", "2", "--keep-cache", "off", "--isolate", "off")
+    assert rows[0]["status"] == "ok" and rows[0]["max_rows"] == "2" and rows[0]["keep_cache"] == "False"
+    assert math.isclose(float(rows[0]["measured_mean_length"]), float(rows[0]["mean_length"]))  # both turns forced
+    whole = _run(tmp_path / "w", "--formats", "nvfp4", "--isolate", "off", "--max-new-tokens", "16")
+    assert whole[0]["max_rows"] == "4"  # the step.csv's strings
+    peft = with_lora(build("qwen2-tiny", "nvfp4", "cpu"), 4)
+    case = dict(format="nvfp4", engine="static", micro_batch=2, gradient_checkpointing=False)
+    a = dict(lora_r=4, prompts=2, group=2, prompt_len=8, keep_cache=True)
+    turns, _ = step_group.plan_gib(peft, case, {**a, "max_rows": 2}, 16)
+    at_once, _ = step_group.plan_gib(peft, case, {**a, "max_rows": None}, 16)
+    assert turns < at_once
+    with pytest.raises(SystemExit, match="--max-rows 3: must be a positive multiple of --group 2"):
+        bench_step.main(["run", *TINY, "--max-rows", "3", "--out", str(tmp_path / "x")])
 
 
 def test_step_md_states_the_peak_and_plan_and_the_untied_real_model():

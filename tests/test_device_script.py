@@ -52,12 +52,17 @@ def test_step_commands_call_the_step_bench_with_their_table_settings(tmp_path):
         proc = subprocess.run(["bash", str(SCRIPT), *args], cwd=SCRIPT.parents[1], capture_output=True, text=True,
                               env=env, timeout=60)
         assert "bench_step rc=0" in proc.stdout, proc.stdout + proc.stderr
+    proc = subprocess.run(["bash", str(SCRIPT), "step-model", "Qwen2.5-14B", "nvfp4"], cwd=SCRIPT.parents[1],
+                          capture_output=True, text=True, env={**env, "STEP_ARGS": "--max-rows 32 --keep-cache off"},
+                          timeout=60)
+    assert "bench_step rc=0" in proc.stdout, proc.stdout + proc.stderr
     calls = [c for c in (out / "calls.txt").read_text().splitlines() if c.startswith("-m bench.bench_step run")]
     assert calls[0] == ("-m bench.bench_step run --models Qwen2.5-7B --formats nvfp4 --lengths paper --prompts 16 "
                         f"--gradient-checkpointing on --mu 4 --steps 2 --budget 400 --limit 540 --out {out}/step-paper-nvfp4-4")
     assert "--formats none nvfp4 --lengths fixed:512 --gradient-checkpointing off on" in calls[1]
     assert "--models Qwen2.5-32B --formats nvfp4 --lengths fixed:512 --gradient-checkpointing on" in calls[2]
     assert calls[1].endswith(f"--out {out}/step7b") and calls[2].endswith(f"--out {out}/step-model-Qwen2.5-32B-nvfp4")
+    assert calls[3].endswith(f"--out {out}/step-model-Qwen2.5-14B-nvfp4 --max-rows 32 --keep-cache off")
 
 
 FAKE_PYTHON = r'''#!/bin/bash

@@ -372,6 +372,22 @@ def test_forced_lengths_end_rows_there_with_and_without_compaction(tiny):
         StaticEngine(model, tok).generate_ids(prompts, 2, sp, stop_after=[3] * 7)
 
 
+def test_forced_lengths_follow_their_rows_into_batches_of_max_rows(tiny):
+    """stop_after with max_rows (decoding in turns): each batch takes its own rows' lengths, the padded
+    last batch included, and greedy outputs are those of one whole batch."""
+    model, tok = tiny
+    prompts = _arith_prompts(tok, 5)
+    lengths = [3, 17, 9, 1, 30, 5, 12, 2, 7, 21]
+    sp = SamplingParams(max_new_tokens=32, temperature=0)
+    whole = StaticEngine(model, tok).generate_ids(prompts, 2, sp, ignore_eos=True, stop_after=lengths)
+    for max_rows in (4, 6):  # 6: batches of 3 prompts, the last one (2 prompts) padded
+        split = StaticEngine(model, tok, max_rows=max_rows).generate_ids(prompts, 2, sp, ignore_eos=True,
+                                                                      stop_after=lengths)
+        assert split.completion_mask.sum(1).tolist() == lengths and split.stopped.all()
+        width = whole.completion_ids.shape[1]
+        assert torch.equal(split.completion_ids[:, :width], whole.completion_ids)
+
+
 def test_a_registered_engine_is_made_by_name(tiny, monkeypatch):
     from qerl_kit.rollout import registry
 

@@ -151,8 +151,6 @@ class StaticEngine(ModelEngine):
             if len(stop_after) != len(prompt_ids) * n or min(stop_after) < 1:
                 raise ValueError(f"stop_after needs one length >= 1 per row ({len(prompt_ids) * n}); got "
                                  f"{len(stop_after)} values, smallest {min(stop_after, default=None)}")
-            if self.max_rows is not None and self.max_rows < len(prompt_ids) * n:
-                raise ValueError("stop_after needs all rows in one batch (max_rows=None)")
         per_batch = len(prompt_ids) if self.max_rows is None else max(1, self.max_rows // n)
         parts = []
         self.decoder.refresh()  # the fused weight copies follow the model's weights
@@ -160,9 +158,11 @@ class StaticEngine(ModelEngine):
             for i in range(0, len(prompt_ids), per_batch):
                 chunk = prompt_ids[i:i + per_batch]
                 real = len(chunk)
+                forced = None if stop_after is None else stop_after[i * n:(i + real) * n]  # this batch's rows
                 if real < per_batch < len(prompt_ids):  # pad the last batch: same shape, same graphs
                     chunk = chunk + [chunk[-1]] * (per_batch - real)
-                out = self._generate_batch(chunk, n, sampling, ignore_eos, stop_after)
+                    forced = None if forced is None else forced + forced[-n:] * (per_batch - real)
+                out = self._generate_batch(chunk, n, sampling, ignore_eos, forced)
                 parts.append(out if real == len(chunk) else out.head(real * n))
         if not self.keep_cache:
             self.reset()
