@@ -85,6 +85,10 @@ def _planner(config, shape, prompt_len: int, batch: int):
     def plan(rows: int, keep: bool) -> int:
         return int(plan_memory(shape, keep_cache=keep, max_rows=rows, **settings).peak)
 
+    try:  # a setting the planner refuses (a format it has no size for, say) must not stop the run
+        plan(r.group_size, False)
+    except (ConfigError, ValueError) as err:
+        return None, f"no memory plan for this run ({err})"
     return plan, ""
 
 

@@ -195,6 +195,17 @@ def test_each_data_parallel_rank_plans_its_share_of_the_batch():
         engine_memory.choose(cfg, shape="Qwen2.5-32B", gpu_bytes=100 * GiB, prompt_len=200, world=2)
 
 
+def test_a_run_the_planner_refuses_keeps_the_defaults(monkeypatch):
+    from qerl_kit import memory_plan
+
+    def refuse(*a, **k):
+        raise memory_plan.ConfigError("fmt 'mine' has no bits per weight", "fmt", "mine", "a known format")
+
+    monkeypatch.setattr(memory_plan, "plan_memory", refuse)
+    choice, _ = _choose(1)
+    assert choice.is_default and choice.planned_bytes is None and "no memory plan for this run" in choice.reason
+
+
 def test_many_groups_are_planned_on_a_bounded_grid():
     counts = engine_memory._group_counts(2**17)
     assert len(counts) <= engine_memory.CANDIDATES and counts[0] == 2**17 and counts[-1] == 1
