@@ -35,13 +35,18 @@ constant lr, betas (0.9, 0.99), no weight decay, clip 0.2, gradient norm 1, temp
   vLLM sharing the training model's 4-bit weights, the adapter sent as a LoRA request (no weight push).
 - **Gradient checkpointing.** trl-*: the Trainer's (transformers' checkpointing, TRL's reentrant setting);
   unsloth: `use_gradient_checkpointing="unsloth"` (its offloaded checkpointing), the Trainer's off.
-- **Old-policy log-probs.** mu = 1: TRL takes them from the update's own forward (no extra pass, as
-  qerl_kit's `old_logp = fold`); mu > 1: a separate no-grad pass inside the rollout, counted in rollout s.
+- **Old-policy log-probs.** mu = 1 on transformers' generate: TRL takes them from the update's own forward
+  (no extra pass, as qerl_kit's `old_logp = fold`); mu > 1, or any vLLM generation (TRL's importance-sampling
+  correction against vLLM's sampling log-probs, on by default): a separate no-grad pass inside the rollout,
+  counted in rollout s (the "extra log-prob pass" column). TRL's defaults are kept: they are the field's step.
+- **Arguments a stack rewrote.** "args changed" names every batch, loss or optimizer argument the trainer
+  holds after construction that differs from what was asked (Unsloth adjusts some); "none" is the same step.
 - **Phases.** rollout s = TRL's `_generate_and_score_completions`: generation (generate s), rewards,
   advantages (bench_step's `other`) and, for mu > 1, that log-prob pass; update s = step s - rollout s: the
   micro-batches' forward + backward and the optimizer. bench_step's step s has the same bounds.
-- **Memory.** peak GiB = `torch.cuda.max_memory_allocated` over the step; a vLLM engine's pool (set by
-  `--vllm-memory`) is allocated through torch once, before the steps, so it counts in every step's peak.
+- **Memory.** peak GiB = `torch.cuda.max_memory_allocated` over the step (the counter reset at its start):
+  what torch's allocator holds, so a vLLM engine's KV pool (`--vllm-memory` of the GPU) counts only as far
+  as vLLM allocates it through torch; compare peaks across generation engines with care.
 """
 
 
@@ -63,7 +68,7 @@ def summary(rows: list[dict]) -> list[dict]:
     out = {}
     for r in rows:
         st = out.setdefault(r["stack"], dict(stack=r["stack"], steps=[], warm=None, status=r.get("status"),
-                                             error=r.get("error", ""), first=r))
+                                             error=r.get("error", ""), first=r))  # a stack's rows agree on settings
         if r.get("status") != "ok":
             st.update(status=r.get("status"), error=r.get("error", ""))
         elif r.get("warmup"):
@@ -82,6 +87,10 @@ def summary(rows: list[dict]) -> list[dict]:
     return list(out.values())
 
 
+def _yes(v) -> str:
+    return "–" if v is None else "yes" if v else "no"
+
+
 def generation(r: dict) -> str:
     if r["stack"] != "unsloth" and r.get("trl_vllm") == "colocate":
         return "vLLM (TRL colocate, weights pushed)"
@@ -90,8 +99,8 @@ def generation(r: dict) -> str:
 
 def runs_table(rows: list[dict]) -> list[str]:
     lines = ["| stack | base | generation | step s | rollout s | of it generate s | update s | tokens/s | "
-             "peak GiB | warm-up step s | completion lengths | status |",
-             "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---|---|"]
+             "peak GiB | warm-up step s | completion lengths | extra log-prob pass | args changed | status |",
+             "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---|---|---|---|"]
     for st in summary(rows):
         r = st["first"]
         lo, hi = st["length_range"]
@@ -100,7 +109,9 @@ def runs_table(rows: list[dict]) -> list[str]:
         lines.append(f"| {st['stack']} | {BASE.get(st['stack'], '?')} | {generation(r)} | {_f(st['step_s'])} | "
                      f"{_f(st['rollout_s'])} | {_f(st['generate_s'])} | {_f(st['update_s'])} | "
                      f"{_f(st['tokens_per_s'], '.0f')} | {_f(st['peak_gib'])} | "
-                     f"{_f(st['warm']['step_s'] if st['warm'] else math.nan)} | {lengths} | {status} |")
+                     f"{_f(st['warm']['step_s'] if st['warm'] else math.nan)} | {lengths} | "
+                     f"{_yes(r.get('old_logp_pass'))} | {', '.join(r.get('args_changed') or []) or 'none'} | "
+                     f"{status} |")
     return lines
 
 

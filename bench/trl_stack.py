@@ -238,6 +238,25 @@ def cycle_rows(clock, s: dict, log_history: list[dict]) -> list[dict]:
     return rows
 
 
+def effective(trainer, s: dict) -> dict:
+    """What the trainer really runs with (Unsloth rewrites some of TRL's arguments): the batch geometry, loss,
+    optimizer and precision as its ``args`` hold them after construction, ``args_changed`` naming each that is
+    not what this bench asked for, and ``old_logp_pass``: whether TRL adds a no-grad log-prob pass to each
+    rollout (mu > 1, or vLLM's importance-sampling correction, on by default in TRL)."""
+    a, rows = trainer.args, s["prompts"] * s["group"]
+    want = dict(per_device_train_batch_size=s["micro_batch"], gradient_accumulation_steps=rows // s["micro_batch"],
+                generation_batch_size=rows, num_generations=s["group"], num_iterations=s["mu"], beta=0.0,
+                loss_type=s["loss"], learning_rate=s["lr"], max_completion_length=s["new"], optim="adamw_torch")
+    got = {k: getattr(a, k, None) for k in want}
+    got["optim"] = str(getattr(got["optim"], "value", got["optim"]))
+    every = a.steps_per_generation * a.num_iterations
+    vllm_is = bool(getattr(trainer, "use_vllm", False) and getattr(trainer, "vllm_importance_sampling_correction", False))
+    return dict(args_changed=sorted(k for k in want if got[k] != want[k]), effective_args=got,
+                old_logp_pass=a.gradient_accumulation_steps % every != 0 or vllm_is,
+                vllm_is_correction=vllm_is, trainer_class=type(trainer).__name__,
+                gradient_checkpointing_trainer=bool(a.gradient_checkpointing), bf16=bool(a.bf16))
+
+
 def run_stack(s: dict, model_dir: str, work: Path):
     """Build, train ``steps`` rollout cycles, return (result rows, trainer). The rows carry ``lora_max_change``
     (the largest change of any LoRA weight over the run: 0 would mean no optimizer step reached it)."""
@@ -251,7 +270,8 @@ def run_stack(s: dict, model_dir: str, work: Path):
     rows = cycle_rows(clock, s, trainer.state.log_history)
     if len(rows) != s["steps"]:
         raise RuntimeError(f"stack {s['stack']}: {len(rows)} rollout cycles timed, wanted --steps {s['steps']}")
+    extra = effective(trainer, s)
     for r in rows:
         r.update(lora_max_change=change, lora_tensors=len(before), model_class=type(trainer.model).__name__,
-                 optimizer_steps=trainer.state.global_step)
+                 optimizer_steps=trainer.state.global_step, **extra)
     return rows, trainer

@@ -72,9 +72,12 @@ def test_trl_bf16_trains_the_tiny_model_with_exact_lengths_and_timed_steps(tmp_p
 
     assert r["trl"] == version("trl") and r["transformers"] == version("transformers") and r["date"]
     assert r["model_class"] == "PeftModelForCausalLM" and r["lora_tensors"] == 4 * 7 * 2  # 4 layers x 7 x (A, B)
+    # TRL kept every argument asked for; mu 2 with 2 micro-batches per rollout: TRL's own old-log-prob pass
+    assert r["trainer_class"] == "GRPOTrainer" and r["args_changed"] == [] and r["old_logp_pass"] is True
+    assert r["effective_args"]["gradient_accumulation_steps"] == 2 and r["effective_args"]["optim"] == "adamw_torch"
     md = (tmp_path / "step.md").read_text()
     line = next(ln for ln in md.splitlines() if ln.startswith("| trl-bf16 |"))
-    assert "6-6 (all exact)" in line and line.endswith("| ok |")
+    assert "6-6 (all exact) | yes | none | ok |" in line
     # the table's step s is the mean of the steps after the warm-up (here the one second step)
     assert f"| {rows[1]['step_s']:.2f} |" in line and f"| {rows[0]['step_s']:.2f} |" in line
     assert "--lengths fixed:6 --prompts 2 --group 2 --prompt-len 12 --micro-batch 2 --mu 2" in md
@@ -160,7 +163,7 @@ def _gpu_stack(tmp_path, stack, *extra):
 @pytest.mark.skipif(NO_TRL or importlib.util.find_spec("bitsandbytes") is None, reason="needs trl and bitsandbytes")
 def test_gpu_trl_nf4_qlora_trains_with_exact_lengths(tmp_path):
     rows = _gpu_stack(tmp_path, "trl-nf4")
-    assert rows[0]["bitsandbytes"] != "not installed"
+    assert rows[0]["bitsandbytes"] != "not installed" and rows[0]["args_changed"] == []
 
 
 @needs_cuda
@@ -174,4 +177,5 @@ def test_gpu_trl_bf16_with_vllm_colocate_trains_with_exact_lengths(tmp_path):
                     reason="needs unsloth and vLLM (bench/make_unsloth_carry.sh)")
 def test_gpu_unsloth_grpo_trains_with_exact_lengths(tmp_path):
     rows = _gpu_stack(tmp_path, "unsloth", "--vllm-memory", "0.2")
-    assert rows[0]["unsloth"] != "not installed"
+    assert rows[0]["unsloth"] != "not installed" and "Unsloth" in rows[0]["trainer_class"]  # the patched trainer
+    print("unsloth rewrote:", rows[0]["args_changed"], rows[0]["effective_args"])  # recorded, not refused
