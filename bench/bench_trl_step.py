@@ -6,7 +6,8 @@
         [--gradient-checkpointing on|off] [--steps 3] [--loss grpo|dapo] [--trl-vllm off|colocate]
 
 The model: a ``qerl_kit.models`` preset's shape with random bf16 weights written once as a checkpoint with a
-byte-level word tokenizer (``bench.random_checkpoint``, in $TMPDIR; removed at the end), ``tiny`` (the
+byte-level word tokenizer (``bench.random_checkpoint``, in $TMPDIR and removed at the end, or kept under
+``--keep-checkpoint DIR`` for the next call), ``tiny`` (the
 shipped tiny model, CPU tests) or a model directory (e.g. the real 0.5B ``bench/device.sh model-setup``
 converts to /tmp/m05). Every stack loads that same directory.
 
@@ -79,6 +80,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--budget", type=float, default=420.0, help="seconds after which no new stack starts")
     p.add_argument("--limit", type=float, default=None, help="seconds after which a stack's process is killed "
                    "(default budget + 120)")
+    p.add_argument("--keep-checkpoint", default=None, metavar="DIR",
+                   help="write a preset's random checkpoint under DIR and keep it; a later call reuses it (same "
+                        "seed, same weights); default: a temp dir removed at the end")
     p.add_argument("--isolate", default="on", type=_choice("isolate", ("on", "off")),
                    help="on: each stack in a fresh process (off: this one; tests)")
     return p
@@ -133,9 +137,13 @@ def model_dir(a, work: Path) -> tuple[str, dict]:
         return str(TINY_DIR), {"model_source": "the shipped tiny model"}
     if Path(a.model).expanduser().is_dir():
         return str(Path(a.model).expanduser()), {"model_source": "a model directory"}
-    d = work / "model"
+    d = (Path(a.keep_checkpoint) if a.keep_checkpoint else work) / f"random-{a.model}"
+    spec = d / "bench_checkpoint.json"  # written last: its presence means the checkpoint is whole
+    if spec.exists() and json.loads(spec.read_text()).get("preset") == a.model:  # seed 0: the same weights
+        return str(d), {"model_source": "random bf16 weights of the preset's shape (reused)",
+                        **json.loads(spec.read_text())}
+    shutil.rmtree(d, ignore_errors=True)
     d.mkdir(parents=True)
-    spec = work / "checkpoint.json"
     if a.isolate == "on":  # a fresh process: this one must hold no CUDA context while the stacks run
         rc = subprocess.run([sys.executable, "-m", "bench.bench_trl_step", "--checkpoint", a.model, str(d), str(spec)],
                             env={**os.environ, "PYTHONUNBUFFERED": "1"}).returncode
@@ -152,7 +160,7 @@ def write_checkpoint(preset: str, path: str, spec: Path) -> None:
     from bench.random_checkpoint import write_random_checkpoint
 
     info = write_random_checkpoint(preset, path, "cuda" if torch.cuda.is_available() else "cpu")
-    spec.write_text(json.dumps(info))
+    spec.write_text(json.dumps({"preset": preset, **info}))
 
 
 def failure(err: BaseException) -> dict:

@@ -95,6 +95,24 @@ def test_a_stack_that_fails_or_is_killed_or_skipped_is_a_row(tmp_path):
     assert "| trl-nf4 |" in md and "skipped: the call's --budget" in md
 
 
+def test_a_kept_random_checkpoint_is_reused_by_the_next_call(tmp_path):
+    keep = tmp_path / "keep"
+    argv = ["--model", "qwen2-tiny", "--stacks", "trl-bf16", "--budget", "0", "--isolate", "off",
+            "--keep-checkpoint", str(keep)]
+    assert bench_trl_step.main([*argv, "--out", str(tmp_path / "a")]) == 0
+    first = json.loads((tmp_path / "a" / "rows.jsonl").read_text().splitlines()[0])
+    ckpt = keep / "random-qwen2-tiny"
+    assert first["model_source"] == "random bf16 weights of the preset's shape" and first["vocab"] == 512
+    assert (ckpt / "config.json").exists() and (ckpt / "tokenizer.json").exists()
+    stamp = (ckpt / "model.safetensors").stat().st_mtime_ns
+    assert bench_trl_step.main([*argv, "--out", str(tmp_path / "b")]) == 0
+    second = json.loads((tmp_path / "b" / "rows.jsonl").read_text().splitlines()[0])
+    assert second["model_source"].endswith("(reused)") and (ckpt / "model.safetensors").stat().st_mtime_ns == stamp
+    (ckpt / "bench_checkpoint.json").unlink()  # an unfinished write: written again
+    assert bench_trl_step.main([*argv, "--out", str(tmp_path / "c")]) == 0
+    assert (ckpt / "bench_checkpoint.json").exists() and (ckpt / "model.safetensors").stat().st_mtime_ns != stamp
+
+
 def _refused(argv, capsys):
     with pytest.raises(SystemExit) as e:
         a = bench_trl_step.parser().parse_args(["--out", "x", *argv])

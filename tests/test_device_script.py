@@ -161,7 +161,8 @@ def test_step_trl_runs_the_trl_bench_at_step7b_shapes_and_archives_its_logs(tmp_
     tag = "step-trl-trl-nf4-trl-bf16-unsloth-Qwen2.5-7B"
     assert call == ("-m bench.bench_trl_step --stacks trl-nf4 trl-bf16 unsloth --model Qwen2.5-7B --prompts 8 "
                     "--group 8 --new 512 --prompt-len 256 --micro-batch 8 --mu 1 --lora-r 32 "
-                    f"--gradient-checkpointing on --steps 3 --budget 400 --limit 540 --out {out}/{tag}")
+                    "--gradient-checkpointing on --steps 3 --budget 400 --limit 540 --keep-checkpoint /dev/shm/trl-ckpt "
+                    f"--out {out}/{tag}")
     files = _files(out)
     assert len(files) <= 8 and {p.name for p in files} == {"step.md", "logs.tgz"}, files
     with tarfile.open(out / tag / "logs.tgz") as t:
