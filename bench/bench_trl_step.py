@@ -35,6 +35,7 @@ import argparse
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -210,12 +211,20 @@ def stack_isolated(s: dict, path: str, work: Path, rows_path: Path, base: dict, 
     log_path = rows_path.parent / f"{s['stack']}_log.txt"
     before = len(read_rows(rows_path))
     with open(log_path, "w") as logf:
+        # a session of its own: at the limit the whole group goes (vLLM may start engine processes of its own,
+        # which would otherwise keep their GPU memory through the next stack)
+        proc = subprocess.Popen([sys.executable, "-m", "bench.bench_trl_step", "--worker", str(spec), str(rows_path)],
+                                stdout=logf, stderr=subprocess.STDOUT, start_new_session=True,
+                                env={**os.environ, "PYTHONUNBUFFERED": "1"})
         try:
-            rc = subprocess.run([sys.executable, "-m", "bench.bench_trl_step", "--worker", str(spec), str(rows_path)],
-                                stdout=logf, stderr=subprocess.STDOUT, timeout=max(timeout, 1),
-                                env={**os.environ, "PYTHONUNBUFFERED": "1"}).returncode
+            rc = proc.wait(timeout=max(timeout, 1))
         except subprocess.TimeoutExpired:
             rc = "timeout (killed at --limit)"
+        try:  # the worker's group: whatever it left running (after os._exit too) holds no GPU memory any more
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        proc.wait()
     if len(read_rows(rows_path)) == before:
         lines = [ln for ln in log_path.read_text(errors="replace").splitlines() if ln.strip()]
         last = next((ln for ln in reversed(lines) if "Error" in ln or "error" in ln), lines[-1] if lines else "")
