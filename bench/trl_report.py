@@ -35,6 +35,9 @@ constant lr, betas (0.9, 0.99), no weight decay, clip 0.2, gradient norm 1, temp
   vLLM sharing the training model's 4-bit weights, the adapter sent as a LoRA request (no weight push).
 - **Gradient checkpointing.** trl-*: the Trainer's (transformers' checkpointing, TRL's reentrant setting);
   unsloth: `use_gradient_checkpointing="unsloth"` (its offloaded checkpointing), the Trainer's off.
+- **Loss and log-prob kernels.** trl-*: TRL's own (a Triton kernel computes the log-probs in vocabulary
+  chunks, never the full logits); unsloth: the forward, log-prob and loss code Unsloth patches into TRL's
+  trainer (its chunked GRPO loss). Each is the stack's default; none is changed here.
 - **Old-policy log-probs.** mu = 1 on transformers' generate: TRL takes them from the update's own forward
   (no extra pass, as qerl_kit's `old_logp = fold`); mu > 1, or any vLLM generation (TRL's importance-sampling
   correction against vLLM's sampling log-probs, on by default): a separate no-grad pass inside the rollout,

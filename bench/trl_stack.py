@@ -254,6 +254,8 @@ def effective(trainer, s: dict) -> dict:
     return dict(args_changed=sorted(k for k in want if got[k] != want[k]), effective_args=got,
                 old_logp_pass=a.gradient_accumulation_steps % every != 0 or vllm_is,
                 vllm_is_correction=vllm_is, trainer_class=type(trainer).__name__,
+                # Unsloth's own checkpointing setting ("unsloth", True or False), which its trainer follows
+                unsloth_gradient_checkpointing=str(getattr(trainer.model, "_unsloth_gradient_checkpointing", None)),
                 gradient_checkpointing_trainer=bool(a.gradient_checkpointing), bf16=bool(a.bf16))
 
 
