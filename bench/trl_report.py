@@ -94,6 +94,10 @@ def _yes(v) -> str:
     return "–" if v is None else "yes" if v else "no"
 
 
+def _changed(names) -> str:
+    return "–" if names is None else ", ".join(names) or "none"
+
+
 def generation(r: dict) -> str:
     if r["stack"] != "unsloth" and r.get("trl_vllm") == "colocate":
         return "vLLM (TRL colocate, weights pushed)"
@@ -113,7 +117,7 @@ def runs_table(rows: list[dict]) -> list[str]:
                      f"{_f(st['rollout_s'])} | {_f(st['generate_s'])} | {_f(st['update_s'])} | "
                      f"{_f(st['tokens_per_s'], '.0f')} | {_f(st['peak_gib'])} | "
                      f"{_f(st['warm']['step_s'] if st['warm'] else math.nan)} | {lengths} | "
-                     f"{_yes(r.get('old_logp_pass'))} | {', '.join(r.get('args_changed') or []) or 'none'} | "
+                     f"{_yes(r.get('old_logp_pass'))} | {_changed(r.get('args_changed'))} | "
                      f"{status} |")
     return lines
 

@@ -151,6 +151,7 @@ def test_the_table_reports_the_mean_after_the_warm_up_and_each_failure():
     assert f"| {sum(times[1:]) / 3:.2f} |" in line and f"| {times[0]:.2f} |" in line  # mean of 2..4, warm-up apart
     assert "vLLM (TRL colocate, weights pushed)" in line and "5-5 (all exact)" in line
     assert "oom: OutOfMemoryError: CUDA out of memory / tried" in md  # the cell keeps the table's columns
+    assert "| – | – | oom:" in md  # a failed stack has no log-prob pass or argument figures to show
     short = dict(ok[1], completion_len_min=3, lengths_ok=False)
     assert "3-5 (NOT exact)" in trl_report.markdown([ok[0], short])
 
