@@ -146,7 +146,8 @@ def markdown(rows: list[dict]) -> str:
     out = ["# The field's GRPO step (TRL / Unsloth) at bench_step's shapes", "",
            f"{r.get('date')}, GPU {r.get('gpu')}; {versions}.", "", f"Settings: {settings}.", "",
            "Each stack ran in its own process; times are the mean of the steps after the first (the warm-up, "
-           "shown apart), CUDA-synchronised wall clock per rollout cycle (mu optimizer steps).", "",
+           "shown apart), CUDA-synchronised wall clock per rollout cycle (mu optimizer steps); tokens/s = completion "
+           "tokens (rows x new) per second of the whole step.", "",
            *runs_table(rows), "", "Same shapes on qerl_kit's Trainer: " + compare_line(r), "", DIFFERENCES]
     return "\n".join(out)
 
