@@ -272,8 +272,18 @@ def run(a) -> list[dict]:
     return rows
 
 
+def offline_env() -> None:
+    """No network on the GPU machine (as bench.probe_unsloth): hub, telemetry and usage-stat calls stay local.
+    Set before any HF, Unsloth or vLLM import of this process; the workers inherit it."""
+    for k, v in dict(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", HF_DATASETS_OFFLINE="1",
+                     HF_HUB_DISABLE_TELEMETRY="1", UNSLOTH_DISABLE_STATISTICS="1", VLLM_NO_USAGE_STATS="1",
+                     DO_NOT_TRACK="1", TOKENIZERS_PARALLELISM="false").items():
+        os.environ.setdefault(k, v)
+
+
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    offline_env()
     if argv[:1] == ["--worker"]:  # internal: one stack in this process
         spec = json.loads(Path(argv[1]).read_text())
         stack_in_process(spec["settings"], spec["model_dir"], Path(argv[1]).parent, Path(argv[2]), spec["base"])
