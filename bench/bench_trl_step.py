@@ -277,7 +277,8 @@ def offline_env() -> None:
     Set before any HF, Unsloth or vLLM import of this process; the workers inherit it."""
     for k, v in dict(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", HF_DATASETS_OFFLINE="1",
                      HF_HUB_DISABLE_TELEMETRY="1", UNSLOTH_DISABLE_STATISTICS="1", VLLM_NO_USAGE_STATS="1",
-                     DO_NOT_TRACK="1", TOKENIZERS_PARALLELISM="false").items():
+                     DO_NOT_TRACK="1", TOKENIZERS_PARALLELISM="false", HF_HUB_ENABLE_HF_TRANSFER="0",
+                     VLLM_USE_FLASHINFER_SAMPLER="0").items():  # the last two as the probe that ran on the H200
         os.environ.setdefault(k, v)
 
 
