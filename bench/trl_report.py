@@ -131,7 +131,19 @@ def compare_line(r: dict) -> str:
             f"{r.get('prompt_len')} --micro-batch {r.get('micro_batch')} --mu {r.get('mu')} --lora-r "
             f"{r.get('lora_r')} --gradient-checkpointing {ck}` (at 7B, 512 tokens, 8 x 8, micro-batch 8: "
             f"`bench/device.sh step7b \"none nvfp4 bnb-nf4\" {ck}`); compare step s with its step column "
-            "(the last of its steps; here the mean of the steps after the warm-up).")
+            "(the last of its steps; here the mean of the steps after the warm-up)." + _caveat(r))
+
+
+def _caveat(r: dict) -> str:
+    """Where bench_step's call is not the same shape: it has no ``tiny`` model, and on a model directory it
+    prompts with GSM8K questions (their own lengths), not random prompts of ``prompt_len`` tokens."""
+    source = str(r.get("model_source", ""))
+    if source == "the shipped tiny model":
+        return " bench_step takes presets, GGUF files and model directories: give it the tiny model's directory."
+    if source == "a model directory":
+        return (" On a model directory bench_step prompts with GSM8K questions of their own lengths: the prompt "
+                "shape differs from this call's.")
+    return ""
 
 
 def markdown(rows: list[dict]) -> str:
