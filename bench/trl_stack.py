@@ -115,9 +115,7 @@ def uses_vllm(s: dict) -> bool:
 def grpo_config(s: dict, out_dir: Path, path_model: bool):
     """TRL's GRPOConfig for settings ``s``: one optimizer step = one rollout of prompts x group rows in
     micro-batches of ``micro_batch`` (gradient accumulation), mu = ``num_iterations``, no reference model
-    (beta 0), AdamW (torch) at a constant lr with our Trainer's betas, clip and weight decay.
-
-    Long because: every argument is a stated setting of the comparison; one list reads best."""
+    (beta 0), AdamW (torch) at a constant lr with our Trainer's betas, clip and weight decay."""
     from trl import GRPOConfig
 
     cuda = torch.cuda.is_available()
