@@ -47,7 +47,8 @@ record both.
 Each (model, format, engine) runs in a fresh process (``--isolate auto``: on a GPU, for honest peaks;
 always for vLLM, whose memory is not given back inside one); a run that fails, runs out of memory or
 whose process dies is a row with its status and error line, never dropped. ``--engines unsloth``
-records why it was not run (``bench/probe_unsloth.py`` probes Unsloth's own path). Output:
+records why it was not run (Unsloth's whole GRPO step is ``bench/bench_trl_step.py``'s, at the same
+shapes; ``bench/probe_unsloth.py`` probes its rollout path). Output:
 OUT/step.csv (every run: settings, phase times, peak memory, the memory plan's figure), OUT/step.md
 (GPU, date, versions, the runs, ratios against the same call's baselines, gradient checkpointing's
 cost) and OUT/step.png (``bench.step_report``).
@@ -124,7 +125,7 @@ def not_run(cases: list[dict], left: float) -> tuple[str, str] | None:
             return ("not installed", "unsloth is not importable here (bench/make_unsloth_carry.sh carries it; "
                     "bench/probe_unsloth.py probes it)")
         return ("not run", "Unsloth's GRPO step is TRL's GRPOTrainer around its own model, not qerl_kit's Trainer; "
-                "bench/probe_unsloth.py times its rollout and a train step")
+                "bench/bench_trl_step.py times it at the same shapes (bench/device.sh step-trl)")
     if left <= 0:
         return "skipped", "the call's --budget was spent before this group started"
     return None

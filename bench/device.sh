@@ -21,7 +21,8 @@
 #                             of tests/data/measured_peaks.json in $OUT (copy it back over the committed one);
 #                             one process per case, MEM_BUDGET (default 420 s) stops new cases; logs in memory/logs.tgz
 #   gpu-tests [FILES]         the GPU-only tests of what was written without a GPU (#45: dense cache, fold, NF4/MXFP4
-#                             kernels, engine groups, memory plan and engine memory, step bench); FILES replace the default list
+#                             kernels, engine groups, memory plan and engine memory, step bench); FILES replace the
+#                             default list (tests/test_bench_trl_step.py, a call of its own: carry .vllm/uns)
 #                             (pytest travels as wheels: python3 -m pip download -d .whl/test pytest; carry .whl)
 #   repro-tests               NVFP4 bit-reproducibility, tests/test_tuning.py compiled: each kernel's bits in two
 #                             processes (humming a non-strict xfail: XPASS means the same bits)
@@ -53,6 +54,18 @@
 #                             16 x 8, mu 4, LoRA r16; FORMATS default "none nvfp4" (then "nf4 mxfp4"),
 #                             LENGTHS default "fixed:512 natural:512" (natural: its own completions); ENGINES="static vllm"
 #                             adds vLLM 0.26 on the same prompts and lengths (after the vLLM pieces' install)
+# The field's whole GRPO step at the same shapes (bench.bench_trl_step: TRL's GRPOTrainer and Unsloth's GRPO path;
+# each stack in its own process; 8 prompts x group 8, prompt 256, 512 new tokens, micro-batch 8, LoRA r32, mu 1,
+# gradient checkpointing on, 3 steps, the first a warm-up; writes $OUT/<command-args>/step.md and logs.tgz):
+#   step-trl ["STACKS"] [MODEL] [ARGS]  STACKS default "trl-nf4 trl-bf16 unsloth" (trl-nf4: bitsandbytes NF4 QLoRA,
+#                             trl-bf16: bf16 + LoRA, both on transformers' generate; unsloth: FastLanguageModel 4-bit
+#                             + its vLLM engine); MODEL default Qwen2.5-7B (random weights; the checkpoint stays in
+#                             /dev/shm/trl-ckpt for the hold, later calls reuse it: one stack per call fits the
+#                             time) or a model directory (the real 0.5B that model-setup converts); ARGS go to
+#                             bench.bench_trl_step (e.g. --trl-vllm colocate, --steps 2). Carry .vllm/uns
+#                             (bench/make_unsloth_carry.sh: unsloth, trl, datasets, bitsandbytes); unsloth also
+#                             needs vLLM (the vLLM pieces' install.sh in this hold). Compare with
+#                             `step7b "none nvfp4 bnb-nf4" on` (the same shapes on our Trainer)
 # The Countdown model and grid (docs/experiments.md):
 #   countdown                 three calibrations side by side, the best kept (bench.countdown_pick)
 #   cdtrain                   the shipped calibration alone, its shards' sha256 checked against the committed ones
@@ -166,6 +179,8 @@ gpu-tests)
   files=("$@"); [ ${#files[@]} -gt 0 ] || files=(tests/test_dense_update.py tests/test_dense_cache_kernels.py
     tests/test_old_policy.py tests/test_lut4_kernels.py tests/test_engine_fused.py tests/test_routes.py
     tests/test_kernel_report.py tests/test_memory_plan.py tests/test_bench_step.py tests/test_engine_memory.py)
+  case " ${files[*]} " in *test_bench_trl_step*)  # trl, datasets, bitsandbytes, unsloth; vLLM where installed
+    [ ! -f .vllm/uns/slim.tgz ] || bitsandbytes; [ ! -f /tmp/exports.sh ] || eval "$(tail -1 /tmp/exports.sh)" ;; esac
   timeout 540 python3 -m pytest "${files[@]}" -q -rsxX -p no:cacheprovider -W always > "$OUT/gpu_tests_log.txt" 2>&1
   echo "gpu tests rc=$?"; grep -E "^(FAILED|ERROR|XPASS)|UserWarning: .*(differ|max)" "$OUT/gpu_tests_log.txt" | head -30
   tail -2 "$OUT/gpu_tests_log.txt" ;;
@@ -221,6 +236,26 @@ step7b|step-model|step-paper|step-vllm|step05b-real)
   echo "bench_step rc=$?"; grep -E "step #1|failed|exit|Error" "$OUT/${tag}_log.txt" | grep -v Warning | tail -16
   sed -n '/^## NVFP4/,$p' "$OUT/$tag/step.md" 2>/dev/null | head -30
   # at most 8 files come back: step.csv, step.md and step.png loose; rows.jsonl and every log in one archive
+  mkdir -p "$OUT/$tag" && mv "$OUT/${tag}_log.txt" "$OUT/$tag/"
+  (cd "$OUT/$tag" && tar czf logs.tgz --remove-files $(ls rows.jsonl ./*log.txt 2>/dev/null)) 2>/dev/null ;;
+step-trl)
+  read -r -a stacks <<< "${1:-trl-nf4 trl-bf16 unsloth}"; model="${2:-Qwen2.5-7B}"; shift $(( $# < 2 ? $# : 2 ))
+  tag=$(echo "$cmd" "${stacks[@]}" "$model" | tr -s ' :/' '---')
+  if [ -f .vllm/uns/slim.tgz ]; then  # unsloth, unsloth_zoo, trl, datasets, bitsandbytes
+    tar -xzf .vllm/uns/slim.tgz -C /tmp && export PYTHONPATH="/tmp/slim:$PYTHONPATH"
+  else
+    echo "step-trl: no .vllm/uns/slim.tgz (bench/make_unsloth_carry.sh): trl, unsloth and bitsandbytes only if installed"
+  fi
+  # vLLM from the vLLM pieces' install.sh of this hold, where the call did not already put it on the path
+  [ ! -f /tmp/exports.sh ] || eval "$(tail -1 /tmp/exports.sh)"
+  # a preset's random checkpoint stays in /dev/shm for the hold: a later step-trl call reuses it (same weights)
+  TMPDIR=/dev/shm timeout 560 python3 -m bench.bench_trl_step --stacks "${stacks[@]}" --model "$model" --prompts 8 \
+    --group 8 --new 512 --prompt-len 256 --micro-batch 8 --mu 1 --lora-r 32 --gradient-checkpointing on --steps 3 \
+    --budget "${TRL_BUDGET:-400}" --limit 540 --keep-checkpoint /dev/shm/trl-ckpt --out "$OUT/$tag" "$@" \
+    > "$OUT/${tag}_log.txt" 2>&1
+  echo "bench_trl_step rc=$?"; grep -E "process exit|Error|error" "$OUT/${tag}_log.txt" | grep -v Warning | tail -12
+  sed -n '/^| stack/,/^$/p' "$OUT/$tag/step.md" 2>/dev/null
+  # at most 8 files come back: step.md loose; rows.jsonl and every log in one archive
   mkdir -p "$OUT/$tag" && mv "$OUT/${tag}_log.txt" "$OUT/$tag/"
   (cd "$OUT/$tag" && tar czf logs.tgz --remove-files $(ls rows.jsonl ./*log.txt 2>/dev/null)) 2>/dev/null ;;
 countdown)

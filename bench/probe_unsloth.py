@@ -40,6 +40,8 @@ from pathlib import Path  # noqa: E402
 
 import torch  # noqa: E402  (torch before unsloth is fine; transformers/peft/trl must not be)
 
+from bench.random_checkpoint import BYTES, word, write_random_checkpoint  # noqa: E402  (imports no HF module)
+
 T0 = time.perf_counter()
 REPORT: dict = {"meta": {}, "stages": []}
 ARGS = None
@@ -142,57 +144,13 @@ def env(rec):
         rec["missing"] = sorted(n for n, v in imports.items() if not v["ok"])
 
 
-def word(i):
-    """Token ``BYTES + i`` of the probe tokenizer is " " + word(i): a, b, ..., z, aa, ab, ... (letters only)."""
-    s, i = "", i + 1
-    while i:
-        i, r = divmod(i - 1, 26)
-        s = chr(97 + r) + s
-    return s
-
-
-BYTES = 256  # ids 0..255: the byte-level alphabet, so that any text encodes
-
-
 def checkpoint(rec):
-    """A random bf16 checkpoint of --model's shape plus a tokenizer that covers all its ids, in a temp dir."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast
-
-    from qerl_kit.models import make_config  # published Qwen2.5 shapes (vocab 152064, rope 1e6, untied)
-
-    config = make_config(ARGS.model)
-    config.eos_token_id, config.pad_token_id = config.vocab_size - 2, config.vocab_size - 1  # as the tokenizer's
+    """A random bf16 checkpoint of --model's shape plus a tokenizer that covers all its ids, in a temp dir
+    (``bench.random_checkpoint``: token ``BYTES + i`` is " " + word(i))."""
     d = tempfile.mkdtemp(prefix="probe_unsloth_ckpt_")
     TMP.append(d)
-    with torch.device("meta"):  # no CPU copy: allocate straight on the GPU and fill there (seconds)
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
-    model.to_empty(device="cuda")
-    torch.manual_seed(0)
-    with torch.no_grad():
-        for name, p in model.named_parameters():  # norms at 1, the rest N(0, 0.02): sane activations
-            p.fill_(1.0) if "norm" in name else p.normal_(0.0, 0.02)
-    rec["params_b"] = round(sum(p.numel() for p in model.parameters()) / 1e9, 3)
-    model.save_pretrained(d)  # safetensors
-    del model
+    rec.update(dir=d, **write_random_checkpoint(ARGS.model, d, "cuda"))
     free()
-    # transformers 5 loads ANY qwen2 directory's tokenizer as Qwen2Tokenizer, which rebuilds a byte-level BPE
-    # from tokenizer.json's vocab + merges (a word-level "t0".."tN" vocab then encodes text to []). So: a real
-    # byte-level BPE, the 256 byte symbols + one letters-only word per remaining id ("Ġ" + word, built by
-    # merges), eos/pad last; len(tokenizer) == vocab_size, so every id the model samples decodes.
-    n = config.vocab_size
-    words = ["\u0120" + word(i) for i in range(n - 2 - BYTES)]
-    vocab = {c: i for i, c in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}
-    vocab |= {w: BYTES + i for i, w in enumerate(words)} | {"<|endoftext|>": n - 2, "<|pad|>": n - 1}
-    tk = Tokenizer(models.BPE(vocab=vocab, merges=[(w[:-1], w[-1]) for w in words]))
-    tk.pre_tokenizer, tk.decoder = pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel()
-    PreTrainedTokenizerFast(tokenizer_object=tk, eos_token="<|endoftext|>", pad_token="<|pad|>",
-                            model_max_length=config.max_position_embeddings).save_pretrained(d)
-    back, ids = AutoTokenizer.from_pretrained(d), [BYTES, BYTES + 44, n - 3]
-    assert len(back) == n and back("".join(" " + word(j - BYTES) for j in ids))["input_ids"] == ids, \
-        f"tokenizer does not round-trip ({type(back).__name__}, {len(back)} tokens)"
-    rec.update(dir=d, disk_gib=gib(sum(f.stat().st_size for f in Path(d).iterdir())), vocab=n,
-               tokenizer_class=type(back).__name__)
     torch.cuda.reset_peak_memory_stats()
     return d
 

@@ -73,6 +73,8 @@ for a in "$@"; do [ "$prev" = "--out" ] && out="$a"; prev="$a"; done
 case "$*" in
 *bench.bench_step*) mkdir -p "$out"; for f in rows.jsonl step.csv step.md step.png log.txt group0_log.txt \
     group4_log.txt group8_log.txt; do echo x > "$out/$f"; done ;;
+*bench.bench_trl_step*) mkdir -p "$out"; for f in rows.jsonl step.md trl-nf4_log.txt trl-bf16_log.txt unsloth_log.txt; do
+    echo x > "$out/$f"; done ;;
 *bench.bench_memory*) mkdir -p "$out"; for f in memory.json memory.md case_0.5B_nvfp4_log.txt case_0.5B_bf16_log.txt \
     case_7B_nvfp4_log.txt case_7B_bf16_log.txt case_32B_nvfp4_log.txt case_32B_bf16_log.txt; do echo x > "$out/$f"; done ;;
 *bench.bench_repro*) mkdir -p "$out"; for f in repro.md repro.json autotune.json; do echo x > "$out/$f"; done ;;
@@ -151,3 +153,29 @@ def test_the_real_model_switch(tmp_path):
     assert sums == {"0.5b": "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
                     "1.5b": "cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046"}  # fetch-real-model's
     assert "/tmp/m05" not in text[text.index("model-setup)"):]  # every real-* command reads $MODEL_DIR
+
+
+def test_step_trl_runs_the_trl_bench_at_step7b_shapes_and_archives_its_logs(tmp_path):
+    import tarfile
+
+    out, env = _fake_env(tmp_path)
+    proc = subprocess.run(["bash", str(SCRIPT), "step-trl"], cwd=SCRIPT.parents[1], capture_output=True, text=True,
+                          env=env, timeout=60)
+    assert "bench_trl_step rc=0" in proc.stdout, proc.stdout + proc.stderr
+    call = next(c for c in (out / "calls.txt").read_text().splitlines() if "bench.bench_trl_step" in c)
+    tag = "step-trl-trl-nf4-trl-bf16-unsloth-Qwen2.5-7B"
+    assert call == ("-m bench.bench_trl_step --stacks trl-nf4 trl-bf16 unsloth --model Qwen2.5-7B --prompts 8 "
+                    "--group 8 --new 512 --prompt-len 256 --micro-batch 8 --mu 1 --lora-r 32 "
+                    "--gradient-checkpointing on --steps 3 --budget 400 --limit 540 --keep-checkpoint /dev/shm/trl-ckpt "
+                    f"--out {out}/{tag}")
+    files = _files(out)
+    assert len(files) <= 8 and {p.name for p in files} == {"step.md", "logs.tgz"}, files
+    with tarfile.open(out / tag / "logs.tgz") as t:
+        names = {Path(n).name for n in t.getnames()}
+    assert {"rows.jsonl", "trl-nf4_log.txt", "unsloth_log.txt", f"{tag}_log.txt"} <= names
+    # stacks, a model directory and extra arguments: a tag of their own, the arguments passed on
+    proc = subprocess.run(["bash", str(SCRIPT), "step-trl", "trl-bf16", "/tmp/m05", "--trl-vllm", "colocate"],
+                          cwd=SCRIPT.parents[1], capture_output=True, text=True, env=env, timeout=60)
+    call = [c for c in (out / "calls.txt").read_text().splitlines() if "bench.bench_trl_step" in c][-1]
+    assert "--stacks trl-bf16 --model /tmp/m05 " in call
+    assert call.endswith(f"--out {out}/step-trl-trl-bf16-tmp-m05 --trl-vllm colocate"), call
