@@ -1,6 +1,7 @@
 """The step bench's completion lengths (``bench.bench_step --lengths``): ``fixed:N``, the paper's GSM8K
-preset (``paper``, ``paper-tail``), ``lognormal:MEAN:SIGMA:CAP[:TAIL]`` and ``natural:N`` (not forced),
-each drawn for a run's rows with its parameters and a hash of the draw."""
+preset (``paper``, ``paper-tail``), ``lognormal:MEAN:SIGMA:CAP[:TAIL]``, ``measured:NAME`` (resampled
+from the lengths a real model wrote, ``bench.measured_lengths``) and ``natural:N`` (not forced), each
+drawn for a run's rows with its parameters and a hash of the draw."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ PAPER = dict(mean=300.0, sigma=0.8, cap=4096)  # the paper's GSM8K preset: max_n
 # paper-tail: the share of GSM8K completions that never stop. The real 0.5B hit a 512-token cap on
 # 2.6-6.1% of GSM8K test problems greedily and 4.0-4.7% sampled (bench/results/real_model_h200.md)
 PAPER_TAIL = 0.04
-LENGTHS_HELP = "fixed:N, paper, paper-tail, lognormal:MEAN:SIGMA:CAP[:TAIL] or natural:N"
+LENGTHS_HELP = "fixed:N, paper, paper-tail, lognormal:MEAN:SIGMA:CAP[:TAIL], measured:NAME or natural:N"
 
 
 def _lognormal(spec: str) -> tuple[float, float, int, float]:
@@ -27,6 +28,23 @@ def _lognormal(spec: str) -> tuple[float, float, int, float]:
     if mean <= 0 or sigma < 0 or cap < 1 or not 0 <= tail <= 1 or cap != int(cap):
         raise ValueError
     return mean, sigma, int(cap), tail
+
+
+def _measured(name: str, rows: int, max_new_tokens: int | None, seed: int) -> tuple[list[int], str, int]:
+    """``rows`` lengths drawn with replacement (seeded) from the measurement ``name``; a run cap below the
+    measurement's scales every length by the same factor, as for the lognormal specs."""
+    from bench.measured_lengths import load
+
+    data = load(name)
+    pool, cap = data["lengths"], data["max_new_tokens"]
+    rng = random.Random(f"measured/{name}/{seed}/{rows}")
+    lengths = [rng.choice(pool) for _ in range(rows)]
+    if max_new_tokens and max_new_tokens < cap:
+        lengths = [max(1, round(x * max_new_tokens / cap)) for x in lengths]
+        cap = max_new_tokens
+    params = (f"measured {name}: {data['model']} T={data['temperature']}, {data['completions']} completions, "
+              f"resampled seed {seed}, cap {cap}")
+    return lengths, params, cap
 
 
 def draw_lengths(spec: str, rows: int, max_new_tokens: int | None = None, seed: int = 0) -> dict:
@@ -47,6 +65,8 @@ def draw_lengths(spec: str, rows: int, max_new_tokens: int | None = None, seed: 
                 return dict(lengths=None, max_length=n, mean_length=float("nan"), params=f"natural up to {n}",
                             lengths_sha="", max_new_tokens=n)
             lengths, params, top = [n] * rows, f"fixed {n}", n
+        elif kind == "measured":
+            lengths, params, top = _measured(rest, rows, max_new_tokens, seed)
         else:
             mean, sigma, cap, tail = _lognormal(spec)
             if max_new_tokens and max_new_tokens < cap:
@@ -56,9 +76,10 @@ def draw_lengths(spec: str, rows: int, max_new_tokens: int | None = None, seed: 
                 lengths[i] = cap
             params, top = f"lognormal mean {mean:g} sigma {sigma:g} cap {cap} seed {seed}", cap
             params += f", {tail:g} of the rows to the cap" if tail else ""
-    except ValueError:
+    except ValueError as err:
+        why = f"; {err}" if kind == "measured" and str(err) else ""  # which measurements there are
         raise ValueError(f"--lengths {spec!r}: expected {LENGTHS_HELP} (N, MEAN, CAP >= 1, SIGMA >= 0, "
-                         "TAIL in [0, 1])") from None
+                         f"TAIL in [0, 1]){why}") from None
     return dict(lengths=lengths, max_length=max(lengths), mean_length=sum(lengths) / rows, params=params,
                 lengths_sha=hash_lengths(lengths), max_new_tokens=top)
 

@@ -275,7 +275,8 @@ def _cmd_eval(args: argparse.Namespace) -> int:
     print(result.speed_line())
     if args.out:
         result.save(args.out, meta={"model": args.model, "format": args.format, "dataset": args.dataset,
-                                    "device": device, "engine": type(engine).__name__, "adapter": args.adapter})
+                                    "device": device, "engine": type(engine).__name__, "adapter": args.adapter,
+                                    "max_new_tokens": max_new, "top_p": args.top_p})
         print(f"wrote {args.out}")
     return 0
 
