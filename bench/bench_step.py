@@ -27,7 +27,10 @@ paper's GSM8K preset, ``max_new_tokens`` 4096: lognormal of mean 300 and log-std
 table with its cap raised to the preset's 4096; a mean near the 278-288 tokens the real 0.5B wrote
 on GSM8K, ``bench/results/real_model_h200.md``; its longest of 128 rows is 1171 tokens);
 ``paper-tail`` (the same, with 4% of the rows running to the cap: the completions that never stop,
-the share that reached a 512-token cap in that file's GSM8K runs, 2.6-6.1%);
+the share that reached a 512-token cap in that file's GSM8K runs, 2.6-6.1%; a stress case: given 4096
+tokens the real 0.5B's completions stop, none of 256 reached 1024, ``bench/results/lengths_real05b_cpu``);
+``measured:NAME`` (resampled, seeded, from a real model's measured lengths, ``bench.measured_lengths``:
+``real05b`` is the real 0.5B on GSM8K at T = 1.0 with a 4096 cap, mean 293, longest 964);
 ``lognormal:MEAN:SIGMA:CAP[:TAIL]``; ``natural:N`` (no forcing: the model's own completions up to
 N, for a real model; not forced). A drawn row (every spec but ``natural``) runs to exactly its
 length: ``stop_after`` on the StaticEngine, one request with ``min_tokens = max_tokens`` and

@@ -46,7 +46,8 @@
 #                             CKPT default "on" (14B and 32B need it; give "off on" for the small ones); 32B and
 #                             72B run the Trainer's own dense-cache budget (--dense-cache auto), the others all of it
 #   step-paper ["FORMATS"] [MU] [LENGTHS]  7B, the paper's GSM8K preset: 16 x 8 rows, LENGTHS "paper" (lognormal
-#                             mean 300, cap 4096; the default) or "paper-tail" (4% of rows to 4096), checkpointing on,
+#                             mean 300, cap 4096; the default), "paper-tail" (4% of rows to 4096: a stress case) or
+#                             "measured:real05b" (the real 0.5B's own lengths at cap 4096), checkpointing on,
 #                             micro-batch 8, mu default 1 (the preset's is 4)
 #   step-vllm FMT             7B, 512 tokens, the same step on StaticEngine and on vLLM 0.26 (FMT none|nvfp4|nf4;
 #                             vLLM installed as for `vllm`)

@@ -10,8 +10,10 @@ import random
 from bench.bench_live_rows import hash_lengths, lengths_for
 
 PAPER = dict(mean=300.0, sigma=0.8, cap=4096)  # the paper's GSM8K preset: max_new_tokens 4096
-# paper-tail: the share of GSM8K completions that never stop. The real 0.5B hit a 512-token cap on
-# 2.6-6.1% of GSM8K test problems greedily and 4.0-4.7% sampled (bench/results/real_model_h200.md)
+# paper-tail: a stress case, 4% of the rows to the cap, as if the completions that hit a 512-token cap
+# (the real 0.5B: 2.6-6.1% of GSM8K problems greedily, 4.0-4.7% sampled, bench/results/real_model_h200.md)
+# never stopped. Given 4096 tokens they do stop: 0 of 256 reached 1024 (bench/results/lengths_real05b_cpu),
+# whose measured lengths ``measured:real05b`` resamples.
 PAPER_TAIL = 0.04
 LENGTHS_HELP = "fixed:N, paper, paper-tail, lognormal:MEAN:SIGMA:CAP[:TAIL], measured:NAME or natural:N"
 
