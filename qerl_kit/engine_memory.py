@@ -130,9 +130,9 @@ def choose(config, policy=None, tokenizer=None, task=None, *, shape: Any = None,
     max_rows = None if r.max_rows is None and rows >= batch else rows
     fits = f"planned peak {human_bytes(peak)} of the GPU's {human_bytes(gpu_bytes)}"
     if smallest > gpu_bytes:
+        ckpt = "" if config.model.gradient_checkpointing else ", or turn on model.gradient_checkpointing"
         reason = (f"no setting fits: the smallest {fits} (the plan is an upper bound, 1.1-1.3x of measured "
-                  "peaks); lower loss.micro_batch or rollout.max_new_tokens, or turn on "
-                  "model.gradient_checkpointing, if the run runs out of memory")
+                  f"peaks); lower loss.micro_batch or rollout.max_new_tokens{ckpt}, if the run runs out of memory")
     else:
         reason = fits
     choice = EngineMemory(keep, max_rows, peak, f"keep_cache={keep}, max_rows={max_rows}: {reason}")
