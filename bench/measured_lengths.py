@@ -33,8 +33,11 @@ def load(name: str) -> dict:
     if not path.is_file():
         raise ValueError(f"measured:{name}: no such measurement; use one of {', '.join(MEASURED)} or the path "
                          "of a lengths.json (python -m bench.measured_lengths build)")
-    data = json.loads(path.read_text())
-    lengths = data.get("lengths")
+    try:
+        data = json.loads(path.read_text())
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{path}: not a lengths.json ({err})") from None
+    lengths = data.get("lengths") if isinstance(data, dict) else None
     if not lengths or not all(isinstance(x, int) and 1 <= x <= data.get("max_new_tokens", 0) for x in lengths):
         raise ValueError(f"{path}: 'lengths' must be a non-empty list of ints in [1, max_new_tokens]")
     return data

@@ -44,7 +44,7 @@ def _measured(name: str, rows: int, max_new_tokens: int | None, seed: int) -> tu
     if max_new_tokens and max_new_tokens < cap:
         lengths = [max(1, round(x * max_new_tokens / cap)) for x in lengths]
         cap = max_new_tokens
-    params = (f"measured {name}: {data['model']} T={data['temperature']}, {data['completions']} completions, "
+    params = (f"measured {name}: {data.get('model', '?')} T={data.get('temperature', '?')}, {len(pool)} completions, "
               f"resampled seed {seed}, cap {cap}")
     return lengths, params, cap
 

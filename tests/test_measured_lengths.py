@@ -74,6 +74,13 @@ def test_the_step_bench_resamples_a_measurement(tmp_path):
     assert half["lengths"] == [max(1, round(x / 2)) for x in drawn["lengths"]] and half["max_new_tokens"] == 2048
     with pytest.raises(ValueError, match="no such measurement; use one of real05b"):
         draw_lengths("measured:nope", 4)
+    bad = tmp_path / "bad.json"
+    for text, why in (("{", "not a lengths.json"), ('{"lengths": [3, 0], "max_new_tokens": 8}', "ints in")):
+        bad.write_text(text)
+        with pytest.raises(ValueError, match=why):
+            draw_lengths(f"measured:{bad}", 4)
+    bad.write_text('{"lengths": [3, 5], "max_new_tokens": 8}')  # a bare file: the draw needs nothing else
+    assert set(draw_lengths(f"measured:{bad}", 6)["lengths"]) <= {3, 5}
 
 
 def test_the_committed_real_model_measurement_loads():
