@@ -30,7 +30,8 @@ on GSM8K, ``bench/results/real_model_h200.md``; its longest of 128 rows is 1171 
 the share that reached a 512-token cap in that file's GSM8K runs, 2.6-6.1%; a stress case: given 4096
 tokens the real 0.5B's completions stop, none of 256 reached 1024, ``bench/results/lengths_real05b_cpu``);
 ``measured:NAME`` (resampled, seeded, from a real model's measured lengths, ``bench.measured_lengths``:
-``real05b`` is the real 0.5B on GSM8K at T = 1.0 with a 4096 cap, mean 293, longest 964);
+``real05b`` is the real 0.5B on GSM8K at T = 1.0 with a 4096 cap, mean 293, longest 964; ``real15b`` the
+real 1.5B, mean 340, longest 1219);
 ``lognormal:MEAN:SIGMA:CAP[:TAIL]``; ``natural:N`` (no forcing: the model's own completions up to
 N, for a real model; not forced). A drawn row (every spec but ``natural``) runs to exactly its
 length: ``stop_after`` on the StaticEngine, one request with ``min_tokens = max_tokens`` and

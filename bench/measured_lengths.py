@@ -21,8 +21,10 @@ from datetime import date
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-# committed measurements by name: the real Qwen2.5-Coder-0.5B-Instruct GGUF on GSM8K test, T = 1.0, cap 4096
-MEASURED = {"real05b": ROOT / "bench" / "results" / "lengths_real05b_cpu" / "lengths.json"}
+# committed measurements by name: the real Qwen2.5-Coder-0.5B- and 1.5B-Instruct GGUFs on GSM8K test, T = 1.0,
+# cap 4096 (bench/results/lengths_real05b_cpu/README.md)
+MEASURED = {"real05b": ROOT / "bench" / "results" / "lengths_real05b_cpu" / "lengths.json",
+            "real15b": ROOT / "bench" / "results" / "lengths_real15b_cpu" / "lengths.json"}
 THRESHOLDS = (512, 1024, 2048)
 
 

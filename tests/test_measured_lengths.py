@@ -83,10 +83,11 @@ def test_the_step_bench_resamples_a_measurement(tmp_path):
     assert set(draw_lengths(f"measured:{bad}", 6)["lengths"]) <= {3, 5}
 
 
-def test_the_committed_real_model_measurement_loads():
-    if not ml.MEASURED["real05b"].is_file():
-        pytest.fail(f"{ml.MEASURED['real05b']} is missing: it is committed with bench/measured_lengths.py")
-    data = ml.load("real05b")
+@pytest.mark.parametrize("name", sorted(ml.MEASURED))
+def test_the_committed_real_model_measurements_load(name):
+    if not ml.MEASURED[name].is_file():
+        pytest.fail(f"{ml.MEASURED[name]} is missing: it is committed with bench/measured_lengths.py")
+    data = ml.load(name)
     assert data["completions"] == len(data["lengths"]) >= 128 and data["max_new_tokens"] == 4096
-    drawn = draw_lengths("measured:real05b", 128)
+    drawn = draw_lengths(f"measured:{name}", 128)
     assert drawn["max_length"] <= max(data["lengths"])
