@@ -13,10 +13,11 @@ Two switches trade rollout speed for memory (``qerl_kit.rollout.static.engine``)
 (``qerl_kit.memory_plan.plan_memory``: the model's shape, ``model.format``, LoRA rank, optimizer,
 ``loss.micro_batch``, gradient checkpointing, the task's longest prompt, ``rollout.max_new_tokens``
 and group size): the most rows whose planned peak fits the GPU's memory, the cache kept when it
-still fits. The whole batch with the cache kept is the default wherever it fits; a 32B NVFP4 model on
-one H200 at the paper's GSM8K recipe (128 x 4096 tokens, micro-batches of 8) decodes 80 of its 128
-completions at a time with the cache freed (notebook 05, exercise 4). Under data parallelism each
-rank plans its own share of the batch (``world``).
+still fits. The whole batch with the cache kept is the default wherever it fits; a 32B NVFP4 model at
+the paper's GSM8K recipe (128 x 4096 tokens, micro-batches of 8) decodes 80 of its 128 completions at
+a time with the cache freed when planned against 141 GB (notebook 05, exercise 4), 88 against the
+H200's 139.8 GiB as torch reports it. Under data parallelism each rank plans its own share of the
+batch (``world``).
 When no setting fits, the one with the smallest plan is taken (the plan is an upper bound, 1.1-1.3x
 of measured peaks) and the warning says by how much it exceeds the GPU. A setting the config gives
 is kept as given. Off a GPU nothing is planned: the whole batch, the cache kept.
