@@ -124,7 +124,11 @@ def choose(config, policy=None, tokenizer=None, task=None, *, shape: Any = None,
     rows_options = [r.max_rows] if r.max_rows is not None else \
         [g * r.group_size for g in _group_counts(batch // r.group_size)]
     keep_options = [r.keep_cache] if r.keep_cache is not None else [True, False]
-    planned = [(rows, keep, plan(rows, keep)) for rows in rows_options for keep in keep_options]
+    planned = []  # most rows first, the cache kept first; planned until one fits (all of them when none does)
+    for rows in rows_options:
+        planned += [(rows, keep, plan(rows, keep)) for keep in keep_options]
+        if any(p <= gpu_bytes for _, _, p in planned[-len(keep_options):]):
+            break
     smallest = min(p for _, _, p in planned)
     budget = max(gpu_bytes, smallest)
     rows, keep, peak = next(c for c in planned if c[2] <= budget)  # most rows first, the cache kept first
