@@ -35,6 +35,7 @@ from pathlib import Path
 
 import torch
 
+from bench.child_rows import crash_line
 from bench.common import IdTokenizer, build, dense_cache_arg, free, log, random_id_task, with_lora
 
 # name -> qerl_kit.models preset (Qwen2.5's published sizes)
@@ -152,10 +153,8 @@ def isolated_case(name: str, fmt: str, ckpt: bool, args, limit: float) -> dict:
             rc = "timeout (killed at --limit)"
     if row_path.exists():
         return json.loads(row_path.read_text())
-    lines = [ln for ln in log_path.read_text(errors="replace").splitlines() if ln.strip()]
-    last = next((ln for ln in reversed(lines) if "Error" in ln or "error" in ln), lines[-1] if lines else "")
     return dict(model=name, settings=dict(fmt=fmt, gradient_checkpointing=ckpt),
-                error=f"process exit {rc}: {last.strip()[:300]}")
+                error=f"process exit {rc}: {crash_line(log_path)}")
 
 
 def _parser() -> argparse.ArgumentParser:

@@ -72,6 +72,7 @@ from pathlib import Path
 
 import torch
 
+from bench.child_rows import crash_line, read_rows
 from bench.common import LOG, dense_cache_arg, log, package_versions
 from bench.step_group import case_row, run_group
 from bench.step_lengths import LENGTHS_HELP, draw_lengths
@@ -156,18 +157,13 @@ def run_isolated(cases: list[dict], a: dict, meta: dict, out: Path, timeout: flo
             rc = "timeout (killed at the call's --limit)"
     spec.unlink()
     done = {r["case_id"] for r in read_rows(rows_path)}
-    lines = [ln for ln in log_path.read_text(errors="replace").splitlines() if ln.strip()]
-    last = next((ln for ln in reversed(lines) if "Error" in ln or "error" in ln), lines[-1] if lines else "")
+    last = crash_line(log_path)
     for case in cases:
         if case["case_id"] not in done:
             with open(rows_path, "a") as f:
                 f.write(json.dumps({**case_row(case, a, meta), "status": "crashed",
-                                    "error": f"process exit {rc}: {last.strip()[:300]}"}) + "\n")
+                                    "error": f"process exit {rc}: {last}"}) + "\n")
     log(f"{cases[0]['model']} {cases[0]['format']} {cases[0]['engine']}: process exit {rc}")
-
-
-def read_rows(path: Path) -> list[dict]:
-    return [json.loads(ln) for ln in path.read_text().splitlines() if ln.strip()] if path.exists() else []
 
 
 def run(args) -> list[dict]:

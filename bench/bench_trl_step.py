@@ -43,6 +43,8 @@ import time
 import traceback
 from pathlib import Path
 
+from bench.child_rows import crash_line, read_rows
+
 STACKS = ("trl-nf4", "trl-bf16", "unsloth")
 SETTINGS = ["stack", "model", "prompts", "group", "rows", "new", "prompt_len", "micro_batch", "mu", "lora_r", "loss",
             "lr", "gradient_checkpointing", "steps", "seed", "trl_vllm", "vllm_memory"]
@@ -226,16 +228,10 @@ def stack_isolated(s: dict, path: str, work: Path, rows_path: Path, base: dict, 
             pass
         proc.wait()
     if len(read_rows(rows_path)) == before:
-        lines = [ln for ln in log_path.read_text(errors="replace").splitlines() if ln.strip()]
-        last = next((ln for ln in reversed(lines) if "Error" in ln or "error" in ln), lines[-1] if lines else "")
         with open(rows_path, "a") as f:
-            f.write(json.dumps({**base, "status": "crashed", "error": f"process exit {rc}: {last.strip()[:300]}"})
+            f.write(json.dumps({**base, "status": "crashed", "error": f"process exit {rc}: {crash_line(log_path)}"})
                     + "\n")
     print(f"[bench_trl_step] {s['stack']}: process exit {rc}", flush=True)
-
-
-def read_rows(path: Path) -> list[dict]:
-    return [json.loads(ln) for ln in path.read_text().splitlines() if ln.strip()] if path.exists() else []
 
 
 def run(a) -> list[dict]:
