@@ -182,7 +182,7 @@ gpu-tests)
     tests/test_kernel_report.py tests/test_memory_plan.py tests/test_bench_step.py tests/test_engine_memory.py)
   case " ${files[*]} " in *test_bench_trl_step*)  # trl, datasets, bitsandbytes, unsloth; vLLM where installed
     [ ! -f .vllm/uns/slim.tgz ] || bitsandbytes; [ ! -f /tmp/exports.sh ] || eval "$(tail -1 /tmp/exports.sh)" ;; esac
-  timeout 540 python3 -m pytest "${files[@]}" -q -rsxX -p no:cacheprovider -W always > "$OUT/gpu_tests_log.txt" 2>&1
+  timeout "${TESTS_TIMEOUT:-540}" python3 -m pytest "${files[@]}" -q -rsxX -p no:cacheprovider -W always > "$OUT/gpu_tests_log.txt" 2>&1
   echo "gpu tests rc=$?"; grep -E "^(FAILED|ERROR|XPASS)|UserWarning: .*(differ|max)" "$OUT/gpu_tests_log.txt" | head -30
   tail -2 "$OUT/gpu_tests_log.txt" ;;
 repro-tests)
@@ -213,7 +213,7 @@ step7b|step-model|step-paper|step-vllm|step05b-real)
   tag=$(echo "$cmd" "$@" | tr -s ' :' '--')  # e.g. step7b-nf4-mxfp4: calls of one command keep apart
   [ "$cmd" = step05b-real ] && [ "${REAL_MODEL:-0.5b}" = 1.5b ] && tag="step15b-real${tag#step05b-real}"
   case " $* " in *bnb-nf4*) bitsandbytes ;; esac  # bitsandbytes' NF4 layers (the field's QLoRA)
-  common=(--steps 2 --budget "${STEP_BUDGET:-400}" --limit 540 --out "$OUT/$tag")
+  common=(--steps 2 --budget "${STEP_BUDGET:-400}" --limit "${STEP_LIMIT:-540}" --out "$OUT/$tag")
   case "$cmd" in
   step7b) read -r -a fmts <<< "${1:-none nvfp4}"; read -r -a ckpt <<< "${2:-off on}"
     args=(--models Qwen2.5-7B --formats "${fmts[@]}" --lengths fixed:512 --gradient-checkpointing "${ckpt[@]}") ;;
@@ -233,7 +233,7 @@ step7b|step-model|step-paper|step-vllm|step05b-real)
           --engines "${engines[@]}") ;;
   esac
   read -r -a extra <<< "${STEP_ARGS:-}"  # more bench_step flags, e.g. STEP_ARGS="--max-rows 32 --keep-cache off"
-  timeout 560 python3 -m bench.bench_step run "${args[@]}" "${common[@]}" "${extra[@]}" > "$OUT/${tag}_log.txt" 2>&1
+  timeout "${STEP_TIMEOUT:-560}" python3 -m bench.bench_step run "${args[@]}" "${common[@]}" "${extra[@]}" > "$OUT/${tag}_log.txt" 2>&1
   echo "bench_step rc=$?"; grep -E "step #1|failed|exit|Error" "$OUT/${tag}_log.txt" | grep -v Warning | tail -16
   sed -n '/^## NVFP4/,$p' "$OUT/$tag/step.md" 2>/dev/null | head -30
   # at most 8 files come back: step.csv, step.md and step.png loose; rows.jsonl and every log in one archive
