@@ -178,11 +178,11 @@ memory)
   (cd "$OUT/memory" && tar czf logs.tgz --remove-files $(ls -d ./*_log.txt run 2>/dev/null)) 2>/dev/null ;;
 gpu-tests)
   files=("$@"); [ ${#files[@]} -gt 0 ] || files=(tests/test_dense_update.py tests/test_dense_cache_kernels.py
-    tests/test_old_policy.py tests/test_lut4_kernels.py tests/test_engine_fused.py tests/test_routes.py
-    tests/test_kernel_report.py tests/test_memory_plan.py tests/test_bench_step.py tests/test_engine_memory.py)
+    tests/test_old_policy.py tests/test_lut4_kernels.py tests/test_engine_memory.py tests/test_memory_plan.py
+    tests/test_bench_step.py tests/test_engine_fused.py tests/test_routes.py tests/test_kernel_report.py)
   case " ${files[*]} " in *test_bench_trl_step*)  # trl, datasets, bitsandbytes, unsloth; vLLM where installed
     [ ! -f .vllm/uns/slim.tgz ] || bitsandbytes; [ ! -f /tmp/exports.sh ] || eval "$(tail -1 /tmp/exports.sh)" ;; esac
-  timeout "${TESTS_TIMEOUT:-540}" python3 -m pytest "${files[@]}" -q -rsxX -p no:cacheprovider -W always > "$OUT/gpu_tests_log.txt" 2>&1
+  timeout -s INT "${TESTS_TIMEOUT:-540}" python3 -m pytest "${files[@]}" -q -rsxX -p no:cacheprovider -W always > "$OUT/gpu_tests_log.txt" 2>&1
   echo "gpu tests rc=$?"; grep -E "^(FAILED|ERROR|XPASS)|UserWarning: .*(differ|max)" "$OUT/gpu_tests_log.txt" | head -30
   tail -2 "$OUT/gpu_tests_log.txt" ;;
 repro-tests)
