@@ -46,6 +46,13 @@ class MXFP4Tensor:
         return MXFP4Tensor(self.packed.to(device), self.scales.to(device))
 
 
+def e8m0_scales(biased: torch.Tensor) -> torch.Tensor:
+    """2^(byte - 127) as float32, built from its bits (byte << 23; byte 0 is the subnormal 2^-127) so it
+    is exact on every device: CUDA's ``exp2`` is off by an ulp or more near and below 2^-126."""
+    bits = biased.to(torch.int32) << 23
+    return torch.where(biased == 0, torch.full_like(bits, 1 << 22), bits).view(torch.float32)
+
+
 def _scale_exponents(block_amax: torch.Tensor) -> torch.Tensor:
     """Unbiased E8M0 exponent per block (int32)."""
     mantissa, exponent = torch.frexp(block_amax.to(torch.float32))  # amax = m * 2^e, m in [0.5, 1)
@@ -61,13 +68,14 @@ def quantize(w: torch.Tensor) -> MXFP4Tensor:
     n, k = w.shape
     blocks = w.detach().to(torch.float32).reshape(n, k // BLOCK_SIZE, BLOCK_SIZE)
     exponent = _scale_exponents(blocks.abs().amax(dim=-1))
-    scale = torch.exp2(exponent.to(torch.float32))
+    biased = (exponent + _E8M0_BIAS).to(torch.uint8)
+    scale = e8m0_scales(biased)
     codes = round_to_e2m1_codes((blocks / scale.unsqueeze(-1)).clamp(-E2M1_MAX, E2M1_MAX))
-    return MXFP4Tensor(pack_nibbles(codes.reshape(n, k)), (exponent + _E8M0_BIAS).to(torch.uint8))
+    return MXFP4Tensor(pack_nibbles(codes.reshape(n, k)), biased)
 
 
 def dequantize(qt: MXFP4Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
     n, k = qt.shape
     values = codes_to_values(unpack_nibbles(qt.packed)).reshape(n, k // BLOCK_SIZE, BLOCK_SIZE)
-    scale = torch.exp2(qt.scales.to(torch.float32) - _E8M0_BIAS)
+    scale = e8m0_scales(qt.scales)
     return (values * scale.unsqueeze(-1)).reshape(n, k).to(dtype)

@@ -100,9 +100,13 @@ def _choose(gpu_gib, warn=False, model="Qwen2.5-32B", **rollout):
 
 
 def _peak(cfg, rows, keep, model="Qwen2.5-32B"):
+    from qerl_kit.kernels.nvfp4_humming import humming_status
+
+    # the choice counts humming's repacked weights where humming runs (a CUDA machine that has it)
     return plan_memory(model, fmt="nvfp4", lora_r=32, optimizer=cfg.optim.optimizer,
                        rollout_batch=128, group_size=8, prompt_len=200, max_new_tokens=4096, micro_batch=4,
-                       gradient_checkpointing=cfg.model.gradient_checkpointing, engine="static", humming=False,
+                       gradient_checkpointing=cfg.model.gradient_checkpointing, engine="static",
+                       humming=humming_status()[0],
                        keep_cache=keep, max_rows=rows).peak
 
 
