@@ -9,6 +9,11 @@ inside the timing). A bf16 + LoRA model (``--formats none``) gives the baseline.
 the preset's shape, a random LoRA, random tokens; the LoRA gradients of the two modes are compared
 bit for bit. Prints a small markdown table (and writes it with ``--out``).
 
+``--profile DIR`` then runs one more pass of each format (with the dense cache, as the trainer does)
+under ``torch.profiler`` and writes DIR/profile_<format>.txt (the top kernels by their own GPU time,
+CPU time on a CPU) and DIR/profile.md (each format's total and largest kernels side by side): where an
+update pass through a 4-bit base spends the time a bf16 pass does not.
+
     python -m bench.bench_dense_cache --model Qwen2.5-0.5B --formats nvfp4 nf4 mxfp4 none   # GPU
     python -m bench.bench_dense_cache --smoke                                               # CPU, tiny
 """
@@ -84,6 +89,35 @@ def time_mode(policy, batches, mu: int, gib: float | None, repeats: int) -> dict
     return {"s": statistics.median(times), "gib": held, "peak": peak, "grads": grads}
 
 
+def profile_pass(policy, batches, mu: int, gib: float | None, top: int = 30) -> tuple[str, list[tuple[str, float, int]]]:
+    """One dense-cache pass under torch.profiler: (its key_averages table, [(name, own ms, calls)] of
+    the ``top`` names by their own device time, CPU time without a GPU)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = torch.cuda.is_available()
+    policy.zero_grad(set_to_none=True)
+    with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
+        with dense_update.update_cache(policy, gib):
+            update_pass(policy, batches, mu)
+            sync()
+    attr = "self_device_time_total" if cuda else "self_cpu_time_total"
+    events = sorted(prof.key_averages(), key=lambda e: getattr(e, attr), reverse=True)
+    rows = [(e.key, getattr(e, attr) / 1e3, e.count) for e in events[:top] if getattr(e, attr) > 0]
+    return prof.key_averages().table(sort_by=attr, row_limit=top, max_name_column_width=90), rows
+
+
+def profile_markdown(profiles: dict[str, list[tuple[str, float, int]]], top: int = 12) -> list[str]:
+    """Each format's largest kernels (own ms, calls) side by side with their sum."""
+    lines = ["", "## Where a pass spends its time (torch.profiler, one pass with the dense cache)", ""]
+    for fmt, rows in profiles.items():
+        total = sum(ms for _, ms, _ in rows)
+        lines += [f"### {fmt}: {total:.1f} ms in its top {len(rows)} names", "", "| kernel / op | own ms | calls |",
+                  "|---|---:|---:|"]
+        lines += [f"| `{name[:80]}` | {ms:.2f} | {n} |" for name, ms, n in rows[:top]]
+        lines.append("")
+    return lines
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default="Qwen2.5-0.5B")
@@ -99,6 +133,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--out", default=None, help="a markdown file to write the table to")
     ap.add_argument("--smoke", action="store_true", help="CPU, the tiny model, small shapes")
+    ap.add_argument("--profile", default=None, help="a folder: one more pass per format under torch.profiler")
     args = ap.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
     if args.smoke:
@@ -115,6 +150,7 @@ def main() -> None:
              "| LoRA grads equal |",
              "|---|---:|---:|---:|---:|---|---|"]
     print("\n".join(lines), flush=True)
+    profiles: dict[str, list] = {}
     for fmt in args.formats:
         policy = make_policy(args.model, fmt, device, args.lora_r, args.checkpointing)
         vocab = policy.config.vocab_size
@@ -133,8 +169,15 @@ def main() -> None:
                f"{dense['gib'] * 1024:.1f} | {packed['peak']:.2f} / {dense['peak']:.2f} | {'yes' if same else 'NO'} |")
         print(row, flush=True)
         lines.append(row)
+        if args.profile:
+            table, profiles[fmt] = profile_pass(policy, batches, args.mu, args.gib)
+            Path(args.profile).mkdir(parents=True, exist_ok=True)
+            (Path(args.profile) / f"profile_{fmt}.txt").write_text(table)
         del policy, batches, packed, dense
         free()
+    if profiles:
+        lines += profile_markdown(profiles)
+        (Path(args.profile) / "profile.md").write_text("\n".join(lines) + "\n")
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text("\n".join(lines) + "\n")
