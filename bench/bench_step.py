@@ -173,7 +173,8 @@ def run(args) -> list[dict]:
     rows_path = out / "rows.jsonl"
     rows_path.unlink(missing_ok=True)
     a = {k: getattr(args, k) for k in ("prompts", "group", "prompt_len", "lora_r", "steps", "max_new_tokens",
-                                       "keep_cache", "max_rows", "vllm_memory", "length_seed", "dense_cache")}
+                                       "keep_cache", "max_rows", "vllm_memory", "length_seed", "dense_cache",
+                                       "profile")}
     meta, start, first_line = versions(), time.perf_counter(), len(LOG)  # this call's clock and log lines
     limit = args.budget + 120 if args.limit is None else args.limit
     for cases in plan_cases(args):
@@ -234,6 +235,9 @@ def parser() -> argparse.ArgumentParser:
     r.add_argument("--dense-cache", default="all", type=dense_cache_arg,
                    help="model.dense_cache_gib per run: all (every 4-bit projection's dense copy), auto (the "
                         "Trainer's budget) or GiB (0: off)")
+    r.add_argument("--profile", action="store_true",
+                   help="one more step per run under torch.profiler, after the timed ones (which it does not "
+                        "change): OUT/profile_case<N>.txt, its top kernels by own GPU time")
     r.add_argument("--vllm-memory", type=float, default=0.3, help="vLLM's gpu_memory_utilization")
     r.add_argument("--isolate", default="auto", type=_choices("isolate", ("auto", "on", "off")))
     r.add_argument("--budget", type=float, default=420.0, help="seconds after which no new group starts")

@@ -42,7 +42,8 @@
 # two steps; each (format, engine) in its own process; writes $OUT/<command-args>/step.{csv,md,png} and logs.tgz
 # (rows.jsonl and every log: a call returns at most 8 files); merge
 # several calls' tables with `python -m bench.bench_step report DIR... --out MERGED`; STEP_ARGS adds flags to any
-# of them, e.g. STEP_ARGS="--max-rows 32 --keep-cache off": decoding in turns with the cache freed):
+# of them, e.g. STEP_ARGS="--max-rows 32 --keep-cache off": decoding in turns with the cache freed, or
+# STEP_ARGS=--profile: one more step per run under torch.profiler, its table in logs.tgz):
 #   step7b ["FORMATS"] ["CKPT"]   7B, 512 tokens, StaticEngine; FORMATS default "none nvfp4" (also nf4 mxfp4, and
 #                             bnb-nf4: bitsandbytes' NF4, needs .vllm/uns/slim.tgz or .vllm/bnb/*.whl),
 #                             CKPT (gradient checkpointing) default "off on"
@@ -248,7 +249,7 @@ step7b|step-model|step-paper|step-vllm|step05b-real)
   sed -n '/^## NVFP4/,$p' "$OUT/$tag/step.md" 2>/dev/null | head -30
   # at most 8 files come back: step.csv, step.md and step.png loose; rows.jsonl and every log in one archive
   mkdir -p "$OUT/$tag" && mv "$OUT/${tag}_log.txt" "$OUT/$tag/"
-  (cd "$OUT/$tag" && tar czf logs.tgz --remove-files $(ls rows.jsonl ./*log.txt 2>/dev/null)) 2>/dev/null ;;
+  (cd "$OUT/$tag" && tar czf logs.tgz --remove-files $(ls rows.jsonl ./*log.txt ./profile_*.txt 2>/dev/null)) 2>/dev/null ;;
 step-trl)
   read -r -a stacks <<< "${1:-trl-nf4 trl-bf16 unsloth}"; model="${2:-Qwen2.5-7B}"; shift $(( $# < 2 ? $# : 2 ))
   tag=$(echo "$cmd" "${stacks[@]}" "$model" | tr -s ' :/' '---')
@@ -268,7 +269,7 @@ step-trl)
   sed -n '/^| stack/,/^$/p' "$OUT/$tag/step.md" 2>/dev/null
   # at most 8 files come back: step.md loose; rows.jsonl and every log in one archive
   mkdir -p "$OUT/$tag" && mv "$OUT/${tag}_log.txt" "$OUT/$tag/"
-  (cd "$OUT/$tag" && tar czf logs.tgz --remove-files $(ls rows.jsonl ./*log.txt 2>/dev/null)) 2>/dev/null ;;
+  (cd "$OUT/$tag" && tar czf logs.tgz --remove-files $(ls rows.jsonl ./*log.txt ./profile_*.txt 2>/dev/null)) 2>/dev/null ;;
 countdown)
   mkdir -p /tmp/cd "$OUT/cd"
   # the knob is the near-miss share; each stops once held-out greedy accuracy reaches 30% (the band is 10-40%)

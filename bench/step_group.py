@@ -165,6 +165,22 @@ def plan_gib(peft, case: dict, a: dict, max_len: int, held_gib: float = 0.0) -> 
         return float("nan"), f"{type(err).__name__}: {err}"[:200]
 
 
+def profile_step(trainer, path: Path, label: str, top: int = 40) -> None:
+    """One more Trainer step under torch.profiler (after the timed steps, so their times are not
+    touched): its top ``top`` kernels and ops by own GPU time (CPU time without a GPU) to ``path``."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = torch.cuda.is_available()
+    with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
+        m = trainer.train_step()
+        if cuda:
+            torch.cuda.synchronize()
+    attr = "self_device_time_total" if cuda else "self_cpu_time_total"
+    phases = ", ".join(f"{k[5:]} {m[k]:.2f} s" for k in ("time/step", "time/rollout", "time/logprob", "time/update") if k in m)
+    path.write_text(f"{label}: the profiled step ({phases}; profiler overhead included)\n"
+                    + prof.key_averages().table(sort_by=attr, row_limit=top, max_name_column_width=90))
+
+
 def phase_times(m: dict) -> dict:
     """The step's phases from its metrics (a phase the Trainer did not report, e.g. vLLM's ``sync`` on
     our engine, is NaN; under ``loss.old_logp`` fold the Trainer reports ``time/logprob`` 0.0)."""
@@ -271,6 +287,8 @@ def run_group(cases: list[dict], a: dict, meta: dict, rows_path: Path) -> None:
             m, row["peak_gib"], held = timed_steps(trainer, a["steps"], label)
             row["peak_reserved_gib"] = torch.cuda.max_memory_reserved() / 2**30 if device == "cuda" else float("nan")
             row.update(status="ok", wall_s=time.perf_counter() - t, **phase_times(m))
+            if a.get("profile"):
+                profile_step(trainer, rows_path.parent / f"profile_case{case['case_id']}.txt", label)
         except Exception as err:  # noqa: BLE001 - recorded, and the next case runs
             row.update(failure(err))
             log(f"{label} failed: {err!r}\n{traceback.format_exc()}")

@@ -356,3 +356,13 @@ def test_step_md_states_the_peak_and_plan_and_the_untied_real_model():
     assert "over the last step alone" in md and "span every step" in md and "`.allocated`" not in md
     assert "plan_memory(...).allocated" in md and "untied" in md
     assert "untied" not in step_report.markdown(rows[:1])
+
+
+def test_profile_adds_one_profiled_step_after_the_timed_ones(tmp_path):
+    """--profile: each run writes profile_case<N>.txt (the extra step's phases and its top ops) and the
+    reported row is still the last timed step (step_index steps - 1)."""
+    rows = _run(tmp_path / "p", "--formats", "nvfp4", "--isolate", "off", "--max-new-tokens", "8", "--profile")
+    assert rows[0]["status"] == "ok" and rows[0]["step_index"] == str(int(rows[0]["steps"]) - 1)
+    text = (tmp_path / "p" / f"profile_case{rows[0]['case_id']}.txt").read_text()
+    assert "the profiled step (step " in text and "update" in text
+    assert "aten::mm" in text and "Self CPU" in text  # the profiler's own table, CPU time on the CPU
