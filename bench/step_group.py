@@ -287,8 +287,11 @@ def run_group(cases: list[dict], a: dict, meta: dict, rows_path: Path) -> None:
             m, row["peak_gib"], held = timed_steps(trainer, a["steps"], label)
             row["peak_reserved_gib"] = torch.cuda.max_memory_reserved() / 2**30 if device == "cuda" else float("nan")
             row.update(status="ok", wall_s=time.perf_counter() - t, **phase_times(m))
-            if a.get("profile"):
-                profile_step(trainer, rows_path.parent / f"profile_case{case['case_id']}.txt", label)
+            if a.get("profile"):  # after the row is measured: a profiler failure is logged, the row stays ok
+                try:
+                    profile_step(trainer, rows_path.parent / f"profile_case{case['case_id']}.txt", label)
+                except Exception as err:  # noqa: BLE001
+                    log(f"{label}: the profiled step failed: {err!r}")
         except Exception as err:  # noqa: BLE001 - recorded, and the next case runs
             row.update(failure(err))
             log(f"{label} failed: {err!r}\n{traceback.format_exc()}")

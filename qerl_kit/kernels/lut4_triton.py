@@ -12,7 +12,7 @@ of each kind serves both, the format a compile-time constant (``FMT``: 0 NF4, 1 
     W[n, k] = lut[code] * scale   (one float32 multiply, then rounded to the activation dtype)
 
 The MXFP4 scale 2^(byte - 127) is built from its bits (byte << 23; byte 0 is the subnormal 2^-127),
-exactly ``mxfp4.e8m0_scales`` (CPU: ``torch.exp2(byte - 127.)``), so the product is the reference's float32 product.
+as ``mxfp4.e8m0_scales`` builds the reference's, so the product is the reference's float32 product.
 
 * ``lut4_dequantize`` writes the dense W in bf16/fp16/fp32 in one launch: bit-identical to
   ``nf4.dequantize`` / ``mxfp4.dequantize`` (the same float32 product, rounded to nearest even
