@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from bench.common import build, free, sync, with_lora
+from bench.common import build, free, profiled, sync, with_lora
 from qerl_kit import dense_update
 from qerl_kit.logprobs import completion_logprobs
 
@@ -92,18 +92,14 @@ def time_mode(policy, batches, mu: int, gib: float | None, repeats: int) -> dict
 def profile_pass(policy, batches, mu: int, gib: float | None, top: int = 30) -> tuple[str, list[tuple[str, float, int]]]:
     """One dense-cache pass under torch.profiler: (its key_averages table, [(name, own ms, calls)] of
     the ``top`` names by their own device time, CPU time without a GPU)."""
-    from torch.profiler import ProfilerActivity, profile
-
-    cuda = torch.cuda.is_available()
-    policy.zero_grad(set_to_none=True)
-    with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
+    def one_pass():
         with dense_update.update_cache(policy, gib):
             update_pass(policy, batches, mu)
-            sync()
-    attr = "self_device_time_total" if cuda else "self_cpu_time_total"
-    events = sorted(prof.key_averages(), key=lambda e: getattr(e, attr), reverse=True)
-    rows = [(e.key, getattr(e, attr) / 1e3, e.count) for e in events[:top] if getattr(e, attr) > 0]
-    return prof.key_averages().table(sort_by=attr, row_limit=top, max_name_column_width=90), rows
+            sync()  # the pass's kernels end inside the block, as when it was timed
+
+    policy.zero_grad(set_to_none=True)
+    _, table, rows = profiled(one_pass, top)
+    return table, rows
 
 
 def profile_markdown(profiles: dict[str, list[tuple[str, float, int]]], top: int = 12) -> list[str]:

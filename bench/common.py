@@ -222,6 +222,22 @@ def peak_gib() -> float:
     return torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else float("nan")
 
 
+def profiled(fn, top: int = 40):
+    """``fn()`` under torch.profiler (CPU and, where there is one, the GPU; synced before the profile
+    ends): (its result, the profiler's key_averages table of the ``top`` names by their own device time,
+    CPU time without a GPU, and those names as [(name, own ms, calls)])."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = torch.cuda.is_available()
+    with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
+        result = fn()
+        sync()
+    attr = "self_device_time_total" if cuda else "self_cpu_time_total"
+    events = sorted(prof.key_averages(), key=lambda e: getattr(e, attr), reverse=True)
+    rows = [(e.key, getattr(e, attr) / 1e3, e.count) for e in events[:top] if getattr(e, attr) > 0]
+    return result, prof.key_averages().table(sort_by=attr, row_limit=top, max_name_column_width=90), rows
+
+
 def timed_steps(trainer, steps: int, label: str) -> tuple[dict, float, float]:
     """``steps`` Trainer steps: the last one's metrics, its peak memory (GiB; the peak counter is reset
     before each step, so it is the last step's alone) and the most dense-cache GiB any step held

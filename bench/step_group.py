@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from bench.common import IdTokenizer, build, free, log, random_id_task, timed_steps, with_lora
+from bench.common import IdTokenizer, build, free, log, profiled, random_id_task, timed_steps, with_lora
 from bench.step_lengths import draw_lengths
 
 # bnb-nf4: bitsandbytes' NF4 layers (bench.common.to_nf4), the field's QLoRA kernels; qerl_kit's config
@@ -168,17 +168,9 @@ def plan_gib(peft, case: dict, a: dict, max_len: int, held_gib: float = 0.0) -> 
 def profile_step(trainer, path: Path, label: str, top: int = 40) -> None:
     """One more Trainer step under torch.profiler (after the timed steps, so their times are not
     touched): its top ``top`` kernels and ops by own GPU time (CPU time without a GPU) to ``path``."""
-    from torch.profiler import ProfilerActivity, profile
-
-    cuda = torch.cuda.is_available()
-    with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
-        m = trainer.train_step()
-        if cuda:
-            torch.cuda.synchronize()
-    attr = "self_device_time_total" if cuda else "self_cpu_time_total"
+    m, table, _ = profiled(trainer.train_step, top)
     phases = ", ".join(f"{k[5:]} {m[k]:.2f} s" for k in ("time/step", "time/rollout", "time/logprob", "time/update") if k in m)
-    path.write_text(f"{label}: the profiled step ({phases}; profiler overhead included)\n"
-                    + prof.key_averages().table(sort_by=attr, row_limit=top, max_name_column_width=90))
+    path.write_text(f"{label}: the profiled step ({phases}; profiler overhead included)\n" + table)
 
 
 def phase_times(m: dict) -> dict:
