@@ -37,6 +37,17 @@ def test_block_divisibility_error(name, block):
         get_format(name).quantize(torch.randn(4, block + 16))
 
 
+def test_every_e8m0_byte_is_its_exact_power_of_two():
+    """mxfp4.e8m0_scales builds 2^(byte - 127) from bits: exact for every byte, the subnormal 2^-127
+    (byte 0) and 2^-126 included, where CUDA's exp2 is an ulp off; byte 255 is inf."""
+    import math
+
+    got = mxfp4.e8m0_scales(torch.arange(256, dtype=torch.int32).to(torch.uint8))
+    assert got.dtype == torch.float32
+    assert [float(v) for v in got[:255]] == [math.ldexp(1.0, b - 127) for b in range(255)]
+    assert math.isinf(float(got[255]))
+
+
 def test_mxfp4_scales_are_powers_of_two_and_amax_never_saturates_badly():
     w = _w((16, 128), seed=1)
     q = mxfp4.quantize(w)
