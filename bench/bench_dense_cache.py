@@ -9,6 +9,13 @@ inside the timing). A bf16 + LoRA model (``--formats none``) gives the baseline.
 the preset's shape, a random LoRA, random tokens; the LoRA gradients of the two modes are compared
 bit for bit. Prints a small markdown table (and writes it with ``--out``).
 
+"routed s" is the dense-cache pass with every 4-bit call through the routed autograd Function (a
+Python forward and backward per call, a route and a cache lookup in each), as before the layers took
+the block's weight themselves (``qerl_kit.kernels.held_weight``: ``F.linear`` on the held W, autograd's
+own input gradient, the same matmuls); "vs bf16" divides each dense-cache pass by the bf16 row's.
+``--narrow`` keeps the preset's depth and structure but makes every width 64 (vocabulary 512), so the
+pass's time is the host's work per call: what bounds a small model's update on a GPU, measurable on a CPU.
+
 ``--profile DIR`` then runs one more pass of each format (with the dense cache, as the trainer does)
 under ``torch.profiler`` and writes DIR/profile_<format>.txt (the top kernels by their own GPU time,
 CPU time on a CPU) and DIR/profile.md (each format's total and largest kernels side by side): where an
@@ -16,11 +23,13 @@ update pass through a 4-bit base spends the time a bf16 pass does not.
 
     python -m bench.bench_dense_cache --model Qwen2.5-0.5B --formats nvfp4 nf4 mxfp4 none   # GPU
     python -m bench.bench_dense_cache --smoke                                               # CPU, tiny
+    python -m bench.bench_dense_cache --narrow --formats none nvfp4 nf4 mxfp4               # CPU, host work
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import statistics
 import time
@@ -41,17 +50,23 @@ SMALL = {"Qwen2.5-0.5B": dict(vocab_size=151936, hidden_size=896, intermediate_s
                               num_attention_heads=12, num_key_value_heads=2, tie_word_embeddings=True)}
 
 
-def make_policy(preset: str, fmt: str, device: str, lora_r: int, checkpointing: bool):
-    """A random ``preset``-shaped model (a preset of qerl_kit.models or a key of ``SMALL``) in ``fmt``
-    (none = bf16) with a random LoRA of rank ``lora_r``."""
-    if preset not in SMALL and fmt in ("nvfp4", "none"):
+# --narrow: every width of the preset 64 (its depth and layer structure kept), a 512-token vocabulary.
+NARROW = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+              vocab_size=512)
+
+
+def make_policy(preset: str, fmt: str, device: str, lora_r: int, checkpointing: bool, **overrides):
+    """A random ``preset``-shaped model (a preset of qerl_kit.models or a key of ``SMALL``; config
+    ``overrides`` on top) in ``fmt`` (none = bf16) with a random LoRA of rank ``lora_r``."""
+    if preset not in SMALL and fmt in ("nvfp4", "none") and not overrides:
         model = build(preset, "nvfp4" if fmt == "nvfp4" else "bf16", device)  # nvfp4 built from meta
     else:
         from qerl_kit.models import build_model
         from qerl_kit.quantize import quantize_model
 
         base, over = ("Qwen2.5-7B", SMALL[preset]) if preset in SMALL else (preset, {})
-        model = build_model(base, dtype=torch.bfloat16 if device == "cuda" else torch.float32, device=device, **over)
+        model = build_model(base, dtype=torch.bfloat16 if device == "cuda" else torch.float32, device=device,
+                            **{**over, **overrides})
         if fmt != "none":
             quantize_model(model, fmt=fmt)
     policy = with_lora(model, lora_r)
@@ -70,23 +85,52 @@ def update_pass(policy, batches, mu: int) -> None:
             logp.mean().backward()
 
 
-def time_mode(policy, batches, mu: int, gib: float | None, repeats: int) -> dict:
-    """Seconds per pass (median of ``repeats``, after one warm-up pass that also measures the CUDA
-    working set the auto budget needs), the GiB the cache held, the peak memory and the LoRA gradients."""
-    times, held = [], 0.0
-    for i in range(repeats + 1):
-        policy.zero_grad(set_to_none=True)
+@contextlib.contextmanager
+def routed_function():
+    """Every 4-bit call through its routed autograd Function, as before the held path (the A/B baseline)."""
+    from qerl_kit.linear import QuantLinear
+
+    held = QuantLinear._forward_held
+    QuantLinear._forward_held = lambda self, x: None
+    try:
+        yield
+    finally:
+        QuantLinear._forward_held = held
+
+
+def one_pass(policy, batches, mu: int, gib: float | None, routed: bool) -> tuple[float, float]:
+    """(seconds, GiB the cache held) of one pass in its own ``update_cache`` block, as the trainer opens
+    one per step. ``routed``: every 4-bit call through the routed autograd Function (``routed_function``)."""
+    policy.zero_grad(set_to_none=True)
+    sync()
+    t0 = time.perf_counter()
+    with dense_update.update_cache(policy, gib) as block, (routed_function() if routed else contextlib.nullcontext()):
+        update_pass(policy, batches, mu)
         sync()
-        t0 = time.perf_counter()
-        with dense_update.update_cache(policy, gib) as block:
-            update_pass(policy, batches, mu)
-            sync()
-        if i:
-            times.append(time.perf_counter() - t0)
-        held = block.peak_bytes / dense_update.GIB
-    grads = {n: p.grad.detach().clone() for n, p in policy.named_parameters() if p.grad is not None}
-    peak = torch.cuda.max_memory_allocated() / dense_update.GIB if torch.cuda.is_available() else float("nan")
-    return {"s": statistics.median(times), "gib": held, "peak": peak, "grads": grads}
+    return time.perf_counter() - t0, block.peak_bytes / dense_update.GIB
+
+
+def time_modes(policy, batches, mu: int, modes: dict[str, tuple[float | None, bool]], repeats: int) -> dict:
+    """Each mode (name -> (cache budget, routed)): seconds per pass, the median of ``repeats`` passes taken in
+    turns (mode after mode, so a drift of the machine's speed reaches every mode alike), after one warm-up
+    pass per mode that also measures the CUDA working set the auto budget needs and the mode's peak memory;
+    the GiB the cache held and the LoRA gradients of its last pass."""
+    out = {}
+    for name, (gib, routed) in modes.items():
+        if torch.cuda.is_available():
+            torch.cuda.reset_peak_memory_stats()
+        one_pass(policy, batches, mu, gib, routed)
+        peak = torch.cuda.max_memory_allocated() / dense_update.GIB if torch.cuda.is_available() else float("nan")
+        out[name] = {"times": [], "peak": peak}
+    for _ in range(repeats):
+        for name, (gib, routed) in modes.items():
+            seconds, held = one_pass(policy, batches, mu, gib, routed)
+            grads = {n: p.grad.detach().clone() for n, p in policy.named_parameters() if p.grad is not None}
+            out[name].update(gib=held, grads=grads)
+            out[name]["times"].append(seconds)
+    for r in out.values():
+        r["s"] = statistics.median(r.pop("times"))
+    return out
 
 
 def profile_pass(policy, batches, mu: int, gib: float | None, top: int = 30) -> tuple[str, list[tuple[str, float, int]]]:
@@ -130,46 +174,54 @@ def main() -> None:
     ap.add_argument("--out", default=None, help="a markdown file to write the table to")
     ap.add_argument("--smoke", action="store_true", help="CPU, the tiny model, small shapes")
     ap.add_argument("--profile", default=None, help="a folder: one more pass per format under torch.profiler")
+    ap.add_argument("--narrow", action="store_true", help="every width 64, the preset's depth: the host's work")
     args = ap.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
     if args.smoke:
         args.model, args.micro_batch, args.prompt, args.completion, args.lora_r, args.repeats = \
             "qwen2-tiny", 2, 8, 24, 4, 1
+    if args.narrow:  # short sequences and a small rank too, each unless given
+        given = {a.split("=")[0] for a in _argv()}
+        for option, value in (("--micro-batch", 4), ("--prompt", 16), ("--completion", 48), ("--lora-r", 8)):
+            if option not in given:
+                setattr(args, option[2:].replace("-", "_"), value)
     torch.manual_seed(0)
     gpu = torch.cuda.get_device_name() if device == "cuda" else "cpu"
     lines = [f"# One update pass, packed vs dense cache ({gpu}, {datetime.date.today()}, torch {torch.__version__})",
              "", f"`python -m bench.bench_dense_cache {' '.join(_argv())}`", "",
-             f"{args.model}, LoRA r {args.lora_r}, {args.micro_batches} x {args.micro_batch} sequences of "
+             f"{args.model}{' narrowed (every width 64, vocabulary 512)' if args.narrow else ''}, LoRA r "
+             f"{args.lora_r}, {args.micro_batches} x {args.micro_batch} sequences of "
              f"{args.prompt} + {args.completion} tokens, mu {args.mu}, gradient checkpointing "
-             f"{'on' if args.checkpointing else 'off'}", "",
-             "| format | packed s | dense cache s | speed-up | cache MiB | peak GiB (packed / cache) "
-             "| LoRA grads equal |",
-             "|---|---:|---:|---:|---:|---|---|"]
+             f"{'on' if args.checkpointing else 'off'}, {torch.get_num_threads()} CPU thread(s)", "",
+             "| format | packed s | dense cache s | routed s | speed-up (packed / cache) | routed / cache "
+             "| vs bf16 (cache) | cache MiB | peak GiB (packed / cache) | LoRA grads equal (packed, routed) |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---|---|"]
     print("\n".join(lines), flush=True)
     profiles: dict[str, list] = {}
+    bf16 = None  # the bf16 row's dense-cache seconds, once measured (list "none" first to compare each row)
     for fmt in args.formats:
-        policy = make_policy(args.model, fmt, device, args.lora_r, args.checkpointing)
+        policy = make_policy(args.model, fmt, device, args.lora_r, args.checkpointing, **(NARROW if args.narrow else {}))
         vocab = policy.config.vocab_size
         g = torch.Generator().manual_seed(1)
         batches = [tuple(torch.randint(10, vocab - 10, (args.micro_batch, n), generator=g).to(device)
                          for n in (args.prompt, args.completion)) for _ in range(args.micro_batches)]
-        if torch.cuda.is_available():
-            torch.cuda.reset_peak_memory_stats()
-        packed = time_mode(policy, batches, args.mu, 0, args.repeats)
-        if torch.cuda.is_available():
-            torch.cuda.reset_peak_memory_stats()
-        dense = time_mode(policy, batches, args.mu, args.gib, args.repeats)
-        same = packed["grads"].keys() == dense["grads"].keys() and all(
-            torch.equal(packed["grads"][k], dense["grads"][k]) for k in packed["grads"])
-        row = (f"| {fmt} | {packed['s']:.3f} | {dense['s']:.3f} | {packed['s'] / dense['s']:.2f}x | "
-               f"{dense['gib'] * 1024:.1f} | {packed['peak']:.2f} / {dense['peak']:.2f} | {'yes' if same else 'NO'} |")
+        modes = {"packed": (0, False), "dense": (args.gib, False), "routed": (args.gib, True)}
+        timed = time_modes(policy, batches, args.mu, modes, args.repeats)
+        packed, dense, routed = (timed[m] for m in modes)
+        same = [a["grads"].keys() == dense["grads"].keys() and all(torch.equal(a["grads"][k], dense["grads"][k])
+                                                                   for k in a["grads"]) for a in (packed, routed)]
+        bf16 = dense["s"] if fmt == "none" else bf16
+        versus = f"{dense['s'] / bf16:.2f}x" if bf16 else ""
+        row = (f"| {fmt} | {packed['s']:.3f} | {dense['s']:.3f} | {routed['s']:.3f} | {packed['s'] / dense['s']:.2f}x | "
+               f"{routed['s'] / dense['s']:.2f}x | {versus} | {dense['gib'] * 1024:.1f} | "
+               f"{packed['peak']:.2f} / {dense['peak']:.2f} | {', '.join('yes' if x else 'NO' for x in same)} |")
         print(row, flush=True)
         lines.append(row)
         if args.profile:
             table, profiles[fmt] = profile_pass(policy, batches, args.mu, args.gib)
             Path(args.profile).mkdir(parents=True, exist_ok=True)
             (Path(args.profile) / f"profile_{fmt}.txt").write_text(table)
-        del policy, batches, packed, dense
+        del policy, batches, packed, dense, routed, timed
         free()
     if profiles:
         lines += profile_markdown(profiles)

@@ -25,9 +25,13 @@
 #                             default list (tests/test_bench_trl_step.py, a call of its own: carry .vllm/uns)
 #                             (pytest travels as wheels: python3 -m pip download -d .whl/test pytest; carry .whl)
 #   profile-update [MODEL] ["FORMATS"]  one update pass (forward + backward, checkpointing on, 2 micro-batches of 8 x
-#                             256 + 512 tokens, LoRA r32) per format, timed with and without the dense cache and then
-#                             profiled (bench.bench_dense_cache --profile); MODEL default Qwen2.5-7B, FORMATS
-#                             "nvfp4 none"; profile.md and each format's profile_<fmt>.txt in $OUT/profile-update
+#                             256 + 512 tokens, LoRA r32) per format, timed packed, with the dense cache (the held
+#                             path) and with the cache through the routed autograd Function, then profiled
+#                             (bench.bench_dense_cache --profile); MODEL default Qwen2.5-7B, FORMATS "nvfp4 none"
+#                             (list none first for the "vs bf16" column); UPDATE_ARGS replaces the shape flags
+#                             (e.g. "--micro-batch 8 --micro-batches 8 --prompt 256 --completion 512 --repeats 3":
+#                             the 0.5B step's update, checkpointing off); profile.md and each format's
+#                             profile_<fmt>.txt in $OUT/profile-update
 #   repro-tests               NVFP4 bit-reproducibility, tests/test_tuning.py compiled: each kernel's bits in two
 #                             processes (humming a non-strict xfail: XPASS means the same bits)
 #   repro [ARGS]              bench.bench_repro (3 processes, one fixed-seed rollout + Trainer step each, sha256s
@@ -192,9 +196,9 @@ gpu-tests)
   tail -2 "$OUT/gpu_tests_log.txt" ;;
 profile-update)
   read -r -a fmts <<< "${2:-nvfp4 none}"; mkdir -p "$OUT/profile-update"
+  read -r -a shape <<< "${UPDATE_ARGS:---micro-batch 8 --micro-batches 2 --prompt 256 --completion 512 --checkpointing --repeats 2}"
   timeout "${PROFILE_TIMEOUT:-400}" python3 -m bench.bench_dense_cache --model "${1:-Qwen2.5-7B}" --formats "${fmts[@]}" \
-    --micro-batch 8 --micro-batches 2 --prompt 256 --completion 512 --checkpointing --repeats 2 \
-    --profile "$OUT/profile-update" > "$OUT/profile-update/log.txt" 2>&1
+    "${shape[@]}" --profile "$OUT/profile-update" > "$OUT/profile-update/log.txt" 2>&1
   echo "profile rc=$?"; grep -E "^\| |Error" "$OUT/profile-update/log.txt" | head -12 ;;
 repro-tests)
   timeout 540 python3 -m pytest tests/test_tuning.py -q -rxX -p no:cacheprovider > "$OUT/repro_tests_log.txt" 2>&1

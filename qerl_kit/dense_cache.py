@@ -40,7 +40,7 @@ from typing import Callable, Iterator, Sequence
 
 import torch
 
-__all__ = ["dense_weight_cache", "cached", "cached_or_none", "cache_stats", "block_stats", "DenseCacheBlock"]
+__all__ = ["dense_weight_cache", "cached", "cached_or_none", "takes", "cache_stats", "block_stats", "DenseCacheBlock"]
 
 
 @dataclass
@@ -57,9 +57,12 @@ class DenseCacheBlock:
     refused: int = 0          # distinct weights refused for the budget (dequantized per call instead)
     entries: dict = field(default_factory=dict, repr=False)
     _refused_keys: set = field(default_factory=set, repr=False)
+    # (id of the first key tensor, dtype, tag) -> key of ``entries``: a hit without building the full key
+    _by_id: dict = field(default_factory=dict, repr=False)
 
     def _drop(self, key) -> None:
-        dense = self.entries.pop(key)[0]
+        dense, tensors = self.entries.pop(key)[:2]
+        self._by_id.pop((id(tensors[0]), key[1], key[0]), None)
         self.bytes_held -= _nbytes(dense.shape, dense.dtype)
 
 
@@ -84,6 +87,7 @@ def dense_weight_cache(enabled: bool = True, *, budget_bytes: int | None = None,
         yield block
     finally:
         block.entries.clear()  # the dense copies go now, not when the caller drops the block
+        block._by_id.clear()
         block.bytes_held = 0
         _block = None
 
@@ -103,6 +107,25 @@ def _cacheable(block: DenseCacheBlock | None, tensors: Sequence[torch.Tensor]) -
     return not (torch.is_grad_enabled() and any(t.requires_grad for t in tensors))
 
 
+def takes(tensors: Sequence[torch.Tensor]) -> bool:
+    """Whether an open block caches the dense weight of these packed tensors (budget aside): a block
+    is open, it takes their device, nothing is being compiled and they need no gradient."""
+    return _cacheable(_block, tensors)
+
+
+def _hit(block: DenseCacheBlock, tensors: Sequence[torch.Tensor], dtype: torch.dtype, tag: str):
+    """The entry's dense weight when ``tensors`` are the very tensor objects an entry holds (the
+    identity lookup: ``id`` is unique while the entry keeps them alive) at the versions it recorded;
+    else None and the caller looks the full key up."""
+    key = block._by_id.get((id(tensors[0]), dtype, tag))
+    if key is None:
+        return None
+    dense, held, versions = block.entries[key]
+    if len(held) != len(tensors) or any(a is not b or a._version != v for a, b, v in zip(held, tensors, versions)):
+        return None
+    return dense
+
+
 def cached_or_none(tensors: Sequence[torch.Tensor], dtype: torch.dtype, make: Callable[[], torch.Tensor], *,
                    shape: Sequence[int] | None = None, tag: str = "") -> torch.Tensor | None:
     """The cached ``make()`` of these packed ``tensors`` (computed now on the first call), or None
@@ -112,6 +135,11 @@ def cached_or_none(tensors: Sequence[torch.Tensor], dtype: torch.dtype, make: Ca
     block = _block
     if not _cacheable(block, tensors):
         return None
+    dense = _hit(block, tensors, dtype, tag)
+    if dense is not None:
+        block.hits += 1
+        _stats["hits"] += 1
+        return dense
     key = _key(tensors, dtype, tag)
     versions = tuple(t._version for t in tensors)
     entry = block.entries.get(key)
@@ -133,6 +161,7 @@ def cached_or_none(tensors: Sequence[torch.Tensor], dtype: torch.dtype, make: Ca
         return dense  # refused: None (the caller computes it per call), or the one computed above, uncached
     dense = make() if dense is None else dense
     block.entries[key] = (dense, tuple(tensors), versions)  # the key tensors stay alive while their entry does
+    block._by_id[(id(tensors[0]), dtype, tag)] = key
     block.bytes_held += _nbytes(dense.shape, dense.dtype)
     block.peak_bytes = max(block.peak_bytes, block.bytes_held)
     block.misses += 1

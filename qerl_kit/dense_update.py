@@ -40,7 +40,9 @@ device and make the next step allocate its working set again.
 
 Rows below the NVFP4 dense route (under 128, ``kernels.routes``) keep their packed kernels: the
 route table is unchanged, so every call computes what it computes without the cache (bit for bit
-on the dense route), and at GRPO shapes the update's calls have thousands of rows anyway.
+on the dense route), and at GRPO shapes the update's calls have thousands of rows anyway. A call on
+a dense route takes the layers' held path (``qerl_kit.linear``): ``F.linear`` on the held W and
+autograd's input gradient, one cache lookup per forward and none per backward.
 
 ``dense_projection_bytes(model)`` is the memory one block holds at most (bf16 bytes of every
 quantized projection; ``memory_terms.dense_cache_all`` of a shape), for the memory planner too.

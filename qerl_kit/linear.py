@@ -14,6 +14,13 @@ A forward that needs no gradient (rollouts, evaluation) skips autograd's bookkee
 generation dequantizes each weight once per call, not once per token; the training pass (log-prob
 pass + update) once per step where its memory budget allows, on any device
 (``qerl_kit.dense_cache``, ``qerl_kit.dense_update``).
+
+Inside such a block, a call whose routes are dense matmuls (NVFP4's ``dense`` from 128 rows on CUDA,
+NF4's / MXFP4's ``lut4_dense``, the CPU's reference) takes the *held path*: ``F.linear`` on the block's
+dense W, with autograd's own input gradient (``dy @ W``), the routed path's matmuls bit for bit. It
+skips the Python autograd Function and the second route and cache lookup of every backward: the
+host work per call of ``nn.Linear`` plus one lookup, which is what bounds a small model's update
+(``kernels.held_weight``; ``bench/results/host_pass_cpu.md``).
 """
 
 from __future__ import annotations
@@ -23,7 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from qerl_kit import kernels, mxfp4, nf4, nvfp4
-from qerl_kit.dense_cache import cached
+from qerl_kit.dense_cache import cached, cached_or_none
 
 
 def _dense(layer: "QuantLinear", dtype: torch.dtype) -> torch.Tensor:
@@ -129,9 +136,29 @@ class QuantLinear(nn.Module):
             raise TypeError(f"{type(self).__name__} takes a floating-point input, as nn.Linear does; got {x.dtype} "
                             "(token ids go through the embedding first)")
 
+    def _held(self, x2: torch.Tensor) -> torch.Tensor | None:
+        """The dense weight an open ``qerl_kit.dense_cache`` block holds for this call, whose forward and
+        input gradient are then ``F.linear`` and ``dy @ W`` with it; None where the call takes another
+        path. Here the plain-PyTorch path, which always computes with the dense weight."""
+        tensors = tuple(getattr(self, name) for name in self._tensor_fields)
+        return cached_or_none(tensors, x2.dtype, lambda: self.dequantized_weight(x2.dtype),
+                              shape=(self.out_features, self.in_features), tag=self.fmt)
+
+    def _forward_held(self, x: torch.Tensor) -> torch.Tensor | None:
+        """y = F.linear(x, W) with the block's W, autograd taking the input gradient (``dy @ W``, the
+        routed path's matmul), or None outside a block that holds this call's W. The matmuls are the
+        routed path's, bit for bit; the host work is nn.Linear's (no Python autograd Function)."""
+        x2 = x if x.dim() == 2 else x.reshape(-1, self.in_features)
+        w = self._held(x2)
+        if w is None:
+            return None
+        y = F.linear(x2, w, None if self.bias is None else self.bias.to(x.dtype))
+        return y if x.dim() == 2 else y.reshape(*x.shape[:-1], self.out_features)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         self._check_input(x)
-        return _FrozenQuantMatmul.apply(x, self)
+        y = self._forward_held(x)
+        return _FrozenQuantMatmul.apply(x, self) if y is None else y
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
@@ -151,9 +178,15 @@ class NVFP4Linear(QuantLinear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         self._check_input(x)
+        y = self._forward_held(x)
+        if y is not None:
+            return y
         if x.requires_grad and torch.is_grad_enabled():
             return _RoutedMatmul.apply(x, self)
         return self._linear(x)
+
+    def _held(self, x2: torch.Tensor) -> torch.Tensor | None:
+        return kernels.held_weight(x2, self.packed, self.scales, self.global_scale)
 
     def _linear(self, x: torch.Tensor) -> torch.Tensor:
         return kernels.nvfp4_linear(x, self.packed, self.scales, self.global_scale, self.bias)
@@ -170,6 +203,9 @@ class _LUT4Linear(QuantLinear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         self._check_input(x)
+        y = self._forward_held(x)
+        if y is not None:
+            return y
         x2 = x if x.dim() == 2 else x.reshape(-1, self.in_features)
         if self.fmt not in kernels.routes.LUT4 or kernels.route(
                 "forward", x2, self.packed, self.block_scales, fmt=self.fmt) == "reference":
@@ -177,6 +213,11 @@ class _LUT4Linear(QuantLinear):
         if x.requires_grad and torch.is_grad_enabled():
             return _RoutedMatmul.apply(x, self)
         return self._linear(x)
+
+    def _held(self, x2: torch.Tensor) -> torch.Tensor | None:
+        if self.fmt not in kernels.routes.LUT4:  # another format's subclass: the plain-PyTorch path's W
+            return super()._held(x2)
+        return kernels.held_weight(x2, self.packed, self.block_scales, None, self.fmt)
 
     def _linear(self, x: torch.Tensor) -> torch.Tensor:
         return kernels.lut4_linear(x, self.packed, self.block_scales, self.fmt, self.bias)

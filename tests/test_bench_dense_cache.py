@@ -11,10 +11,25 @@ def test_smoke_run_times_both_modes_and_profiles_each_format(tmp_path, monkeypat
     bench_dense_cache.main()
     table = out.read_text()
     rows = [line for line in table.splitlines() if line.startswith("| nvfp4 ") or line.startswith("| none ")]
-    assert len(rows) == 2 and rows[0].rstrip().endswith("| yes |")  # the cache gives the packed path's grads
+    # the cache (held path) gives the packed path's grads and the routed Function's
+    assert len(rows) == 2 and rows[0].rstrip().endswith("| yes, yes |")
+    cells = [c.strip() for c in rows[0].split("|")[1:-1]]
+    assert all(float(c) > 0 for c in cells[1:4]) and cells[5].endswith("x") and cells[6] == ""  # bf16 comes after
     md = (prof / "profile.md").read_text()
     assert "### nvfp4:" in md and "### none:" in md and "`aten::mm`" in md
-    assert "_RoutedMatmul" in md.split("### none:")[0]  # the 4-bit pass goes through the routed matmul
-    assert "_RoutedMatmul" not in md.split("### none:")[1]
+    assert "_RoutedMatmul" not in md  # in the block the 4-bit layers take the held path: autograd's own linear
     for fmt in ("nvfp4", "none"):
         assert "Self CPU" in (prof / f"profile_{fmt}.txt").read_text()
+
+
+def test_narrow_run_keeps_the_depth_and_compares_each_format_with_bf16(tmp_path, monkeypatch):
+    out = tmp_path / "narrow.md"
+    monkeypatch.setattr(sys, "argv", ["bench_dense_cache", "--model", "qwen2-tiny", "--narrow", "--formats", "none",
+                                      "nvfp4", "--repeats", "1", "--micro-batches", "1", "--completion", "8",
+                                      "--out", str(out)])
+    bench_dense_cache.main()
+    table = out.read_text()
+    assert "narrowed (every width 64, vocabulary 512)" in table
+    rows = {line.split("|")[1].strip(): [c.strip() for c in line.split("|")[1:-1]]
+            for line in table.splitlines() if line.startswith(("| nvfp4 ", "| none "))}
+    assert rows["none"][6] == "1.00x" and rows["nvfp4"][6].endswith("x") and rows["nvfp4"][-1] == "yes, yes"

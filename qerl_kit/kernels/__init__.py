@@ -42,7 +42,8 @@ from __future__ import annotations
 
 import torch
 
-from qerl_kit.kernels import routes
+from qerl_kit import dense_cache
+from qerl_kit.kernels import reference, routes
 from qerl_kit.kernels.backend import (ENV_VAR, KERNEL_DTYPES, Backend, _parse, get_backend, interpreting, resolve,
                                       set_backend, triton_status)
 from qerl_kit.kernels.reference import lut4_dgrad_ref, lut4_linear_ref, nvfp4_dgrad_ref, nvfp4_linear_ref
@@ -50,7 +51,7 @@ from qerl_kit.kernels.reference import lut4_dgrad_ref, lut4_linear_ref, nvfp4_dg
 __all__ = [
     "Backend", "ENV_VAR", "route", "kernel_status", "compile_shapes", "get_backend", "set_backend", "resolve",
     "triton_status", "nvfp4_linear", "nvfp4_dgrad", "nvfp4_linear_ref", "nvfp4_dgrad_ref",
-    "lut4_linear", "lut4_dgrad", "lut4_linear_ref", "lut4_dgrad_ref",
+    "lut4_linear", "lut4_dgrad", "lut4_linear_ref", "lut4_dgrad_ref", "held_weight", "HELD_ROUTES",
 ]
 
 
@@ -103,16 +104,22 @@ def _runs(kernel: str, x2: torch.Tensor, packed: torch.Tensor, scales: torch.Ten
 _decisions: dict[tuple, str] = {}
 
 
+def _call_key(op: str, choice: Backend, x2: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor,
+              fmt: str) -> tuple:
+    """What the table's conditions and the kernels' alignment checks read of a call, and nothing else."""
+    ps, ss = packed.stride(), scales.stride()
+    return (op, choice, x2.device.type, x2.dtype, x2.shape[0], packed.shape[0], packed.shape[1], x2.stride(),
+            x2.data_ptr() % 16, ps[0] % 16, ps[1], packed.data_ptr() % 16, ss[0] % 8, ss[1], scales.data_ptr() % 8,
+            fmt)
+
+
 def route(op: str, x2: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor,
           backend: Backend | str | None = None, fmt: str = "nvfp4") -> str:
     """The kernel ``op`` ("forward" or "dgrad") runs for the 2-D activation ``x2`` (x [M, K] or
     dy [M, N]) and this ``fmt`` weight (nvfp4, nf4 or mxfp4): a key of ``routes.KERNELS``. Cached
     per call shape."""
     choice = _parse(backend) if backend is not None else get_backend()
-    # What the table's conditions and the kernels' alignment checks read, and nothing else.
-    key = (op, choice, x2.device.type, x2.dtype, x2.shape[0], packed.shape[0], packed.shape[1], x2.stride(0),
-           x2.stride(1), x2.data_ptr() % 16, packed.stride(0) % 16, packed.stride(1), packed.data_ptr() % 16,
-           scales.stride(0) % 8, scales.stride(1), scales.data_ptr() % 8, fmt)
+    key = _call_key(op, choice, x2, packed, scales, fmt)
     kernel = _decisions.get(key)
     if kernel is None:
         if len(_decisions) >= 8192:  # many distinct row counts (variable-length batches): start over
@@ -165,6 +172,7 @@ def _route(op, x2, packed, scales, choice: Backend, fmt: str = "nvfp4") -> str:
 def _forget_routes() -> None:
     """Drop cached decisions (after a kernel family was turned off, or in tests)."""
     _decisions.clear()
+    _held_decisions.clear()
 
 
 # -- the entry points -------------------------------------------------------------------------------
@@ -279,6 +287,57 @@ def lut4_dgrad(dy: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, fmt
     dy2 = dy.reshape(-1, packed.shape[0])
     dx = _LUT4_DGRAD[route("dgrad", dy2, packed, scales, backend, fmt)](dy2, packed, scales, fmt)
     return dx.reshape(*dy.shape[:-1], packed.shape[1] * 2)
+
+
+# -- the training pass inside a dense-weight block --------------------------------------------------
+
+# The routes that compute y = F.linear(x2, W, bias) and dx = dy @ W with W one dense weight a
+# ``qerl_kit.dense_cache`` block can hold, per format: (forward kernels, input-gradient kernels).
+HELD_ROUTES = {"nvfp4": (("dense", "reference"), ("dense", "reference")),
+               "nf4": (("lut4_dense", "reference"), ("lut4_dense", "reference")),
+               "mxfp4": (("lut4_dense", "reference"), ("lut4_dense", "reference"))}
+
+
+_held_decisions: dict[tuple, bool] = {}  # held_weight's route check per call key (cleared with _decisions)
+
+
+def held_weight(x2: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, global_scale: torch.Tensor | None,
+                fmt: str = "nvfp4") -> torch.Tensor | None:
+    """The dense W an open ``qerl_kit.dense_cache`` block holds for this call (made now on its first
+    call), where both the call's forward and its input gradient route to a kernel of ``HELD_ROUTES``,
+    which would compute ``F.linear(x2, W, bias)`` and ``dy @ W`` with exactly this W; else None (no
+    block, the block refuses the weight, a packed kernel's rows, the dense path's row chunks).
+
+    A layer that gets a W computes ``F.linear`` itself and lets autograd take the input gradient:
+    the same matmuls as the routed calls, without a Python autograd Function, a second route and a
+    second cache lookup per backward (the update phase's host time, which bounds small models).
+    ``global_scale`` is NVFP4's (None for NF4 / MXFP4, whose ``scales`` are their block scales).
+    """
+    if not dense_cache.takes((packed, scales)):
+        return None
+    key = _call_key("held", get_backend(), x2, packed, scales, fmt)
+    held = _held_decisions.get(key)
+    if held is None:
+        if len(_held_decisions) >= 8192:  # as route's decisions: many distinct row counts, start over
+            _held_decisions.clear()
+        forward, dgrad = HELD_ROUTES[fmt]
+        # The dgrad rows' kernels read the call's rows, dtype and device only, never its strides or
+        # alignment (tests/test_held_weight.py keeps it so), so x2 stands for the backward's dy2 [M, N].
+        held = _held_decisions[key] = (route("forward", x2, packed, scales, fmt=fmt) in forward
+                                       and route("dgrad", x2, packed, scales, fmt=fmt) in dgrad)
+    if not held:
+        return None
+    if fmt != "nvfp4":
+        if not x2.is_cuda:
+            return reference.lut4_dequantize(packed, scales, fmt, x2.dtype, held_only=True)
+        return _lut4().held_dense_weight(packed, scales, fmt, x2.dtype)
+    if not x2.is_cuda:
+        return reference.dequantize(packed, scales, global_scale, x2.dtype, held_only=True)
+    from qerl_kit.kernels import nvfp4_gemm_triton as gm
+
+    if gm.dense_chunk_rows(x2.shape[0], packed.shape[0]) is not None:  # the dense path's pieces: not one matmul
+        return None
+    return gm.cached_dense_weight(packed, scales, global_scale, x2.dtype)
 
 
 # -- up-front compilation ---------------------------------------------------------------------------

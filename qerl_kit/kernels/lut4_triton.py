@@ -275,15 +275,24 @@ def lut4_dense_linear(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tenso
     return F.linear(x, _dense_weight(packed, scales, fmt, x.dtype), bias)
 
 
-def _dense_weight(packed: torch.Tensor, scales: torch.Tensor, fmt: str, dtype: torch.dtype) -> torch.Tensor:
+def _dense_weight(packed: torch.Tensor, scales: torch.Tensor, fmt: str, dtype: torch.dtype,
+                  held_only: bool = False) -> torch.Tensor | None:
     """The dense weight through ``dense_cache.cached`` under the tag ``fmt``, deliberately the one the
     reference (``kernels.reference.lut4_dequantize``) and the layer path (``linear._dense``) use: the
     kernel's output is bit-identical to the format's ``dequantize`` (tests/test_lut4_kernels.py), so
-    one cache entry per weight serves every path of a block, whichever made it."""
-    from qerl_kit.dense_cache import cached
+    one cache entry per weight serves every path of a block, whichever made it. ``held_only``: the
+    open block's copy or None (``dense_cache.cached_or_none``), never a per-call one."""
+    from qerl_kit.dense_cache import cached, cached_or_none
 
-    return cached((packed, scales), dtype, lambda: lut4_dequantize(packed, scales, fmt, dtype),
-                  shape=(packed.shape[0], packed.shape[1] * 2), tag=fmt)
+    return (cached_or_none if held_only else cached)(
+        (packed, scales), dtype, lambda: lut4_dequantize(packed, scales, fmt, dtype),
+        shape=(packed.shape[0], packed.shape[1] * 2), tag=fmt)
+
+
+def held_dense_weight(packed: torch.Tensor, scales: torch.Tensor, fmt: str, dtype: torch.dtype) -> torch.Tensor | None:
+    """The dense W ``lut4_dense_linear`` and ``lut4_dense_dgrad`` would use, where an open
+    ``qerl_kit.dense_cache`` block holds it (made now on its first call); None otherwise."""
+    return _dense_weight(packed, scales, fmt, dtype, held_only=True)
 
 
 def lut4_dense_dgrad(dy: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, fmt: str) -> torch.Tensor:

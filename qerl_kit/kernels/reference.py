@@ -20,16 +20,18 @@ import torch
 import torch.nn.functional as F
 
 from qerl_kit import mxfp4, nf4, nvfp4
-from qerl_kit.dense_cache import cached
+from qerl_kit.dense_cache import cached, cached_or_none
 
 
 def dequantize(packed: torch.Tensor, scales: torch.Tensor, global_scale: torch.Tensor,
-               dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+               dtype: torch.dtype = torch.bfloat16, held_only: bool = False) -> torch.Tensor | None:
     """Dense W [N, K] from the three NVFP4 tensors (once per ``qerl_kit.dense_cache`` block where
-    the block takes it: CPU generation, the training pass)."""
-    return cached((packed, scales, global_scale), dtype,
-                  lambda: nvfp4.dequantize(nvfp4.NVFP4Tensor(packed, scales, global_scale), dtype),
-                  shape=(packed.shape[0], packed.shape[1] * 2), tag="nvfp4-reference")
+    the block takes it: CPU generation, the training pass). ``held_only``: the block's copy (made now
+    on its first call), or None where no open block holds it, instead of a per-call one."""
+    return (cached_or_none if held_only else cached)(
+        (packed, scales, global_scale), dtype,
+        lambda: nvfp4.dequantize(nvfp4.NVFP4Tensor(packed, scales, global_scale), dtype),
+        shape=(packed.shape[0], packed.shape[1] * 2), tag="nvfp4-reference")
 
 
 def nvfp4_linear_ref(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor,
@@ -48,12 +50,14 @@ def nvfp4_dgrad_ref(dy: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor
     return dy.to(dtype) @ dequantize(packed, scales, global_scale, dtype)
 
 
-def lut4_dequantize(packed: torch.Tensor, scales: torch.Tensor, fmt: str, dtype: torch.dtype = torch.bfloat16):
+def lut4_dequantize(packed: torch.Tensor, scales: torch.Tensor, fmt: str, dtype: torch.dtype = torch.bfloat16,
+                    held_only: bool = False) -> torch.Tensor | None:
     """Dense W [N, K] of an NF4 (``scales`` = absmax) or MXFP4 weight: the format's own ``dequantize``
-    (once per generation call on the CPU: ``qerl_kit.dense_cache``)."""
+    (once per generation call on the CPU: ``qerl_kit.dense_cache``); ``held_only`` as in ``dequantize``."""
     qt = nf4.NF4Tensor(packed, scales) if fmt == "nf4" else mxfp4.MXFP4Tensor(packed, scales)
-    return cached((packed, scales), dtype, lambda: qt.dequantize(dtype),
-                  shape=(packed.shape[0], packed.shape[1] * 2), tag=fmt)  # the layer path's key (linear._dense)
+    return (cached_or_none if held_only else cached)(
+        (packed, scales), dtype, lambda: qt.dequantize(dtype),
+        shape=(packed.shape[0], packed.shape[1] * 2), tag=fmt)  # the layer path's key (linear._dense)
 
 
 def lut4_linear_ref(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, fmt: str,

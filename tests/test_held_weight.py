@@ -1,0 +1,148 @@
+"""The training pass's held path (``qerl_kit.kernels.held_weight``, ``QuantLinear._forward_held``).
+
+Inside a dense-weight block that holds a layer's weight, a call whose routes are dense matmuls runs
+``F.linear`` on the block's W and lets autograd take the input gradient: the routed path's matmuls,
+bit for bit, without the Python autograd Function (and its second route and cache lookup) per
+backward. Everywhere else (no block, a refused weight, a packed kernel's rows) the layer takes the
+routed path as before. Also the cache's identity lookup that makes a held call's lookup cheap.
+"""
+
+import pytest
+import torch
+from torch import nn
+
+from qerl_kit import dense_cache, kernels
+from qerl_kit.kernels import routes
+from qerl_kit.linear import MXFP4Linear, NF4Linear, NVFP4Linear, _FrozenQuantMatmul, _RoutedMatmul
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
+
+LAYERS = {"nvfp4": NVFP4Linear, "nf4": NF4Linear, "mxfp4": MXFP4Linear}
+
+
+def _layer(fmt, bias, seed, n=48, k=64, dtype=torch.float32):
+    g = torch.Generator().manual_seed(seed)
+    lin = nn.Linear(k, n, bias=bias)
+    with torch.no_grad():
+        lin.weight.copy_(torch.randn(n, k, generator=g))
+        if bias:
+            lin.bias.copy_(torch.randn(n, generator=g))
+    return LAYERS[fmt].from_linear(lin.to(dtype))
+
+
+def _input(seed, shape, dtype=torch.float32):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(shape, generator=g) * 2).to(dtype).requires_grad_()
+
+
+def _routed(layer, x):
+    """The routed path the layer took before the held path: its autograd Function on every call."""
+    return (_RoutedMatmul if isinstance(layer, NVFP4Linear) else _FrozenQuantMatmul).apply(x, layer)
+
+
+def _grads(fn, layer, x, dy):
+    x = x.detach().clone().requires_grad_()
+    y = fn(layer, x)
+    y.backward(dy)
+    return y.detach(), x.grad, y.grad_fn
+
+
+@pytest.mark.parametrize("fmt", list(LAYERS))
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("shape", [(40, 64), (3, 7, 64)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_held_path_gives_the_routed_paths_bits_without_a_python_function(fmt, bias, shape, dtype):
+    seed = hash((fmt, bias, shape, str(dtype))) % 1000
+    layer, x = _layer(fmt, bias, seed, dtype=dtype), _input(seed + 1, shape, dtype)
+    dy = _input(seed + 2, (*shape[:-1], layer.out_features), dtype).detach()
+    with dense_cache.dense_weight_cache() as block:
+        y0, dx0, fn0 = _grads(_routed, layer, x, dy)
+        y1, dx1, fn1 = _grads(lambda m, v: m(v), layer, x, dy)
+        assert kernels.held_weight(x.reshape(-1, 64), layer.packed, layer.block_scales,
+                                   getattr(layer, "global_scale", None), fmt) is not None
+    assert torch.equal(y0, y1) and torch.equal(dx0, dx1)
+    assert y1.abs().sum() > 0 and dx1.abs().sum() > 0
+    assert "Matmul" in type(fn0).__name__ and "Matmul" not in type(fn1).__name__  # autograd's own linear
+    assert block.misses == 1  # one dense W, read by the routed calls and the held forward alike
+
+
+@pytest.mark.parametrize("fmt", list(LAYERS))
+def test_outside_a_block_or_over_its_budget_the_layer_takes_the_routed_path(fmt):
+    layer, x = _layer(fmt, True, 5), _input(6, (4, 9, 64))
+    x2 = x.reshape(-1, 64)
+    scale = getattr(layer, "global_scale", None)
+    for block in (None, 0):  # no block; a block whose budget refuses every weight
+        if block is None:
+            y = layer(x)
+            assert kernels.held_weight(x2, layer.packed, layer.block_scales, scale, fmt) is None
+        else:
+            with dense_cache.dense_weight_cache(budget_bytes=block) as b:
+                y = layer(x)
+                assert kernels.held_weight(x2, layer.packed, layer.block_scales, scale, fmt) is None
+            assert b.refused == 1 and b.misses == 0
+        assert "Matmul" in type(y.grad_fn).__name__
+        y.sum().backward()
+        assert x.grad.abs().sum() > 0
+        x.grad = None
+
+
+def test_a_backward_in_the_block_routes_nothing_and_looks_nothing_up(monkeypatch):
+    layer, x = _layer("nvfp4", False, 7), _input(8, (2, 5, 64))
+    calls = []
+    real_route, real_lookup = kernels.route, dense_cache.cached_or_none
+    monkeypatch.setattr(kernels, "route", lambda *a, **kw: calls.append("route") or real_route(*a, **kw))
+    monkeypatch.setattr(dense_cache, "cached_or_none", lambda *a, **kw: calls.append("cache") or real_lookup(*a, **kw))
+    with dense_cache.dense_weight_cache():
+        y = layer(x)
+        assert calls  # the forward decided the route and read the block
+        calls.clear()
+        y.square().sum().backward()
+    assert calls == [] and x.grad.abs().sum() > 0
+
+
+def test_every_input_gradient_row_reads_no_alignment_so_the_forward_input_stands_for_dy():
+    # held_weight decides the backward's route from the forward's x2: sound while every dgrad row's
+    # kernel is a Triton one or the reference, whose ``kernels._runs`` reads only the call's device
+    families = {routes.KERNELS[r.kernel].family for r in routes.ROUTES if r.op == "dgrad"}
+    assert families <= {"triton", "reference"}
+    assert set(kernels.HELD_ROUTES) == set(routes.FORMATS_ROUTED)
+    for forward, dgrad in kernels.HELD_ROUTES.values():
+        assert set(forward) | set(dgrad) <= set(routes.KERNELS)
+
+
+def test_a_subclass_of_another_format_takes_the_plain_pytorch_held_path():
+    class Other(NF4Linear):  # registered as its own format: the kernels know NF4's layout only
+        fmt = "nf4-copy"
+
+    base = _layer("nf4", True, 9)
+    layer = Other(base.in_features, base.out_features, base.bias, base.quant_tensor())
+    x, dy = _input(10, (6, 64)), _input(11, (6, base.out_features)).detach()
+    with dense_cache.dense_weight_cache() as block:
+        y0, dx0, _ = _grads(_routed, layer, x, dy)
+        y1, dx1, fn = _grads(lambda m, v: m(v), layer, x, dy)
+    assert torch.equal(y0, y1) and torch.equal(dx0, dx1) and "Matmul" not in type(fn).__name__
+    assert block.misses == 1
+
+
+def test_the_identity_lookup_hits_only_the_very_tensors_at_their_versions():
+    g = torch.Generator().manual_seed(12)
+    a, b, c = (torch.randn(4, 4, generator=g) for _ in range(3))
+    made = []
+
+    def make(*ts):
+        return lambda: made.append(1) or sum(t.clone() for t in ts)
+
+    with dense_cache.dense_weight_cache() as block:
+        first = dense_cache.cached_or_none((a, b), torch.float32, make(a, b), tag="t")
+        assert dense_cache.cached_or_none((a, b), torch.float32, make(a, b), tag="t") is first
+        other = dense_cache.cached_or_none((a, c), torch.float32, make(a, c), tag="t")  # same first tensor
+        assert torch.equal(other, a + c) and not torch.equal(other, first)
+        assert dense_cache.cached_or_none((a, b), torch.float32, make(a, b), tag="t") is first
+        assert dense_cache.cached_or_none((a.view(4, 4), b), torch.float32, make(a, b), tag="t") is first  # full key
+        b.add_(1.0)  # changed in place: recomputed, never served stale
+        fresh = dense_cache.cached_or_none((a, b), torch.float32, make(a, b), tag="t")
+        assert torch.equal(fresh, a + b) and not torch.equal(fresh, first)
+        assert dense_cache.cached_or_none((a, b), torch.float32, make(a, b), tag="u") is not fresh  # another tag
+    assert len(made) == 4 and block.misses == 4 and block.hits == 3
+    assert not block._by_id and not block.entries
+
