@@ -32,6 +32,9 @@
 #                             (e.g. "--micro-batch 8 --micro-batches 8 --prompt 256 --completion 512 --repeats 3":
 #                             the 0.5B step's update, checkpointing off); profile.md and each format's
 #                             profile_<fmt>.txt in $OUT/profile-update
+#   routes ["MODELS"] ["MS"]  per-layer NVFP4 forward, routed vs humming vs ours vs bf16 in CUDA graphs
+#                             (bench.bench_routes) for the small models' shapes the table was never measured at;
+#                             MODELS default "Qwen2.5-0.5B Qwen2.5-1.5B", MS (rows) default "1 8 64"; $OUT/routes
 #   repro-tests               NVFP4 bit-reproducibility, tests/test_tuning.py compiled: each kernel's bits in two
 #                             processes (humming a non-strict xfail: XPASS means the same bits)
 #   repro [ARGS]              bench.bench_repro (3 processes, one fixed-seed rollout + Trainer step each, sha256s
@@ -186,7 +189,7 @@ memory)
   mv "$OUT/memory_log.txt" "$OUT/memory/"
   (cd "$OUT/memory" && tar czf logs.tgz --remove-files $(ls -d ./*_log.txt run 2>/dev/null)) 2>/dev/null ;;
 gpu-tests)
-  files=("$@"); [ ${#files[@]} -gt 0 ] || files=(tests/test_dense_update.py tests/test_dense_cache_kernels.py
+  files=("$@"); [ ${#files[@]} -gt 0 ] || files=(tests/test_held_weight.py tests/test_dense_update.py tests/test_dense_cache_kernels.py
     tests/test_old_policy.py tests/test_lut4_kernels.py tests/test_engine_memory.py tests/test_memory_plan.py
     tests/test_bench_step.py tests/test_engine_fused.py tests/test_routes.py tests/test_kernel_report.py)
   case " ${files[*]} " in *test_bench_trl_step*)  # trl, datasets, bitsandbytes, unsloth; vLLM where installed
@@ -200,6 +203,11 @@ profile-update)
   timeout "${PROFILE_TIMEOUT:-400}" python3 -m bench.bench_dense_cache --model "${1:-Qwen2.5-7B}" --formats "${fmts[@]}" \
     "${shape[@]}" --profile "$OUT/profile-update" > "$OUT/profile-update/log.txt" 2>&1
   echo "profile rc=$?"; grep -E "^\| |Error" "$OUT/profile-update/log.txt" | head -12 ;;
+routes)
+  read -r -a models <<< "${1:-Qwen2.5-0.5B Qwen2.5-1.5B}"; read -r -a ms <<< "${2:-1 8 64}"; mkdir -p "$OUT/routes"
+  timeout "${ROUTES_TIMEOUT:-400}" python3 -m bench.bench_routes --models "${models[@]}" --ms "${ms[@]}" \
+    --budget-s "${ROUTES_BUDGET:-300}" --out "$OUT/routes" > "$OUT/routes/log.txt" 2>&1
+  echo "bench_routes rc=$?"; grep -vi warn "$OUT/routes/log.txt" | tail -12 ;;
 repro-tests)
   timeout 540 python3 -m pytest tests/test_tuning.py -q -rxX -p no:cacheprovider > "$OUT/repro_tests_log.txt" 2>&1
   echo "autotune tests rc=$?"; grep -E "^(XPASS|XFAIL|FAILED)" "$OUT/repro_tests_log.txt"; tail -1 "$OUT/repro_tests_log.txt" ;;

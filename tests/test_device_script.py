@@ -179,3 +179,21 @@ def test_step_trl_runs_the_trl_bench_at_step7b_shapes_and_archives_its_logs(tmp_
     call = [c for c in (out / "calls.txt").read_text().splitlines() if "bench.bench_trl_step" in c][-1]
     assert "--stacks trl-bf16 --model /tmp/m05 " in call
     assert call.endswith(f"--out {out}/step-trl-trl-bf16-tmp-m05 --trl-vllm colocate"), call
+
+
+def test_profile_update_takes_update_args_and_routes_its_models_and_rows(tmp_path):
+    out, env = _fake_env(tmp_path)
+    shape = "--micro-batch 8 --micro-batches 8 --prompt 256 --completion 512 --repeats 3"
+    for args, extra in ((["profile-update", "Qwen2.5-0.5B", "none nvfp4"], {"UPDATE_ARGS": shape}),
+                        (["profile-update"], {}), (["routes"], {}), (["routes", "Qwen2.5-1.5B", "8 64"], {})):
+        proc = subprocess.run(["bash", str(SCRIPT), *args], cwd=SCRIPT.parents[1], capture_output=True, text=True,
+                              env={**env, **extra}, timeout=60)
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+    calls = [c for c in (out / "calls.txt").read_text().splitlines() if c.startswith("-m bench.")]
+    assert calls[0] == (f"-m bench.bench_dense_cache --model Qwen2.5-0.5B --formats none nvfp4 {shape} "
+                        f"--profile {out}/profile-update")
+    assert calls[1] == ("-m bench.bench_dense_cache --model Qwen2.5-7B --formats nvfp4 none --micro-batch 8 "
+                        "--micro-batches 2 --prompt 256 --completion 512 --checkpointing --repeats 2 "
+                        f"--profile {out}/profile-update")
+    assert calls[2] == f"-m bench.bench_routes --models Qwen2.5-0.5B Qwen2.5-1.5B --ms 1 8 64 --budget-s 300 --out {out}/routes"
+    assert calls[3].startswith("-m bench.bench_routes --models Qwen2.5-1.5B --ms 8 64 ")

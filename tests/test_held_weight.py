@@ -13,7 +13,7 @@ from torch import nn
 
 from qerl_kit import dense_cache, kernels
 from qerl_kit.kernels import routes
-from qerl_kit.linear import MXFP4Linear, NF4Linear, NVFP4Linear, _FrozenQuantMatmul, _RoutedMatmul
+from qerl_kit.linear import MXFP4Linear, NF4Linear, NVFP4Linear
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
@@ -36,8 +36,13 @@ def _input(seed, shape, dtype=torch.float32):
 
 
 def _routed(layer, x):
-    """The routed path the layer took before the held path: its autograd Function on every call."""
-    return (_RoutedMatmul if isinstance(layer, NVFP4Linear) else _FrozenQuantMatmul).apply(x, layer)
+    """The layer's forward as before the held path: its autograd Function (``_RoutedMatmul``, or
+    ``_FrozenQuantMatmul`` on the plain-PyTorch path) or its no-grad kernel call."""
+    layer._forward_held = lambda v: None
+    try:
+        return layer(x)
+    finally:
+        del layer._forward_held
 
 
 def _grads(fn, layer, x, dy):
@@ -146,3 +151,21 @@ def test_the_identity_lookup_hits_only_the_very_tensors_at_their_versions():
     assert len(made) == 4 and block.misses == 4 and block.hits == 3
     assert not block._by_id and not block.entries
 
+
+
+# ----------------------------------------------------------------------------- CUDA (skipped without a GPU)
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: the dense routes and the packed kernels' rows")
+@pytest.mark.parametrize("fmt", list(LAYERS))
+def test_cuda_held_path_on_the_dense_route_and_packed_kernels_below_it(fmt):
+    layer = _layer(fmt, True, 13, n=1024, k=512, dtype=torch.bfloat16).to("cuda")
+    scale = getattr(layer, "global_scale", None)
+    for rows, held in ((384, True), (16, False)):  # 384: dense routes; 16: the decode kernels' rows
+        x = _input(14 + rows, (rows, 512), torch.bfloat16).detach().to("cuda").requires_grad_()
+        dy = _input(15 + rows, (rows, 1024), torch.bfloat16).detach().to("cuda")
+        with dense_cache.dense_weight_cache(cuda=True):
+            assert (kernels.held_weight(x.detach(), layer.packed, layer.block_scales, scale, fmt) is not None) == held
+            y0, dx0, _ = _grads(_routed, layer, x, dy)
+            y1, dx1, fn = _grads(lambda m, v: m(v), layer, x, dy)
+        assert ("Matmul" not in type(fn).__name__) == held
+        assert torch.equal(y0, y1) and torch.equal(dx0, dx1) and dx1.abs().sum() > 0
