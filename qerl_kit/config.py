@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from qerl_kit.config_types import (EVAL_SIZE_RULE, LR_RULE, NEW_TOKENS_RULE, OLD_LOGP_MODES, OPTIMIZERS,  # noqa: F401
-                                   DENSE_CACHE_GIB_WHY, RESAMPLE, SCHEDULES,
+                                   DENSE_CACHE_GIB_WHY, MICRO_BATCH_ORDERS, RESAMPLE, SCHEDULES,
                                    SEED_RULE, STEPS_RULE, TEMPERATURE_RULE, TOP_K_RULE, TOP_P_RULE,
                                    TRAIN_SIZE_RULE, _SIGMA, ConfigError, _bad, _check, _check_keys, _rule, _section,
                                    _validate, check_aqn_sigmas, check_lora_alpha, check_lr, check_seed, check_sigma,
@@ -208,6 +208,9 @@ class LossConfig:
     # 10**9 would run a single step for days
     mu: int = _rule(1, ge=1, le=64, why="policy updates per rollout batch, each a full pass over it; the paper uses 1 .. 4")
     micro_batch: int = _rule(16, ge=1)  # sequences per forward/backward (gradient accumulation inside a step)
+    # which rows share a micro-batch: "length" = sorted by length, so each runs on a narrower width (the
+    # same losses up to float rounding), "batch" = the batch's order (qerl_kit.logprobs.micro_batches)
+    micro_batch_order: str = _rule("length", choices=MICRO_BATCH_ORDERS)
     is_correction: str | None = _rule("token_truncate", choices=_is_modes)  # TIS mode (grpo.IS_MODES), or None
     # The importance-sampling cap C_max: on-policy tokens have rho = 1, so a cap below 1 truncates or
     # masks even those, and a cap <= 0 flips the sign of the policy loss. Finite: to turn TIS off set

@@ -170,7 +170,15 @@ def check_logprobs(logprobs: torch.Tensor, mask: torch.Tensor, model: torch.nn.M
 LOSS_INPUTS = ("log-probs", "old log-probs", "advantages", "reference log-probs", "importance weights")
 
 
-def check_loss(value: float, step: int, rows: slice, inputs=None, beta: float | None = None,
+def _rows(rows) -> str:
+    """A micro-batch's rows as an error names them: ``a:b`` for a slice, else the row numbers (the first 8)."""
+    if isinstance(rows, slice):
+        return f"{rows.start}:{rows.stop}"
+    listed = [int(r) for r in rows]
+    return "[" + ", ".join(map(str, listed[:8])) + (", ..." if len(listed) > 8 else "") + "]"
+
+
+def check_loss(value: float, step: int, rows, inputs=None, beta: float | None = None,
                model: torch.nn.Module | None = None) -> float:
     """``value``, or an error for a non-finite loss (called before backward: nothing is updated).
 
@@ -180,7 +188,7 @@ def check_loss(value: float, step: int, rows: slice, inputs=None, beta: float | 
     weight and LoRA scale)."""
     if math.isfinite(value):
         return value
-    head = f"step {step}: the loss of micro-batch rows {rows.start}:{rows.stop} is {value}"
+    head = f"step {step}: the loss of micro-batch rows {_rows(rows)} is {value}"
     state = f"; {weights_state(model)}" if model is not None else ""
     if inputs is None:
         raise NonFiniteError(f"{head}: its inputs (the policy's log-probs, the advantages) or the loss computation "

@@ -20,6 +20,8 @@ from __future__ import annotations
 import torch
 from torch.utils.checkpoint import checkpoint
 
+from qerl_kit.config_types import MICRO_BATCH_ORDERS
+
 CHUNK_ELEMS = 1 << 28  # float32 logits per chunk (1 GiB)
 
 
@@ -72,36 +74,97 @@ def token_logprobs(logits: torch.Tensor, ids: torch.Tensor, temperature: float =
     return logp, (torch.cat(ents, dim=1) if ents else torch.zeros_like(logp))
 
 
+def padding_bounds(prompt_mask: torch.Tensor, completion_mask: torch.Tensor) -> tuple[int, int]:
+    """(first prompt column, end of the completion columns) that hold a real token of some row: the
+    columns before the first and from the end on are padding in every row (left-padded prompts,
+    right-padded completions). One host sync. A row-less or all-padding batch keeps one column of
+    each (the model needs a position to predict from)."""
+    rows = torch.cat([prompt_mask, completion_mask], dim=1).any(0)
+    p, c = prompt_mask.shape[1], completion_mask.shape[1]
+    real = rows.nonzero().flatten().tolist()
+    if not real:
+        return max(0, p - 1), min(1, c)
+    first = min(real[0], max(0, p - 1))  # at least one prompt column: it predicts the first completion token
+    end = max(1, real[-1] + 1 - p) if real[-1] >= p else min(1, c)
+    return first, min(end, c)
+
+
 def completion_logprobs(model: torch.nn.Module, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
                         completion_ids: torch.Tensor, completion_mask: torch.Tensor,
-                        temperature: float = 1.0, with_entropy: bool = False):
+                        temperature: float = 1.0, with_entropy: bool = False, trim: bool = True):
     """Log-probs [B, C] (float32) of ``completion_ids`` under ``model``, with gradient when autograd is on;
-    optionally the entropy [B, C] too, without gradient."""
+    optionally the entropy [B, C] too, without gradient.
+
+    ``trim``: the model runs on these rows' own width, not the batch's: the leading prompt columns and
+    the trailing completion columns that are padding in every row are cut off (``padding_bounds``), and
+    the outputs padded back to [B, C] with zeros (positions no row's mask counts). Position ids come from
+    the mask, so every real token sees what it saw untrimmed: the same log-probs up to the float rounding
+    of a different matmul shape. A micro-batch of short completions in a batch with a long one costs its
+    own length, not the longest's."""
+    C = completion_ids.shape[1]
+    if trim:
+        first, end = padding_bounds(prompt_mask, completion_mask)
+        prompt_ids, prompt_mask = prompt_ids[:, first:], prompt_mask[:, first:]
+        completion_ids, completion_mask = completion_ids[:, :end], completion_mask[:, :end]
     input_ids = torch.cat([prompt_ids, completion_ids], dim=1)
     attention = torch.cat([prompt_mask, completion_mask], dim=1).long()
     position_ids = (attention.cumsum(-1) - 1).clamp(min=0)
     out = model(input_ids=input_ids, attention_mask=attention, position_ids=position_ids, use_cache=False)
     p, c = prompt_ids.shape[1], completion_ids.shape[1]
-    logits = out.logits[:, p - 1:p + c - 1]  # [B, C, V], the model's dtype
+    logits = out.logits[:, p - 1:p + c - 1]  # [B, c, V], the model's dtype
     res = token_logprobs(logits, completion_ids, temperature, with_entropy)
     logp, ent = res if with_entropy else (res, None)
     logp = logp * completion_mask.to(logp.dtype)
+    if c < C:  # back to the batch's width: zeros where every row of this micro-batch is padding
+        logp = torch.nn.functional.pad(logp, (0, C - c))
+        ent = None if ent is None else torch.nn.functional.pad(ent, (0, C - c))
     return (logp, ent) if with_entropy else logp
 
 
+def micro_batches(prompt_mask: torch.Tensor, completion_mask: torch.Tensor, size: int,
+                  order: str = "length") -> list:
+    """The rows of each micro-batch of ``size`` rows of a batch: slices in the batch's order
+    (``"batch"``), or (``"length"``) the rows sorted by completion length, then prompt length (a stable
+    sort, one host sync), cut into micro-batches of neighbours in that order (each a LongTensor of row
+    indices, ascending; slices again where the sort keeps the batch's order, fixed lengths say). Each
+    micro-batch runs on its own width (``completion_logprobs(trim=True)``), so rows of similar lengths
+    together pass fewer padding tokens through the model; every row is in exactly one micro-batch, and
+    the losses' per-row terms and global normalizers (``grpo.LossSpec``) do not depend on the grouping."""
+    if order not in MICRO_BATCH_ORDERS:
+        raise ValueError(f"loss.micro_batch_order must be one of {MICRO_BATCH_ORDERS}; got {order!r}")
+    n = completion_mask.shape[0]
+    if order == "batch" or n <= size:
+        return [slice(s, s + size) for s in range(0, n, size)]
+    # one past each row's last real completion token (0 for none), then its prompt tokens
+    positions = torch.arange(1, completion_mask.shape[1] + 1, device=completion_mask.device)
+    ends = (completion_mask.bool() * positions).amax(1) if completion_mask.shape[1] else torch.zeros(n, dtype=torch.long)
+    key = (ends.cpu() * (prompt_mask.shape[1] + 1) + prompt_mask.bool().long().sum(1).cpu())
+    rows = torch.sort(key, stable=True).indices
+    if torch.equal(rows, torch.arange(n)):
+        return [slice(s, s + size) for s in range(0, n, size)]
+    return [rows[s:s + size].sort().values.to(completion_mask.device) for s in range(0, n, size)]
+
+
+def row_groups(micro_batch, n: int) -> list:
+    """Row selections: ``micro_batch`` rows at a time in order (an int), or the given ones (``micro_batches``)."""
+    return [slice(s, s + micro_batch) for s in range(0, n, micro_batch)] if isinstance(micro_batch, int) else \
+        list(micro_batch)
+
+
 @torch.no_grad()
-def batched_logprobs(model, rollouts, temperature: float, micro_batch: int, with_entropy: bool = False):
-    """``completion_logprobs`` over a whole rollout batch in chunks, without gradients."""
-    chunks, ents = [], []
-    for start in range(0, rollouts.completion_ids.shape[0], micro_batch):
-        sl = slice(start, start + micro_batch)
+def batched_logprobs(model, rollouts, temperature: float, micro_batch, with_entropy: bool = False):
+    """``completion_logprobs`` over a whole rollout batch in micro-batches, without gradients;
+    ``micro_batch``: rows per micro-batch (in the batch's order), or the row selections of
+    ``micro_batches``. The outputs are in the batch's row order."""
+    n, C = rollouts.completion_ids.shape
+    logp = torch.zeros((n, C), dtype=torch.float32, device=rollouts.completion_ids.device)
+    ent = torch.zeros_like(logp) if with_entropy else None
+    for sl in row_groups(micro_batch, n):
         res = completion_logprobs(model, rollouts.prompt_ids[sl], rollouts.prompt_mask[sl],
                                   rollouts.completion_ids[sl], rollouts.completion_mask[sl],
                                   temperature, with_entropy)
         if with_entropy:
-            chunks.append(res[0])
-            ents.append(res[1])
+            logp[sl], ent[sl] = res
         else:
-            chunks.append(res)
-    logp = torch.cat(chunks)
-    return (logp, torch.cat(ents)) if with_entropy else logp
+            logp[sl] = res
+    return (logp, ent) if with_entropy else logp

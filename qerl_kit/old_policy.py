@@ -30,7 +30,7 @@ import torch
 
 from qerl_kit.config_types import OLD_LOGP_MODES
 from qerl_kit.grpo import importance_weights
-from qerl_kit.logprobs import completion_logprobs
+from qerl_kit.logprobs import completion_logprobs, row_groups
 
 __all__ = ["OLD_LOGP_MODES", "OldPolicy", "active_dropout", "resolve_mode"]
 
@@ -109,12 +109,13 @@ class OldPolicy:
                                    b.completion_mask[sl], temperature, with_entropy)
 
     @torch.no_grad()
-    def run_pass(self, model, temperature: float, micro_batch: int) -> dict[str, float]:
-        """``loss.old_logp = "pass"``: one no-grad forward of every micro-batch, in eval mode; returns
-        ``finish()``'s IS statistics."""
+    def run_pass(self, model, temperature: float, micro_batch) -> dict[str, float]:
+        """``loss.old_logp = "pass"``: one no-grad forward of every micro-batch (``micro_batch`` rows at a
+        time, or the row selections of ``logprobs.micro_batches``), in eval mode; returns ``finish()``'s IS
+        statistics."""
         model.eval()
-        for s in range(0, self.mask.shape[0], micro_batch):
-            self.fill(slice(s, s + micro_batch), *self._logprobs(model, slice(s, s + micro_batch), temperature, True))
+        for sl in row_groups(micro_batch, self.mask.shape[0]):
+            self.fill(sl, *self._logprobs(model, sl, temperature, True))
         return self.finish()
 
     def forward(self, model, sl: slice, temperature: float) -> torch.Tensor:

@@ -39,6 +39,7 @@ class Prepared:
     old: OldPolicy             # the clean policy's log-probs, entropy, IS weights (filled by the update when folded)
     ref_logp: torch.Tensor | None
     ready_at: float            # phase_clock when the log-prob phase ended: the update's start
+    groups: list               # each micro-batch's rows (logprobs.micro_batches: slices or row indices)
 
 
 def synchronize(device: torch.device) -> None:

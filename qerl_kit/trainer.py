@@ -50,7 +50,7 @@ from qerl_kit.aqn import AQN
 from qerl_kit.config import TrainConfig, check_lr
 from qerl_kit.data import DataError
 from qerl_kit.evaluate import evaluate_task
-from qerl_kit.logprobs import batched_logprobs
+from qerl_kit.logprobs import batched_logprobs, micro_batches
 from qerl_kit.old_policy import OldPolicy, resolve_mode
 from qerl_kit.optim import lr_lambda, make_optimizer, steps_to_run
 from qerl_kit.rollout.base import check_engine
@@ -259,15 +259,16 @@ class Trainer:
         t0, ran = phase_clock(self._device), self._old_logp == "pass" or lc.beta > 0
         self.model.eval()
         old = OldPolicy(batch, mask, lc.is_correction, lc.is_cap)
+        groups = micro_batches(batch.prompt_mask, batch.completion_mask, lc.micro_batch, lc.micro_batch_order)
         if self._old_logp == "pass":  # else the update's first iteration fills it
-            metrics.update(old.run_pass(self.model, temp, lc.micro_batch))
+            metrics.update(old.run_pass(self.model, temp, groups))
         ref_logp = None
         if lc.beta > 0:
             with self.model.disable_adapter():
-                ref_logp = batched_logprobs(self.model, batch, temp, lc.micro_batch)
+                ref_logp = batched_logprobs(self.model, batch, temp, groups)
         t1 = phase_clock(self._device)
         metrics["time/logprob"] = t1 - t0 if ran else 0.0  # what ran before the update
-        return Prepared(batch, rewards, all_rewards, mask, adv, old, ref_logp, t1)
+        return Prepared(batch, rewards, all_rewards, mask, adv, old, ref_logp, t1, groups)
 
     def _eps(self) -> tuple[float, float]:
         lc = self.config.loss
@@ -283,14 +284,12 @@ class Trainer:
         normalizer = spec.batch_kwargs(self.dist.sum(mask.sum()).clamp(min=1),
                                        int(self.dist.max(torch.tensor(mask.shape[1]))))
         forward = self._ddp if self._ddp is not None else self.model
-        starts = list(range(0, n, lc.micro_batch))
         skipped, loss_sum, grad_norm, seen = 0, 0.0, torch.tensor(0.0), []  # seen: each forward's logp, for the clip metrics
         for _ in range(lc.mu):
             loss_sum = 0.0
             self.optimizer.zero_grad(set_to_none=True)  # here, so a step stopped by an error leaves no gradient
-            for s in starts:
-                sl = slice(s, s + lc.micro_batch)
-                with distributed.no_sync(self._ddp, s != starts[-1]):  # all-reduce once, after the last
+            for i, sl in enumerate(prep.groups):  # each micro-batch's rows (logprobs.micro_batches)
+                with distributed.no_sync(self._ddp, i < len(prep.groups) - 1):  # all-reduce once, after the last
                     logp = prep.old.forward(forward, sl, temp)  # folded: also stores old_logp[sl], entropy, IS
                     seen.append((sl, logp.detach()))
                     part = [t if t is None else t[sl] for t in (prep.old.old_logp, prep.adv, prep.ref_logp, prep.old.is_weights)]

@@ -181,11 +181,12 @@ def test_step_trl_runs_the_trl_bench_at_step7b_shapes_and_archives_its_logs(tmp_
     assert call.endswith(f"--out {out}/step-trl-trl-bf16-tmp-m05 --trl-vllm colocate"), call
 
 
-def test_profile_update_takes_update_args_and_routes_its_models_and_rows(tmp_path):
+def test_profile_update_routes_and_trim_call_their_benches(tmp_path):
     out, env = _fake_env(tmp_path)
     shape = "--micro-batch 8 --micro-batches 8 --prompt 256 --completion 512 --repeats 3"
     for args, extra in ((["profile-update", "Qwen2.5-0.5B", "none nvfp4"], {"UPDATE_ARGS": shape}),
-                        (["profile-update"], {}), (["routes"], {}), (["routes", "Qwen2.5-1.5B", "8 64"], {})):
+                        (["profile-update"], {}), (["routes"], {}), (["routes", "Qwen2.5-1.5B", "8 64"], {}),
+                        (["trim"], {})):
         proc = subprocess.run(["bash", str(SCRIPT), *args], cwd=SCRIPT.parents[1], capture_output=True, text=True,
                               env={**env, **extra}, timeout=60)
         assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -197,3 +198,5 @@ def test_profile_update_takes_update_args_and_routes_its_models_and_rows(tmp_pat
                         f"--profile {out}/profile-update")
     assert calls[2] == f"-m bench.bench_routes --models Qwen2.5-0.5B Qwen2.5-1.5B --ms 1 8 64 --budget-s 300 --out {out}/routes"
     assert calls[3].startswith("-m bench.bench_routes --models Qwen2.5-1.5B --ms 8 64 ")
+    assert calls[4] == (f"-m bench.bench_trim --model Qwen2.5-7B --formats none nvfp4 --checkpointing --repeats 2 "
+                        f"--out {out}/trim/trim.md")

@@ -57,3 +57,96 @@ def test_entropy_under_autograd_has_no_gradient_and_leaves_the_logp_gradient_alo
             grads.append(x.grad)
         assert torch.equal(grads[0], grads[1]) and grads[0].abs().sum() > 0
         torch.testing.assert_close(want_ent, _reference(base, ids, 0.9)[1])
+
+
+# -- completion_logprobs on a micro-batch's own width (trim) ------------------------------------------
+
+def _padded_rows(seed=3, vocab=500):
+    """Four rows of a left-padded prompt (width 9) and a right-padded completion (width 12): prompts of
+    5, 7, 3 and 6 tokens, completions of 4, 2, 6 and 1, so columns 0-1 and 6-11 are padding everywhere
+    in this micro-batch (the batch they came from was wider)."""
+    g = torch.Generator().manual_seed(seed)
+    P, C, plen, clen = 9, 12, [5, 7, 3, 6], [4, 2, 6, 1]
+    prompt_ids = torch.randint(3, vocab, (4, P), generator=g)
+    completion_ids = torch.randint(3, vocab, (4, C), generator=g)
+    pm = torch.tensor([[0] * (P - n) + [1] * n for n in plen])
+    cm = torch.tensor([[1] * n + [0] * (C - n) for n in clen])
+    return prompt_ids * pm, pm, completion_ids * cm, cm
+
+
+def test_padding_bounds_cut_only_columns_that_are_padding_in_every_row():
+    from qerl_kit.logprobs import padding_bounds
+
+    _, pm, _, cm = _padded_rows()
+    assert padding_bounds(pm, cm) == (2, 6)
+    assert padding_bounds(torch.ones(2, 4), torch.ones(2, 3)) == (0, 3)  # nothing to cut
+    assert padding_bounds(torch.zeros(2, 4), torch.zeros(2, 3)) == (3, 1)  # all padding: one column of each
+    assert padding_bounds(torch.tensor([[0, 0, 1]]), torch.tensor([[0, 0]])) == (2, 1)  # no completion token
+    assert padding_bounds(torch.tensor([[0, 0]]), torch.tensor([[1, 1, 0]])) == (1, 2)  # the prompt all padding
+
+
+def test_trimmed_log_probs_and_entropy_are_the_untrimmed_ones_with_zeros_where_all_rows_pad():
+    from qerl_kit.logprobs import completion_logprobs
+    from tests.tiny_policy import tiny_policy
+
+    model = tiny_policy("nvfp4")
+    rows = _padded_rows()
+    cm = rows[3].float()
+    with torch.no_grad():
+        full, full_ent = completion_logprobs(model, *rows, temperature=0.7, with_entropy=True, trim=False)
+        cut, cut_ent = completion_logprobs(model, *rows, temperature=0.7, with_entropy=True)
+    assert cut.shape == full.shape == (4, 12) and cut_ent.shape == full_ent.shape
+    torch.testing.assert_close(cut, full, rtol=1e-5, atol=1e-5)  # float32: the same values, another matmul shape
+    torch.testing.assert_close(cut_ent * cm, full_ent * cm, rtol=1e-5, atol=1e-5)
+    assert (cut[:, 6:] == 0).all() and (cut_ent[:, 6:] == 0).all() and (full_ent[:, 6:] != 0).any()
+    assert (cut * cm).ne(0).sum() == cm.sum()  # every real token has a log-prob
+
+
+def test_trimmed_gradients_match_the_untrimmed_ones():
+    from qerl_kit.logprobs import completion_logprobs
+    from tests.tiny_policy import tiny_policy
+
+    model = tiny_policy("nvfp4")
+    rows = _padded_rows(seed=4)
+    grads = []
+    for trim in (False, True):
+        model.zero_grad(set_to_none=True)
+        completion_logprobs(model, *rows, temperature=1.0, trim=trim).sum().backward()
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
+    assert grads[0].keys() == grads[1].keys() and len(grads[0]) > 0
+    for name in grads[0]:
+        torch.testing.assert_close(grads[1][name], grads[0][name], rtol=1e-4, atol=1e-6)
+
+
+def test_micro_batches_group_rows_by_length_and_keep_the_order_where_it_is_sorted():
+    import pytest
+
+    from qerl_kit.logprobs import micro_batches
+
+    _, pm, _, cm = _padded_rows()  # completions of 4, 2, 6, 1; prompts of 5, 7, 3, 6
+    groups = micro_batches(pm, cm, 2)
+    assert [g.tolist() for g in groups] == [[1, 3], [0, 2]]  # lengths 1, 2 | 4, 6
+    assert micro_batches(pm, cm, 2, "batch") == [slice(0, 2), slice(2, 4)]
+    assert micro_batches(pm, cm, 4) == [slice(0, 4)]  # one micro-batch: nothing to regroup
+    equal = torch.ones(5, 3)
+    assert micro_batches(equal, equal, 2) == [slice(0, 2), slice(2, 4), slice(4, 6)]  # fixed lengths: as before
+    # rows 0 and 1 complete 2 tokens, row 2 one; among the ties the shorter prompt (row 1) goes first
+    ties = micro_batches(torch.tensor([[1, 1], [0, 1], [0, 1]]), torch.tensor([[1, 1, 0], [1, 1, 0], [1, 0, 0]]), 2)
+    assert [g.tolist() for g in ties] == [[1, 2], [0]]
+    with pytest.raises(ValueError, match="loss.micro_batch_order"):
+        micro_batches(pm, cm, 2, "random")
+
+
+def test_batched_logprobs_over_sorted_micro_batches_returns_the_batch_order():
+    from types import SimpleNamespace
+
+    from qerl_kit.logprobs import batched_logprobs, micro_batches
+    from tests.tiny_policy import tiny_policy
+
+    model = tiny_policy("nvfp4")
+    rows = SimpleNamespace(**dict(zip(("prompt_ids", "prompt_mask", "completion_ids", "completion_mask"),
+                                      _padded_rows(seed=5))))
+    in_order = batched_logprobs(model, rows, 1.0, 4)
+    sorted_rows = batched_logprobs(model, rows, 1.0, micro_batches(rows.prompt_mask, rows.completion_mask, 2))
+    torch.testing.assert_close(sorted_rows, in_order, rtol=1e-5, atol=1e-5)
+    assert (in_order != 0).sum() == rows.completion_mask.sum()

@@ -1,0 +1,26 @@
+"""bench.bench_trim: one update pass over a realistic-length batch, micro-batches trimmed vs padded."""
+from bench import bench_trim
+
+
+def test_tokens_count_each_micro_batch_at_its_own_width():
+    batch = bench_trim.make_batch(4, 3, [5, 1, 2, 2], vocab=100, device="cpu")
+    assert batch[2].shape == (4, 5) and batch[3].sum(1).tolist() == [5, 1, 2, 2]
+    assert bench_trim.tokens(batch, 2, "padded") == 4 * (3 + 5)
+    assert bench_trim.tokens(batch, 2, "trimmed") == 2 * (3 + 5) + 2 * (3 + 2)
+    assert bench_trim.tokens(batch, 2, "sorted") == 2 * (3 + 2) + 2 * (3 + 5)  # rows 1, 2 | 3, 0 ... by length
+    batch = bench_trim.make_batch(4, 3, [5, 1, 1, 5], vocab=100, device="cpu")
+    assert bench_trim.tokens(batch, 2, "sorted") == 2 * (3 + 1) + 2 * (3 + 5) < bench_trim.tokens(batch, 2, "trimmed")
+
+
+def test_smoke_run_writes_each_mode_per_format_with_matching_gradients(tmp_path):
+    out = tmp_path / "trim.md"
+    bench_trim.main(["--model", "qwen2-tiny", "--formats", "nvfp4", "none", "--lengths", "lognormal:12:0.8:40",
+                     "--rows", "8", "--micro-batch", "2", "--prompt", "6", "--lora-r", "4", "--repeats", "1",
+                     "--out", str(out)])
+    rows = [[c.strip() for c in line.split("|")[1:-1]] for line in out.read_text().splitlines()
+            if line.startswith(("| nvfp4", "| none"))]
+    assert [(r[0], r[1]) for r in rows] == [(f, m) for f in ("nvfp4", "none") for m in ("padded", "trimmed", "sorted")]
+    for fmt in ("nvfp4", "none"):
+        tok = {r[1]: int(r[2]) for r in rows if r[0] == fmt}
+        assert tok["sorted"] <= tok["trimmed"] < tok["padded"]  # fewer tokens each way
+        assert all(float(r[5]) < 1e-3 for r in rows if r[0] == fmt)  # the same gradients up to rounding
