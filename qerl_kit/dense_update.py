@@ -16,7 +16,8 @@ The budget (``model.dense_cache_gib``): ``0`` off; ``> 0`` that many GiB; ``None
   at the longest lengths the run allows. The first block of a model caches nothing and measures
   its working set; every block measures it again (what the block allocated at its peak beyond
   what was allocated on entry and what its cache held) and keeps the largest figure *per token*:
-  bytes / (``tokens`` = micro-batch x (P + C), the block's widest forward). A later block takes
+  bytes / (``tokens``: the block's widest forward, its rows x its width; the Trainer's
+  ``step_phases.dense_block`` counts the widest micro-batch once trimmed). A later block takes
   the free memory (``torch.cuda.mem_get_info`` plus what PyTorch's allocator holds unused) minus
   1.25 x that rate x ``max_tokens`` (micro-batch x (P + ``rollout.max_new_tokens``): the completion
   length can grow up to the cap between steps, and the engine trims C to the batch's longest) minus

@@ -145,6 +145,17 @@ def micro_batches(prompt_mask: torch.Tensor, completion_mask: torch.Tensor, size
     return [rows[s:s + size].sort().values.to(completion_mask.device) for s in range(0, n, size)]
 
 
+def widest_tokens(prompt_mask: torch.Tensor, completion_mask: torch.Tensor, groups) -> int:
+    """The most tokens one of these micro-batches (``micro_batches``' row selections) runs through the
+    model: its rows x its width once trimmed (``padding_bounds``); at least 1."""
+    most = 1
+    for sl in groups:
+        pm, cm = prompt_mask[sl], completion_mask[sl]
+        first, end = padding_bounds(pm, cm)
+        most = max(most, pm.shape[0] * (pm.shape[1] - first + end))
+    return most
+
+
 def row_groups(micro_batch, n: int) -> list:
     """Row selections: ``micro_batch`` rows at a time in order (an int), or the given ones (``micro_batches``)."""
     return [slice(s, s + micro_batch) for s in range(0, n, micro_batch)] if isinstance(micro_batch, int) else \

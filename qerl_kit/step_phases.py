@@ -6,9 +6,12 @@ and what the prepare phase hands the update (``Prepared``).
   phases' own times, not the time it took to queue their kernels (the benchmarks read them). The
   Trainer reads it three times a step: before the log-prob phase, between it and the update, after
   the update. On the CPU a plain clock read.
-* ``dense_block(model, config, batch, engine)``: the step's ``dense_update.update_cache`` block,
-  sized from the batch: ``tokens`` = micro-batch x (P + C) of this batch, ``max_tokens`` the same
-  with C at ``rollout.max_new_tokens`` (a later batch's completions can reach the cap), and
+* ``dense_block(model, config, batch, engine, groups)``: the step's ``dense_update.update_cache`` block,
+  sized from the batch: ``tokens`` = the most tokens one of the step's micro-batches runs through the
+  model once trimmed to its own width (``logprobs.widest_tokens``: the working set the block measures
+  is that forward's, so its rate per token is not understated when micro-batches are narrower than
+  the batch), ``max_tokens`` = micro-batch x (P + C) with C at ``rollout.max_new_tokens`` (a later
+  batch's completions can reach the cap), and
   ``own_allocator`` when the engine keeps its own weights and memory (not a ``ModelEngine``: vLLM).
 """
 
@@ -21,6 +24,7 @@ from typing import Any
 import torch
 
 from qerl_kit import dense_update
+from qerl_kit.logprobs import widest_tokens
 from qerl_kit.old_policy import OldPolicy
 from qerl_kit.rollout.base import ModelEngine
 from qerl_kit.rollout.types import Rollouts
@@ -54,11 +58,14 @@ def phase_clock(device: torch.device) -> float:
     return time.perf_counter()
 
 
-def dense_block(model: torch.nn.Module, config: Any, batch: Any, engine: Any):
+def dense_block(model: torch.nn.Module, config: Any, batch: Any, engine: Any, groups=None):
     """The ``update_cache`` block of one step over ``batch`` (this rank's ``Rollouts``), as the
-    module docstring sizes it; ``config`` a ``TrainConfig``."""
+    module docstring sizes it; ``config`` a ``TrainConfig``; ``groups`` the step's micro-batches
+    (``logprobs.micro_batches``), whose widest trimmed forward is ``tokens`` (default: micro-batch x
+    the batch's P + C)."""
     rows, P, C = batch.completion_ids.shape[0], batch.prompt_ids.shape[1], batch.completion_ids.shape[1]
     micro = max(1, min(config.loss.micro_batch, rows))
-    return dense_update.update_cache(model, config.model.dense_cache_gib, tokens=max(1, micro * (P + C)),
+    tokens = micro * (P + C) if groups is None else widest_tokens(batch.prompt_mask, batch.completion_mask, groups)
+    return dense_update.update_cache(model, config.model.dense_cache_gib, tokens=max(1, tokens),
                                      max_tokens=max(1, micro * (P + max(C, config.rollout.max_new_tokens))),
                                      own_allocator=not isinstance(engine, ModelEngine))

@@ -158,9 +158,11 @@ class Trainer:
     def train_step(self) -> dict:
         start = time.perf_counter()
         batch, rewards, metrics = self._collect(self.step)
+        lc = self.config.loss  # each micro-batch's rows (logprobs.micro_batches)
+        groups = micro_batches(batch.prompt_mask, batch.completion_mask, lc.micro_batch, lc.micro_batch_order)
         # the base's dense weights, made once for the log-prob passes + update, freed before the next rollout
-        with dense_block(self.model, self.config, batch, self.engine) as cache:
-            prep = self._prepare(batch, rewards, metrics)
+        with dense_block(self.model, self.config, batch, self.engine, groups) as cache:
+            prep = self._prepare(batch, rewards, metrics, groups)
             update = self._update(prep, metrics)
             metrics.update(self._metrics(prep, update))
         metrics["memory/dense_cache_gib"] = cache.peak_bytes / dense_update.GIB
@@ -245,7 +247,7 @@ class Trainer:
                                                  fc.overlong_buffer, fc.overlong_penalty)
         return rewards, metrics, correct
 
-    def _prepare(self, batch: Rollouts, rewards: torch.Tensor, metrics: dict) -> Prepared:
+    def _prepare(self, batch: Rollouts, rewards: torch.Tensor, metrics: dict, groups: list) -> Prepared:
         """Loss mask, global advantages, the reference's log-probs; the clean policy's when not folded."""
         lc, temp = self.config.loss, self.config.rollout.temperature
         mask = batch.completion_mask.float()
@@ -259,7 +261,6 @@ class Trainer:
         t0, ran = phase_clock(self._device), self._old_logp == "pass" or lc.beta > 0
         self.model.eval()
         old = OldPolicy(batch, mask, lc.is_correction, lc.is_cap)
-        groups = micro_batches(batch.prompt_mask, batch.completion_mask, lc.micro_batch, lc.micro_batch_order)
         if self._old_logp == "pass":  # else the update's first iteration fills it
             metrics.update(old.run_pass(self.model, temp, groups))
         ref_logp = None

@@ -305,6 +305,15 @@ def test_the_step_block_is_sized_from_the_batch_and_the_engine(monkeypatch):
                             object.__new__(Engine))
     assert seen == [(2.0, dict(tokens=4 * 40, max_tokens=4 * 74, own_allocator=False)),
                     (2.0, dict(tokens=2 * 90, max_tokens=2 * 90, own_allocator=True))]  # 2 rows; C past the cap
+    # with the step's micro-batches: the widest one once trimmed (the block measures that forward's working
+    # set), here rows 2-5 (4 rows x (8 prompt + 30 completion) tokens), not 4 x (10 + 30)
+    prompt_mask = torch.ones(6, 10)
+    prompt_mask[:, :2] = 0  # every prompt 8 tokens: two columns of padding in every row
+    completion_mask = (torch.arange(30)[None, :] < torch.tensor([5, 5, 9, 9, 12, 30])[:, None]).float()
+    wide = SimpleNamespace(prompt_ids=torch.zeros(6, 10), completion_ids=torch.zeros(6, 30), prompt_mask=prompt_mask,
+                           completion_mask=completion_mask)
+    step_phases.dense_block(None, cfg, wide, object.__new__(ModelEngine), [slice(0, 2), slice(2, 6)])
+    assert seen[-1] == (2.0, dict(tokens=4 * 38, max_tokens=4 * 74, own_allocator=False))
 
 
 def test_a_run_resumes_with_dense_cache_gib_changed_exactly(tmp_path):
