@@ -169,3 +169,19 @@ def test_cuda_held_path_on_the_dense_route_and_packed_kernels_below_it(fmt):
             y1, dx1, fn = _grads(lambda m, v: m(v), layer, x, dy)
         assert ("Matmul" not in type(fn).__name__) == held
         assert torch.equal(y0, y1) and torch.equal(dx0, dx1) and dx1.abs().sum() > 0
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: the reference backend on GPU tensors")
+@pytest.mark.parametrize("fmt", list(LAYERS))
+def test_cuda_reference_backend_holds_the_references_weight(fmt):
+    # a forced reference backend routes every call to the plain-PyTorch path: the held W is the reference's
+    # (tag nvfp4-reference / the format's), never a Triton kernel's
+    layer = _layer(fmt, False, 16, n=256, k=128, dtype=torch.bfloat16).to("cuda")
+    x = _input(17, (300, 128), torch.bfloat16).detach().to("cuda").requires_grad_()
+    dy = _input(18, (300, 256), torch.bfloat16).detach().to("cuda")
+    with kernels.set_backend("reference"), dense_cache.dense_weight_cache(cuda=True) as block:
+        y0, dx0, _ = _grads(_routed, layer, x, dy)
+        y1, dx1, fn = _grads(lambda m, v: m(v), layer, x, dy)
+        tags = {key[0] for key in block.entries}
+    assert "Matmul" not in type(fn).__name__ and torch.equal(y0, y1) and torch.equal(dx0, dx1)
+    assert tags == {"nvfp4-reference" if fmt == "nvfp4" else fmt}

@@ -298,7 +298,7 @@ HELD_ROUTES = {"nvfp4": (("dense", "reference"), ("dense", "reference")),
                "mxfp4": (("lut4_dense", "reference"), ("lut4_dense", "reference"))}
 
 
-_held_decisions: dict[tuple, bool] = {}  # held_weight's route check per call key (cleared with _decisions)
+_held_decisions: dict[tuple, str] = {}  # held_weight's forward kernel per call key, "" if not held (cleared with _decisions)
 
 
 def held_weight(x2: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, global_scale: torch.Tensor | None,
@@ -316,22 +316,25 @@ def held_weight(x2: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, gl
     if not dense_cache.takes((packed, scales)):
         return None
     key = _call_key("held", get_backend(), x2, packed, scales, fmt)
-    held = _held_decisions.get(key)
-    if held is None:
+    kernel = _held_decisions.get(key)
+    if kernel is None:
         if len(_held_decisions) >= 8192:  # as route's decisions: many distinct row counts, start over
             _held_decisions.clear()
         forward, dgrad = HELD_ROUTES[fmt]
+        kernel = route("forward", x2, packed, scales, fmt=fmt)
         # The dgrad rows' kernels read the call's rows, dtype and device only, never its strides or
         # alignment (tests/test_held_weight.py keeps it so), so x2 stands for the backward's dy2 [M, N].
-        held = _held_decisions[key] = (route("forward", x2, packed, scales, fmt=fmt) in forward
-                                       and route("dgrad", x2, packed, scales, fmt=fmt) in dgrad)
-    if not held:
+        held = kernel in forward and route("dgrad", x2, packed, scales, fmt=fmt) in dgrad
+        kernel = _held_decisions[key] = kernel if held else ""
+    if not kernel:
         return None
+    # the W the forward's kernel would read (the dgrad's is bit-identical: the Triton dequantizations
+    # equal the references', tests/test_kernels.py and tests/test_lut4_kernels.py)
     if fmt != "nvfp4":
-        if not x2.is_cuda:
+        if kernel == "reference":
             return reference.lut4_dequantize(packed, scales, fmt, x2.dtype, held_only=True)
         return _lut4().held_dense_weight(packed, scales, fmt, x2.dtype)
-    if not x2.is_cuda:
+    if kernel == "reference":
         return reference.dequantize(packed, scales, global_scale, x2.dtype, held_only=True)
     from qerl_kit.kernels import nvfp4_gemm_triton as gm
 
