@@ -89,8 +89,8 @@ def worker(args) -> dict:
     seen: dict = {}
     prepare = trainer._prepare
 
-    def spy(batch, rewards, metrics):  # the step's rollout and its OldPolicy (filled by the pass or the update)
-        prep = prepare(batch, rewards, metrics)
+    def spy(*args):  # the step's rollout and its OldPolicy (filled by the pass or the update)
+        prep = prepare(*args)
         seen["prep"] = prep
         return prep
     trainer._prepare = spy
