@@ -7,6 +7,8 @@ backward. Everywhere else (no block, a refused weight, a packed kernel's rows) t
 routed path as before. Also the cache's identity lookup that makes a held call's lookup cheap.
 """
 
+import zlib
+
 import pytest
 import torch
 from torch import nn
@@ -57,7 +59,7 @@ def _grads(fn, layer, x, dy):
 @pytest.mark.parametrize("shape", [(40, 64), (3, 7, 64)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_held_path_gives_the_routed_paths_bits_without_a_python_function(fmt, bias, shape, dtype):
-    seed = hash((fmt, bias, shape, str(dtype))) % 1000
+    seed = zlib.crc32(repr((fmt, bias, shape, dtype)).encode()) % 1000  # fresh per case, the same every run
     layer, x = _layer(fmt, bias, seed, dtype=dtype), _input(seed + 1, shape, dtype)
     dy = _input(seed + 2, (*shape[:-1], layer.out_features), dtype).detach()
     with dense_cache.dense_weight_cache() as block:
