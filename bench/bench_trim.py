@@ -31,7 +31,7 @@ from bench.bench_dense_cache import NARROW, make_policy
 from bench.common import free, sync
 from bench.step_lengths import draw_lengths
 from qerl_kit import dense_update
-from qerl_kit.logprobs import completion_logprobs, micro_batches, padding_bounds
+from qerl_kit.logprobs import completion_logprobs, micro_batch_tokens, micro_batches
 
 # mode -> (rows of each micro-batch in the batch's order or sorted by length, trim)
 MODES = {"padded": ("batch", False), "trimmed": ("batch", True), "sorted": ("length", True)}
@@ -55,12 +55,9 @@ def groups(batch, micro: int, mode: str) -> list:
 
 def tokens(batch, micro: int, mode: str) -> int:
     """Tokens the model runs on in one pass of ``mode``: each micro-batch's rows x its width, summed."""
-    total = 0
-    for sl in groups(batch, micro, mode):
-        parts = [t[sl] for t in batch]
-        first, end = padding_bounds(parts[1], parts[3]) if MODES[mode][1] else (0, parts[2].shape[1])
-        total += parts[0].shape[0] * (parts[0].shape[1] - first + end)
-    return total
+    if not MODES[mode][1]:  # every micro-batch at the batch's width
+        return batch[0].shape[0] * (batch[0].shape[1] + batch[2].shape[1])
+    return sum(micro_batch_tokens(batch[1], batch[3], groups(batch, micro, mode)))
 
 
 def one_pass(policy, batch, micro: int, mode: str) -> float:

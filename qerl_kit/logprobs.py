@@ -79,13 +79,13 @@ def padding_bounds(prompt_mask: torch.Tensor, completion_mask: torch.Tensor) -> 
     columns before the first and from the end on are padding in every row (left-padded prompts,
     right-padded completions). One host sync. A row-less or all-padding batch keeps one column of
     each (the model needs a position to predict from)."""
-    rows = torch.cat([prompt_mask, completion_mask], dim=1).any(0)
+    real = torch.cat([prompt_mask, completion_mask], dim=1).any(0).nonzero().flatten()
     p, c = prompt_mask.shape[1], completion_mask.shape[1]
-    real = rows.nonzero().flatten().tolist()
-    if not real:
+    if not real.numel():
         return max(0, p - 1), min(1, c)
-    first = min(real[0], max(0, p - 1))  # at least one prompt column: it predicts the first completion token
-    end = max(1, real[-1] + 1 - p) if real[-1] >= p else min(1, c)
+    lo, hi = real[[0, -1]].tolist()  # the first and last real columns
+    first = min(lo, max(0, p - 1))  # at least one prompt column: it predicts the first completion token
+    end = max(1, hi + 1 - p) if hi >= p else min(1, c)
     return first, min(end, c)
 
 
@@ -134,32 +134,40 @@ def micro_batches(prompt_mask: torch.Tensor, completion_mask: torch.Tensor, size
         raise ValueError(f"loss.micro_batch_order must be one of {MICRO_BATCH_ORDERS}; got {order!r}")
     n = completion_mask.shape[0]
     if order == "batch" or n <= size:
-        return [slice(s, s + size) for s in range(0, n, size)]
+        return _in_order(n, size)
     # one past each row's last real completion token (0 for none), then its prompt tokens
     positions = torch.arange(1, completion_mask.shape[1] + 1, device=completion_mask.device)
     ends = (completion_mask.bool() * positions).amax(1) if completion_mask.shape[1] else torch.zeros(n, dtype=torch.long)
     key = (ends.cpu() * (prompt_mask.shape[1] + 1) + prompt_mask.bool().long().sum(1).cpu())
     rows = torch.sort(key, stable=True).indices
     if torch.equal(rows, torch.arange(n)):
-        return [slice(s, s + size) for s in range(0, n, size)]
+        return _in_order(n, size)
     return [rows[s:s + size].sort().values.to(completion_mask.device) for s in range(0, n, size)]
 
 
-def widest_tokens(prompt_mask: torch.Tensor, completion_mask: torch.Tensor, groups) -> int:
-    """The most tokens one of these micro-batches (``micro_batches``' row selections) runs through the
-    model: its rows x its width once trimmed (``padding_bounds``); at least 1."""
-    most = 1
+def _in_order(n: int, size: int) -> list[slice]:
+    return [slice(s, s + size) for s in range(0, n, size)]
+
+
+def micro_batch_tokens(prompt_mask: torch.Tensor, completion_mask: torch.Tensor, groups) -> list[int]:
+    """The tokens each of these micro-batches (``micro_batches``' row selections) runs through the
+    model: its rows x its width once trimmed (``padding_bounds``)."""
+    out = []
     for sl in groups:
         pm, cm = prompt_mask[sl], completion_mask[sl]
         first, end = padding_bounds(pm, cm)
-        most = max(most, pm.shape[0] * (pm.shape[1] - first + end))
-    return most
+        out.append(pm.shape[0] * (pm.shape[1] - first + end))
+    return out
+
+
+def widest_tokens(prompt_mask: torch.Tensor, completion_mask: torch.Tensor, groups) -> int:
+    """The most tokens one of these micro-batches runs through the model (``micro_batch_tokens``); at least 1."""
+    return max([1, *micro_batch_tokens(prompt_mask, completion_mask, groups)])
 
 
 def row_groups(micro_batch, n: int) -> list:
     """Row selections: ``micro_batch`` rows at a time in order (an int), or the given ones (``micro_batches``)."""
-    return [slice(s, s + micro_batch) for s in range(0, n, micro_batch)] if isinstance(micro_batch, int) else \
-        list(micro_batch)
+    return _in_order(n, micro_batch) if isinstance(micro_batch, int) else list(micro_batch)
 
 
 @torch.no_grad()

@@ -158,7 +158,7 @@ class Trainer:
     def train_step(self) -> dict:
         start = time.perf_counter()
         batch, rewards, metrics = self._collect(self.step)
-        lc = self.config.loss  # each micro-batch's rows (logprobs.micro_batches)
+        lc = self.config.loss  # the rows of each micro-batch, for the block, the passes and the update:
         groups = micro_batches(batch.prompt_mask, batch.completion_mask, lc.micro_batch, lc.micro_batch_order)
         # the base's dense weights, made once for the log-prob passes + update, freed before the next rollout
         with dense_block(self.model, self.config, batch, self.engine, groups) as cache:

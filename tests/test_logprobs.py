@@ -150,3 +150,13 @@ def test_batched_logprobs_over_sorted_micro_batches_returns_the_batch_order():
     sorted_rows = batched_logprobs(model, rows, 1.0, micro_batches(rows.prompt_mask, rows.completion_mask, 2))
     torch.testing.assert_close(sorted_rows, in_order, rtol=1e-5, atol=1e-5)
     assert (in_order != 0).sum() == rows.completion_mask.sum()
+
+
+def test_micro_batch_tokens_count_each_micro_batch_at_its_trimmed_width():
+    from qerl_kit.logprobs import micro_batch_tokens, widest_tokens
+
+    _, pm, _, cm = _padded_rows()  # rows 0-1: prompts 5, 7 and completions 4, 2; rows 2-3: 3, 6 and 6, 1
+    halves = [slice(0, 2), slice(2, 4)]
+    assert micro_batch_tokens(pm, cm, halves) == [2 * (7 + 4), 2 * (6 + 6)]
+    assert widest_tokens(pm, cm, halves) == 24 and widest_tokens(pm, cm, []) == 1
+    assert micro_batch_tokens(pm, cm, [torch.tensor([1, 3])]) == [2 * (7 + 2)]  # row indices too
