@@ -187,3 +187,15 @@ def test_cuda_reference_backend_holds_the_references_weight(fmt):
         tags = {key[0] for key in block.entries}
     assert "Matmul" not in type(fn).__name__ and torch.equal(y0, y1) and torch.equal(dx0, dx1)
     assert tags == {"nvfp4-reference" if fmt == "nvfp4" else fmt}
+
+
+def test_takes_says_whether_an_open_block_caches_these_tensors():
+    t = torch.randn(4, 4)
+    assert not dense_cache.takes((t,))  # no block
+    with dense_cache.dense_weight_cache():
+        assert dense_cache.takes((t,))
+        assert not dense_cache.takes((t.clone().requires_grad_(),))  # a tensor that needs a gradient
+        with torch.no_grad():
+            assert dense_cache.takes((t.clone().requires_grad_(),))
+    with dense_cache.dense_weight_cache(enabled=False):
+        assert not dense_cache.takes((t,))
