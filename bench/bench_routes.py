@@ -158,18 +158,19 @@ def bench_eager(n: int = 4608, k: int = 3584, m: int = 8) -> list[dict]:
 
 
 def write(out: Path, info: dict, copy_bw: float, rows: list[dict], eager: list[dict]) -> None:
+    """routes.csv, eager.csv and routes.json in ``out`` (the GPU is in routes.json's info, not the names)."""
     out.mkdir(parents=True, exist_ok=True)
     if rows:
-        with open(out / "routes_h200.csv", "w", newline="") as f:
+        with open(out / "routes.csv", "w", newline="") as f:
             w = csv.DictWriter(f, fieldnames=list(rows[0]))
             w.writeheader()
             w.writerows({k: (f"{v:.4g}" if isinstance(v, float) else v) for k, v in r.items()} for r in rows)
     if eager:
-        with open(out / "eager_h200.csv", "w", newline="") as f:
+        with open(out / "eager.csv", "w", newline="") as f:
             w = csv.DictWriter(f, fieldnames=list(eager[0]))
             w.writeheader()
             w.writerows(eager)
-    (out / "routes_h200.json").write_text(json.dumps(dict(info=info, copy_bw=copy_bw), indent=1))
+    (out / "routes.json").write_text(json.dumps(dict(info=info, copy_bw=copy_bw), indent=1))
 
 
 def main() -> None:

@@ -222,20 +222,65 @@ def peak_gib() -> float:
     return torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else float("nan")
 
 
+# Profiler events that make the host wait for the device: a tensor read back (``.item()``, ``bool(t)``,
+# ``.tolist()``, ``nonzero``) and the runtime's explicit synchronizations. In a host-bound pass each one
+# drains the device's queue and then idles the device while the host launches again.
+SYNC_KEYS = ("aten::_local_scalar_dense", "aten::nonzero", "cudaStreamSynchronize", "cudaDeviceSynchronize",
+             "cudaEventSynchronize")
+
+
+def _sync_sites(prof, frames: int = 4) -> list[str]:
+    """'count x event: the Python frames that called it' for each sync event (SYNC_KEYS) and call site,
+    most frequent first (the frames from the event's parents, which ``with_stack`` records)."""
+    import collections
+
+    sites = collections.Counter()
+    for e in prof.events():
+        if not any(k in e.name for k in SYNC_KEYS):
+            continue
+        where, parent = [], e.cpu_parent
+        while parent is not None and len(where) < frames:
+            if ".py(" in parent.name:
+                where.append(parent.name.strip())
+            parent = parent.cpu_parent
+        sites[(e.name, " <- ".join(where) or "(no Python frames)")] += 1
+    return [f"{n:6d} x {name}: {where}" for (name, where), n in sites.most_common()]
+
+
 def profiled(fn, top: int = 40):
     """``fn()`` under torch.profiler (CPU and, where there is one, the GPU; synced before the profile
-    ends): (its result, the profiler's key_averages table of the ``top`` names by their own device time,
-    CPU time without a GPU, and those names as [(name, own ms, calls)])."""
+    ends): (its result, a text report, and the ``top`` names by their own device time, CPU time without
+    a GPU, as [(name, own ms, calls)]). The report: the wall time under the profiler, the
+    synchronizations counted with their Python call sites (``SYNC_KEYS``), the key_averages table of the
+    ``top`` names by own device time and, on a GPU, a second one by own host time (aten ops and, with
+    ``with_stack``, the Python frames' own code: where a host-bound pass spends its time). The stacks
+    add host overhead of their own: the report attributes time, the timed runs measure it."""
     from torch.profiler import ProfilerActivity, profile
 
     cuda = torch.cuda.is_available()
-    with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
+    t0 = time.perf_counter()
+    with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else []),
+                 with_stack=True) as prof:
         result = fn()
         sync()
+    wall = time.perf_counter() - t0
     attr = "self_device_time_total" if cuda else "self_cpu_time_total"
-    events = sorted(prof.key_averages(), key=lambda e: getattr(e, attr), reverse=True)
+    averages = prof.key_averages()
+    events = sorted(averages, key=lambda e: getattr(e, attr), reverse=True)
     rows = [(e.key, getattr(e, attr) / 1e3, e.count) for e in events[:top] if getattr(e, attr) > 0]
-    return result, prof.key_averages().table(sort_by=attr, row_limit=top, max_name_column_width=90), rows
+    aten = sum(e.self_cpu_time_total for e in averages if e.key.startswith("aten::")) / 1e6
+    python = sum(e.self_cpu_time_total for e in averages if ".py(" in e.key) / 1e6
+    sites = _sync_sites(prof)
+    syncs = sum(int(line.split("x", 1)[0]) for line in sites)
+    text = [f"wall {wall:.3f} s under the profiler; host time in aten ops {aten:.3f} s, in Python frames' own "
+            f"code {python:.3f} s; {syncs} reads back or synchronizations (on a GPU the host waits for the "
+            "device at each)"] + [f"  {line}" for line in sites[:15]]
+    text += ["", f"by own {'device' if cuda else 'CPU'} time:",
+             averages.table(sort_by=attr, row_limit=top, max_name_column_width=90)]
+    if cuda:
+        text += ["by own host time:", averages.table(sort_by="self_cpu_time_total", row_limit=top,
+                                                     max_name_column_width=90)]
+    return result, "\n".join(text), rows
 
 
 def timed_steps(trainer, steps: int, label: str) -> tuple[dict, float, float]:

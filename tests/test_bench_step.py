@@ -105,6 +105,13 @@ def test_ratios_are_baseline_over_ours_per_phase_and_skip_failed_baselines():
     assert "oom: OOM" in md  # the failed run stays in the table with its error
 
 
+def test_the_paper_length_target_covers_a_real_models_own_lengths():
+    assert [step_report._target("lengths", "Qwen2.5-7B", spec) for spec in
+            ("fixed:512", "paper", "paper-tail", "measured:real15b", "fixed:64")] == [1.2, 1.5, 1.5, 1.5, None]
+    assert step_report._target("lengths", "Qwen2.5-0.5B", "measured:real15b") is None
+    assert step_report._target(1.3, "Qwen2.5-7B", "measured:real05b") == 1.3
+
+
 def test_report_pairs_each_baseline_with_the_subject_of_its_own_call(tmp_path):
     # step-vllm measures NVFP4 on our engine next to vLLM; step7b measures it again next to bf16. Read in
     # name order (step-vllm first), the later call's subject row must not replace the vLLM call's

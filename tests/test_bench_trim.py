@@ -23,4 +23,24 @@ def test_smoke_run_writes_each_mode_per_format_with_matching_gradients(tmp_path)
     for fmt in ("nvfp4", "none"):
         tok = {r[1]: int(r[2]) for r in rows if r[0] == fmt}
         assert tok["sorted"] <= tok["trimmed"] < tok["padded"]  # fewer tokens each way
-        assert all(float(r[5]) < 1e-3 for r in rows if r[0] == fmt)  # the same gradients up to rounding
+        assert all(float(r[5]) < 1e-3 and float(r[6]) < 1e-3 for r in rows if r[0] == fmt)  # the same up to rounding
+
+
+def test_grad_diff_reports_the_worst_tensor_and_the_norm_over_all():
+    import torch
+
+    ref = {"a": torch.tensor([1.0, -2.0]), "b": torch.tensor([0.5, 0.0])}
+    got = {"a": torch.tensor([1.0, -2.0]), "b": torch.tensor([0.5, 0.25])}
+    worst, norm = bench_trim.grad_diff(got, ref)
+    assert worst == 0.5  # b: 0.25 / 0.5
+    assert abs(norm - 0.25 / (1 + 4 + 0.25) ** 0.5) < 1e-7
+    assert bench_trim.grad_diff(ref, ref) == (0.0, 0.0)
+
+
+def test_repeats_add_the_padded_pass_against_its_own_earlier_repeat(tmp_path):
+    out = tmp_path / "trim.md"
+    bench_trim.main(["--model", "qwen2-tiny", "--formats", "none", "--lengths", "lognormal:12:0.8:40", "--rows", "4",
+                     "--micro-batch", "2", "--prompt", "6", "--lora-r", "4", "--repeats", "2", "--out", str(out)])
+    again = [line for line in out.read_text().splitlines() if line.startswith("| none | padded again")]
+    assert len(again) == 1
+    assert again[0].split("|")[6].strip() == "0.0e+00"  # the CPU's backward is deterministic
