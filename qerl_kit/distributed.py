@@ -30,7 +30,9 @@ world size (the CI equivalence test uses it; it gives up batching across groups 
 from __future__ import annotations
 
 import contextlib
+import gc
 import os
+import weakref
 from dataclasses import dataclass
 from typing import Any
 
@@ -102,9 +104,26 @@ def init(backend: str | None = None) -> bool:
     return dist.get_world_size() > 1
 
 
+# The DistributedDataParallel wrappers ``wrap_ddp`` made and that are still alive: ``shutdown`` frees
+# their reducers while the process group lives.
+_WRAPPERS: "weakref.WeakSet" = weakref.WeakSet()
+
+
 def shutdown() -> None:
-    """Destroy the process group if one exists (call at the end of a launched script)."""
+    """Destroy the process group if one exists (call at the end of a launched script).
+
+    First the reducers of the DDP wrappers ``wrap_ddp`` made (a Trainer's, even one the caller still
+    holds) are freed, while the group lives: a reducer holds the group, and a group destroyed only
+    later, when such a wrapper is freed, runs gloo's destructor with the GIL held, which joins worker
+    threads that may need the GIL to free a finished barrier's tensors: a hang at exit, seen about
+    once in five two-rank runs here (pytorch/pytorch#56297). The wrappers cannot run a step once
+    the group is gone anyway."""
     if dist.is_available() and dist.is_initialized():
+        for ddp in list(_WRAPPERS):
+            for name in ("logger", "reducer"):  # the logger holds the reducer too
+                ddp.__dict__.pop(name, None)
+        _WRAPPERS.clear()
+        gc.collect()  # wrappers in reference cycles, with their reducers, while the group lives
         dist.destroy_process_group()
 
 
@@ -316,4 +335,6 @@ def wrap_ddp(model, ctx: Context):
     dev = next(p for p in model.parameters() if p.requires_grad).device
     kwargs = dict(device_ids=[dev.index]) if dev.type == "cuda" else {}
     # the ignore list keeps every buffer out of DDP's init broadcast and per-forward buffer sync
-    return DDP(model, find_unused_parameters=False, **kwargs)
+    ddp = DDP(model, find_unused_parameters=False, **kwargs)
+    _WRAPPERS.add(ddp)
+    return ddp

@@ -189,6 +189,28 @@ def test_single_process_is_a_no_op(tmp_path, monkeypatch):
     assert distributed.wrap_ddp(torch.nn.Linear(2, 2), ctx) is None
 
 
+def test_shutdown_frees_the_ddp_reducers_before_it_destroys_the_group(tmp_path, monkeypatch):
+    """A wrapper still held (a Trainer the caller keeps) must not take the group down with it later,
+    with the GIL held: its reducer goes first, while the group lives (distributed.shutdown)."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
+    try:
+        ddp = distributed.wrap_ddp(torch.nn.Linear(3, 2), distributed.Context(rank=0, world=2))
+        ddp(torch.randn(4, 3)).sum().backward()  # a step's all-reduce ran through the reducer
+        assert "reducer" in ddp.__dict__ and "logger" in ddp.__dict__
+        seen = []
+        destroy = dist.destroy_process_group
+        monkeypatch.setattr(dist, "destroy_process_group",
+                            lambda: (seen.append(("reducer" in ddp.__dict__, "logger" in ddp.__dict__)), destroy()))
+        distributed.shutdown()
+        assert seen == [(False, False)] and not dist.is_initialized()
+        assert not distributed._WRAPPERS  # nothing left to free at the next shutdown
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
 def test_metric_reduction_ops():
     assert [distributed._op(k) for k in ("loss", "num_tokens", "rollout/tokens_per_s", "time/step",
                                          "clip_ratio/high_max", "clip_ratio/low_min", "reward")] == \
