@@ -13,8 +13,10 @@ both through ``qerl_kit.build.load_base``, with GSM8K prompts from the data fold
 ``--lora-r`` on every projection, and the Trainer running ``--steps`` GRPO steps of ``--prompts`` x
 ``--group`` rows with ``--mu`` updates per batch in micro-batches of ``--micro-batch``, gradient
 checkpointing on or off. AQN is on for NVFP4 and off for the baselines (``--aqn auto``: the paper's
-recipe against plain LoRA and QLoRA). The phases are the Trainer's own ``time/*`` metrics of the last
-step (the first pays kernel compilation and graph capture): ``rollout`` (the AQN sync; on vLLM also
+recipe against plain LoRA and QLoRA). The phases are the Trainer's own ``time/*`` metrics of the steps
+after the first (which pays kernel compilation and graph capture): the median of those, with the
+fastest and slowest step beside it when there are several (``--steps 4``: three timed steps), which
+gives each ratio of the report a range: ``rollout`` (the AQN sync; on vLLM also
 wake, adapter upload and sleep, which ``sync`` shows apart), ``logprob`` (the old policy's log-probs),
 ``update`` (mu x forward + backward, clipping, optimizer; the clip statistics come from these
 forwards) and ``other`` = step minus those three (rewards, advantages). Under ``loss.old_logp`` fold
@@ -222,7 +224,7 @@ def parser() -> argparse.ArgumentParser:
     r.add_argument("--mu", nargs="+", type=int, default=[1])
     r.add_argument("--micro-batch", nargs="+", type=int, default=[8])
     r.add_argument("--gradient-checkpointing", nargs="+", default=["off"], type=_choices("checkpointing", ("off", "on")))
-    r.add_argument("--steps", type=int, default=2, help="steps per run; the last is reported")
+    r.add_argument("--steps", type=int, default=2, help="steps per run; the first is a warm-up, the median of the rest is reported")
     r.add_argument("--seeds", nargs="+", type=int, default=[0])
     r.add_argument("--prompts", type=int, default=8)
     r.add_argument("--group", type=int, default=8)

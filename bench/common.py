@@ -283,15 +283,17 @@ def profiled(fn, top: int = 40):
     return result, "\n".join(text), rows
 
 
-def timed_steps(trainer, steps: int, label: str) -> tuple[dict, float, float]:
+def timed_steps(trainer, steps: int, label: str, every: list | None = None) -> tuple[dict, float, float]:
     """``steps`` Trainer steps: the last one's metrics, its peak memory (GiB; the peak counter is reset
     before each step, so it is the last step's alone) and the most dense-cache GiB any step held
-    (``memory/dense_cache_gib``)."""
+    (``memory/dense_cache_gib``); ``every``, a list, gets every step's metrics appended."""
     held = 0.0
     for i in range(steps):
         if torch.cuda.is_available():
             torch.cuda.reset_peak_memory_stats()
         m = trainer.train_step()
+        if every is not None:
+            every.append(m)
         held = max(held, m.get("memory/dense_cache_gib", 0.0))
         log(f"{label} step #{i}: {m['time/step']:.2f}s (" + ", ".join(
             f"{k[5:]} {m[k]:.2f}" for k in ("time/rollout", "time/sync", "time/sleep", "time/logprob", "time/update")

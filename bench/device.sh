@@ -49,7 +49,7 @@
 #   unsloth                   Unsloth's GRPO rollout path (bench/probe_unsloth.py); carry .vllm/uns
 #                             (bench/make_unsloth_carry.sh)
 # The whole GRPO step per phase (bench.bench_step; 8 prompts x group 8, prompt 256, LoRA r32, the last of
-# two steps; each (format, engine) in its own process; writes $OUT/<command-args>/step.{csv,md,png} and logs.tgz
+# two steps, or STEP_STEPS=4: the median of the three after the warm-up, with their range; each (format, engine) in its own process; writes $OUT/<command-args>/step.{csv,md,png} and logs.tgz
 # (rows.jsonl and every log: a call returns at most 8 files); merge
 # several calls' tables with `python -m bench.bench_step report DIR... --out MERGED`; STEP_ARGS adds flags to any
 # of them, e.g. STEP_ARGS="--max-rows 32 --keep-cache off": decoding in turns with the cache freed, or
@@ -244,7 +244,7 @@ step7b|step-model|step-paper|step-vllm|step05b-real)
   tag=$(echo "$cmd" "$@" | tr -s ' :' '--')  # e.g. step7b-nf4-mxfp4: calls of one command keep apart
   [ "$cmd" = step05b-real ] && [ "${REAL_MODEL:-0.5b}" = 1.5b ] && tag="step15b-real${tag#step05b-real}"
   case " $* " in *bnb-nf4*) bitsandbytes ;; esac  # bitsandbytes' NF4 layers (the field's QLoRA)
-  common=(--steps 2 --budget "${STEP_BUDGET:-400}" --limit "${STEP_LIMIT:-540}" --out "$OUT/$tag")
+  common=(--steps "${STEP_STEPS:-2}" --budget "${STEP_BUDGET:-400}" --limit "${STEP_LIMIT:-540}" --out "$OUT/$tag")
   case "$cmd" in
   step7b) read -r -a fmts <<< "${1:-none nvfp4}"; read -r -a ckpt <<< "${2:-off on}"
     args=(--models Qwen2.5-7B --formats "${fmts[@]}" --lengths fixed:512 --gradient-checkpointing "${ckpt[@]}") ;;

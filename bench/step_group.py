@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import math
+import statistics
 import tempfile
 import time
 import traceback
@@ -187,6 +188,24 @@ def phase_times(m: dict) -> dict:
     return row
 
 
+# the phases whose spread over the timed steps a row keeps (``steady_times``)
+SPREAD = ("step", "rollout", "update")
+
+
+def steady_times(steps: list[dict]) -> dict:
+    """A run's phase times from every step's metrics: the first step is a warm-up (compilation, graph
+    capture, the dense cache's first measurement) and left out when there are more; each phase is the
+    median over the rest, with ``timed_steps`` (how many) and the fastest and slowest step of
+    ``SPREAD``'s phases (``time_step_min``, ``time_step_max``, ...). Two steps: the last step's times."""
+    timed = [phase_times(m) for m in (steps[1:] if len(steps) > 1 else steps)]
+    row = {k: statistics.median(r[k] for r in timed) if k.startswith("time_") else timed[-1][k] for k in timed[-1]}
+    for k in SPREAD:
+        vals = [r[f"time_{k}"] for r in timed]
+        row[f"time_{k}_min"], row[f"time_{k}_max"] = min(vals), max(vals)
+    row["timed_steps"] = len(timed)
+    return row
+
+
 def failure(err: BaseException) -> dict:
     """A failed run's status (``oom`` or ``error``) and its error line."""
     oom = isinstance(err, torch.OutOfMemoryError) or "out of memory" in str(err).lower()
@@ -276,9 +295,10 @@ def run_group(cases: list[dict], a: dict, meta: dict, rows_path: Path) -> None:
             trainer = trainer_for(peft, tok, task, engine, case, a, drawn["max_new_tokens"],
                                   root / f"run{case['case_id']}")
             t = time.perf_counter()
-            m, row["peak_gib"], held = timed_steps(trainer, a["steps"], label)
+            every = []
+            _, row["peak_gib"], held = timed_steps(trainer, a["steps"], label, every)
             row["peak_reserved_gib"] = torch.cuda.max_memory_reserved() / 2**30 if device == "cuda" else float("nan")
-            row.update(status="ok", wall_s=time.perf_counter() - t, **phase_times(m))
+            row.update(status="ok", wall_s=time.perf_counter() - t, **steady_times(every))
             if a.get("profile"):  # after the row is measured: a profiler failure is logged, the row stays ok
                 try:
                     profile_step(trainer, rows_path.parent / f"profile_case{case['case_id']}.txt", label)

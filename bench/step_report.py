@@ -23,7 +23,9 @@ SETTINGS = ["model", "format", "engine", "lengths", "length_params", "lengths_sh
             "steps", "step_index"]
 RESULTS = ["status", "error", "time_step", "time_rollout", "time_sync", "time_wake", "time_upload", "time_sleep",
            "time_logprob", "time_update", "time_other", "measured_mean_length", "rollout_tokens_per_s", "aqn_sigma",
-           "peak_gib", "peak_reserved_gib", "dense_cache_held_gib", "plan_gib", "plan_note", "engine_start_s", "wall_s"]
+           "peak_gib", "peak_reserved_gib", "dense_cache_held_gib", "plan_gib", "plan_note", "engine_start_s", "wall_s",
+           "timed_steps", "time_step_min", "time_step_max", "time_rollout_min", "time_rollout_max", "time_update_min",
+           "time_update_max"]
 META = ["case_id", "run_id", "date", "gpu", "torch", "triton", "transformers", "humming", "vllm", "bitsandbytes"]
 COLUMNS = META + SETTINGS + RESULTS
 NUMERIC = {"dense_cache_gib", "max_rows", "mean_length", "max_length", "max_new_tokens", "prompts", "group", "rows", "lora_r", "mu", "micro_batch",
@@ -122,6 +124,11 @@ def ratios(rows: list[dict]) -> list[dict]:
             for name, col in [("step", "time_step")] + PHASES[:3]:
                 ours, theirs = _num(subj.get(col)), _num(base.get(col))
                 row[name] = theirs / ours if ours > 0 and theirs == theirs else float("nan")
+            # the step ratio's range over the timed steps: slowest baseline step / fastest of ours and back
+            spread = [_num(r.get(k)) for r in (base, subj) for k in ("time_step_min", "time_step_max")]
+            timed = min(_num(base.get("timed_steps")), _num(subj.get("timed_steps")))
+            row["step_low"], row["step_high"] = (spread[0] / spread[3], spread[1] / spread[2]) \
+                if timed > 1 and all(v > 0 for v in spread) else (float("nan"), float("nan"))
             out.append(row)
     return out
 
@@ -152,6 +159,12 @@ def _f(v, spec=".2f") -> str:
     return "–" if v != v else format(v, spec)
 
 
+def _spread(r: dict, phase: str) -> str:
+    """' (fastest-slowest)' of a phase over a run's timed steps, where it timed more than one."""
+    lo, hi = _num(r.get(f"time_{phase}_min")), _num(r.get(f"time_{phase}_max"))
+    return f" ({lo:.2f}-{hi:.2f})" if _num(r.get("timed_steps")) > 1 and lo == lo and hi == hi else ""
+
+
 def _label(r: dict) -> str:
     return f"{FORMAT_NAMES.get(r['format'], r['format'])} + LoRA, {r['engine']}"
 
@@ -170,9 +183,9 @@ def runs_table(rows: list[dict]) -> list[str]:
         lines.append(f"| {r['model']} | {_label(r)} | {r['lengths']} ({_f(mean, '.0f')} / "
                      f"{_f(r.get('max_length'), '.0f')}) | {'on' if r['gradient_checkpointing'] else 'off'} | "
                      f"{_f(r['mu'], '.0f')} | {_f(r['micro_batch'], '.0f')} | {_f(r['seed'], '.0f')} | "
-                     f"{_f(r.get('time_step'))} | {_f(r.get('time_rollout'))}"
+                     f"{_f(r.get('time_step'))}{_spread(r, 'step')} | {_f(r.get('time_rollout'))}{_spread(r, 'rollout')}"
                      + (f" ({_f(sync)})" if sync == sync else "") + f" | {_f(r.get('time_logprob'))} | "
-                     f"{_f(r.get('time_update'))} | {_f(r.get('time_other'))} | {_f(r.get('peak_gib'))} | "
+                     f"{_f(r.get('time_update'))}{_spread(r, 'update')} | {_f(r.get('time_other'))} | {_f(r.get('peak_gib'))} | "
                      f"{_f(r.get('plan_gib'))} | {status} |")
     return lines
 
@@ -182,13 +195,15 @@ def ratio_table(rows: list[dict]) -> list[str]:
     if not rs:
         return ["No NVFP4 + LoRA StaticEngine run has a baseline run with the same settings here."]
     lines = ["| model | lengths | ckpt | mu | micro | seed | against | step | rollout | log-probs | update | "
-             "target (issue #45, 7B) | same call |", "|---|---|---|---:|---:|---:|---|---:|---:|---:|---:|---:|---|"]
+             "target (issue #45, 7B) | same call | step over the timed steps |",
+             "|---|---|---|---:|---:|---:|---|---:|---:|---:|---:|---:|---|---:|"]
     for r in rs:
         met = "" if r["target"] is None else f"≥ {r['target']}x " + ("met" if r["step"] >= r["target"] else "not met")
         lines.append(f"| {r['model']} | {r['lengths']} | {'on' if r['gradient_checkpointing'] else 'off'} | "
                      f"{_f(r['mu'], '.0f')} | {_f(r['micro_batch'], '.0f')} | {_f(r['seed'], '.0f')} | {r['baseline']} | "
                      + " | ".join(f"{_f(r[k])}x" for k in ("step", "rollout", "log-probs", "update"))
-                     + f" | {met} | {'yes' if r['same_call'] else 'no'} |")
+                     + f" | {met} | {'yes' if r['same_call'] else 'no'} | "
+                     + (f"{r['step_low']:.2f}-{r['step_high']:.2f}x |" if r["step_low"] == r["step_low"] else "– |"))
     return lines
 
 
@@ -218,7 +233,8 @@ def header(rows: list[dict]) -> list[str]:
     draws = {(r["lengths"], r.get("length_params"), r.get("lengths_sha"), r.get("rows")) for r in rows}
     for spec, params, sha, n in sorted(draws, key=str):
         lines.append(f"- lengths `{spec}`: {params}, {_f(n, '.0f')} rows" + (f", sha `{sha}`" if sha else ""))
-    lines += ["", "Seconds of the last step (the Trainer's `time/*`); rollout includes the AQN sync (vLLM: wake, "
+    lines += ["", "Seconds per step (the Trainer's `time/*`): the last of two steps, or with more (`--steps`) the "
+              "median over all but the first (a warm-up), the fastest and slowest in brackets; rollout includes the AQN sync (vLLM: wake, "
               "adapter upload and sleep, in brackets); other = step - rollout - log-probs - update. Peak: "
               "`torch.cuda.max_memory_allocated` over the last step alone (its counter is reset before each step; "
               "`bench.bench_memory`'s peaks, in tests/data/measured_peaks.json, span every step, the first's "

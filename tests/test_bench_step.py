@@ -373,3 +373,32 @@ def test_profile_adds_one_profiled_step_after_the_timed_ones(tmp_path):
     text = (tmp_path / "p" / f"profile_case{rows[0]['case_id']}.txt").read_text()
     assert "the profiled step (step " in text and "update" in text
     assert "aten::mm" in text and "Self CPU" in text  # the profiler's own table, CPU time on the CPU
+
+
+def _metrics(step, rollout, update):
+    return {"time/step": step, "time/rollout": rollout, "time/logprob": 0.0, "time/update": update,
+            "completions/mean_length": 5.0}
+
+
+def test_steady_times_drop_the_warm_up_and_keep_the_median_and_range():
+    steps = [_metrics(30.0, 20.0, 9.0), _metrics(10.0, 4.0, 5.0), _metrics(12.0, 5.0, 6.0), _metrics(11.0, 4.5, 6.5)]
+    row = step_group.steady_times(steps)
+    assert (row["time_step"], row["time_rollout"], row["time_update"]) == (11.0, 4.5, 6.0)  # medians, warm-up out
+    assert (row["time_step_min"], row["time_step_max"], row["time_update_min"], row["time_update_max"]) == \
+        (10.0, 12.0, 5.0, 6.5)
+    assert row["timed_steps"] == 3 and row["time_other"] == 1.0  # its own median (1, 1, 0), not a difference of medians
+    two = step_group.steady_times(steps[:2])  # two steps: the last one, as before
+    assert (two["time_step"], two["time_step_min"], two["time_step_max"], two["timed_steps"]) == (10.0, 10.0, 10.0, 1)
+
+
+def test_report_gives_each_ratio_its_range_over_the_timed_steps():
+    spread = dict(timed_steps=3)
+    ours = _row("nvfp4", "static", 8.0, 4.0, time_step_min=7.5, time_step_max=9.0, **spread)
+    base = _row("none", "static", 10.0, 6.0, time_step_min=9.0, time_step_max=12.0, **spread)
+    r = step_report.ratios([ours, base])[0]
+    assert (r["step"], r["step_low"], r["step_high"]) == (10 / 8, 9 / 9.0, 12 / 7.5)
+    md = step_report.markdown([ours, base])
+    assert "| 8.00 (7.50-9.00) |" in md and "| 1.00-1.60x |" in md
+    single = step_report.ratios([_row("nvfp4", "static", 8.0, 4.0), _row("none", "static", 10.0, 6.0)])[0]
+    assert single["step_low"] != single["step_low"]  # one timed step: no range (NaN), shown as –
+    assert "| yes | – |" in step_report.markdown([_row("nvfp4", "static", 8.0, 4.0), _row("none", "static", 10.0, 6.0)])
