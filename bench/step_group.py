@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import math
 import statistics
+import subprocess
 import tempfile
 import time
 import traceback
@@ -188,6 +189,28 @@ def phase_times(m: dict) -> dict:
     return row
 
 
+GPU_FIELDS = "temperature.gpu,clocks.sm,power.draw"
+
+
+def gpu_state() -> str:
+    """The GPU's temperature, SM clock and power now ("64 C, 1980 MHz, 612.5 W", nvidia-smi), and why its
+    clocks are held down where the driver says ("events 0x..."): two runs of one call taken in turn can
+    differ by the clocks a warmer GPU keeps, not by their code. "" without nvidia-smi or a GPU."""
+    if not torch.cuda.is_available():
+        return ""
+    for fields in (GPU_FIELDS + ",clocks_event_reasons.active", GPU_FIELDS):
+        try:
+            out = subprocess.run(["nvidia-smi", f"--query-gpu={fields}", "--format=csv,noheader,nounits"],
+                                 capture_output=True, text=True, timeout=30)
+        except (OSError, subprocess.SubprocessError):
+            return ""
+        line = out.stdout.strip().splitlines()[0] if out.returncode == 0 and out.stdout.strip() else ""
+        if line:
+            v = [x.strip() for x in line.split(",")]
+            return f"{v[0]} C, {v[1]} MHz, {v[2]} W" + (f", events {v[3]}" if len(v) > 3 else "")
+    return ""
+
+
 # the phases whose spread over the timed steps a row keeps (``steady_times``)
 SPREAD = ("step", "rollout", "update")
 
@@ -295,8 +318,9 @@ def run_group(cases: list[dict], a: dict, meta: dict, rows_path: Path) -> None:
             trainer = trainer_for(peft, tok, task, engine, case, a, drawn["max_new_tokens"],
                                   root / f"run{case['case_id']}")
             t = time.perf_counter()
-            every = []
+            every, row["gpu_before"] = [], gpu_state()
             _, row["peak_gib"], held = timed_steps(trainer, a["steps"], label, every)
+            row["gpu_after"] = gpu_state()
             row["peak_reserved_gib"] = torch.cuda.max_memory_reserved() / 2**30 if device == "cuda" else float("nan")
             row.update(status="ok", wall_s=time.perf_counter() - t, **steady_times(every))
             if a.get("profile"):  # after the row is measured: a profiler failure is logged, the row stays ok

@@ -25,11 +25,11 @@ RESULTS = ["status", "error", "time_step", "time_rollout", "time_sync", "time_wa
            "time_logprob", "time_update", "time_other", "measured_mean_length", "rollout_tokens_per_s", "aqn_sigma",
            "peak_gib", "peak_reserved_gib", "dense_cache_held_gib", "plan_gib", "plan_note", "engine_start_s", "wall_s",
            "timed_steps", "time_step_min", "time_step_max", "time_rollout_min", "time_rollout_max", "time_update_min",
-           "time_update_max"]
+           "time_update_max", "gpu_before", "gpu_after"]
 META = ["case_id", "run_id", "date", "gpu", "torch", "triton", "transformers", "humming", "vllm", "bitsandbytes"]
 COLUMNS = META + SETTINGS + RESULTS
 NUMERIC = {"dense_cache_gib", "max_rows", "mean_length", "max_length", "max_new_tokens", "prompts", "group", "rows", "lora_r", "mu", "micro_batch",
-           "seed", "steps", "step_index", "case_id", *(c for c in RESULTS if c not in ("status", "error", "plan_note"))}
+           "seed", "steps", "step_index", "case_id", *(c for c in RESULTS if c not in ("status", "error", "plan_note", "gpu_before", "gpu_after"))}
 # what a setting is, without format and engine: rows that share it are compared
 KEY = ["model", "lengths", "lengths_sha", "prompts", "group", "prompt_len", "lora_r", "mu", "micro_batch",
        "gradient_checkpointing", "dense_cache", "seed", "steps"]
@@ -251,11 +251,25 @@ def header(rows: list[dict]) -> list[str]:
     return lines
 
 
+def gpu_table(rows: list[dict]) -> list[str]:
+    """Each run's GPU state before and after its steps, in the order the runs ran (where recorded)."""
+    seen = [r for r in rows if r.get("gpu_before") or r.get("gpu_after")]
+    if not seen:
+        return []
+    lines = ["", "## The GPU before and after each run's steps (nvidia-smi: temperature, SM clock, power, clock "
+             "events)", "", "| call | case | model | format / engine | ckpt | before | after |", "|---|---:|---|---|---|---|---|"]
+    for r in sorted(seen, key=lambda r: (str(r.get("run_id")), _num(r.get("case_id")))):
+        lines.append(f"| {r.get('run_id')} | {_f(r.get('case_id'), '.0f')} | {r['model']} | {_label(r)} | "
+                     f"{'on' if r['gradient_checkpointing'] else 'off'} | {r.get('gpu_before') or '–'} | "
+                     f"{r.get('gpu_after') or '–'} |")
+    return lines
+
+
 def markdown(rows: list[dict]) -> str:
     return "\n".join(header(rows) + ["## Runs", ""] + runs_table(rows)
                      + ["", "## NVFP4 + LoRA (StaticEngine) against the baselines: baseline s / ours", ""]
                      + ratio_table(rows) + ["", "## Gradient checkpointing's cost", ""]
-                     + checkpointing_table(rows)) + "\n"
+                     + checkpointing_table(rows) + gpu_table(rows)) + "\n"
 
 
 def _segments(r: dict) -> list[tuple[str, float]]:

@@ -402,3 +402,37 @@ def test_report_gives_each_ratio_its_range_over_the_timed_steps():
     single = step_report.ratios([_row("nvfp4", "static", 8.0, 4.0), _row("none", "static", 10.0, 6.0)])[0]
     assert single["step_low"] != single["step_low"]  # one timed step: no range (NaN), shown as –
     assert "| yes | – |" in step_report.markdown([_row("nvfp4", "static", 8.0, 4.0), _row("none", "static", 10.0, 6.0)])
+
+
+def test_report_lists_the_gpu_state_of_each_run_in_run_order():
+    rows = [_row("none", "static", 10.0, 6.0, case_id=1, gpu_before="40 C, 1980 MHz, 100 W", gpu_after="70 C, 1755 MHz, 690 W, events 0x4"),
+            _row("nvfp4", "static", 8.0, 4.0, case_id=0, gpu_before="35 C, 1980 MHz, 90 W", gpu_after="")]
+    md = step_report.markdown(rows)
+    table = md[md.index("## The GPU before and after"):].splitlines()
+    assert [line.split("|")[2].strip() for line in table[4:6]] == ["0", "1"]  # the order the cases ran
+    assert "| 35 C, 1980 MHz, 90 W | – |" in table[4] and "events 0x4" in table[5]
+    assert "## The GPU before" not in step_report.markdown([_row("nvfp4", "static", 8.0, 4.0)])  # nothing recorded
+
+
+def test_gpu_state_is_empty_without_a_gpu(monkeypatch):
+    monkeypatch.setattr(step_group.torch.cuda, "is_available", lambda: False)
+    assert step_group.gpu_state() == ""
+
+
+def test_gpu_state_reads_nvidia_smi_and_falls_back_without_clock_events(monkeypatch):
+    import types
+
+    calls = []
+
+    def fake_run(cmd, **_):
+        calls.append(cmd[1])
+        if "clocks_event_reasons" in cmd[1]:  # an older driver: the field is unknown
+            return types.SimpleNamespace(returncode=2, stdout="Field not supported\n")
+        return types.SimpleNamespace(returncode=0, stdout="63, 1980, 512.34\n")
+
+    monkeypatch.setattr(step_group.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(step_group.subprocess, "run", fake_run)
+    assert step_group.gpu_state() == "63 C, 1980 MHz, 512.34 W" and len(calls) == 2
+    monkeypatch.setattr(step_group.subprocess, "run",
+                        lambda cmd, **_: types.SimpleNamespace(returncode=0, stdout="70, 1755, 690.1, 0x0000000000000004\n"))
+    assert step_group.gpu_state() == "70 C, 1755 MHz, 690.1 W, events 0x0000000000000004"
