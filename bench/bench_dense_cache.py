@@ -133,7 +133,8 @@ def time_modes(policy, batches, mu: int, modes: dict[str, tuple[float | None, bo
     return out
 
 
-def profile_pass(policy, batches, mu: int, gib: float | None, top: int = 30) -> tuple[str, list[tuple[str, float, int]]]:
+def profile_pass(policy, batches, mu: int, gib: float | None, top: int = 30,
+                 stacks: bool = False) -> tuple[str, list[tuple[str, float, int]]]:
     """One dense-cache pass under torch.profiler: (its key_averages table, [(name, own ms, calls)] of
     the ``top`` names by their own device time, CPU time without a GPU)."""
     def one_pass():
@@ -142,7 +143,7 @@ def profile_pass(policy, batches, mu: int, gib: float | None, top: int = 30) -> 
             sync()  # the pass's kernels end inside the block, as when it was timed
 
     policy.zero_grad(set_to_none=True)
-    _, table, rows = profiled(one_pass, top)
+    _, table, rows = profiled(one_pass, top, stacks)
     return table, rows
 
 
@@ -174,6 +175,8 @@ def main() -> None:
     ap.add_argument("--out", default=None, help="a markdown file to write the table to")
     ap.add_argument("--smoke", action="store_true", help="CPU, the tiny model, small shapes")
     ap.add_argument("--profile", default=None, help="a folder: one more pass per format under torch.profiler")
+    ap.add_argument("--stacks", action="store_true", help="with --profile: name each synchronization's Python "
+                    "call site and rank the Python frames' own time (about twice the profiler's cost)")
     ap.add_argument("--narrow", action="store_true", help="every width 64, the preset's depth: the host's work")
     args = ap.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -218,7 +221,7 @@ def main() -> None:
         print(row, flush=True)
         lines.append(row)
         if args.profile:
-            table, profiles[fmt] = profile_pass(policy, batches, args.mu, args.gib)
+            table, profiles[fmt] = profile_pass(policy, batches, args.mu, args.gib, stacks=args.stacks)
             Path(args.profile).mkdir(parents=True, exist_ok=True)
             (Path(args.profile) / f"profile_{fmt}.txt").write_text(table)
         del policy, batches, packed, dense, routed, timed

@@ -237,9 +237,10 @@ def parser() -> argparse.ArgumentParser:
     r.add_argument("--dense-cache", default="all", type=dense_cache_arg,
                    help="model.dense_cache_gib per run: all (every 4-bit projection's dense copy), auto (the "
                         "Trainer's budget) or GiB (0: off)")
-    r.add_argument("--profile", action="store_true",
+    r.add_argument("--profile", nargs="?", const="ops", default=None, choices=["ops", "stacks"],
                    help="one more step per run under torch.profiler, after the timed ones (which it does not "
-                        "change): OUT/profile_case<N>.txt, its top kernels by own GPU time")
+                        "change): OUT/profile_case<N>.txt, its top kernels by own GPU time and host time, the "
+                        "synchronizations counted; '--profile stacks' also names their Python call sites")
     r.add_argument("--vllm-memory", type=float, default=0.3, help="vLLM's gpu_memory_utilization")
     r.add_argument("--isolate", default="auto", type=_choices("isolate", ("auto", "on", "off")))
     r.add_argument("--budget", type=float, default=420.0, help="seconds after which no new group starts")

@@ -30,7 +30,8 @@
 #                             (bench.bench_dense_cache --profile); MODEL default Qwen2.5-7B, FORMATS "nvfp4 none"
 #                             (list none first for the "vs bf16" column); UPDATE_ARGS replaces the shape flags
 #                             (e.g. "--micro-batch 8 --micro-batches 8 --prompt 256 --completion 512 --repeats 3":
-#                             the 0.5B step's update, checkpointing off); profile.md and each format's
+#                             the 0.5B step's update, checkpointing off; add --stacks for the Python call
+#                             sites of the synchronizations); profile.md and each format's
 #                             profile_<fmt>.txt in $OUT/profile-update
 #   trim [MODEL] ["FORMATS"]  one update pass at the real 1.5B's GSM8K lengths (16 x 8 rows, checkpointing on): micro-
 #                             batches padded to the batch, trimmed to their own width, sorted by length first
@@ -53,7 +54,8 @@
 # (rows.jsonl and every log: a call returns at most 8 files); merge
 # several calls' tables with `python -m bench.bench_step report DIR... --out MERGED`; STEP_ARGS adds flags to any
 # of them, e.g. STEP_ARGS="--max-rows 32 --keep-cache off": decoding in turns with the cache freed, or
-# STEP_ARGS=--profile: one more step per run under torch.profiler, its table in logs.tgz):
+# STEP_ARGS=--profile: one more step per run under torch.profiler, its report in logs.tgz ("--profile stacks":
+# the synchronizations' Python call sites too, about twice the profiler's cost):
 #   step7b ["FORMATS"] ["CKPT"]   7B, 512 tokens, StaticEngine; FORMATS default "none nvfp4" (also nf4 mxfp4, and
 #                             bnb-nf4: bitsandbytes' NF4, needs .vllm/uns/slim.tgz or .vllm/bnb/*.whl),
 #                             CKPT (gradient checkpointing) default "off on"

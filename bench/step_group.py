@@ -167,10 +167,10 @@ def plan_gib(peft, case: dict, a: dict, max_len: int, held_gib: float = 0.0) -> 
         return float("nan"), f"{type(err).__name__}: {err}"[:200]
 
 
-def profile_step(trainer, path: Path, label: str, top: int = 40) -> None:
+def profile_step(trainer, path: Path, label: str, top: int = 40, stacks: bool = False) -> None:
     """One more Trainer step under torch.profiler (after the timed steps, so their times are not
     touched): its top ``top`` kernels and ops by own GPU time (CPU time without a GPU) to ``path``."""
-    m, table, _ = profiled(trainer.train_step, top)
+    m, table, _ = profiled(trainer.train_step, top, stacks)
     phases = ", ".join(f"{k[5:]} {m[k]:.2f} s" for k in ("time/step", "time/rollout", "time/logprob", "time/update") if k in m)
     path.write_text(f"{label}: the profiled step ({phases}; profiler overhead included)\n" + table)
 
@@ -325,7 +325,8 @@ def run_group(cases: list[dict], a: dict, meta: dict, rows_path: Path) -> None:
             row.update(status="ok", wall_s=time.perf_counter() - t, **steady_times(every))
             if a.get("profile"):  # after the row is measured: a profiler failure is logged, the row stays ok
                 try:
-                    profile_step(trainer, rows_path.parent / f"profile_case{case['case_id']}.txt", label)
+                    profile_step(trainer, rows_path.parent / f"profile_case{case['case_id']}.txt", label,
+                                 stacks=a["profile"] == "stacks")
                 except Exception as err:  # noqa: BLE001
                     log(f"{label}: the profiled step failed: {err!r}")
         except Exception as err:  # noqa: BLE001 - recorded, and the next case runs

@@ -13,7 +13,7 @@ def _reads_back(n: int):
 
 
 def test_report_counts_each_read_back_at_its_call_site():
-    result, text, rows = profiled(lambda: _reads_back(3), top=10)
+    result, text, rows = profiled(lambda: _reads_back(3), top=10, stacks=True)
     assert isinstance(result, float)
     head = text.splitlines()[0]
     assert head.startswith("wall ") and "4 reads back or synchronizations" in head
@@ -22,6 +22,13 @@ def test_report_counts_each_read_back_at_its_call_site():
     assert "test_bench_profiled.py(" in sites[0] and "_reads_back" in sites[0]  # the Python frame that read back
     assert "by own CPU time:" in text and "aten::mm" in text
     assert any(name == "aten::mm" and calls == 3 for name, _, calls in rows)
+
+
+def test_without_stacks_the_read_backs_are_counted_without_call_sites():
+    _, text, _ = profiled(lambda: _reads_back(2), top=10)
+    head, first = text.splitlines()[:2]
+    assert "3 reads back or synchronizations" in head and "Python frames" not in head
+    assert first.strip() == "2 x aten::_local_scalar_dense: (no Python frames)"
 
 
 def test_a_pass_without_read_backs_reports_none():

@@ -357,6 +357,14 @@ def test_decoding_in_turns_is_a_setting_of_the_row_and_the_plan(tmp_path):
         bench_step.main(["run", *TINY, "--max-rows", "3", "--out", str(tmp_path / "x")])
 
 
+def test_profile_stacks_names_the_steps_read_backs_by_call_site(tmp_path):
+    rows = _run(tmp_path / "s", "--formats", "nvfp4", "--isolate", "off", "--max-new-tokens", "4", "--profile", "stacks")
+    text = (tmp_path / "s" / f"profile_case{rows[0]['case_id']}.txt").read_text()
+    head, first = text.splitlines()[1:3]
+    assert "Python frames' own code" in head
+    assert " x aten::" in first and "qerl_kit/" in text  # e.g. the Trainer's loss check, by file and line
+
+
 def test_step_md_states_the_peak_and_plan_and_the_untied_real_model():
     rows = [_row("nvfp4", "static", 8.0, 4.0, model="Qwen2.5-0.5B"), _row("nvfp4", "static", 8.0, 4.0, model="/tmp/m05")]
     md = step_report.markdown(rows)
@@ -373,6 +381,7 @@ def test_profile_adds_one_profiled_step_after_the_timed_ones(tmp_path):
     text = (tmp_path / "p" / f"profile_case{rows[0]['case_id']}.txt").read_text()
     assert "the profiled step (step " in text and "update" in text
     assert "aten::mm" in text and "Self CPU" in text  # the profiler's own table, CPU time on the CPU
+    assert "reads back or synchronizations" in text.splitlines()[1] and "Python frames' own code" not in text
 
 
 def _metrics(step, rollout, update):
