@@ -34,7 +34,8 @@ from qerl_kit import dense_update
 from qerl_kit.logprobs import completion_logprobs, micro_batch_tokens, micro_batches
 
 # mode -> (rows of each micro-batch in the batch's order or sorted by length, trim)
-MODES = {"padded": ("batch", False), "trimmed": ("batch", True), "sorted": ("length", True)}
+MODES = {"padded": ("batch", False), "trimmed": ("batch", True), "sorted": ("length", True),
+         "packed": ("packed", True)}
 
 
 def make_batch(rows: int, prompt: int, lengths: list[int], vocab: int, device: str, seed: int = 1):
@@ -98,6 +99,8 @@ def main(argv=None) -> None:
     ap.add_argument("--narrow", action="store_true", help="every width 64, the preset's depth (a CPU run)")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--seed", type=int, default=0, help="the lengths' draw")
+    ap.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES),
+                    help="the modes to time; the first is the one the others are compared with")
     ap.add_argument("--out", default=None, help="a markdown file to write the table to")
     args = ap.parse_args(argv)
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -113,32 +116,34 @@ def main(argv=None) -> None:
              f"{statistics.mean(lengths):.0f}, longest {max(lengths)}, sha {drawn['lengths_sha']}), micro-batch "
              f"{args.micro_batch}, gradient checkpointing {'on' if args.checkpointing else 'off'}, "
              f"{torch.get_num_threads()} CPU thread(s)", "",
-             "LoRA gradients against the padded pass's: the largest per-tensor max |diff| / max |padded|, and the "
-             "relative norm of the difference over all of them; \"padded again\" compares the padded pass with its "
-             "own earlier repeat (the run-to-run floor: 0 where the backward is deterministic).", "",
-             "| format | mode | tokens | s | speed-up | LoRA grads max rel. diff from padded | rel. norm of the diff |",
-             "|---|---|---:|---:|---:|---:|---:|"]
+             f"Speed-up and LoRA gradients against the first mode's ({args.modes[0]}): the largest per-tensor max "
+             f"|diff| / max |{args.modes[0]}|, and the relative norm of the difference over all of them; "
+             f"\"{args.modes[0]} again\" compares its pass with its own earlier repeat (the run-to-run floor: 0 "
+             "where the backward is deterministic).", "",
+             f"| format | mode | micro-batches | tokens | s | speed-up | LoRA grads max rel. diff from {args.modes[0]} | "
+             "rel. norm of the diff |", "|---|---|---:|---:|---:|---:|---:|---:|"]
     print("\n".join(lines), flush=True)
     for fmt in args.formats:
         policy = make_policy(args.model, fmt, device, args.lora_r, args.checkpointing, **(NARROW if args.narrow else {}))
         batch = make_batch(args.rows, args.prompt, lengths, policy.config.vocab_size, device)
         one_pass(policy, batch, args.micro_batch, "sorted")  # warm-up (and the CUDA auto budget's measurement)
-        times, got, first = {m: [] for m in MODES}, {}, None
+        ref = args.modes[0]
+        times, got, first = {m: [] for m in args.modes}, {}, None
         for _ in range(args.repeats):
-            for mode in MODES:
+            for mode in args.modes:
                 times[mode].append(one_pass(policy, batch, args.micro_batch, mode))
                 got[mode] = grads(policy)
-                first = got["padded"] if first is None else first
-        base = statistics.median(times["padded"])
+                first = got[ref] if first is None else first
+        base = statistics.median(times[ref])
         if args.repeats > 1:
-            worst, norm = grad_diff(got["padded"], first)
-            lines.append(f"| {fmt} | padded again | | | | {worst:.1e} | {norm:.1e} |")
+            worst, norm = grad_diff(got[ref], first)
+            lines.append(f"| {fmt} | {ref} again | | | | | {worst:.1e} | {norm:.1e} |")
             print(lines[-1], flush=True)
-        for mode in MODES:
-            worst, norm = grad_diff(got[mode], got["padded"])
+        for mode in args.modes:
+            worst, norm = grad_diff(got[mode], got[ref])
             s = statistics.median(times[mode])
-            row = (f"| {fmt} | {mode} | {tokens(batch, args.micro_batch, mode)} | {s:.3f} | {base / s:.2f}x | "
-                   f"{worst:.1e} | {norm:.1e} |")
+            row = (f"| {fmt} | {mode} | {len(groups(batch, args.micro_batch, mode))} | "
+                   f"{tokens(batch, args.micro_batch, mode)} | {s:.3f} | {base / s:.2f}x | {worst:.1e} | {norm:.1e} |")
             print(row, flush=True)
             lines.append(row)
         del policy, batch

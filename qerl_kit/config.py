@@ -209,7 +209,8 @@ class LossConfig:
     mu: int = _rule(1, ge=1, le=64, why="policy updates per rollout batch, each a full pass over it; the paper uses 1 .. 4")
     micro_batch: int = _rule(16, ge=1)  # sequences per forward/backward (gradient accumulation inside a step)
     # which rows share a micro-batch: "length" = sorted by length, so each runs on a narrower width (the
-    # same losses up to float rounding), "batch" = the batch's order (qerl_kit.logprobs.micro_batches)
+    # same losses up to float rounding), "batch" = the batch's order, "packed" = sorted, then as many rows
+    # per micro-batch as fit micro_batch x the batch's width in tokens (qerl_kit.logprobs.micro_batches)
     micro_batch_order: str = _rule("length", choices=MICRO_BATCH_ORDERS)
     is_correction: str | None = _rule("token_truncate", choices=_is_modes)  # TIS mode (grpo.IS_MODES), or None
     # The importance-sampling cap C_max: on-policy tokens have rho = 1, so a cap below 1 truncates or

@@ -247,7 +247,7 @@ SCHEDULES = ("constant", "linear", "cosine")  # qerl_kit.optim.lr_lambda
 OPTIMIZERS = ("adamw", "adamw8bit")  # qerl_kit.optim.make_optimizer
 RESAMPLE = ("step", "forward")  # qerl_kit.aqn.AQN (checked there too)
 OLD_LOGP_MODES = ("fold", "pass")  # qerl_kit.old_policy: where a step's old log-probs come from
-MICRO_BATCH_ORDERS = ("length", "batch")  # qerl_kit.logprobs.micro_batches: which rows share a micro-batch
+MICRO_BATCH_ORDERS = ("length", "batch", "packed")  # qerl_kit.logprobs.micro_batches: which rows share a micro-batch
 # model.dense_cache_gib (qerl_kit.dense_update): what the key means, in its errors
 DENSE_CACHE_GIB_WHY = "GiB of dense base weights kept for the log-prob pass + update; 0 = off, null = auto"
 SEED_MAX = 2**32 - 1

@@ -123,26 +123,65 @@ def completion_logprobs(model: torch.nn.Module, prompt_ids: torch.Tensor, prompt
 
 def micro_batches(prompt_mask: torch.Tensor, completion_mask: torch.Tensor, size: int,
                   order: str = "length") -> list:
-    """The rows of each micro-batch of ``size`` rows of a batch: slices in the batch's order
-    (``"batch"``), or (``"length"``) the rows sorted by completion length, then prompt length (a stable
-    sort, one host sync), cut into micro-batches of neighbours in that order (each a LongTensor of row
-    indices, ascending; slices again where the sort keeps the batch's order, fixed lengths say). Each
-    micro-batch runs on its own width (``completion_logprobs(trim=True)``), so rows of similar lengths
-    together pass fewer padding tokens through the model; every row is in exactly one micro-batch, and
-    the losses' per-row terms and global normalizers (``grpo.LossSpec``) do not depend on the grouping."""
+    """The rows of each micro-batch of a batch: ``size`` rows at a time in the batch's order
+    (``"batch"``: slices); ``"length"``: the rows sorted by completion length, then prompt length (a
+    stable sort, one host sync), cut into micro-batches of ``size`` neighbours in that order (each a
+    LongTensor of row indices, ascending; slices again where the sort keeps the batch's order, fixed
+    lengths say); ``"packed"``: sorted so, then each micro-batch takes as many neighbours as fit a
+    token budget of ``size`` x the batch's width (what one padded micro-batch of ``size`` rows ran):
+    rows x the group's trimmed width never exceeds it, so no forward is larger than before, and short
+    rows share fewer, larger forwards (verl's dynamic batch size, bounded by the batch's own worst case).
+    Each micro-batch runs on its own width (``completion_logprobs(trim=True)``), so rows of similar
+    lengths together pass fewer padding tokens through the model; every row is in exactly one
+    micro-batch, and the losses' per-row terms and global normalizers (``grpo.LossSpec``) do not depend
+    on the grouping."""
     if order not in MICRO_BATCH_ORDERS:
         raise ValueError(f"loss.micro_batch_order must be one of {MICRO_BATCH_ORDERS}; got {order!r}")
     n = completion_mask.shape[0]
     if order == "batch" or n <= size:
         return _in_order(n, size)
-    # one past each row's last real completion token (0 for none), then its prompt tokens
-    positions = torch.arange(1, completion_mask.shape[1] + 1, device=completion_mask.device)
-    ends = (completion_mask.bool() * positions).amax(1) if completion_mask.shape[1] else torch.zeros(n, dtype=torch.long)
-    key = (ends.cpu() * (prompt_mask.shape[1] + 1) + prompt_mask.bool().long().sum(1).cpu())
+    spans, ends = _row_spans(prompt_mask, completion_mask)
+    key = ends * (prompt_mask.shape[1] + 1) + spans
     rows = torch.sort(key, stable=True).indices
-    if torch.equal(rows, torch.arange(n)):
+    if order == "packed":
+        cuts = _packed_cuts(rows.tolist(), spans.tolist(), ends.tolist(),
+                            size * (prompt_mask.shape[1] + completion_mask.shape[1]))
+    else:
+        cuts = list(range(0, n, size)) + [n]
+    if torch.equal(rows, torch.arange(n)) and cuts == list(range(0, n, size)) + [n]:
         return _in_order(n, size)
-    return [rows[s:s + size].sort().values.to(completion_mask.device) for s in range(0, n, size)]
+    return [rows[a:b].sort().values.to(completion_mask.device) for a, b in zip(cuts, cuts[1:])]
+
+
+def _row_spans(prompt_mask: torch.Tensor, completion_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per row, on the host (one read back): the prompt columns from its first real one to the end (0 for
+    none) and one past its last real completion column (0 for none): the columns ``padding_bounds``
+    keeps for a micro-batch are the largest of each over its rows."""
+    p, c = prompt_mask.shape[1], completion_mask.shape[1]
+    n = completion_mask.shape[0]
+    if p:
+        real = prompt_mask.bool()
+        spans = torch.where(real.any(1), p - real.int().argmax(1), 0)
+    else:
+        spans = torch.zeros(n, dtype=torch.long, device=prompt_mask.device)
+    positions = torch.arange(1, c + 1, device=completion_mask.device)
+    ends = (completion_mask.bool() * positions).amax(1) if c else torch.zeros(n, dtype=torch.long,
+                                                                           device=completion_mask.device)
+    both = torch.stack([spans.long().to(ends.device), ends.long()]).cpu()
+    return both[0], both[1]
+
+
+def _packed_cuts(rows: list[int], spans: list[int], ends: list[int], budget: int) -> list[int]:
+    """Where ``rows`` (in order) are cut so that each piece's rows x width stays within ``budget`` tokens;
+    the width as ``padding_bounds`` keeps it (at least one prompt and one completion column)."""
+    cuts, span, end, count = [0], 0, 0, 0
+    for i, r in enumerate(rows):
+        s, e = max(span, spans[r], 1), max(end, ends[r], 1)
+        if count and (count + 1) * (s + e) > budget:
+            cuts.append(i)
+            s, e, count = max(spans[r], 1), max(ends[r], 1), 0
+        span, end, count = s, e, count + 1
+    return cuts + [len(rows)]
 
 
 def _in_order(n: int, size: int) -> list[slice]:

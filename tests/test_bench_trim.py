@@ -19,11 +19,14 @@ def test_smoke_run_writes_each_mode_per_format_with_matching_gradients(tmp_path)
                      "--out", str(out)])
     rows = [[c.strip() for c in line.split("|")[1:-1]] for line in out.read_text().splitlines()
             if line.startswith(("| nvfp4", "| none"))]
-    assert [(r[0], r[1]) for r in rows] == [(f, m) for f in ("nvfp4", "none") for m in ("padded", "trimmed", "sorted")]
+    assert [(r[0], r[1]) for r in rows] == [(f, m) for f in ("nvfp4", "none") for m in ("padded", "trimmed", "sorted",
+                                                                                        "packed")]
     for fmt in ("nvfp4", "none"):
-        tok = {r[1]: int(r[2]) for r in rows if r[0] == fmt}
+        tok = {r[1]: int(r[3]) for r in rows if r[0] == fmt}
+        mbs = {r[1]: int(r[2]) for r in rows if r[0] == fmt}
         assert tok["sorted"] <= tok["trimmed"] < tok["padded"]  # fewer tokens each way
-        assert all(float(r[5]) < 1e-3 and float(r[6]) < 1e-3 for r in rows if r[0] == fmt)  # the same up to rounding
+        assert mbs["packed"] <= mbs["sorted"] == mbs["padded"] == 4  # 8 rows, 2 per micro-batch; packed: fewer
+        assert all(float(r[6]) < 1e-3 and float(r[7]) < 1e-3 for r in rows if r[0] == fmt)  # the same up to rounding
 
 
 def test_grad_diff_reports_the_worst_tensor_and_the_norm_over_all():
@@ -43,4 +46,14 @@ def test_repeats_add_the_padded_pass_against_its_own_earlier_repeat(tmp_path):
                      "--micro-batch", "2", "--prompt", "6", "--lora-r", "4", "--repeats", "2", "--out", str(out)])
     again = [line for line in out.read_text().splitlines() if line.startswith("| none | padded again")]
     assert len(again) == 1
-    assert again[0].split("|")[6].strip() == "0.0e+00"  # the CPU's backward is deterministic
+    assert again[0].split("|")[8].strip() == "0.0e+00"  # the CPU's backward is deterministic
+
+
+def test_modes_choose_what_is_timed_and_the_first_is_the_reference(tmp_path):
+    out = tmp_path / "trim.md"
+    bench_trim.main(["--model", "qwen2-tiny", "--formats", "none", "--lengths", "lognormal:12:0.8:40", "--rows", "8",
+                     "--micro-batch", "2", "--prompt", "6", "--lora-r", "4", "--repeats", "1", "--modes", "sorted",
+                     "packed", "--out", str(out)])
+    rows = [[c.strip() for c in line.split("|")[1:-1]] for line in out.read_text().splitlines() if line.startswith("| none")]
+    assert [r[1] for r in rows] == ["sorted", "packed"] and rows[0][5] == "1.00x"
+    assert "diff from sorted" in out.read_text()

@@ -137,6 +137,36 @@ def test_micro_batches_group_rows_by_length_and_keep_the_order_where_it_is_sorte
         micro_batches(pm, cm, 2, "random")
 
 
+def test_packed_micro_batches_fill_the_padded_micro_batchs_tokens():
+    from qerl_kit.logprobs import micro_batch_tokens, micro_batches
+
+    prompts = torch.ones(6, 2, dtype=torch.long)  # 2 prompt tokens each; completions 1, 1, 1, 1, 8, 8
+    completions = (torch.arange(8)[None, :] < torch.tensor([1, 1, 1, 1, 8, 8])[:, None]).long()
+    packed = micro_batches(prompts, completions, 2, "packed")
+    assert [g.tolist() for g in packed] == [[0, 1, 2, 3], [4, 5]]  # 4 x (2 + 1) and 2 x (2 + 8) <= 2 x 10
+    assert len(micro_batches(prompts, completions, 2, "length")) == 3
+    assert micro_batch_tokens(prompts, completions, packed) == [12, 20]
+    equal = torch.ones(5, 3)
+    assert micro_batches(equal, equal, 2, "packed") == [slice(0, 2), slice(2, 4), slice(4, 6)]  # nothing to pack
+
+
+def test_packed_micro_batches_never_exceed_the_budget_and_hold_every_row_once():
+    from qerl_kit.logprobs import micro_batch_tokens, micro_batches
+
+    g = torch.Generator().manual_seed(3)
+    for trial in range(40):
+        n, P, C, size = 3 + trial % 17, 1 + trial % 5, 1 + (trial * 7) % 23, 1 + trial % 4
+        plen = torch.randint(0, P + 1, (n,), generator=g)
+        clen = torch.randint(0, C + 1, (n,), generator=g)
+        pm = (torch.arange(P)[None, :] >= (P - plen)[:, None]).long()  # left-padded prompts
+        cm = (torch.arange(C)[None, :] < clen[:, None]).long()         # right-padded completions
+        packed = micro_batches(pm, cm, size, "packed")
+        rows = sorted(r for grp in packed for r in torch.arange(n)[grp].tolist())
+        assert rows == list(range(n))
+        assert max(micro_batch_tokens(pm, cm, packed)) <= size * (P + C)
+        assert len(packed) <= len(micro_batches(pm, cm, size, "length"))
+
+
 def test_batched_logprobs_over_sorted_micro_batches_returns_the_batch_order():
     from types import SimpleNamespace
 

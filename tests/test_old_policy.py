@@ -303,7 +303,7 @@ def test_micro_batches_sorted_by_length_give_the_batch_orders_steps_up_to_roundi
     # loss.micro_batch_order: rows of similar lengths share a micro-batch (each trimmed to its own width);
     # every row is in one micro-batch and the normalizers are global, so the steps agree to float rounding
     runs = {}
-    for order in ("length", "batch"):
+    for order in ("length", "packed", "batch"):
         trainer = Trainer(_policy(), make_tokenizer(), TASK, _config(tmp_path / order, loss={
             "mu": 2, "micro_batch": 3, "micro_batch_order": order, "is_correction": "sequence_truncate"},
             rollout={"max_new_tokens": 24}), progress="none")  # some rows stop before the cap
@@ -311,23 +311,25 @@ def test_micro_batches_sorted_by_length_give_the_batch_orders_steps_up_to_roundi
         trainer._metrics = lambda prep, update, seen=seen, metrics=metrics: (seen.append(prep), metrics(prep, update))[1]
         trainer.train(2)
         runs[order] = trainer, seen
-    (by_length, preps), (by_batch, batch_preps) = runs["length"], runs["batch"]
+    by_batch, batch_preps = runs["batch"]
     assert all(isinstance(g, slice) for p in batch_preps for g in p.groups)
-    sorted_groups = [g for p in preps for g in p.groups if not isinstance(g, slice)]
-    assert sorted_groups  # the completions' lengths differ: some micro-batch was regrouped
-    for prep in preps:  # every row in exactly one micro-batch, each group's rows ascending
-        rows = torch.cat([torch.arange(prep.mask.shape[0])[g] for g in prep.groups])
-        assert sorted(rows.tolist()) == list(range(prep.mask.shape[0]))
-    for a, b in zip(preps, batch_preps, strict=True):
-        torch.testing.assert_close(a.old.old_logp, b.old.old_logp, rtol=1e-5, atol=1e-6)
-        torch.testing.assert_close(a.old.is_weights, b.old.is_weights, rtol=1e-5, atol=1e-6)
-    for ra, rb in zip(by_length.history, by_batch.history, strict=True):
-        for key in ("loss", "grad_norm", "entropy", "reward", "kl"):
-            if key in ra:
-                assert ra[key] == pytest.approx(rb[key], rel=1e-4, abs=1e-6), key
-    pb = dict(by_batch.model.named_parameters())
-    for name, p in by_length.model.named_parameters():
-        torch.testing.assert_close(p, pb[name], rtol=1e-4, atol=1e-6)
+    for order in ("length", "packed"):
+        trainer, preps = runs[order]
+        sorted_groups = [g for p in preps for g in p.groups if not isinstance(g, slice)]
+        assert sorted_groups  # the completions' lengths differ: some micro-batch was regrouped
+        for prep in preps:  # every row in exactly one micro-batch, each group's rows ascending
+            rows = torch.cat([torch.arange(prep.mask.shape[0])[g] for g in prep.groups])
+            assert sorted(rows.tolist()) == list(range(prep.mask.shape[0]))
+        for a, b in zip(preps, batch_preps, strict=True):
+            torch.testing.assert_close(a.old.old_logp, b.old.old_logp, rtol=1e-5, atol=1e-6)
+            torch.testing.assert_close(a.old.is_weights, b.old.is_weights, rtol=1e-5, atol=1e-6)
+        for ra, rb in zip(trainer.history, by_batch.history, strict=True):
+            for key in ("loss", "grad_norm", "entropy", "reward", "kl"):
+                if key in ra:
+                    assert ra[key] == pytest.approx(rb[key], rel=1e-4, abs=1e-6), (order, key)
+        pb = dict(by_batch.model.named_parameters())
+        for name, p in trainer.model.named_parameters():
+            torch.testing.assert_close(p, pb[name], rtol=1e-4, atol=1e-6)
 
 
 def test_micro_batch_order_is_checked_where_the_config_enters():
