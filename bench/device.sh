@@ -34,8 +34,10 @@
 #                             sites of the synchronizations); profile.md and each format's
 #                             profile_<fmt>.txt in $OUT/profile-update
 #   trim [MODEL] ["FORMATS"]  one update pass at the real 1.5B's GSM8K lengths (16 x 8 rows, checkpointing on): micro-
-#                             batches padded to the batch, trimmed to their own width, sorted by length first
-#                             (bench.bench_trim); MODEL default Qwen2.5-7B, FORMATS "none nvfp4"; $OUT/trim/trim.md
+#                             batches padded to the batch, trimmed to their own width, sorted by length first,
+#                             packed to the padded micro-batch's tokens (bench.bench_trim); MODEL default Qwen2.5-7B,
+#                             FORMATS "none nvfp4", TRIM_MODES (default "padded trimmed sorted packed", the first the
+#                             reference, e.g. "sorted packed"); $OUT/trim/trim.md
 #   routes ["MODELS"] ["MS"]  per-layer NVFP4 forward, routed vs humming vs ours vs bf16 in CUDA graphs
 #                             (bench.bench_routes) for the small models' shapes the table was never measured at;
 #                             MODELS default "Qwen2.5-0.5B Qwen2.5-1.5B", MS (rows) default "1 8 64"; $OUT/routes
@@ -210,8 +212,9 @@ profile-update)
   echo "profile rc=$?"; grep -E "^\| |Error" "$OUT/profile-update/log.txt" | head -12 ;;
 trim)
   read -r -a fmts <<< "${2:-none nvfp4}"; mkdir -p "$OUT/trim"
+  read -r -a modes <<< "${TRIM_MODES:-padded trimmed sorted packed}"
   timeout "${TRIM_TIMEOUT:-500}" python3 -m bench.bench_trim --model "${1:-Qwen2.5-7B}" --formats "${fmts[@]}" --checkpointing \
-    --repeats "${TRIM_REPEATS:-2}" --out "$OUT/trim/trim.md" > "$OUT/trim/log.txt" 2>&1
+    --repeats "${TRIM_REPEATS:-2}" --modes "${modes[@]}" --out "$OUT/trim/trim.md" > "$OUT/trim/log.txt" 2>&1
   echo "bench_trim rc=$?"; grep -E "^\| |Error" "$OUT/trim/log.txt" | tail -8 ;;
 routes)
   read -r -a models <<< "${1:-Qwen2.5-0.5B Qwen2.5-1.5B}"; read -r -a ms <<< "${2:-1 8 64}"; mkdir -p "$OUT/routes"

@@ -199,4 +199,4 @@ def test_profile_update_routes_and_trim_call_their_benches(tmp_path):
     assert calls[2] == f"-m bench.bench_routes --models Qwen2.5-0.5B Qwen2.5-1.5B --ms 1 8 64 --budget-s 300 --out {out}/routes"
     assert calls[3].startswith("-m bench.bench_routes --models Qwen2.5-1.5B --ms 8 64 ")
     assert calls[4] == (f"-m bench.bench_trim --model Qwen2.5-7B --formats none nvfp4 --checkpointing --repeats 2 "
-                        f"--out {out}/trim/trim.md")
+                        f"--modes padded trimmed sorted packed --out {out}/trim/trim.md")
