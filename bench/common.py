@@ -267,7 +267,13 @@ def profiled(fn, top: int = 40, stacks: bool = False):
         sync()
     wall = time.perf_counter() - t0
     attr = "self_device_time_total" if cuda else "self_cpu_time_total"
-    averages = prof.key_averages()
+    try:
+        averages = prof.key_averages()
+    except UnicodeDecodeError as err:  # torch 2.13 can record an undecodable name with the Python tracer on
+        if not stacks:
+            raise
+        raise RuntimeError("torch.profiler could not read back its own events recorded with Python stacks "
+                           f"({err}); profile without stacks") from err
     events = sorted(averages, key=lambda e: getattr(e, attr), reverse=True)
     rows = [(e.key, getattr(e, attr) / 1e3, e.count) for e in events[:top] if getattr(e, attr) > 0]
     aten = sum(e.self_cpu_time_total for e in averages if e.key.startswith("aten::")) / 1e6

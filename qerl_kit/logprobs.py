@@ -91,7 +91,8 @@ def padding_bounds(prompt_mask: torch.Tensor, completion_mask: torch.Tensor) -> 
 
 def completion_logprobs(model: torch.nn.Module, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
                         completion_ids: torch.Tensor, completion_mask: torch.Tensor,
-                        temperature: float = 1.0, with_entropy: bool = False, trim: bool = True):
+                        temperature: float = 1.0, with_entropy: bool = False, trim: bool = True,
+                        bounds: tuple[int, int] | None = None):
     """Log-probs [B, C] (float32) of ``completion_ids`` under ``model``, with gradient when autograd is on;
     optionally the entropy [B, C] too, without gradient.
 
@@ -100,10 +101,11 @@ def completion_logprobs(model: torch.nn.Module, prompt_ids: torch.Tensor, prompt
     the outputs padded back to [B, C] with zeros (positions no row's mask counts). Position ids come from
     the mask, so every real token sees what it saw untrimmed: the same log-probs up to the float rounding
     of a different matmul shape. A micro-batch of short completions in a batch with a long one costs its
-    own length, not the longest's."""
+    own length, not the longest's. ``bounds``: these rows' ``padding_bounds`` when the caller has them
+    (``micro_batch_plan`` reads every micro-batch's at once), so the forward does not read back."""
     C = completion_ids.shape[1]
     if trim:
-        first, end = padding_bounds(prompt_mask, completion_mask)
+        first, end = padding_bounds(prompt_mask, completion_mask) if bounds is None else bounds
         prompt_ids, prompt_mask = prompt_ids[:, first:], prompt_mask[:, first:]
         completion_ids, completion_mask = completion_ids[:, :end], completion_mask[:, :end]
     input_ids = torch.cat([prompt_ids, completion_ids], dim=1)
@@ -121,8 +123,8 @@ def completion_logprobs(model: torch.nn.Module, prompt_ids: torch.Tensor, prompt
     return (logp, ent) if with_entropy else logp
 
 
-def micro_batches(prompt_mask: torch.Tensor, completion_mask: torch.Tensor, size: int,
-                  order: str = "length") -> list:
+def micro_batch_plan(prompt_mask: torch.Tensor, completion_mask: torch.Tensor, size: int,
+                     order: str = "length") -> tuple[list, list[tuple[int, int]]]:
     """The rows of each micro-batch of a batch: ``size`` rows at a time in the batch's order
     (``"batch"``: slices); ``"length"``: the rows sorted by completion length, then prompt length (a
     stable sort, one host sync), cut into micro-batches of ``size`` neighbours in that order (each a
@@ -134,23 +136,42 @@ def micro_batches(prompt_mask: torch.Tensor, completion_mask: torch.Tensor, size
     Each micro-batch runs on its own width (``completion_logprobs(trim=True)``), so rows of similar
     lengths together pass fewer padding tokens through the model; every row is in exactly one
     micro-batch, and the losses' per-row terms and global normalizers (``grpo.LossSpec``) do not depend
-    on the grouping."""
+    on the grouping. Returns (the groups, each group's ``padding_bounds``), from one read back of the
+    rows' lengths: the step's forwards then read nothing back for their widths."""
     if order not in MICRO_BATCH_ORDERS:
         raise ValueError(f"loss.micro_batch_order must be one of {MICRO_BATCH_ORDERS}; got {order!r}")
     n = completion_mask.shape[0]
+    spans, ends = _row_spans(prompt_mask, completion_mask)
+    groups = _groups(spans, ends, n, size, order, prompt_mask.shape[1], completion_mask.shape[1])
+    p, c = prompt_mask.shape[1], completion_mask.shape[1]
+    return [g if isinstance(g, slice) else g.to(completion_mask.device) for g in groups], \
+        [_bounds(spans[g], ends[g], p, c) for g in groups]
+
+
+def micro_batches(prompt_mask: torch.Tensor, completion_mask: torch.Tensor, size: int,
+                  order: str = "length") -> list:
+    """The row selections of ``micro_batch_plan`` (without their bounds)."""
+    return micro_batch_plan(prompt_mask, completion_mask, size, order)[0]
+
+
+def _groups(spans: torch.Tensor, ends: torch.Tensor, n: int, size: int, order: str, p: int, c: int) -> list:
     if order == "batch" or n <= size:
         return _in_order(n, size)
-    spans, ends = _row_spans(prompt_mask, completion_mask)
-    key = ends * (prompt_mask.shape[1] + 1) + spans
-    rows = torch.sort(key, stable=True).indices
-    if order == "packed":
-        cuts = _packed_cuts(rows.tolist(), spans.tolist(), ends.tolist(),
-                            size * (prompt_mask.shape[1] + completion_mask.shape[1]))
-    else:
-        cuts = list(range(0, n, size)) + [n]
+    rows = torch.sort(ends * (p + 1) + spans, stable=True).indices
+    cuts = _packed_cuts(rows.tolist(), spans.tolist(), ends.tolist(), size * (p + c)) if order == "packed" \
+        else list(range(0, n, size)) + [n]
     if torch.equal(rows, torch.arange(n)) and cuts == list(range(0, n, size)) + [n]:
         return _in_order(n, size)
-    return [rows[a:b].sort().values.to(completion_mask.device) for a, b in zip(cuts, cuts[1:])]
+    return [rows[a:b].sort().values for a, b in zip(cuts, cuts[1:])]
+
+
+def _bounds(spans: torch.Tensor, ends: torch.Tensor, p: int, c: int) -> tuple[int, int]:
+    """``padding_bounds`` of the rows with these spans and ends (host tensors, ``_row_spans``), no read back:
+    the first real column of any row is p - the largest span, the last one the largest end."""
+    span, end = (int(spans.max()), int(ends.max())) if spans.numel() else (0, 0)
+    if not span and not end:
+        return max(0, p - 1), min(1, c)
+    return (p - span if span else max(0, p - 1)), (end if end else min(1, c))
 
 
 def _row_spans(prompt_mask: torch.Tensor, completion_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -188,20 +209,27 @@ def _in_order(n: int, size: int) -> list[slice]:
     return [slice(s, s + size) for s in range(0, n, size)]
 
 
-def micro_batch_tokens(prompt_mask: torch.Tensor, completion_mask: torch.Tensor, groups) -> list[int]:
+def micro_batch_tokens(prompt_mask: torch.Tensor, completion_mask: torch.Tensor, groups,
+                       bounds: list[tuple[int, int]] | None = None) -> list[int]:
     """The tokens each of these micro-batches (``micro_batches``' row selections) runs through the
-    model: its rows x its width once trimmed (``padding_bounds``)."""
-    out = []
-    for sl in groups:
-        pm, cm = prompt_mask[sl], completion_mask[sl]
-        first, end = padding_bounds(pm, cm)
-        out.append(pm.shape[0] * (pm.shape[1] - first + end))
-    return out
+    model: its rows x its width once trimmed (``padding_bounds``; ``bounds``: ``micro_batch_plan``'s,
+    else read back once for all of them)."""
+    n, p, c = prompt_mask.shape[0], prompt_mask.shape[1], completion_mask.shape[1]
+    if bounds is None:
+        spans, ends = _row_spans(prompt_mask, completion_mask)
+        bounds = [_bounds(spans[_host(g)], ends[_host(g)], p, c) for g in groups]
+    rows = [len(range(n)[g]) if isinstance(g, slice) else int(g.numel()) for g in groups]
+    return [r * (p - first + end) for r, (first, end) in zip(rows, bounds)]
 
 
-def widest_tokens(prompt_mask: torch.Tensor, completion_mask: torch.Tensor, groups) -> int:
+def _host(group):
+    return group if isinstance(group, slice) else group.cpu()
+
+
+def widest_tokens(prompt_mask: torch.Tensor, completion_mask: torch.Tensor, groups,
+                  bounds: list[tuple[int, int]] | None = None) -> int:
     """The most tokens one of these micro-batches runs through the model (``micro_batch_tokens``); at least 1."""
-    return max([1, *micro_batch_tokens(prompt_mask, completion_mask, groups)])
+    return max([1, *micro_batch_tokens(prompt_mask, completion_mask, groups, bounds)])
 
 
 def row_groups(micro_batch, n: int) -> list:
@@ -210,17 +238,20 @@ def row_groups(micro_batch, n: int) -> list:
 
 
 @torch.no_grad()
-def batched_logprobs(model, rollouts, temperature: float, micro_batch, with_entropy: bool = False):
+def batched_logprobs(model, rollouts, temperature: float, micro_batch, with_entropy: bool = False,
+                     bounds: list[tuple[int, int]] | None = None):
     """``completion_logprobs`` over a whole rollout batch in micro-batches, without gradients;
     ``micro_batch``: rows per micro-batch (in the batch's order), or the row selections of
-    ``micro_batches``. The outputs are in the batch's row order."""
+    ``micro_batches`` (``bounds``: ``micro_batch_plan``'s, one per selection). The outputs are in the
+    batch's row order."""
     n, C = rollouts.completion_ids.shape
     logp = torch.zeros((n, C), dtype=torch.float32, device=rollouts.completion_ids.device)
     ent = torch.zeros_like(logp) if with_entropy else None
-    for sl in row_groups(micro_batch, n):
+    groups = row_groups(micro_batch, n)
+    for sl, bound in zip(groups, bounds or [None] * len(groups), strict=True):
         res = completion_logprobs(model, rollouts.prompt_ids[sl], rollouts.prompt_mask[sl],
                                   rollouts.completion_ids[sl], rollouts.completion_mask[sl],
-                                  temperature, with_entropy)
+                                  temperature, with_entropy, bounds=bound)
         if with_entropy:
             logp[sl], ent[sl] = res
         else:

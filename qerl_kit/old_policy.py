@@ -103,26 +103,28 @@ class OldPolicy:
             return {}
         return importance_weights(self.old_logp, self.batch.logprobs, self.mask, mode=self.is_mode, cap=self.is_cap)[1]
 
-    def _logprobs(self, model, sl: slice, temperature: float, with_entropy: bool):
+    def _logprobs(self, model, sl: slice, temperature: float, with_entropy: bool, bounds=None):
         b = self.batch
         return completion_logprobs(model, b.prompt_ids[sl], b.prompt_mask[sl], b.completion_ids[sl],
-                                   b.completion_mask[sl], temperature, with_entropy)
+                                   b.completion_mask[sl], temperature, with_entropy, bounds=bounds)
 
     @torch.no_grad()
-    def run_pass(self, model, temperature: float, micro_batch) -> dict[str, float]:
+    def run_pass(self, model, temperature: float, micro_batch, bounds=None) -> dict[str, float]:
         """``loss.old_logp = "pass"``: one no-grad forward of every micro-batch (``micro_batch`` rows at a
-        time, or the row selections of ``logprobs.micro_batches``), in eval mode; returns ``finish()``'s IS
-        statistics."""
+        time, or the row selections of ``logprobs.micro_batches``, with ``bounds``: their
+        ``micro_batch_plan`` bounds), in eval mode; returns ``finish()``'s IS statistics."""
         model.eval()
-        for sl in row_groups(micro_batch, self.mask.shape[0]):
-            self.fill(sl, *self._logprobs(model, sl, temperature, True))
+        groups = row_groups(micro_batch, self.mask.shape[0])
+        for sl, bound in zip(groups, bounds or [None] * len(groups), strict=True):
+            self.fill(sl, *self._logprobs(model, sl, temperature, True, bound))
         return self.finish()
 
-    def forward(self, model, sl: slice, temperature: float) -> torch.Tensor:
-        """The update's log-probs of rows ``sl`` (with grad); before ``ready`` (the first iteration of a
-        folded step) the same forward's detached log-probs and no-grad entropy are stored as the old ones."""
+    def forward(self, model, sl: slice, temperature: float, bounds=None) -> torch.Tensor:
+        """The update's log-probs of rows ``sl`` (with grad; ``bounds``: their ``padding_bounds`` if known);
+        before ``ready`` (the first iteration of a folded step) the same forward's detached log-probs and
+        no-grad entropy are stored as the old ones."""
         if self.ready:
-            return self._logprobs(model, sl, temperature, False)
-        logp, entropy = self._logprobs(model, sl, temperature, True)
+            return self._logprobs(model, sl, temperature, False, bounds)
+        logp, entropy = self._logprobs(model, sl, temperature, True, bounds)
         self.fill(sl, logp, entropy)
         return logp

@@ -44,6 +44,7 @@ class Prepared:
     ref_logp: torch.Tensor | None
     ready_at: float            # phase_clock when the log-prob phase ended: the update's start
     groups: list               # each micro-batch's rows (logprobs.micro_batches: slices or row indices)
+    bounds: list               # each micro-batch's padding_bounds (logprobs.micro_batch_plan), no read back per forward
 
 
 def synchronize(device: torch.device) -> None:
@@ -58,14 +59,15 @@ def phase_clock(device: torch.device) -> float:
     return time.perf_counter()
 
 
-def dense_block(model: torch.nn.Module, config: Any, batch: Any, engine: Any, groups=None):
+def dense_block(model: torch.nn.Module, config: Any, batch: Any, engine: Any, groups=None, bounds=None):
     """The ``update_cache`` block of one step over ``batch`` (this rank's ``Rollouts``), as the
     module docstring sizes it; ``config`` a ``TrainConfig``; ``groups`` the step's micro-batches
-    (``logprobs.micro_batches``), whose widest trimmed forward is ``tokens`` (default: micro-batch x
-    the batch's P + C)."""
+    (``logprobs.micro_batches``, ``bounds`` their ``micro_batch_plan`` bounds), whose widest trimmed
+    forward is ``tokens`` (default: micro-batch x the batch's P + C)."""
     rows, P, C = batch.completion_ids.shape[0], batch.prompt_ids.shape[1], batch.completion_ids.shape[1]
     micro = max(1, min(config.loss.micro_batch, rows))
-    tokens = micro * (P + C) if groups is None else widest_tokens(batch.prompt_mask, batch.completion_mask, groups)
+    tokens = micro * (P + C) if groups is None else \
+        widest_tokens(batch.prompt_mask, batch.completion_mask, groups, bounds)
     return dense_update.update_cache(model, config.model.dense_cache_gib, tokens=max(1, tokens),
                                      max_tokens=max(1, micro * (P + max(C, config.rollout.max_new_tokens))),
                                      own_allocator=not isinstance(engine, ModelEngine))

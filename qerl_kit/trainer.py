@@ -50,7 +50,7 @@ from qerl_kit.aqn import AQN
 from qerl_kit.config import TrainConfig, check_lr
 from qerl_kit.data import DataError
 from qerl_kit.evaluate import evaluate_task
-from qerl_kit.logprobs import batched_logprobs, micro_batches
+from qerl_kit.logprobs import batched_logprobs, micro_batch_plan
 from qerl_kit.old_policy import OldPolicy, resolve_mode
 from qerl_kit.optim import lr_lambda, make_optimizer, steps_to_run
 from qerl_kit.rollout.base import check_engine
@@ -159,10 +159,10 @@ class Trainer:
         start = time.perf_counter()
         batch, rewards, metrics = self._collect(self.step)
         lc = self.config.loss  # the rows of each micro-batch, for the block, the passes and the update:
-        groups = micro_batches(batch.prompt_mask, batch.completion_mask, lc.micro_batch, lc.micro_batch_order)
+        plan = micro_batch_plan(batch.prompt_mask, batch.completion_mask, lc.micro_batch, lc.micro_batch_order)
         # the base's dense weights, made once for the log-prob passes + update, freed before the next rollout
-        with dense_block(self.model, self.config, batch, self.engine, groups) as cache:
-            prep = self._prepare(batch, rewards, metrics, groups)
+        with dense_block(self.model, self.config, batch, self.engine, *plan) as cache:
+            prep = self._prepare(batch, rewards, metrics, *plan)
             update = self._update(prep, metrics)
             metrics.update(self._metrics(prep, update))
         metrics["memory/dense_cache_gib"] = cache.peak_bytes / dense_update.GIB
@@ -247,7 +247,7 @@ class Trainer:
                                                  fc.overlong_buffer, fc.overlong_penalty)
         return rewards, metrics, correct
 
-    def _prepare(self, batch: Rollouts, rewards: torch.Tensor, metrics: dict, groups: list) -> Prepared:
+    def _prepare(self, batch: Rollouts, rewards: torch.Tensor, metrics: dict, groups: list, bounds: list) -> Prepared:
         """Loss mask, global advantages, the reference's log-probs; the clean policy's when not folded."""
         lc, temp = self.config.loss, self.config.rollout.temperature
         mask = batch.completion_mask.float()
@@ -262,14 +262,14 @@ class Trainer:
         self.model.eval()
         old = OldPolicy(batch, mask, lc.is_correction, lc.is_cap)
         if self._old_logp == "pass":  # else the update's first iteration fills it
-            metrics.update(old.run_pass(self.model, temp, groups))
+            metrics.update(old.run_pass(self.model, temp, groups, bounds))
         ref_logp = None
         if lc.beta > 0:
             with self.model.disable_adapter():
-                ref_logp = batched_logprobs(self.model, batch, temp, groups)
+                ref_logp = batched_logprobs(self.model, batch, temp, groups, bounds=bounds)
         t1 = phase_clock(self._device)
         metrics["time/logprob"] = t1 - t0 if ran else 0.0  # what ran before the update
-        return Prepared(batch, rewards, all_rewards, mask, adv, old, ref_logp, t1, groups)
+        return Prepared(batch, rewards, all_rewards, mask, adv, old, ref_logp, t1, groups, bounds)
 
     def _eps(self) -> tuple[float, float]:
         lc = self.config.loss
@@ -291,7 +291,7 @@ class Trainer:
             self.optimizer.zero_grad(set_to_none=True)  # here, so a step stopped by an error leaves no gradient
             for i, sl in enumerate(prep.groups):  # each micro-batch's rows (logprobs.micro_batches)
                 with distributed.no_sync(self._ddp, i < len(prep.groups) - 1):  # all-reduce once, after the last
-                    logp = prep.old.forward(forward, sl, temp)  # folded: also stores old_logp[sl], entropy, IS
+                    logp = prep.old.forward(forward, sl, temp, prep.bounds[i])  # folded: also old_logp[sl], entropy, IS
                     seen.append((sl, logp.detach()))
                     part = [t if t is None else t[sl] for t in (prep.old.old_logp, prep.adv, prep.ref_logp, prep.old.is_weights)]
                     loss = spec.fn(logp, part[0], part[1], mask[sl], eps_low=eps_low, eps_high=eps_high, beta=lc.beta,

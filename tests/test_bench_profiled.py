@@ -34,3 +34,17 @@ def test_without_stacks_the_read_backs_are_counted_without_call_sites():
 def test_a_pass_without_read_backs_reports_none():
     _, text, _ = profiled(lambda: torch.randn(8, 8) @ torch.randn(8, 8), top=5)
     assert "; 0 reads back or synchronizations" in text.splitlines()[0]
+
+
+def test_an_unreadable_stack_profile_is_a_clear_error(monkeypatch):
+    import pytest
+    from torch.profiler import profile
+
+    def broken(self, *a, **k):
+        raise UnicodeDecodeError("utf-8", b"\xa0", 0, 1, "invalid start byte")
+
+    monkeypatch.setattr(profile, "key_averages", broken)
+    with pytest.raises(RuntimeError, match="profile without stacks"):
+        profiled(lambda: torch.ones(2).sum(), top=5, stacks=True)
+    with pytest.raises(UnicodeDecodeError):
+        profiled(lambda: torch.ones(2).sum(), top=5)

@@ -167,6 +167,23 @@ def test_packed_micro_batches_never_exceed_the_budget_and_hold_every_row_once():
         assert len(packed) <= len(micro_batches(pm, cm, size, "length"))
 
 
+def test_micro_batch_plan_bounds_equal_each_groups_padding_bounds():
+    from qerl_kit.logprobs import micro_batch_plan, micro_batch_tokens, padding_bounds
+
+    g = torch.Generator().manual_seed(11)
+    for trial in range(60):
+        n, P, C, size = 1 + trial % 9, trial % 4, trial % 6, 1 + trial % 3
+        pm = (torch.rand(n, P, generator=g) < 0.6).long()  # any masks: holes and empty rows too
+        cm = (torch.rand(n, C, generator=g) < 0.5).long()
+        if trial % 2:  # and the engine's layout: left-padded prompts, right-padded completions
+            pm = (torch.arange(P)[None, :] >= torch.randint(0, P + 1, (n, 1), generator=g)).long()
+            cm = (torch.arange(C)[None, :] < torch.randint(0, C + 1, (n, 1), generator=g)).long()
+        for order in ("length", "batch", "packed"):
+            groups, bounds = micro_batch_plan(pm, cm, size, order)
+            assert bounds == [padding_bounds(pm[grp], cm[grp]) for grp in groups], (trial, order)
+            assert micro_batch_tokens(pm, cm, groups) == micro_batch_tokens(pm, cm, groups, bounds)
+
+
 def test_batched_logprobs_over_sorted_micro_batches_returns_the_batch_order():
     from types import SimpleNamespace
 

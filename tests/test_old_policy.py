@@ -332,6 +332,23 @@ def test_micro_batches_sorted_by_length_give_the_batch_orders_steps_up_to_roundi
             torch.testing.assert_close(p, pb[name], rtol=1e-4, atol=1e-6)
 
 
+def test_a_steps_read_backs_do_not_grow_with_its_micro_batches(tmp_path):
+    # micro_batch_plan reads every row's lengths back once; the forwards (the old-policy pass, the
+    # reference pass, mu x the update) get their padding bounds from it, none per micro-batch
+    import re
+
+    from bench.common import profiled
+
+    counts = {}
+    for micro in (2, 8):
+        trainer = Trainer(_policy(), make_tokenizer(), TASK, _config(tmp_path / str(micro), loss={
+            "mu": 2, "micro_batch": micro, "old_logp": "pass", "beta": 0.05}, rollout={"max_new_tokens": 24}),
+            progress="none")
+        _, text, _ = profiled(trainer.train_step, 5)
+        counts[micro] = sum(int(n) for n in re.findall(r"(\d+) x aten::nonzero", text.split("\n\n")[0]))
+    assert counts[2] == counts[8] > 0  # 4 micro-batches or 1: the same nonzero calls (none from padding_bounds)
+
+
 def test_micro_batch_order_is_checked_where_the_config_enters():
     with pytest.raises(ConfigError, match="loss.micro_batch_order"):
         LossConfig(micro_batch_order="longest")

@@ -129,8 +129,8 @@ def test_gradient_checkpointing_gives_the_same_step(tmp_path):
 def _spy_prepare(trainer):
     """Record the (batch, rewards) the update phase receives."""
     seen, prepare = [], trainer._prepare
-    trainer._prepare = lambda batch, rewards, metrics, groups: (seen.append((batch, rewards.clone())),
-                                                                prepare(batch, rewards, metrics, groups))[1]
+    trainer._prepare = lambda batch, rewards, metrics, *plan: (seen.append((batch, rewards.clone())),
+                                                               prepare(batch, rewards, metrics, *plan))[1]
     return seen
 
 
