@@ -144,6 +144,12 @@ def _wait_idle_and_done(page, timeout_ms: int) -> None:
         }""", timeout=timeout_ms)
 
 
+def _traceback_of(body: str) -> str:
+    """The notebook's text from its first traceback on (what the failure message needs to show)."""
+    i = body.find("Traceback")
+    return body[max(0, i - 300):i + 4000]
+
+
 def test_aqn_panel_in_jupyterlab(tmp_path):
     start = time.perf_counter()
     with _notebook_session(tmp_path, NOTEBOOK) as page:
@@ -152,7 +158,7 @@ def test_aqn_panel_in_jupyterlab(tmp_path):
         _wait_idle_and_done(page, timeout_ms=180_000)           # and every cell ran
         readout.scroll_into_view_if_needed()
         body = page.locator(".jp-Notebook").inner_text()
-        assert "Traceback" not in body, body[-2000:]
+        assert "Traceback" not in body, _traceback_of(body)
         assert page.locator(".qerl-schedule-plot img").count() >= 1
 
         before_text = readout.inner_text()
@@ -219,7 +225,7 @@ def test_training_dashboard_in_jupyterlab(tmp_path):
         run.wait_for(state="attached", timeout=180_000)           # the dashboard rendered
         _wait_idle_and_done(page, timeout_ms=400_000)             # and every cell ran
         body = page.locator(".jp-Notebook").inner_text()
-        assert "Traceback" not in body, body[-2000:]
+        assert "Traceback" not in body, _traceback_of(body)
         panel = page.locator(".jp-OutputArea-output", has=page.locator("button", has_text="run chunk")).first
         panel.scroll_into_view_if_needed()
         before = _dashboard_state(panel)
