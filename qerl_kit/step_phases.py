@@ -1,5 +1,5 @@
-"""What frames the training phases of one GRPO step: their clock, the dense-weight block around them
-and what the prepare phase hands the update (``Prepared``).
+"""What frames the training phases of one GRPO step: their clock, the dense-weight block around them,
+what the prepare phase hands the update (``Prepared``) and the step's metrics after it.
 
 * ``phase_clock(device)``: the host clock at a phase boundary. On CUDA it first waits for the work
   already queued (``torch.cuda.synchronize``), so ``time/logprob`` and ``time/update`` are the
@@ -13,6 +13,7 @@ and what the prepare phase hands the update (``Prepared``).
   the batch), ``max_tokens`` = micro-batch x (P + C) with C at ``rollout.max_new_tokens`` (a later
   batch's completions can reach the cap), and
   ``own_allocator`` when the engine keeps its own weights and memory (not a ``ModelEngine``: vLLM).
+* ``step_metrics(prep, update, ...)``: the row the Trainer logs after the update.
 """
 
 from __future__ import annotations
@@ -23,13 +24,13 @@ from typing import Any
 
 import torch
 
-from qerl_kit import dense_update
+from qerl_kit import dense_update, grpo
 from qerl_kit.logprobs import widest_tokens
 from qerl_kit.old_policy import OldPolicy
 from qerl_kit.rollout.base import ModelEngine
 from qerl_kit.rollout.types import Rollouts
 
-__all__ = ["Prepared", "synchronize", "phase_clock", "dense_block"]
+__all__ = ["Prepared", "synchronize", "phase_clock", "dense_block", "step_metrics"]
 
 
 @dataclass
@@ -71,3 +72,31 @@ def dense_block(model: torch.nn.Module, config: Any, batch: Any, engine: Any, gr
     return dense_update.update_cache(model, config.model.dense_cache_gib, tokens=max(1, tokens),
                                      max_tokens=max(1, micro * (P + max(C, config.rollout.max_new_tokens))),
                                      own_allocator=not isinstance(engine, ModelEngine))
+
+
+def step_metrics(prep: Prepared, update: dict, *, step: int, lr: float, temperature: float, dist: Any,
+                 eps: tuple[float, float]) -> dict:
+    """The step's metrics after the update (``update``: ``Trainer._update``'s loss, grad_norm, skipped and
+    every forward's log-probs): the clip shares over every forward the loss clipped (TRL's: all ``mu``
+    iterations, each micro-batch against the old policy; no extra pass), entropy, lengths; ``step`` the
+    step's number (from 1), ``lr`` the scheduler's last, ``temperature`` the one this step sampled and
+    scored at (a dashboard may change it between chunks), ``dist`` the Trainer's ``distributed.Context``,
+    ``eps`` the clip range the loss used."""
+    batch, mask, W, rows = prep.batch, prep.mask, dist.world, [sl for sl, _ in update["seen"]]
+    out = grpo.clip_stats(torch.cat([lp for _, lp in update["seen"]]), torch.cat([prep.old.old_logp[sl] for sl in rows]),
+                          torch.cat([prep.adv[sl] for sl in rows]), torch.cat([mask[sl] for sl in rows]), *eps)
+    lengths = batch.completion_lengths.float()
+    ent = dist.sum(torch.stack([(prep.old.entropy * mask).sum(), mask.sum()]).double())
+    out.update({
+        "step": step, "loss": update["loss"], "grad_norm": update["grad_norm"], "lr": lr,
+        "update/skipped": update["skipped"], "rollout/temperature": temperature,
+        "reward_std": prep.all_rewards.std().item() if prep.all_rewards.numel() > 1 else 0.0,
+        "entropy": (ent[0] / ent[1].clamp(min=1)).item() if W > 1 else
+        ((prep.old.entropy * mask).sum() / mask.sum().clamp(min=1)).item(),
+        "completions/mean_length": lengths.mean().item(),
+        "completions/clipped_ratio": sum(r == "length" for r in batch.finish_reasons) / len(batch.finish_reasons),
+        "num_tokens": int(batch.completion_mask.sum()),
+    })
+    if prep.ref_logp is not None:
+        out["kl"] = grpo.kl_k3(prep.old.old_logp, prep.ref_logp, mask).item()
+    return out

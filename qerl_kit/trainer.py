@@ -59,7 +59,7 @@ from qerl_kit.rollout.registry import engine_options, make_engine
 from qerl_kit.rollout.types import Rollouts, SamplingParams
 from qerl_kit.sampling_filters import KeptGroups, accumulate_groups, overlong_penalty
 from qerl_kit.scoring import score_rollouts
-from qerl_kit.step_phases import Prepared, dense_block, phase_clock
+from qerl_kit.step_phases import Prepared, dense_block, phase_clock, step_metrics
 from qerl_kit.tasks.task import Task
 
 
@@ -310,28 +310,9 @@ class Trainer:
         return {"loss": loss_sum, "grad_norm": float(grad_norm), "skipped": skipped, "seen": seen}
 
     def _metrics(self, prep: Prepared, update: dict) -> dict:
-        """The step's metrics after the update: the clip shares over every forward the loss clipped (TRL's: all
-        ``mu`` iterations, each micro-batch against the old policy; no extra pass), entropy, lengths."""
-        batch, mask, W, rows = prep.batch, prep.mask, self.dist.world, [sl for sl, _ in update["seen"]]
-        out = grpo.clip_stats(torch.cat([lp for _, lp in update["seen"]]), torch.cat([prep.old.old_logp[sl] for sl in rows]),
-                              torch.cat([prep.adv[sl] for sl in rows]), torch.cat([mask[sl] for sl in rows]), *self._eps())
-        lengths = batch.completion_lengths.float()
-        ent = self.dist.sum(torch.stack([(prep.old.entropy * mask).sum(), mask.sum()]).double())
-        out.update({
-            "step": self.step + 1, "loss": update["loss"], "grad_norm": update["grad_norm"],
-            "lr": self.scheduler.get_last_lr()[0], "update/skipped": update["skipped"],
-            # the temperature this step sampled and scored at (a dashboard may change it between chunks)
-            "rollout/temperature": self.config.rollout.temperature,
-            "reward_std": prep.all_rewards.std().item() if prep.all_rewards.numel() > 1 else 0.0,
-            "entropy": (ent[0] / ent[1].clamp(min=1)).item() if W > 1 else
-            ((prep.old.entropy * mask).sum() / mask.sum().clamp(min=1)).item(),
-            "completions/mean_length": lengths.mean().item(),
-            "completions/clipped_ratio": sum(r == "length" for r in batch.finish_reasons) / len(batch.finish_reasons),
-            "num_tokens": int(batch.completion_mask.sum()),
-        })
-        if prep.ref_logp is not None:
-            out["kl"] = grpo.kl_k3(prep.old.old_logp, prep.ref_logp, mask).item()
-        return out
+        """The step's metrics after the update (``step_phases.step_metrics``)."""
+        return step_metrics(prep, update, step=self.step + 1, lr=self.scheduler.get_last_lr()[0],
+                            temperature=self.config.rollout.temperature, dist=self.dist, eps=self._eps())
 
     # ---- the loop ----------------------------------------------------------------------------
     def train(self, steps: int | None = None, callback: Callable[[dict], None] | None = None) -> "Trainer":
