@@ -156,6 +156,15 @@ def test_the_table_reports_the_mean_after_the_warm_up_and_each_failure():
     assert "3-5 (NOT exact)" in trl_report.markdown([ok[0], short])
 
 
+@pytest.mark.parametrize("n", [259, 300, 302])  # the fewest words, and sizes whose self-check once failed
+def test_the_word_tokenizer_round_trips_at_small_sizes(tmp_path, n):
+    from transformers import AutoTokenizer
+
+    write_word_tokenizer(tmp_path, n, 64)
+    tok = AutoTokenizer.from_pretrained(tmp_path)
+    assert len(tok) == n and tok(" " + word(n - 3 - 256))["input_ids"] == [n - 3]
+
+
 def test_prompts_encode_to_exactly_the_asked_length(tmp_path):
     from transformers import AutoTokenizer
 
