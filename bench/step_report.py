@@ -160,9 +160,10 @@ def _f(v, spec=".2f") -> str:
 
 
 def _spread(r: dict, phase: str) -> str:
-    """' (fastest-slowest)' of a phase over a run's timed steps, where it timed more than one."""
+    """' [fastest-slowest]' of a phase over a run's timed steps, where it timed more than one (square
+    brackets: the round ones after a vLLM row's rollout are its sync + sleep)."""
     lo, hi = _num(r.get(f"time_{phase}_min")), _num(r.get(f"time_{phase}_max"))
-    return f" ({lo:.2f}-{hi:.2f})" if _num(r.get("timed_steps")) > 1 and lo == lo and hi == hi else ""
+    return f" [{lo:.2f}-{hi:.2f}]" if _num(r.get("timed_steps")) > 1 and lo == lo and hi == hi else ""
 
 
 def _label(r: dict) -> str:
@@ -234,7 +235,7 @@ def header(rows: list[dict]) -> list[str]:
     for spec, params, sha, n in sorted(draws, key=str):
         lines.append(f"- lengths `{spec}`: {params}, {_f(n, '.0f')} rows" + (f", sha `{sha}`" if sha else ""))
     lines += ["", "Seconds per step (the Trainer's `time/*`): the last of two steps, or with more (`--steps`) the "
-              "median over all but the first (a warm-up), the fastest and slowest in brackets; rollout includes the AQN sync (vLLM: wake, "
+              "median over all but the first (a warm-up), the fastest and slowest in square brackets; rollout includes the AQN sync (vLLM: wake, "
               "adapter upload and sleep, in brackets); other = step - rollout - log-probs - update. Peak: "
               "`torch.cuda.max_memory_allocated` over the last step alone (its counter is reset before each step; "
               "`bench.bench_memory`'s peaks, in tests/data/measured_peaks.json, span every step, the first's "

@@ -407,7 +407,7 @@ def test_report_gives_each_ratio_its_range_over_the_timed_steps():
     r = step_report.ratios([ours, base])[0]
     assert (r["step"], r["step_low"], r["step_high"]) == (10 / 8, 9 / 9.0, 12 / 7.5)
     md = step_report.markdown([ours, base])
-    assert "| 8.00 (7.50-9.00) |" in md and "| 1.00-1.60x |" in md
+    assert "| 8.00 [7.50-9.00] |" in md and "| 1.00-1.60x |" in md
     single = step_report.ratios([_row("nvfp4", "static", 8.0, 4.0), _row("none", "static", 10.0, 6.0)])[0]
     assert single["step_low"] != single["step_low"]  # one timed step: no range (NaN), shown as –
     assert "| yes | – |" in step_report.markdown([_row("nvfp4", "static", 8.0, 4.0), _row("none", "static", 10.0, 6.0)])
