@@ -79,14 +79,7 @@ def padding_bounds(prompt_mask: torch.Tensor, completion_mask: torch.Tensor) -> 
     columns before the first and from the end on are padding in every row (left-padded prompts,
     right-padded completions). One host sync. A row-less or all-padding batch keeps one column of
     each (the model needs a position to predict from)."""
-    real = torch.cat([prompt_mask, completion_mask], dim=1).any(0).nonzero().flatten()
-    p, c = prompt_mask.shape[1], completion_mask.shape[1]
-    if not real.numel():
-        return max(0, p - 1), min(1, c)
-    lo, hi = real[[0, -1]].tolist()  # the first and last real columns
-    first = min(lo, max(0, p - 1))  # at least one prompt column: it predicts the first completion token
-    end = max(1, hi + 1 - p) if hi >= p else min(1, c)
-    return first, min(end, c)
+    return _bounds(*_row_spans(prompt_mask, completion_mask), prompt_mask.shape[1], completion_mask.shape[1])
 
 
 def completion_logprobs(model: torch.nn.Module, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
@@ -140,10 +133,9 @@ def micro_batch_plan(prompt_mask: torch.Tensor, completion_mask: torch.Tensor, s
     rows' lengths: the step's forwards then read nothing back for their widths."""
     if order not in MICRO_BATCH_ORDERS:
         raise ValueError(f"loss.micro_batch_order must be one of {MICRO_BATCH_ORDERS}; got {order!r}")
-    n = completion_mask.shape[0]
+    n, p, c = completion_mask.shape[0], prompt_mask.shape[1], completion_mask.shape[1]
     spans, ends = _row_spans(prompt_mask, completion_mask)
-    groups = _groups(spans, ends, n, size, order, prompt_mask.shape[1], completion_mask.shape[1])
-    p, c = prompt_mask.shape[1], completion_mask.shape[1]
+    groups = _groups(spans, ends, n, size, order, p, c)
     return [g if isinstance(g, slice) else g.to(completion_mask.device) for g in groups], \
         [_bounds(spans[g], ends[g], p, c) for g in groups]
 
@@ -167,10 +159,9 @@ def _groups(spans: torch.Tensor, ends: torch.Tensor, n: int, size: int, order: s
 
 def _bounds(spans: torch.Tensor, ends: torch.Tensor, p: int, c: int) -> tuple[int, int]:
     """``padding_bounds`` of the rows with these spans and ends (host tensors, ``_row_spans``), no read back:
-    the first real column of any row is p - the largest span, the last one the largest end."""
+    the first real column of any row is p - the largest span, the last one the largest end. At least
+    one prompt column (it predicts the first completion token) and one completion column where c > 0."""
     span, end = (int(spans.max()), int(ends.max())) if spans.numel() else (0, 0)
-    if not span and not end:
-        return max(0, p - 1), min(1, c)
     return (p - span if span else max(0, p - 1)), (end if end else min(1, c))
 
 

@@ -167,6 +167,16 @@ def test_packed_micro_batches_never_exceed_the_budget_and_hold_every_row_once():
         assert len(packed) <= len(micro_batches(pm, cm, size, "length"))
 
 
+def _columns(pm, cm):
+    """padding_bounds by its definition: the first and one past the last column that is real in some row."""
+    p, c = pm.shape[1], cm.shape[1]
+    real = torch.cat([pm, cm], dim=1).any(0).nonzero().flatten().tolist()
+    if not real:
+        return max(0, p - 1), min(1, c)
+    end = max(1, real[-1] + 1 - p) if real[-1] >= p else min(1, c)
+    return min(real[0], max(0, p - 1)), min(end, c)
+
+
 def test_micro_batch_plan_bounds_equal_each_groups_padding_bounds():
     from qerl_kit.logprobs import micro_batch_plan, micro_batch_tokens, padding_bounds
 
@@ -181,6 +191,7 @@ def test_micro_batch_plan_bounds_equal_each_groups_padding_bounds():
         for order in ("length", "batch", "packed"):
             groups, bounds = micro_batch_plan(pm, cm, size, order)
             assert bounds == [padding_bounds(pm[grp], cm[grp]) for grp in groups], (trial, order)
+            assert bounds == [_columns(pm[grp], cm[grp]) for grp in groups], (trial, order)
             assert micro_batch_tokens(pm, cm, groups) == micro_batch_tokens(pm, cm, groups, bounds)
 
 
