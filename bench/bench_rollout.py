@@ -172,7 +172,7 @@ def part_rollout(args, device, results, bw):
                                 _case(rows, preset, variant, batch, fn, wb, peft, args, bw)
                     if "hf-nf4" in variants:
                         base = peft.unload()
-                        del peft
+                        peft = None  # freed (None, not del: the closures above read the name)
                         free()
                         peft = with_lora(to_nf4(base), args.lora_r)
                         wb = weight_bytes(peft)
@@ -180,7 +180,7 @@ def part_rollout(args, device, results, bw):
                             prompts = random_prompts(batch, args.prompt, vocab)
                             _case(rows, preset, "hf-nf4", batch,
                                   lambda: hf_run(peft, prompts, args.new, args.hf_tokens), wb, peft, args, bw)
-                    del peft, base
+                    peft = base = None
                 except Exception as err:  # noqa: BLE001 - record and go on
                     log(f"{preset} bf16/nf4 failed: {err!r}\n{traceback.format_exc()}")
                 free()
@@ -223,7 +223,7 @@ def part_rollout(args, device, results, bw):
                         with aqn.noise(peft, step=15):
                             return engine_run(peft, prompts, args.new, n=n)
                     _case(rows, preset, "engine-nvfp4-aqn", batch, run_aqn, wb, peft, args, bw)
-            del peft
+            peft = None
         except Exception as err:  # noqa: BLE001
             log(f"{preset} nvfp4 failed: {err!r}\n{traceback.format_exc()}")
         free()
