@@ -41,6 +41,8 @@
 #   routes ["MODELS"] ["MS"]  per-layer NVFP4 forward, routed vs humming vs ours vs bf16 in CUDA graphs
 #                             (bench.bench_routes) for the small models' shapes the table was never measured at;
 #                             MODELS default "Qwen2.5-0.5B Qwen2.5-1.5B", MS (rows) default "1 8 64"; $OUT/routes
+#   hc-save                   humming's compiled kernels of this hold as $OUT/hc/hc.tgz; copied to .whl/hc/ here and
+#                             carried with .whl, a later hold starts with them (a 7B shape compiles in ~20 s)
 #   repro-tests               NVFP4 bit-reproducibility, tests/test_tuning.py compiled: each kernel's bits in two
 #                             processes (humming a non-strict xfail: XPASS means the same bits)
 #   repro [ARGS]              bench.bench_repro (3 processes, one fixed-seed rollout + Trainer step each, sha256s
@@ -132,6 +134,16 @@ carried_wheels() {  # the pinned wheels this repository carries (humming-kernels
   for d in .whl/h19 .whl/common .whl/real .whl/test; do [ -d "$d" ] && wheels+=("$d"/*.whl); done
   [ ${#wheels[@]} -eq 0 ] || python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
     --target /tmp/site "${wheels[@]}" 2>/dev/null
+  # humming keys its compiled kernels (HUMMING_CACHE_DIR) on its headers' paths and mtimes; every call reinstalls
+  # the wheel, which would give them new mtimes and recompile each shape (~20 s a 7B shape) in every call.
+  # A fixed mtime makes the key the wheel's own, so later calls of a hold, and a carried cache, hit.
+  [ ! -d /tmp/site/humming/include ] || find /tmp/site/humming/include -name '*.cuh' -exec touch -d @1767225600 {} +
+}
+
+humming_cache() {  # humming's compiled kernels from an earlier hold (hc-save), once per hold: sm_90, this wheel
+  [ -f .whl/hc/hc.tgz ] && [ ! -f /tmp/hc/.carried ] || return 0
+  mkdir -p /tmp/hc && tar -xzf .whl/hc/hc.tgz -C /tmp/hc && touch /tmp/hc/.carried \
+    && echo "humming cache: $(find /tmp/hc -name kernel.cubin | wc -l) kernels from .whl/hc/hc.tgz"
 }
 
 bitsandbytes() {  # an unpacked install folder that holds bitsandbytes, else its carried wheel
@@ -152,6 +164,7 @@ cd_model() {  # the Countdown model: this hold's countdown/cdtrain, else the one
 }
 
 carried_wheels
+humming_cache
 nvidia-smi --query-gpu=name,memory.used,memory.total,clocks.sm --format=csv,noheader
 
 # -- benchmarks -----------------------------------------------------------------------------------
@@ -221,6 +234,9 @@ routes)
   timeout "${ROUTES_TIMEOUT:-400}" python3 -m bench.bench_routes --models "${models[@]}" --ms "${ms[@]}" \
     --budget-s "${ROUTES_BUDGET:-300}" --out "$OUT/routes" > "$OUT/routes/log.txt" 2>&1
   echo "bench_routes rc=$?"; grep -vi warn "$OUT/routes/log.txt" | tail -12 ;;
+hc-save)  # humming's compiled kernels of this hold as $OUT/hc/hc.tgz: copy it to .whl/hc/ and carry .whl next time
+  mkdir -p "$OUT/hc" && tar -czf "$OUT/hc/hc.tgz" -C /tmp/hc --exclude=.carried --exclude='*.lock' . \
+    && echo "hc-save: $(find /tmp/hc -name kernel.cubin | wc -l) kernels, $(du -h "$OUT/hc/hc.tgz" | cut -f1)" ;;
 repro-tests)
   timeout 540 python3 -m pytest tests/test_tuning.py -q -rxX -p no:cacheprovider > "$OUT/repro_tests_log.txt" 2>&1
   echo "autotune tests rc=$?"; grep -E "^(XPASS|XFAIL|FAILED)" "$OUT/repro_tests_log.txt"; tail -1 "$OUT/repro_tests_log.txt" ;;
