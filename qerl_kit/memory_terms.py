@@ -67,13 +67,29 @@ def uses_fused_plan(a: dict) -> bool:
 
 
 def engine_parts(s: dict, proj: dict, a: dict) -> dict[str, int]:
-    """The fused plan's own copy of q/k/v and gate/up (the weights again, concatenated, plus the q/k/v biases)."""
+    """The fused plan's own copy of q/k/v and gate/up (the weights again, concatenated, plus the q/k/v
+    biases), and its dense copies of the small 4-bit groups it decodes with cuBLAS (``DENSE_DECODE``)."""
     if not uses_fused_plan(a):
         return {}
     groups = _fused_groups(proj)
     n = sum(i * o for i, o in groups.values())
     bias = groups["qkv"][1] * 2 if s["qkv_bias"] else 0
-    return {f"engine: fused q/k/v + gate/up copy ({a['fmt']})": s["layers"] * (projection_bytes(n, a["fmt"]) + bias)}
+    parts = {f"engine: fused q/k/v + gate/up copy ({a['fmt']})": s["layers"] * (projection_bytes(n, a["fmt"]) + bias)}
+    dense = _dense_decode_weights(groups, proj, a["fmt"])
+    if dense:
+        parts["engine: dense decode copies of small 4-bit groups (bf16)"] = s["layers"] * dense * 2
+    return parts
+
+
+def _dense_decode_weights(groups: dict, proj: dict, fmt: str) -> int:
+    """Weights per layer of the 4-bit groups the fused plan holds a dense copy of (``fast._Group``'s
+    ``dense_decode="auto"``: a group some decode row count sends to ``kernels.routes.DENSE_DECODE``)."""
+    if fmt == "none":
+        return 0
+    from qerl_kit.kernels.routes import BIG, dense_decode_rows
+
+    every = {**groups, "o": proj["o_proj"], "down": proj["down_proj"]}
+    return sum(i * o for i, o in every.values() if dense_decode_rows(o, i, (1, BIG), fmt))
 
 
 def _humming_rows() -> list[tuple[tuple[int, int], tuple[int, int], tuple[int, int], tuple[int, int]]]:

@@ -242,3 +242,35 @@ def as_markdown(table=ROUTES, fmt: str = "nvfp4") -> str:
         lines.append(f"| {i} | {r.op} | {_span(*r.rows) or 'any'} | {_span(*r.n)} | {_span(*r.k)} | {weights} | "
                      f"{dtypes} | `{r.kernel}` |")
     return "\n".join(lines)
+
+
+# -- decode on a dense copy the engine holds (rollout/static/fast.py) ------------------------------
+# At the small models' widths every decode matmul runs near its kernel's fixed cost, and cuBLAS's is
+# lower than our 4-bit kernels' by more than the 4-bit weight stream saves. There the StaticEngine's
+# fused plan keeps a dense copy of a projection group (the exact dequantization of its NVFP4 weights:
+# the same policy) and decodes it with cuBLAS at these rows. NVFP4 only: NF4 / MXFP4 were not measured.
+_SMALL = ("bench/results/routes_h100/log.txt (H100 80GB, CUDA graphs, 2026-12-05: cuBLAS bf16 against the "
+          "routed NVFP4 kernel per layer, one run)")
+DENSE_DECODE: tuple[Route, ...] = (
+    # 8 rows: Qwen2.5-0.5B q/k/v (1.0M weights) 4.3 against 7.0 us, o (0.8M) 4.2 against 6.9; not from 2M
+    # (1.5B o, 2.4M: 5.4 against 5.7; 0.5B down, 4.4M: NVFP4 faster, 7.2 against 8.5)
+    Route("held_dense", rows=(5, 33), weights=(0, 2 * M), why=_SMALL + "; 1-4 rows: NVFP4 ties or wins"),
+    # 64 rows: every Qwen2.5-0.5B group (gate/up 8.7M: 8.7 against 12.4 us; down 4.4M: 9.0 against 11.9)
+    # and the 1.5B's q/k/v (3.1M: 5.9 against 8.8) and o (2.4M: 5.5 against 9.5); not the 1.5B's
+    # gate/up (27.5M: NVFP4 faster, 18.0 against 23.7) or down (13.8M: 15.3 against 17.1, left out)
+    Route("held_dense", rows=(33, BIG), weights=(0, 10 * M), why=_SMALL + "; 33-63 rows not measured"),
+)
+
+
+def dense_decode(m: int, n: int, k: int, fmt: str = "nvfp4", dtype: torch.dtype = torch.bfloat16,
+                 table=DENSE_DECODE) -> bool:
+    """Whether a decode call of ``m`` rows on an [n, k] ``fmt`` weight runs faster on a dense copy (``DENSE_DECODE``)."""
+    return any(r.matches("forward", m, n, k, dtype, fmt) for r in table)
+
+
+def dense_decode_rows(n: int, k: int, rows: tuple[int, int], fmt: str = "nvfp4", table=DENSE_DECODE) -> bool:
+    """Whether some decode call with a row count in the closed range ``rows`` on an [n, k] ``fmt``
+    weight takes the dense copy: whether the engine holds one for it."""
+    lo, hi = rows
+    return any(fmt in r.formats and r.n[0] <= n < r.n[1] and r.k[0] <= k < r.k[1] and r.weights[0] <= n * k < r.weights[1]
+               and r.rows[0] <= hi and lo < r.rows[1] for r in table)

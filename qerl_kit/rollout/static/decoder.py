@@ -131,7 +131,7 @@ def unsupported_layout(model: nn.Module) -> str | None:
 class Decoder:
     """The model's modules, run with a static KV cache (see the module docstring)."""
 
-    def __init__(self, model: nn.Module, fused: bool = True):
+    def __init__(self, model: nn.Module, fused: bool = True, dense_decode: str = "auto"):
         reason = unsupported_layout(model)
         if reason is not None:
             raise (NotImplementedError if "sliding window" in reason else TypeError)(reason)
@@ -152,7 +152,7 @@ class Decoder:
         self.use_plan = True  # the engine turns it off for a call on a model with forward hooks
         self.attention = "auto"  # decode attention's implementation (kernels.decode_attention.IMPLS)
         if fused:
-            self.plan, self.path = FusedPlan.build(self)
+            self.plan, self.path = FusedPlan.build(self, dense_decode)
 
     @property
     def num_layers(self) -> int:

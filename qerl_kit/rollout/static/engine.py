@@ -61,7 +61,9 @@ from qerl_kit.rollout.static.sampler import sample
 from qerl_kit.rollout.static.state import DecodeState
 from qerl_kit.rollout.types import Generation, Prompts, SamplingParams, as_prompts, check_n, pad_rows
 
-__all__ = ["StaticEngine"]
+__all__ = ["StaticEngine", "DENSE_DECODE"]
+
+DENSE_DECODE = ("auto", "on", "off")  # StaticEngine's dense_decode values
 
 
 class StaticEngine(ModelEngine):
@@ -80,6 +82,11 @@ class StaticEngine(ModelEngine):
     the longest stops (the A/B baseline).
     ``shared_prefix``: store each prompt's keys/values once for its n rows (``KVCache``'s prefix);
     False stores them in every row (the A/B baseline, and the layout ``attention="sdpa"`` needs).
+    ``dense_decode``: the fused plan's dense copies of small 4-bit projection groups, decoded with
+    cuBLAS where that is faster than the 4-bit kernels (``auto``: on CUDA, the rows of
+    ``kernels.routes.DENSE_DECODE``, small models only; ``on``: every 4-bit group at every row count;
+    ``off``: none). A copy is the exact dequantization of the group's weights, so the policy sampled
+    is the same; it costs that group's weights in the activation dtype (``memory_plan`` counts it).
     ``attention``: decode attention's implementation, ``auto`` (the split-KV Triton kernel on the
     GPU, its reference on the CPU), ``triton``, ``torch`` or ``sdpa`` (PyTorch's
     ``scaled_dot_product_attention``, the kernel's A/B baseline); see
@@ -93,7 +100,7 @@ class StaticEngine(ModelEngine):
                  max_prefill_tokens: int = 16384, check_every: int = 32,
                  stop_token_ids: Sequence[int] | None = None, add_special_tokens: bool = False,
                  ignore_eos: bool = False, keep_cache: bool = True, fused: bool = True, compact: bool = True,
-                 shared_prefix: bool = True, attention: str = "auto", **unknown: Any):
+                 shared_prefix: bool = True, attention: str = "auto", dense_decode: str = "auto", **unknown: Any):
         _check_unknown(unknown)
         for name, value in (("length_bucket", length_bucket), ("prompt_bucket", prompt_bucket),
                             ("max_prefill_tokens", max_prefill_tokens), ("check_every", check_every)):
@@ -104,7 +111,9 @@ class StaticEngine(ModelEngine):
         self.model, self.tokenizer = model, tokenizer
         if attention == "sdpa" and shared_prefix:
             raise ValueError("attention='sdpa' reads the plain cache layout: it needs shared_prefix=False")
-        self.decoder = Decoder(model, fused=fused)
+        if dense_decode not in DENSE_DECODE:
+            raise ValueError(f"dense_decode must be one of {DENSE_DECODE}; got {dense_decode!r}")
+        self.decoder = Decoder(model, fused=fused, dense_decode=dense_decode)
         self.decoder.set_attention(attention)
         self.shared_prefix = shared_prefix
         self.cuda_graphs, self.max_rows = cuda_graphs, max_rows

@@ -19,6 +19,10 @@ launches whatever the number of adapters in it:
   Triton launches per group (``qerl_kit.kernels.lora_triton``; the torch version was a
   concatenation, a matmul and one ``addmm`` per projection: five kernels for q/k/v). Captured
   CUDA graphs therefore never go stale when the adapter trains.
+* **Dense copies of small groups.** Where ``kernels.routes.DENSE_DECODE`` says cuBLAS on a dense
+  weight beats the 4-bit kernels (the small models' widths, from 5 rows; ``dense_decode="auto"`` on
+  CUDA), the group also holds its weights dequantized (exactly) and decodes them with ``F.linear``
+  at those rows; ``refresh`` re-makes the copy in place when a base tensor changed.
 * Elementwise chains are ``qerl_kit.rollout.static.fused`` kernels (residual add + RMSNorm, RoPE +
   cache write, SiLU x up); attention is ``qerl_kit.kernels.decode_attention`` (split-KV, the
   prompt's keys shared by its rows) with the grouped query heads laid out as
@@ -84,7 +88,7 @@ class _Group:
     (``refresh`` re-copies a part whose tensor changed); a single projection's tensors are used as
     they are. The model's own tensors are only read."""
 
-    def __init__(self, modules: list[nn.Module], tag: str):
+    def __init__(self, modules: list[nn.Module], tag: str, dense: str = "auto", dtype: torch.dtype = torch.bfloat16):
         from qerl_kit.linear import MXFP4Linear, NF4Linear, NVFP4Linear
 
         pairs = [_unwrap(m) for m in modules]
@@ -117,6 +121,38 @@ class _Group:
         present = [self.loras[i] for i in self.lora_idx]  # the live peft tensors, read at every call
         self.lora_args = ([lo.A for lo in present], [lo.B for lo in present],
                           [self.offsets[i] for i in self.lora_idx], [lo.scale for lo in present])
+        self._hold_dense(dense, dtype)
+
+    def _hold_dense(self, dense: str, dtype: torch.dtype) -> None:
+        """A dense copy of a 4-bit group where decoding on it is faster (``dense="auto"``: on CUDA, the
+        rows of ``kernels.routes.DENSE_DECODE``; ``"on"``: at every row count, ``"off"``: never)."""
+        from qerl_kit.kernels import routes
+
+        self.dense_weight, self.dense_all = None, dense == "on"
+        if self.kind not in ("nvfp4", "nf4", "mxfp4") or dense == "off":
+            return
+        n, k = self.offsets[-1], self.bases[0].in_features
+        if self.dense_all or (self.packed.is_cuda and routes.dense_decode_rows(n, k, (1, routes.BIG), self.kind)):
+            self.dense_dtype = dtype
+            self.dense_weight = self._dequantized()
+
+    def _dequantized(self) -> Tensor:
+        """The group's weights dequantized (exactly: ``QuantLinear.dequantized_weight``), side by side; stamped."""
+        self._dense_seen = self._stamp([t for b in self.bases for t in self._quant_parts(b)])
+        with torch.no_grad():
+            return torch.cat([b.dequantized_weight(self.dense_dtype) for b in self.bases], dim=0)
+
+    @staticmethod
+    def _quant_parts(base: nn.Module) -> list[Tensor]:
+        return [getattr(base, name) for name in base._tensor_fields]
+
+    def _uses_dense(self, rows: int) -> bool:
+        if self.dense_weight is None:
+            return False
+        from qerl_kit.kernels import routes
+
+        return self.dense_all or routes.dense_decode(rows, self.offsets[-1], self.bases[0].in_features, self.kind,
+                                                     self.dense_dtype)
 
     @property
     def packed(self) -> Tensor:
@@ -174,9 +210,15 @@ class _Group:
                     if new != old:
                         self.fused[attr][lo:hi].copy_(part.detach())
             self._seen[attr] = stamp
+        if self.dense_weight is not None and self._stamp(
+                [t for b in self.bases for t in self._quant_parts(b)]) != self._dense_seen:
+            self.dense_weight.copy_(self._dequantized())  # in place: captured graphs read this buffer
 
     def __call__(self, x: Tensor) -> Tensor:
-        if self.kind == "nvfp4":
+        if self._uses_dense(x.shape[0]):  # decided per row count, so once per captured graph
+            bias = self.bias
+            y = F.linear(x, self.dense_weight, None if bias is None else bias.to(x.dtype))
+        elif self.kind == "nvfp4":
             from qerl_kit import kernels
 
             y = kernels.nvfp4_linear(x, self.packed, self.scales, self.global_scale, self.bias)
@@ -199,17 +241,17 @@ def _eps(norm: nn.Module) -> float:
 
 
 class _LayerPlan:
-    def __init__(self, layer: nn.Module, index: int):
+    def __init__(self, layer: nn.Module, index: int, dense: str = "auto", dtype: torch.dtype = torch.bfloat16):
         attn, mlp = layer.self_attn, layer.mlp
         act = getattr(mlp, "act_fn", None)
         if not isinstance(act, nn.SiLU) and getattr(act, "__name__", "") != "silu" and type(act).__name__ != "SiLUActivation":
             raise ValueError(f"layer {index}: MLP activation {type(act).__name__} (the fused step does SiLU)")
         self.ln1, self.ln2 = layer.input_layernorm, layer.post_attention_layernorm
         self.eps1, self.eps2 = _eps(self.ln1), _eps(self.ln2)
-        self.qkv = _Group([attn.q_proj, attn.k_proj, attn.v_proj], "qkv")
-        self.o = _Group([attn.o_proj], "o")
-        self.gate_up = _Group([mlp.gate_proj, mlp.up_proj], "gate_up")
-        self.down = _Group([mlp.down_proj], "down")
+        self.qkv = _Group([attn.q_proj, attn.k_proj, attn.v_proj], "qkv", dense, dtype)
+        self.o = _Group([attn.o_proj], "o", dense, dtype)
+        self.gate_up = _Group([mlp.gate_proj, mlp.up_proj], "gate_up", dense, dtype)
+        self.down = _Group([mlp.down_proj], "down", dense, dtype)
         self.q_norm = getattr(attn, "q_norm", None)
         self.k_norm = getattr(attn, "k_norm", None)
 
@@ -221,9 +263,9 @@ class _LayerPlan:
 class FusedPlan:
     """Per-layer fused groups for a ``Decoder``; ``decode`` has the same contract as its own."""
 
-    def __init__(self, decoder):
+    def __init__(self, decoder, dense: str = "auto"):
         self.dec = decoder
-        self.layers = [_LayerPlan(layer, i) for i, layer in enumerate(decoder.layers)]
+        self.layers = [_LayerPlan(layer, i, dense, decoder.dtype) for i, layer in enumerate(decoder.layers)]
         self.final_eps = _eps(decoder.norm)
         # The fused NVFP4 weights' GEMM kernels compile now (humming-kernels: 13-15 s per new shape,
         # with a progress bar), not inside the first rollout; each weight repacks at its first call.
@@ -235,9 +277,9 @@ class FusedPlan:
                                    groups[0].packed.device)
 
     @classmethod
-    def build(cls, decoder) -> tuple["FusedPlan | None", str]:
+    def build(cls, decoder, dense: str = "auto") -> tuple["FusedPlan | None", str]:
         try:
-            return cls(decoder), "fused"
+            return cls(decoder, dense), "fused"
         except (ValueError, AttributeError) as err:
             return None, f"generic decode path ({err})"
 
