@@ -22,12 +22,16 @@ def test_the_rule_takes_the_small_models_groups_at_the_measured_rows_only():
     assert routes.dense_decode(64, *qkv05) and routes.dense_decode(8, *qkv05)
     assert not routes.dense_decode(1, *qkv05) and not routes.dense_decode(4, *qkv05)  # 1-4 rows: NVFP4 ties or wins
     assert routes.dense_decode(64, *gate_up05) and not routes.dense_decode(8, *gate_up05)  # humming wins at 8
-    assert not routes.dense_decode(64, *qkv7) and not routes.dense_decode(8, *qkv7)  # 7B: the 4-bit kernels
+    assert routes.dense_decode(64, *qkv7) and routes.dense_decode(256, 3584, 3584)  # 7B q/k/v and o from 64 rows
+    assert not routes.dense_decode(32, *qkv7) and not routes.dense_decode(8, *qkv7)  # below: the 4-bit kernels
+    assert not routes.dense_decode(64, 37888, 3584) and not routes.dense_decode(256, 3584, 18944)  # 7B gate/up, down
+    assert not routes.dense_decode(128, 5120, 5120)  # 14B q/o: its copy would cost more memory than it saves time
     assert not routes.dense_decode(64, *qkv05, fmt="nf4")  # NF4 / MXFP4 not measured
     assert not routes.dense_decode(64, *qkv05, dtype=torch.float32)
     assert routes.dense_decode_rows(*gate_up05, (1, 64)) and not routes.dense_decode_rows(*gate_up05, (1, 32))
     assert not routes.dense_decode_rows(*qkv05, (1, 4)) and routes.dense_decode_rows(*qkv05, (5, 5))
-    assert not routes.dense_decode_rows(*qkv7, (1, routes.BIG))
+    assert not routes.dense_decode_rows(*qkv7, (1, 63)) and routes.dense_decode_rows(*qkv7, (1, 64))
+    assert not routes.dense_decode_rows(5120, 5120, (1, routes.BIG))
 
 
 def _policy(seed=1):
@@ -106,14 +110,16 @@ def test_a_bad_setting_is_refused_naming_the_allowed_values():
 
 
 def test_the_memory_plan_counts_the_copies_the_engine_holds():
-    small, big = plan_memory("Qwen2.5-0.5B", "nvfp4"), plan_memory("Qwen2.5-7B", "nvfp4")
+    small = plan_memory("Qwen2.5-0.5B", "nvfp4")
     # 0.5B: every group (q/k/v 1152 x 896, o 896 x 896, gate/up 9728 x 896, down 896 x 4864), 24 layers, bf16
     assert small.parts[DENSE_PART] == 24 * 2 * (1152 * 896 + 896 * 896 + 9728 * 896 + 896 * 4864)
-    assert DENSE_PART not in big.parts
+    # 7B: q/k/v (4608 x 3584) and o (3584 x 3584); 14B and up: none
+    assert plan_memory("Qwen2.5-7B", "nvfp4").parts[DENSE_PART] == 28 * 2 * (4608 * 3584 + 3584 * 3584)
+    assert DENSE_PART not in plan_memory("Qwen2.5-14B", "nvfp4").parts
     assert DENSE_PART not in plan_memory("Qwen2.5-0.5B", "none").parts
     assert DENSE_PART not in plan_memory("Qwen2.5-0.5B", "nf4").parts
-    # 1.5B: q/k/v (2048 x 1536) and o (1536 x 1536) only
-    assert plan_memory("Qwen2.5-1.5B", "nvfp4").parts[DENSE_PART] == 28 * 2 * (2048 * 1536 + 1536 * 1536)
+    # 1.5B: q/k/v (2048 x 1536), o (1536 x 1536) and down (1536 x 8960), not gate/up (17920 x 1536)
+    assert plan_memory("Qwen2.5-1.5B", "nvfp4").parts[DENSE_PART] == 28 * 2 * (2048 * 1536 + 1536 * 1536 + 1536 * 8960)
 
 
 @pytest.mark.skipif(not CUDA, reason="the auto rule and CUDA graphs need a GPU")

@@ -245,20 +245,26 @@ def as_markdown(table=ROUTES, fmt: str = "nvfp4") -> str:
 
 
 # -- decode on a dense copy the engine holds (rollout/static/fast.py) ------------------------------
-# At the small models' widths every decode matmul runs near its kernel's fixed cost, and cuBLAS's is
-# lower than our 4-bit kernels' by more than the 4-bit weight stream saves. There the StaticEngine's
-# fused plan keeps a dense copy of a projection group (the exact dequantization of its NVFP4 weights:
-# the same policy) and decodes it with cuBLAS at these rows. NVFP4 only: NF4 / MXFP4 were not measured.
+# Where a decode matmul runs near its kernel's fixed cost (the small models' widths; the 7B's q/k/v and
+# o from 64 rows), cuBLAS's is lower than the 4-bit kernels' by more than the 4-bit weight stream
+# saves. There the StaticEngine's fused plan keeps a dense copy of a projection group (the exact
+# dequantization of its NVFP4 weights: the same policy) and decodes it with cuBLAS at these rows.
+# Capped at 17M weights a group: larger groups would cost the memory 4 bits save for a few percent
+# (14B q/o, 26M, at 64 rows: 16.1 against 17.4 us). NVFP4 only: NF4 / MXFP4 were not measured.
 _SMALL = ("bench/results/routes_h100/log.txt (H100 80GB, CUDA graphs, 2026-12-05: cuBLAS bf16 against the "
           "routed NVFP4 kernel per layer, one run)")
 DENSE_DECODE: tuple[Route, ...] = (
     # 8 rows: Qwen2.5-0.5B q/k/v (1.0M weights) 4.3 against 7.0 us, o (0.8M) 4.2 against 6.9; not from 2M
-    # (1.5B o, 2.4M: 5.4 against 5.7; 0.5B down, 4.4M: NVFP4 faster, 7.2 against 8.5)
-    Route("held_dense", rows=(5, 33), weights=(0, 2 * M), why=_SMALL + "; 1-4 rows: NVFP4 ties or wins"),
-    # 64 rows: every Qwen2.5-0.5B group (gate/up 8.7M: 8.7 against 12.4 us; down 4.4M: 9.0 against 11.9)
-    # and the 1.5B's q/k/v (3.1M: 5.9 against 8.8) and o (2.4M: 5.5 against 9.5); not the 1.5B's
-    # gate/up (27.5M: NVFP4 faster, 18.0 against 23.7) or down (13.8M: 15.3 against 17.1, left out)
-    Route("held_dense", rows=(33, BIG), weights=(0, 10 * M), why=_SMALL + "; 33-63 rows not measured"),
+    # (1.5B o, 2.4M: 5.4 against 5.7; 0.5B down, 4.4M: NVFP4 faster, 7.2 against 8.5). 1-4 rows: NVFP4 ties or wins
+    Route("held_dense", rows=(5, 33), weights=(0, 2 * M), why=_SMALL),
+    # 64 rows (33-63 not measured): every Qwen2.5-0.5B group (gate/up 8.7M: 8.7 against 12.4 us; down
+    # 4.4M: 9.0 against 11.9) and the 1.5B's q/k/v (3.1M: 5.9 against 8.8) and o (2.4M: 5.5 against 9.5);
+    # at 32 rows the 7B's q/o still run faster on NVFP4 (H200: 11.1 against 11.8 us)
+    Route("held_dense", rows=(33, 64), weights=(0, 10 * M), why=_SMALL + "; " + _RUN),
+    # From 64 rows also the 7B's q/k/v (16.5M: 11.2 against 13.5 us; 128 rows 12.2 against 17.2) and o
+    # (12.8M: 9.1 against 12.5; 128 rows 9.4 against 16.5) on the H200, and the 1.5B's down (13.8M: 15.3
+    # against 17.1, H100); not the 1.5B's gate/up (27.5M: NVFP4 faster, 18.0 against 23.7)
+    Route("held_dense", rows=(64, BIG), weights=(0, 17 * M), why=_RUN + "; " + _SMALL),
 )
 
 

@@ -20,9 +20,10 @@ launches whatever the number of adapters in it:
   concatenation, a matmul and one ``addmm`` per projection: five kernels for q/k/v). Captured
   CUDA graphs therefore never go stale when the adapter trains.
 * **Dense copies of small groups.** Where ``kernels.routes.DENSE_DECODE`` says cuBLAS on a dense
-  weight beats the 4-bit kernels (the small models' widths, from 5 rows; ``dense_decode="auto"`` on
-  CUDA), the group also holds its weights dequantized (exactly) and decodes them with ``F.linear``
-  at those rows; ``refresh`` re-makes the copy in place when a base tensor changed.
+  weight beats the 4-bit kernels (the small models' widths from 5 rows, the 7B's q/k/v and o from
+  64; ``dense_decode="auto"`` on CUDA), the group also holds its weights dequantized (exactly) and
+  decodes them with ``F.linear`` at those rows; ``refresh`` re-makes the copy in place when a base
+  tensor changed.
 * Elementwise chains are ``qerl_kit.rollout.static.fused`` kernels (residual add + RMSNorm, RoPE +
   cache write, SiLU x up); attention is ``qerl_kit.kernels.decode_attention`` (split-KV, the
   prompt's keys shared by its rows) with the grouped query heads laid out as
