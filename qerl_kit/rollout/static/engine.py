@@ -84,10 +84,10 @@ class StaticEngine(ModelEngine):
     False stores them in every row (the A/B baseline, and the layout ``attention="sdpa"`` needs).
     ``dense_decode``: the fused plan's dense copies of small 4-bit projection groups, decoded with
     cuBLAS where that is faster than the 4-bit kernels (``auto``: on CUDA, the rows of
-    ``kernels.routes.DENSE_DECODE``: the small models' groups, a 7B's q/k/v and o; ``on``: every 4-bit
-    group at every row count;
-    ``off``: none). A copy is the exact dequantization of the group's weights, so the policy sampled
-    is the same; it costs that group's weights in the activation dtype (``memory_plan`` counts it).
+    ``kernels.routes.DENSE_DECODE``: the small models' groups, a 7B's q/k/v and o; ``on``: every
+    4-bit group at every row count; ``off``: none). A copy is the exact dequantization of the group's
+    weights, so the policy sampled is the same; it costs that group's weights in the activation dtype
+    (``memory_plan`` counts it).
     ``attention``: decode attention's implementation, ``auto`` (the split-KV Triton kernel on the
     GPU, its reference on the CPU), ``triton``, ``torch`` or ``sdpa`` (PyTorch's
     ``scaled_dot_product_attention``, the kernel's A/B baseline); see
