@@ -86,10 +86,10 @@ def _dense_decode_weights(groups: dict, proj: dict, fmt: str) -> int:
     ``dense_decode="auto"``: a group some decode row count sends to ``kernels.routes.DENSE_DECODE``)."""
     if fmt == "none":
         return 0
-    from qerl_kit.kernels.routes import BIG, dense_decode_rows
+    from qerl_kit.kernels.routes import dense_decode_held
 
     every = {**groups, "o": proj["o_proj"], "down": proj["down_proj"]}
-    return sum(i * o for i, o in every.values() if dense_decode_rows(o, i, (1, BIG), fmt))
+    return sum(i * o for i, o in every.values() if dense_decode_held(o, i, fmt))
 
 
 def _humming_rows() -> list[tuple[tuple[int, int], tuple[int, int], tuple[int, int], tuple[int, int]]]:

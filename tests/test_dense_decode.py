@@ -28,10 +28,12 @@ def test_the_rule_takes_the_small_models_groups_at_the_measured_rows_only():
     assert not routes.dense_decode(128, 5120, 5120)  # 14B q/o: its copy would cost more memory than it saves time
     assert not routes.dense_decode(64, *qkv05, fmt="nf4")  # NF4 / MXFP4 not measured
     assert not routes.dense_decode(64, *qkv05, dtype=torch.float32)
-    assert routes.dense_decode_rows(*gate_up05, (1, 64)) and not routes.dense_decode_rows(*gate_up05, (1, 32))
-    assert not routes.dense_decode_rows(*qkv05, (1, 4)) and routes.dense_decode_rows(*qkv05, (5, 5))
-    assert not routes.dense_decode_rows(*qkv7, (1, 63)) and routes.dense_decode_rows(*qkv7, (1, 64))
-    assert not routes.dense_decode_rows(5120, 5120, (1, routes.BIG))
+    assert not routes.dense_decode(32, *gate_up05) and routes.dense_decode(5, *qkv05)  # the rows' edges
+    assert not routes.dense_decode(63, *qkv7)
+    # the groups the engine holds a copy of: some row count takes them
+    assert routes.dense_decode_held(*gate_up05) and routes.dense_decode_held(*qkv05) and routes.dense_decode_held(*qkv7)
+    assert not routes.dense_decode_held(5120, 5120) and not routes.dense_decode_held(37888, 3584)
+    assert not routes.dense_decode_held(*qkv05, fmt="nf4")
 
 
 def _policy(seed=1):

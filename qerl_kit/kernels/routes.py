@@ -274,9 +274,7 @@ def dense_decode(m: int, n: int, k: int, fmt: str = "nvfp4", dtype: torch.dtype 
     return any(r.matches("forward", m, n, k, dtype, fmt) for r in table)
 
 
-def dense_decode_rows(n: int, k: int, rows: tuple[int, int], fmt: str = "nvfp4", table=DENSE_DECODE) -> bool:
-    """Whether some decode call with a row count in the closed range ``rows`` on an [n, k] ``fmt``
-    weight takes the dense copy: whether the engine holds one for it."""
-    lo, hi = rows
-    return any(fmt in r.formats and r.n[0] <= n < r.n[1] and r.k[0] <= k < r.k[1] and r.weights[0] <= n * k < r.weights[1]
-               and r.rows[0] <= hi and lo < r.rows[1] for r in table)
+def dense_decode_held(n: int, k: int, fmt: str = "nvfp4") -> bool:
+    """Whether some decode row count sends an [n, k] ``fmt`` group to ``DENSE_DECODE``: whether the
+    engine holds a dense copy of it (and the memory plan counts one)."""
+    return may_take("held_dense", n, k, table=DENSE_DECODE, fmt=fmt)

@@ -61,9 +61,9 @@ from qerl_kit.rollout.static.sampler import sample
 from qerl_kit.rollout.static.state import DecodeState
 from qerl_kit.rollout.types import Generation, Prompts, SamplingParams, as_prompts, check_n, pad_rows
 
-__all__ = ["StaticEngine", "DENSE_DECODE"]
+__all__ = ["StaticEngine", "DENSE_DECODE_MODES"]
 
-DENSE_DECODE = ("auto", "on", "off")  # StaticEngine's dense_decode values
+DENSE_DECODE_MODES = ("auto", "on", "off")  # StaticEngine's dense_decode values
 
 
 class StaticEngine(ModelEngine):
@@ -112,8 +112,8 @@ class StaticEngine(ModelEngine):
         self.model, self.tokenizer = model, tokenizer
         if attention == "sdpa" and shared_prefix:
             raise ValueError("attention='sdpa' reads the plain cache layout: it needs shared_prefix=False")
-        if dense_decode not in DENSE_DECODE:
-            raise ValueError(f"dense_decode must be one of {DENSE_DECODE}; got {dense_decode!r}")
+        if dense_decode not in DENSE_DECODE_MODES:
+            raise ValueError(f"dense_decode must be one of {DENSE_DECODE_MODES}; got {dense_decode!r}")
         self.decoder = Decoder(model, fused=fused, dense_decode=dense_decode)
         self.decoder.set_attention(attention)
         self.shared_prefix = shared_prefix

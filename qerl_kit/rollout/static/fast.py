@@ -44,6 +44,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from qerl_kit.kernels import routes
 from qerl_kit.kernels.decode_attention import decode_attention
 from qerl_kit.rollout.static.fused import add_rmsnorm, rope_to_cache, silu_mul
 from qerl_kit.kernels.lora_triton import lora_apply_
@@ -127,13 +128,11 @@ class _Group:
     def _hold_dense(self, dense: str, dtype: torch.dtype) -> None:
         """A dense copy of a 4-bit group where decoding on it is faster (``dense="auto"``: on CUDA, the
         rows of ``kernels.routes.DENSE_DECODE``; ``"on"``: at every row count, ``"off"``: never)."""
-        from qerl_kit.kernels import routes
-
         self.dense_weight, self.dense_all = None, dense == "on"
         if self.kind not in ("nvfp4", "nf4", "mxfp4") or dense == "off":
             return
         n, k = self.offsets[-1], self.bases[0].in_features
-        if self.dense_all or (self.packed.is_cuda and routes.dense_decode_rows(n, k, (1, routes.BIG), self.kind)):
+        if self.dense_all or (self.packed.is_cuda and routes.dense_decode_held(n, k, self.kind)):
             self.dense_dtype = dtype
             self.dense_weight = self._dequantized()
 
@@ -150,8 +149,6 @@ class _Group:
     def _uses_dense(self, rows: int) -> bool:
         if self.dense_weight is None:
             return False
-        from qerl_kit.kernels import routes
-
         return self.dense_all or routes.dense_decode(rows, self.offsets[-1], self.bases[0].in_features, self.kind,
                                                      self.dense_dtype)
 
