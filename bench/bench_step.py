@@ -46,9 +46,10 @@ fixed figure where the Trainer's auto budget would depend on the free memory), `
 models whose dense copy does not fit beside the step, 32B on one H200) or GiB (0: off); the row
 records the setting (``dense_cache``, ``dense_cache_gib``) and the most any step held
 (``dense_cache_held_gib``), which the plan counts. Our engine's memory switches are flags too:
-``--keep-cache on|off`` (``rollout.keep_cache``) and ``--max-rows N`` (``rollout.max_rows``: N
-completions decoded at a time, every row still forced to its drawn length); the row and the plan
-record both.
+``--keep-cache on|off`` (``rollout.keep_cache``), ``--max-rows N`` (``rollout.max_rows``: N
+completions decoded at a time, every row still forced to its drawn length) and ``--dense-decode
+auto|on|off`` (the StaticEngine's ``dense_decode``: a same-call A/B of its dense copies); the row
+records each (the plan counts the dense copies whatever the setting: an upper bound when off).
 
 Each (model, format, engine) runs in a fresh process (``--isolate auto``: on a GPU, for honest peaks;
 always for vLLM, whose memory is not given back inside one); a run that fails, runs out of memory or
@@ -79,6 +80,7 @@ from bench.common import LOG, dense_cache_arg, log, package_versions
 from bench.step_group import case_row, run_group
 from bench.step_lengths import LENGTHS_HELP, draw_lengths
 from bench.step_report import read_csv, write_csv, write_report
+from qerl_kit.rollout.static.engine import DENSE_DECODE_MODES
 
 FORMATS = ("none", "nvfp4", "nf4", "mxfp4", "bnb-nf4")
 ENGINES = ("static", "vllm", "unsloth")
@@ -176,7 +178,7 @@ def run(args) -> list[dict]:
     rows_path.unlink(missing_ok=True)
     a = {k: getattr(args, k) for k in ("prompts", "group", "prompt_len", "lora_r", "steps", "max_new_tokens",
                                        "keep_cache", "max_rows", "vllm_memory", "length_seed", "dense_cache",
-                                       "profile")}
+                                       "dense_decode", "profile")}
     meta, start, first_line = versions(), time.perf_counter(), len(LOG)  # this call's clock and log lines
     limit = args.budget + 120 if args.limit is None else args.limit
     for cases in plan_cases(args):
@@ -234,6 +236,9 @@ def parser() -> argparse.ArgumentParser:
     r.add_argument("--keep-cache", default=True, type=lambda v: _choices("keep-cache", ("on", "off"))(v) == "on")
     r.add_argument("--max-rows", type=int, default=None,
                    help="our engine decodes at most this many completions at once (rollout.max_rows); default all")
+    r.add_argument("--dense-decode", default="auto", type=_choices("dense-decode", DENSE_DECODE_MODES),
+                   help="the StaticEngine's dense_decode (auto: bf16 copies of the small 4-bit groups where the "
+                        "routes table says cuBLAS wins; off: every decode through the 4-bit kernels)")
     r.add_argument("--dense-cache", default="all", type=dense_cache_arg,
                    help="model.dense_cache_gib per run: all (every 4-bit projection's dense copy), auto (the "
                         "Trainer's budget) or GiB (0: off)")

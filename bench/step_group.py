@@ -247,7 +247,7 @@ def case_row(case: dict, a: dict, meta: dict) -> dict:
             "prompt_len": "gsm8k" if is_real(case["model"]) else a["prompt_len"], "lora_r": a["lora_r"],
             "mu": case["mu"], "micro_batch": case["micro_batch"], "gradient_checkpointing": case["gradient_checkpointing"],
             "aqn": case["aqn"], "keep_cache": a["keep_cache"], "max_rows": a["max_rows"] or rows,
-            "dense_cache": a["dense_cache"], "optimizer": "adamw",
+            "dense_cache": a["dense_cache"], "dense_decode": a["dense_decode"], "optimizer": "adamw",
             "seed": case["seed"],
             "steps": a["steps"], "step_index": a["steps"] - 1, "status": "", "error": ""}
 
@@ -310,7 +310,7 @@ def run_group(cases: list[dict], a: dict, meta: dict, rows_path: Path) -> None:
         try:
             if vllm_engine is None:
                 engine = forced_static(peft, tok, ignore_eos=drawn["lengths"] is not None, keep_cache=a["keep_cache"],
-                                       max_rows=a["max_rows"])
+                                       max_rows=a["max_rows"], dense_decode=a["dense_decode"])
             else:
                 engine, row["engine_start_s"] = vllm_engine, start
             engine.lengths, engine.ignore_eos = drawn["lengths"], drawn["lengths"] is not None  # per case

@@ -160,7 +160,8 @@ def test_a_run_that_fails_or_whose_process_dies_is_a_row(tmp_path):
     (tmp_path / "c").mkdir()
     cases = bench_step.plan_cases(args)[0]
     a = {k: getattr(args, k) for k in ("prompts", "group", "prompt_len", "lora_r", "steps", "max_new_tokens",
-                                       "keep_cache", "max_rows", "vllm_memory", "length_seed", "dense_cache")}
+                                       "keep_cache", "max_rows", "vllm_memory", "length_seed", "dense_cache",
+                                       "dense_decode")}
     bench_step.run_isolated(cases, a, {"run_id": "t"}, tmp_path / "c", timeout=0.01)
     crashed = bench_step.read_rows(tmp_path / "c" / "rows.jsonl")
     assert [r["status"] for r in crashed] == ["crashed"]
@@ -288,7 +289,8 @@ def test_the_vllm_driven_step_sends_each_row_at_its_drawn_length_through_the_tra
                                            "paper", "--max-new-tokens", "32", "--out", str(tmp_path)])
     cases = bench_step.plan_cases(args)[0]
     a = {k: getattr(args, k) for k in ("prompts", "group", "prompt_len", "lora_r", "steps", "max_new_tokens",
-                                       "keep_cache", "max_rows", "vllm_memory", "length_seed", "dense_cache")}
+                                       "keep_cache", "max_rows", "vllm_memory", "length_seed", "dense_cache",
+                                       "dense_decode")}
     peft, tok = step_group.build_policy("qwen2-tiny", "nvfp4", "cpu", 4)
     engine = step_group.vllm_for(peft, tok, "nvfp4", a, cases, tmp_path, None)
     assert engine.llm.kwargs["max_model_len"] == 64 and engine.llm.kwargs["skip_tokenizer_init"] is True
@@ -445,3 +447,19 @@ def test_gpu_state_reads_nvidia_smi_and_falls_back_without_clock_events(monkeypa
     monkeypatch.setattr(step_group.subprocess, "run",
                         lambda cmd, **_: types.SimpleNamespace(returncode=0, stdout="70, 1755, 690.1, 0x0000000000000004\n"))
     assert step_group.gpu_state() == "70 C, 1755 MHz, 690.1 W, events 0x0000000000000004"
+
+
+def test_dense_decode_is_a_setting_the_engine_gets_and_the_row_records(tmp_path, monkeypatch):
+    """--dense-decode (the StaticEngine's dense_decode): the engine is built with it, the row and the
+    report's key record it (a same-call A/B of the dense copies), and a bad value names the choices."""
+    built = []
+    real = step_group.forced_static
+    monkeypatch.setattr(step_group, "forced_static", lambda *a, **kw: built.append(kw["dense_decode"]) or real(*a, **kw))
+    rows = _run(tmp_path / "on", "--formats", "nvfp4", "--isolate", "off", "--max-new-tokens", "8",
+                "--dense-decode", "on")
+    assert built == ["on"] and rows[0]["status"] == "ok" and rows[0]["dense_decode"] == "on"
+    rows = _run(tmp_path / "auto", "--formats", "nvfp4", "--isolate", "off", "--max-new-tokens", "8")
+    assert built == ["on", "auto"] and rows[0]["dense_decode"] == "auto"
+    assert "dense_decode" in step_report.KEY  # rows of two settings are not each other's baseline
+    with pytest.raises(SystemExit):
+        bench_step.main(["run", *TINY, "--dense-decode", "always", "--out", str(tmp_path / "x")])
