@@ -117,7 +117,7 @@ def ratios(rows: list[dict]) -> list[dict]:
                 continue
             # the subject measured in the baseline's call, else the last one
             subj = next((r for r in subs if r.get("run_id") == base.get("run_id")), subs[-1])
-            row = dict(model=subj["model"], lengths=subj["lengths"], mu=subj["mu"], micro_batch=subj["micro_batch"],
+            row = dict(model=subj["model"] + _decode_note(subj), lengths=subj["lengths"], mu=subj["mu"], micro_batch=subj["micro_batch"],
                        gradient_checkpointing=subj["gradient_checkpointing"], seed=subj["seed"], baseline=label,
                        target=_target(target, subj["model"], subj["lengths"]),
                        same_call=subj.get("run_id") == base.get("run_id"))
@@ -166,8 +166,14 @@ def _spread(r: dict, phase: str) -> str:
     return f" [{lo:.2f}-{hi:.2f}]" if _num(r.get("timed_steps")) > 1 and lo == lo and hi == hi else ""
 
 
+def _decode_note(r: dict) -> str:
+    """The StaticEngine's dense decode copies where a run set them other than the default (auto)."""
+    mode = r.get("dense_decode")
+    return f" (dense decode {mode})" if mode in ("on", "off") else ""
+
+
 def _label(r: dict) -> str:
-    return f"{FORMAT_NAMES.get(r['format'], r['format'])} + LoRA, {r['engine']}"
+    return f"{FORMAT_NAMES.get(r['format'], r['format'])} + LoRA, {r['engine']}{_decode_note(r)}"
 
 
 def runs_table(rows: list[dict]) -> list[str]:

@@ -461,5 +461,7 @@ def test_dense_decode_is_a_setting_the_engine_gets_and_the_row_records(tmp_path,
     rows = _run(tmp_path / "auto", "--formats", "nvfp4", "--isolate", "off", "--max-new-tokens", "8")
     assert built == ["on", "auto"] and rows[0]["dense_decode"] == "auto"
     assert "dense_decode" in step_report.KEY  # rows of two settings are not each other's baseline
+    off = {**rows[0], "dense_decode": "off"}
+    assert step_report._label(off).endswith("(dense decode off)") and "dense decode" not in step_report._label(rows[0])
     with pytest.raises(SystemExit):
         bench_step.main(["run", *TINY, "--dense-decode", "always", "--out", str(tmp_path / "x")])
