@@ -53,7 +53,11 @@ records each (the plan counts the dense copies whatever the setting: an upper bo
 
 Each (model, format, engine) runs in a fresh process (``--isolate auto``: on a GPU, for honest peaks;
 always for vLLM, whose memory is not given back inside one); a run that fails, runs out of memory or
-whose process dies is a row with its status and error line, never dropped. ``--engines unsloth``
+whose process dies is a row with its status and error line, never dropped; one that fails after some
+steps keeps how many finished (``steps_done``) and the last one's peak. Besides the step's peak, each
+row has two figures read when the last step's rollout ended (CUDA): the rollout's peak
+(``rollout_peak_gib``) and what stays allocated into the update (``after_rollout_gib``), so the
+update's working set (peak minus the second) can be set against the plan's training parts. ``--engines unsloth``
 records why it was not run (Unsloth's whole GRPO step is ``bench/bench_trl_step.py``'s, at the same
 shapes; ``bench/probe_unsloth.py`` probes its rollout path). Output:
 OUT/step.csv (every run: settings, phase times, peak memory, the memory plan's figure), OUT/step.md

@@ -307,6 +307,7 @@ def run_group(cases: list[dict], a: dict, meta: dict, rows_path: Path) -> None:
         label = f"{model} {fmt} {engine_kind} {case['lengths']} ckpt {case['gradient_checkpointing']} mu {case['mu']}"
         row["dense_cache_gib"], held = dense_cache_gib(peft, a["dense_cache"]), 0.0  # the run's model.dense_cache_gib
         trainer = engine = None
+        every: list[dict] = []
         try:
             if vllm_engine is None:
                 engine = forced_static(peft, tok, ignore_eos=drawn["lengths"] is not None, keep_cache=a["keep_cache"],
@@ -318,7 +319,7 @@ def run_group(cases: list[dict], a: dict, meta: dict, rows_path: Path) -> None:
             trainer = trainer_for(peft, tok, task, engine, case, a, drawn["max_new_tokens"],
                                   root / f"run{case['case_id']}")
             t = time.perf_counter()
-            every, row["gpu_before"] = [], gpu_state()
+            row["gpu_before"] = gpu_state()
             _, row["peak_gib"], held = timed_steps(trainer, a["steps"], label, every)
             row["gpu_after"] = gpu_state()
             row["peak_reserved_gib"] = torch.cuda.max_memory_reserved() / 2**30 if device == "cuda" else float("nan")
@@ -332,6 +333,12 @@ def run_group(cases: list[dict], a: dict, meta: dict, rows_path: Path) -> None:
         except Exception as err:  # noqa: BLE001 - recorded, and the next case runs
             row.update(failure(err))
             log(f"{label} failed: {err!r}\n{traceback.format_exc()}")
+            if every:  # the steps that finished: the last one's peak (a failed row's peak is theirs)
+                row["peak_gib"] = every[-1]["bench/peak_gib"]
+        if every:
+            row["steps_done"] = len(every)
+            row["rollout_peak_gib"] = every[-1].get("bench/rollout_peak_gib", float("nan"))
+            row["after_rollout_gib"] = every[-1].get("bench/after_rollout_gib", float("nan"))
         row["dense_cache_held_gib"] = held  # the most any step held: the plan counts it
         row["plan_gib"], row["plan_note"] = plan_gib(peft, case, a, drawn["max_new_tokens"], held)
         emit(row)

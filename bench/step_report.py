@@ -23,7 +23,7 @@ SETTINGS = ["model", "format", "engine", "lengths", "length_params", "lengths_sh
             "steps", "step_index"]
 RESULTS = ["status", "error", "time_step", "time_rollout", "time_sync", "time_wake", "time_upload", "time_sleep",
            "time_logprob", "time_update", "time_other", "measured_mean_length", "rollout_tokens_per_s", "aqn_sigma",
-           "peak_gib", "peak_reserved_gib", "dense_cache_held_gib", "plan_gib", "plan_note", "engine_start_s", "wall_s",
+           "peak_gib", "peak_reserved_gib", "rollout_peak_gib", "after_rollout_gib", "steps_done", "dense_cache_held_gib", "plan_gib", "plan_note", "engine_start_s", "wall_s",
            "timed_steps", "time_step_min", "time_step_max", "time_rollout_min", "time_rollout_max", "time_update_min",
            "time_update_max", "gpu_before", "gpu_after"]
 META = ["case_id", "run_id", "date", "gpu", "torch", "triton", "transformers", "humming", "vllm", "bitsandbytes"]

@@ -465,3 +465,44 @@ def test_dense_decode_is_a_setting_the_engine_gets_and_the_row_records(tmp_path,
     assert step_report._label(off).endswith("(dense decode off)") and "dense decode" not in step_report._label(rows[0])
     with pytest.raises(SystemExit):
         bench_step.main(["run", *TINY, "--dense-decode", "always", "--out", str(tmp_path / "x")])
+
+
+def test_a_run_that_fails_later_keeps_its_finished_steps_and_rollout_marks(tmp_path, monkeypatch):
+    """A run out of memory at its second step is an oom row that still says how many steps finished
+    (and, on CUDA, their peak); the rollout marks are read after each rollout (fake CUDA counters)."""
+    import torch
+
+    from bench import common
+    from qerl_kit.trainer import Trainer
+
+    real, calls = Trainer.train_step, []
+
+    def second_fails(self):
+        calls.append(1)
+        if len(calls) == 2:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 1022.00 MiB.")
+        return real(self)
+    monkeypatch.setattr(Trainer, "train_step", second_fails)
+    rows = _run(tmp_path / "o", "--formats", "nvfp4", "--isolate", "off", "--max-new-tokens", "8", "--steps", "2")
+    assert rows[0]["status"] == "oom" and rows[0]["steps_done"] == "1" and "1022.00 MiB" in rows[0]["error"]
+
+    class Fake:  # a Trainer's two halves: the rollout (_collect) holds 1 GiB, the update 3 at its peak
+        gib = 0
+
+        def _collect(self, step):
+            self.gib = 1
+            return step
+
+        def train_step(self):
+            self._collect(0)
+            self.gib = 3
+            return {"time/step": 1.0}
+    fake = Fake()
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda: None)
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda: fake.gib << 30)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda: 1 << 30)
+    every = []
+    common.timed_steps(fake, 2, "fake", every)
+    assert [m["bench/rollout_peak_gib"] for m in every] == [1.0, 1.0] and every[-1]["bench/after_rollout_gib"] == 1.0
+    assert every[-1]["bench/peak_gib"] == 3.0
