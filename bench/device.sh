@@ -41,7 +41,7 @@
 #   routes ["MODELS"] ["MS"]  per-layer NVFP4 forward, routed vs humming vs ours vs bf16 in CUDA graphs
 #                             (bench.bench_routes) for the small models' shapes the table was never measured at;
 #                             MODELS default "Qwen2.5-0.5B Qwen2.5-1.5B", MS (rows) default "1 8 64"; $OUT/routes
-#   hc-save                   humming's compiled kernels of this hold as $OUT/hc/hc.tgz; copied to .whl/hc/ here and
+#   hc-save                   humming's compiled kernels of this hold as $OUT/hc/hc.tgz.part_*; copied to .whl/hc/ here and
 #                             carried with .whl, a later hold starts with them (a 7B shape compiles in ~20 s)
 #   repro-tests               NVFP4 bit-reproducibility, tests/test_tuning.py compiled: each kernel's bits in two
 #                             processes (humming a non-strict xfail: XPASS means the same bits)
@@ -141,9 +141,9 @@ carried_wheels() {  # the pinned wheels this repository carries (humming-kernels
 }
 
 humming_cache() {  # humming's compiled kernels from an earlier hold (hc-save), once per hold: sm_90, this wheel
-  [ -f .whl/hc/hc.tgz ] && [ ! -f /tmp/hc/.carried ] || return 0
-  mkdir -p /tmp/hc && tar -xzf .whl/hc/hc.tgz -C /tmp/hc && touch /tmp/hc/.carried \
-    && echo "humming cache: $(find /tmp/hc -name kernel.cubin | wc -l) kernels from .whl/hc/hc.tgz"
+  ls .whl/hc/hc.tgz.part_* > /dev/null 2>&1 && [ ! -f /tmp/hc/.carried ] || return 0
+  mkdir -p /tmp/hc && cat .whl/hc/hc.tgz.part_* | tar -xz -C /tmp/hc && touch /tmp/hc/.carried \
+    && echo "humming cache: $(find /tmp/hc -name kernel.cubin | wc -l) kernels from .whl/hc"
 }
 
 bitsandbytes() {  # an unpacked install folder that holds bitsandbytes, else its carried wheel
@@ -234,9 +234,10 @@ routes)
   timeout "${ROUTES_TIMEOUT:-400}" python3 -m bench.bench_routes --models "${models[@]}" --ms "${ms[@]}" \
     --budget-s "${ROUTES_BUDGET:-300}" --out "$OUT/routes" > "$OUT/routes/log.txt" 2>&1
   echo "bench_routes rc=$?"; grep -vi warn "$OUT/routes/log.txt" | tail -12 ;;
-hc-save)  # humming's compiled kernels of this hold as $OUT/hc/hc.tgz: copy it to .whl/hc/ and carry .whl next time
-  mkdir -p "$OUT/hc" && tar -czf "$OUT/hc/hc.tgz" -C /tmp/hc --exclude=.carried --exclude='*.lock' . \
-    && echo "hc-save: $(find /tmp/hc -name kernel.cubin | wc -l) kernels, $(du -h "$OUT/hc/hc.tgz" | cut -f1)" ;;
+hc-save)  # humming's compiled kernels of this hold as $OUT/hc/hc.tgz.part_*: copy them to .whl/hc/, carry .whl next time
+  # (in pieces of 15 MiB: a file over 16 MiB does not come back; a 7B + 14B + 32B hold made 17 MB)
+  mkdir -p "$OUT/hc" && tar -cz -C /tmp/hc --exclude=.carried --exclude='*.lock' . | split -b 15M - "$OUT/hc/hc.tgz.part_" \
+    && echo "hc-save: $(find /tmp/hc -name kernel.cubin | wc -l) kernels, $(du -ch "$OUT"/hc/hc.tgz.part_* | tail -1 | cut -f1)" ;;
 repro-tests)
   timeout 540 python3 -m pytest tests/test_tuning.py -q -rxX -p no:cacheprovider > "$OUT/repro_tests_log.txt" 2>&1
   echo "autotune tests rc=$?"; grep -E "^(XPASS|XFAIL|FAILED)" "$OUT/repro_tests_log.txt"; tail -1 "$OUT/repro_tests_log.txt" ;;
