@@ -62,7 +62,9 @@ def test_step_commands_call_the_step_bench_with_their_table_settings(tmp_path):
     assert "--formats none nvfp4 --lengths fixed:512 --gradient-checkpointing off on" in calls[1]
     assert "--models Qwen2.5-32B --formats nvfp4 --lengths fixed:512 --gradient-checkpointing on" in calls[2]
     assert calls[1].endswith(f"--out {out}/step7b") and calls[2].endswith(f"--out {out}/step-model-Qwen2.5-32B-nvfp4")
-    assert calls[3].endswith(f"--out {out}/step-model-Qwen2.5-14B-nvfp4 --max-rows 32 --keep-cache off")
+    # STEP_ARGS go to the bench and into the output folder's name: two calls of one command apart
+    assert calls[3].endswith(f"--out {out}/step-model-Qwen2.5-14B-nvfp4-max-rows-32-keep-cache-off "
+                             "--max-rows 32 --keep-cache off")
 
 
 FAKE_PYTHON = r'''#!/bin/bash
