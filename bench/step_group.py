@@ -149,10 +149,21 @@ def plan_gib(peft, case: dict, a: dict, max_len: int, held_gib: float = 0.0) -> 
     as bench_memory and real_grpo compare it), with the dense cache the steps held (``held_gib``, the most
     ``memory/dense_cache_gib`` of any step), or NaN and why there is none. vLLM's rows: NaN, the plan
     counts our StaticEngine (vLLM's pool is its own)."""
+    r = plan_row(peft, case, a, max_len, held_gib)
+    return r["plan_gib"], r["plan_note"]
+
+
+def plan_row(peft, case: dict, a: dict, max_len: int, held_gib: float = 0.0) -> dict:
+    """``plan_gib`` and its note, with the plan's phases in GiB, the figures ``rollout_marks`` measures:
+    ``plan_rollout_gib`` (static + rollout parts: the rollout's peak), ``plan_kept_gib`` (static + the
+    parts kept while training: what stays allocated into the update) and ``plan_training_gib`` (the
+    training parts: the update's working set on top of that); NaN where there is no plan."""
     from qerl_kit.memory_plan import plan_memory
 
+    nan = float("nan")
+    row = dict(plan_gib=nan, plan_note="", plan_rollout_gib=nan, plan_kept_gib=nan, plan_training_gib=nan)
     if case["engine"] != "static":
-        return float("nan"), f"no plan: the plan counts our StaticEngine, not {case['engine']}'s memory"
+        return {**row, "plan_note": f"no plan: the plan counts our StaticEngine, not {case['engine']}'s memory"}
     try:
         plan = plan_memory(peft.get_base_model().config, fmt=CONFIG_FORMAT.get(case["format"], case["format"]),
                            lora_r=a["lora_r"], optimizer="adamw",
@@ -162,9 +173,11 @@ def plan_gib(peft, case: dict, a: dict, max_len: int, held_gib: float = 0.0) -> 
                            engine="static", keep_cache=a["keep_cache"], max_rows=a["max_rows"],
                            humming=_humming(case["format"]),
                            dense_cache_bytes=int(held_gib * 2**30))
-        return plan.allocated / 2**30, ""
     except Exception as err:  # noqa: BLE001 - a reference figure: say why it is missing
-        return float("nan"), f"{type(err).__name__}: {err}"[:200]
+        return {**row, "plan_note": f"{type(err).__name__}: {err}"[:200]}
+    gib = 2**30
+    return dict(row, plan_gib=plan.allocated / gib, plan_rollout_gib=(plan.static + plan.rollout) / gib,
+                plan_kept_gib=(plan.static + plan.kept_bytes) / gib, plan_training_gib=plan.training / gib)
 
 
 def profile_step(trainer, path: Path, label: str, top: int = 40, stacks: bool = False) -> None:
@@ -340,7 +353,7 @@ def run_group(cases: list[dict], a: dict, meta: dict, rows_path: Path) -> None:
             row["rollout_peak_gib"] = every[-1].get("bench/rollout_peak_gib", float("nan"))
             row["after_rollout_gib"] = every[-1].get("bench/after_rollout_gib", float("nan"))
         row["dense_cache_held_gib"] = held  # the most any step held: the plan counts it
-        row["plan_gib"], row["plan_note"] = plan_gib(peft, case, a, drawn["max_new_tokens"], held)
+        row.update(plan_row(peft, case, a, drawn["max_new_tokens"], held))
         emit(row)
         if vllm_engine is None and engine is not None:
             engine.reset()  # its KV cache and graphs, before the next case's engine

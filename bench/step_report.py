@@ -23,7 +23,7 @@ SETTINGS = ["model", "format", "engine", "lengths", "length_params", "lengths_sh
             "steps", "step_index"]
 RESULTS = ["status", "error", "time_step", "time_rollout", "time_sync", "time_wake", "time_upload", "time_sleep",
            "time_logprob", "time_update", "time_other", "measured_mean_length", "rollout_tokens_per_s", "aqn_sigma",
-           "peak_gib", "peak_reserved_gib", "rollout_peak_gib", "after_rollout_gib", "steps_done", "dense_cache_held_gib", "plan_gib", "plan_note", "engine_start_s", "wall_s",
+           "peak_gib", "peak_reserved_gib", "rollout_peak_gib", "after_rollout_gib", "steps_done", "dense_cache_held_gib", "plan_gib", "plan_note", "plan_rollout_gib", "plan_kept_gib", "plan_training_gib", "engine_start_s", "wall_s",
            "timed_steps", "time_step_min", "time_step_max", "time_rollout_min", "time_rollout_max", "time_update_min",
            "time_update_max", "gpu_before", "gpu_after"]
 META = ["case_id", "run_id", "date", "gpu", "torch", "triton", "transformers", "humming", "vllm", "bitsandbytes"]
@@ -272,11 +272,32 @@ def gpu_table(rows: list[dict]) -> list[str]:
     return lines
 
 
+def memory_table(rows: list[dict]) -> list[str]:
+    """Each run's memory by phase against the plan's (runs with ``rollout_marks``' figures: CUDA): the
+    rollout's peak (plan: static + rollout parts), what stays allocated into the update (plan: static +
+    kept parts) and the update's working set on top of it (the step's peak minus that; plan: training
+    parts). A measured figure above its plan's is where the plan misses something."""
+    seen = [r for r in rows if _num(r.get("after_rollout_gib")) == _num(r.get("after_rollout_gib"))]
+    if not seen:
+        return []
+    lines = ["", "## Memory by phase against the plan (GiB, measured (plan))", "",
+             "| model | format / engine | ckpt | rollout peak | after the rollout | the update's working set | "
+             "step peak | steps done |", "|---|---|---|---:|---:|---:|---:|---:|"]
+    for r in seen:
+        work = _num(r.get("peak_gib")) - _num(r.get("after_rollout_gib"))
+        lines.append(f"| {r['model']} | {_label(r)} | {'on' if r['gradient_checkpointing'] else 'off'} | "
+                     f"{_f(r.get('rollout_peak_gib'))} ({_f(r.get('plan_rollout_gib'))}) | "
+                     f"{_f(r.get('after_rollout_gib'))} ({_f(r.get('plan_kept_gib'))}) | "
+                     f"{_f(work)} ({_f(r.get('plan_training_gib'))}) | {_f(r.get('peak_gib'))} ({_f(r.get('plan_gib'))}) | "
+                     f"{_f(r.get('steps_done'), '.0f')} |")
+    return lines
+
+
 def markdown(rows: list[dict]) -> str:
     return "\n".join(header(rows) + ["## Runs", ""] + runs_table(rows)
                      + ["", "## NVFP4 + LoRA (StaticEngine) against the baselines: baseline s / ours", ""]
                      + ratio_table(rows) + ["", "## Gradient checkpointing's cost", ""]
-                     + checkpointing_table(rows) + gpu_table(rows)) + "\n"
+                     + checkpointing_table(rows) + memory_table(rows) + gpu_table(rows)) + "\n"
 
 
 def _segments(r: dict) -> list[tuple[str, float]]:

@@ -506,3 +506,18 @@ def test_a_run_that_fails_later_keeps_its_finished_steps_and_rollout_marks(tmp_p
     common.timed_steps(fake, 2, "fake", every)
     assert [m["bench/rollout_peak_gib"] for m in every] == [1.0, 1.0] and every[-1]["bench/after_rollout_gib"] == 1.0
     assert every[-1]["bench/peak_gib"] == 3.0
+
+
+def test_the_plan_by_phase_adds_up_and_the_memory_table_sets_runs_against_it(tmp_path):
+    """Each static row carries the plan's phases (the allocated bound is static + max(rollout, training
+    + kept)); the memory table shows a run's measured phases next to them, and only runs that have them."""
+    rows = _run(tmp_path / "p", "--formats", "nvfp4", "--isolate", "off", "--max-new-tokens", "8")
+    r = {k: float(rows[0][k]) for k in ("plan_gib", "plan_rollout_gib", "plan_kept_gib", "plan_training_gib")}
+    assert r["plan_training_gib"] > 0 and r["plan_kept_gib"] > 0
+    assert math.isclose(r["plan_gib"], max(r["plan_rollout_gib"], r["plan_kept_gib"] + r["plan_training_gib"]))
+    assert step_report.memory_table(step_report.read_csv(tmp_path / "p" / "step.csv")) == []  # no CUDA marks here
+    measured = {**rows[0], "rollout_peak_gib": "9.5", "after_rollout_gib": "60.25", "peak_gib": "75.75",
+                "steps_done": "1", "plan_kept_gib": "57.9", "plan_training_gib": "16.4", "plan_gib": "74.3",
+                "gradient_checkpointing": True}
+    table = step_report.memory_table([measured])
+    assert "| 9.50 (" in table[-1] and "| 60.25 (57.90) | 15.50 (16.40) | 75.75 (74.30) | 1 |" in table[-1]
