@@ -58,8 +58,8 @@ steps keeps how many finished (``steps_done``) and the last one's peak. Besides 
 row has two figures read when the last step's rollout ended (CUDA): the rollout's peak
 (``rollout_peak_gib``) and what stays allocated into the update (``after_rollout_gib``), so the
 update's working set (peak minus the second) can be set against the plan's training parts (the row's
-``plan_rollout_gib``, ``plan_kept_gib``, ``plan_training_gib``; step.md's "Memory by phase" table). ``--engines unsloth``
-records why it was not run (Unsloth's whole GRPO step is ``bench/bench_trl_step.py``'s, at the same
+``plan_rollout_gib``, ``plan_kept_gib``, ``plan_training_gib``; step.md's "Memory by phase" table).
+``--engines unsloth`` records why it was not run (Unsloth's whole GRPO step is ``bench/bench_trl_step.py``'s, at the same
 shapes; ``bench/probe_unsloth.py`` probes its rollout path). Output:
 OUT/step.csv (every run: settings, phase times, peak memory, the memory plan's figure), OUT/step.md
 (GPU, date, versions, the runs, ratios against the same call's baselines, gradient checkpointing's

@@ -19,11 +19,12 @@ from pathlib import Path
 # every run's row, in this order (later keys, if any, follow)
 SETTINGS = ["model", "format", "engine", "lengths", "length_params", "lengths_sha", "mean_length", "max_length",
             "max_new_tokens", "prompts", "group", "rows", "prompt_len", "lora_r", "mu", "micro_batch",
-            "gradient_checkpointing", "aqn", "keep_cache", "max_rows", "dense_cache", "dense_cache_gib", "dense_decode", "optimizer", "seed",
-            "steps", "step_index"]
+            "gradient_checkpointing", "aqn", "keep_cache", "max_rows", "dense_cache", "dense_cache_gib", "dense_decode",
+            "optimizer", "seed", "steps", "step_index"]
 RESULTS = ["status", "error", "time_step", "time_rollout", "time_sync", "time_wake", "time_upload", "time_sleep",
            "time_logprob", "time_update", "time_other", "measured_mean_length", "rollout_tokens_per_s", "aqn_sigma",
-           "peak_gib", "peak_reserved_gib", "rollout_peak_gib", "after_rollout_gib", "steps_done", "dense_cache_held_gib", "plan_gib", "plan_note", "plan_rollout_gib", "plan_kept_gib", "plan_training_gib", "engine_start_s", "wall_s",
+           "peak_gib", "peak_reserved_gib", "rollout_peak_gib", "after_rollout_gib", "steps_done", "dense_cache_held_gib",
+           "plan_gib", "plan_note", "plan_rollout_gib", "plan_kept_gib", "plan_training_gib", "engine_start_s", "wall_s",
            "timed_steps", "time_step_min", "time_step_max", "time_rollout_min", "time_rollout_max", "time_update_min",
            "time_update_max", "gpu_before", "gpu_after"]
 META = ["case_id", "run_id", "date", "gpu", "torch", "triton", "transformers", "humming", "vllm", "bitsandbytes"]
@@ -117,7 +118,8 @@ def ratios(rows: list[dict]) -> list[dict]:
                 continue
             # the subject measured in the baseline's call, else the last one
             subj = next((r for r in subs if r.get("run_id") == base.get("run_id")), subs[-1])
-            row = dict(model=subj["model"] + _decode_note(subj), lengths=subj["lengths"], mu=subj["mu"], micro_batch=subj["micro_batch"],
+            row = dict(model=subj["model"] + _decode_note(subj), lengths=subj["lengths"], mu=subj["mu"],
+                       micro_batch=subj["micro_batch"],
                        gradient_checkpointing=subj["gradient_checkpointing"], seed=subj["seed"], baseline=label,
                        target=_target(target, subj["model"], subj["lengths"]),
                        same_call=subj.get("run_id") == base.get("run_id"))
