@@ -144,17 +144,12 @@ def _humming(fmt: str) -> bool:
     return nvfp4_humming.humming_status()[0]
 
 
-def plan_gib(peft, case: dict, a: dict, max_len: int, held_gib: float = 0.0) -> tuple[float, str]:
-    """``plan_memory(...).allocated`` for the run's settings (GiB: the bound of ``max_memory_allocated``,
-    as bench_memory and real_grpo compare it), with the dense cache the steps held (``held_gib``, the most
-    ``memory/dense_cache_gib`` of any step), or NaN and why there is none. vLLM's rows: NaN, the plan
-    counts our StaticEngine (vLLM's pool is its own)."""
-    r = plan_row(peft, case, a, max_len, held_gib)
-    return r["plan_gib"], r["plan_note"]
-
-
 def plan_row(peft, case: dict, a: dict, max_len: int, held_gib: float = 0.0) -> dict:
-    """``plan_gib`` and its note, with the plan's phases in GiB, the figures ``rollout_marks`` measures:
+    """``plan_memory(...).allocated`` for the run's settings (``plan_gib``, GiB: the bound of
+    ``max_memory_allocated``, as bench_memory and real_grpo compare it), with the dense cache the steps
+    held (``held_gib``, the most ``memory/dense_cache_gib`` of any step), or NaN and why there is none
+    (``plan_note``; vLLM's rows: the plan counts our StaticEngine, vLLM's pool is its own); and the
+    plan's phases in GiB, the figures ``rollout_marks`` measures:
     ``plan_rollout_gib`` (static + rollout parts: the rollout's peak), ``plan_kept_gib`` (static + the
     parts kept while training: what stays allocated into the update) and ``plan_training_gib`` (the
     training parts: the update's working set on top of that); NaN where there is no plan."""

@@ -325,14 +325,16 @@ def test_the_plan_bounds_what_ran_and_vllm_rows_have_none():
     peft = with_lora(build("qwen2-tiny", "nvfp4", "cpu"), 4)
     a = dict(lora_r=4, prompts=2, group=2, prompt_len=8, keep_cache=True, max_rows=None)
     case = dict(format="nvfp4", engine="static", micro_batch=2, gradient_checkpointing=False)
-    none, note = step_group.plan_gib(peft, case, a, 16)
-    held, _ = step_group.plan_gib(peft, case, a, 16, held_gib=0.5)
+    r = step_group.plan_row(peft, case, a, 16)
+    none, note = r["plan_gib"], r["plan_note"]
+    held = step_group.plan_row(peft, case, a, 16, held_gib=0.5)["plan_gib"]
     expect = plan_memory(peft.get_base_model().config, fmt="nvfp4", lora_r=4, optimizer="adamw", rollout_batch=4,
                          prompt_len=8, max_new_tokens=16, micro_batch=2, gradient_checkpointing=False, group_size=2,
                          engine="static", keep_cache=True, humming=False, dense_cache_bytes=0)
     assert note == "" and math.isclose(none, expect.allocated / 2**30)
     assert math.isclose(held - none, 0.5, rel_tol=0.2)  # the held dense copies are counted
-    nan, why = step_group.plan_gib(peft, dict(case, engine="vllm"), a, 16)
+    r = step_group.plan_row(peft, dict(case, engine="vllm"), a, 16)
+    nan, why = r["plan_gib"], r["plan_note"]
     assert math.isnan(nan) and "vllm" in why
     assert step_group.dense_cache_gib(peft, "all") > 0 and step_group.dense_cache_gib(peft, "1.5") == 1.5
 
@@ -352,8 +354,8 @@ def test_decoding_in_turns_is_a_setting_of_the_row_and_the_plan(tmp_path):
     peft = with_lora(build("qwen2-tiny", "nvfp4", "cpu"), 4)
     case = dict(format="nvfp4", engine="static", micro_batch=2, gradient_checkpointing=False)
     a = dict(lora_r=4, prompts=2, group=2, prompt_len=8, keep_cache=True)
-    turns, _ = step_group.plan_gib(peft, case, {**a, "max_rows": 2}, 16)
-    at_once, _ = step_group.plan_gib(peft, case, {**a, "max_rows": None}, 16)
+    turns = step_group.plan_row(peft, case, {**a, "max_rows": 2}, 16)["plan_gib"]
+    at_once = step_group.plan_row(peft, case, {**a, "max_rows": None}, 16)["plan_gib"]
     assert turns < at_once
     with pytest.raises(SystemExit, match="--max-rows 3: must be a positive multiple of --group 2"):
         bench_step.main(["run", *TINY, "--max-rows", "3", "--out", str(tmp_path / "x")])

@@ -133,18 +133,17 @@ class _Group:
             return
         n, k = self.offsets[-1], self.bases[0].in_features
         if self.dense_all or (self.packed.is_cuda and routes.dense_decode_held(n, k, self.kind)):
-            self.dense_dtype = dtype
+            self.dense_dtype, self._dense_seen = dtype, self._dense_stamp()
             self.dense_weight = self._dequantized()
 
     def _dequantized(self) -> Tensor:
-        """The group's weights dequantized (exactly: ``QuantLinear.dequantized_weight``), side by side; stamped."""
-        self._dense_seen = self._stamp([t for b in self.bases for t in self._quant_parts(b)])
+        """The group's weights dequantized (exactly: ``QuantLinear.dequantized_weight``), side by side."""
         with torch.no_grad():
             return torch.cat([b.dequantized_weight(self.dense_dtype) for b in self.bases], dim=0)
 
-    @staticmethod
-    def _quant_parts(base: nn.Module) -> list[Tensor]:
-        return [getattr(base, name) for name in base._tensor_fields]
+    def _dense_stamp(self) -> tuple:
+        """``_stamp`` of every 4-bit tensor the dense copy is made from."""
+        return self._stamp([getattr(b, name) for b in self.bases for name in b._tensor_fields])
 
     def _uses_dense(self, rows: int) -> bool:
         if self.dense_weight is None:
@@ -208,9 +207,9 @@ class _Group:
                     if new != old:
                         self.fused[attr][lo:hi].copy_(part.detach())
             self._seen[attr] = stamp
-        if self.dense_weight is not None and self._stamp(
-                [t for b in self.bases for t in self._quant_parts(b)]) != self._dense_seen:
+        if self.dense_weight is not None and (stamp := self._dense_stamp()) != self._dense_seen:
             self.dense_weight.copy_(self._dequantized())  # in place: captured graphs read this buffer
+            self._dense_seen = stamp
 
     def __call__(self, x: Tensor) -> Tensor:
         if self._uses_dense(x.shape[0]):  # decided per row count, so once per captured graph
