@@ -45,9 +45,11 @@ def test_the_step_bench_times_every_phase_in_both_length_modes_and_checkpointing
         t = {k: float(r[k]) for k in ("time_step", "time_rollout", "time_logprob", "time_update", "time_other")}
         # loss.old_logp "fold" (the default) and beta 0: nothing runs between the rollout and the update
         assert t["time_rollout"] > 0 and t["time_update"] > 0 and t["time_logprob"] == 0.0
-        # each phase is a part of the step, and what no phase covers (rewards, advantages) is a small rest
+        # each phase is a part of the step, and what no phase covers (rewards, advantages) is the rest: not a
+        # bound on its size (a wall-clock share of a tiny model's step flakes on a loaded machine)
         assert all(0 <= t[k] <= t["time_step"] for k in ("time_rollout", "time_logprob", "time_update"))
-        assert -1e-6 <= t["time_other"] <= 0.25 * t["time_step"]
+        rest = t["time_step"] - t["time_rollout"] - t["time_logprob"] - t["time_update"]
+        assert t["time_other"] >= -1e-6 and math.isclose(t["time_other"], rest, abs_tol=1e-3)
         assert r["aqn"] == str(r["format"] == "nvfp4")  # --aqn auto: the paper's recipe for NVFP4 only
         assert (float(r["aqn_sigma"]) > 0) == (r["format"] == "nvfp4")  # the timed step is a noisy one
         assert float(r["plan_gib"]) > 0 and r["rows"] == "4" and r["step_index"] == "0"
