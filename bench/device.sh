@@ -43,6 +43,9 @@
 #                             MODELS default "Qwen2.5-0.5B Qwen2.5-1.5B", MS (rows) default "1 8 64"; $OUT/routes
 #   hc-save                   humming's compiled kernels of this hold as $OUT/hc/hc.tgz.part_*; copied to .whl/hc/ here and
 #                             carried with .whl, a later hold starts with them (a 7B shape compiles in ~20 s)
+#   census [MODELS]           where a step's memory sits when its rollout ends, named tensor by tensor against the
+#                             plan's parts (bench.probe_memory_census; MODELS default "Qwen2.5-32B Qwen2.5-7B", NVFP4);
+#                             $OUT/census-<model>/census.md
 #   repro-tests               NVFP4 bit-reproducibility, tests/test_tuning.py compiled: each kernel's bits in two
 #                             processes (humming a non-strict xfail: XPASS means the same bits)
 #   repro [ARGS]              bench.bench_repro (3 processes, one fixed-seed rollout + Trainer step each, sha256s
@@ -257,6 +260,11 @@ nb05)
   python3 -m bench.install_missing_wheels .whl/nb --target /tmp/nbsite && export PYTHONPATH="/tmp/nbsite:$PYTHONPATH"
   timeout "${NB_TIMEOUT:-500}" python3 scripts/execute_notebooks.py notebooks/05_gpu_real_model.ipynb --out "$OUT/nb05" \
     > "$OUT/nb05_log.txt" 2>&1; echo "notebook 05 rc=$?"; tail -20 "$OUT/nb05_log.txt" ;;
+census)
+  for m in ${1:-Qwen2.5-32B Qwen2.5-7B}; do
+    timeout "${CENSUS_TIMEOUT:-240}" python3 -m bench.probe_memory_census --model "$m" --out "$OUT/census-$m" \
+      > "$OUT/census-$m.log.txt" 2>&1; echo "$m census rc=$?"; grep -E "^\[census\]|Error" "$OUT/census-$m.log.txt" | tail -5
+  done ;;
 unsloth)
   tar -xzf .vllm/uns/slim.tgz -C /tmp && export PYTHONPATH="/tmp/slim:$PYTHONPATH"
   TMPDIR=/dev/shm timeout 420 python3 -m bench.probe_unsloth --out "$OUT/unsloth" --budget 330 > "$OUT/unsloth_log.txt" 2>&1

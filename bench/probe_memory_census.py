@@ -1,0 +1,143 @@
+"""Where a GRPO step's CUDA memory sits when its rollout ends: a census against the memory plan.
+
+    python -m bench.probe_memory_census --model Qwen2.5-32B --format nvfp4 --out OUT
+
+Builds the model and StaticEngine as ``bench.bench_step`` does (random weights, LoRA r32 on every
+projection, 8 prompts x 8, prompt 256, 512 forced tokens, KV cache kept), runs one step's rollout
+(``Trainer._collect``) and then names every live CUDA tensor it can reach: the policy's parameters,
+buffers and module attributes (the packed weights, humming's repacked copies), and the engine's
+attributes, walked a few levels down (fused copies, KV cache, graph buffers). What it cannot name
+(a CUDA-graph pool's intermediates, tensors held only by closures) is the allocator's total less the
+named bytes. It prints ``torch.cuda.memory_allocated`` after each stage and writes census.md beside
+the plan's parts for the same settings (``bench.step_group.plan_row``'s call). A prototype for the
+32B plan's shortfall (bench/results/step_h200.md); not part of the package.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+
+GIB = 2**30
+
+
+def _tensors(obj, prefix: str, depth: int, seen: set, out: dict, device: str = "cuda") -> None:
+    """Every ``device`` tensor reachable from ``obj`` through attributes, dicts, lists and tuples,
+    ``depth`` levels down, recorded once (by storage) under the first path that reached it."""
+    if depth < 0 or id(obj) in seen:
+        return
+    seen.add(id(obj))
+    if isinstance(obj, torch.Tensor):
+        if obj.device.type == device:
+            key = obj.untyped_storage().data_ptr()
+            out.setdefault(key, (prefix, obj.untyped_storage().nbytes(), str(obj.dtype), tuple(obj.shape)))
+        return
+    if isinstance(obj, torch.nn.Module):
+        items = list(obj._parameters.items()) + list(obj._buffers.items()) + \
+            [(k, v) for k, v in vars(obj).items() if not k.startswith("_")] + list(obj._modules.items())
+    elif isinstance(obj, dict):
+        items = [(str(k), v) for k, v in obj.items()]
+    elif isinstance(obj, (list, tuple)):
+        items = [(str(i), v) for i, v in enumerate(obj)]
+    elif hasattr(obj, "__dict__") and not isinstance(obj, type) and type(obj).__module__.split(".")[0] in (
+            "qerl_kit", "bench", "humming", "peft", "transformers"):
+        items = list(vars(obj).items())
+    else:
+        return
+    for k, v in items:
+        if v is not None:
+            _tensors(v, f"{prefix}.{k}" if prefix else k, depth - 1, seen, out, device)
+
+
+def _group(path: str) -> str:
+    """A census line: the path with layer numbers folded, so 64 layers' copies sum in one line."""
+    parts = [("N" if p.isdigit() else p) for p in path.split(".")]
+    return ".".join(parts)
+
+
+def census(roots: dict, depth: int = 12, device: str = "cuda") -> tuple[list, int]:
+    """(lines of (group, GiB, count, example dtype/shape), named bytes) over the roots' tensors."""
+    found: dict = {}
+    seen: set = set()
+    for name, obj in roots.items():
+        _tensors(obj, name, depth, seen, found, device)
+    sums: dict = defaultdict(lambda: [0, 0, ""])
+    for path, nbytes, dtype, shape in found.values():
+        g = sums[_group(path)]
+        g[0] += nbytes
+        g[1] += 1
+        g[2] = g[2] or f"{dtype} {shape}"
+    lines = sorted(((k, v[0] / GIB, v[1], v[2]) for k, v in sums.items()), key=lambda x: -x[1])
+    return lines, sum(n for _, n, _, _ in found.values())
+
+
+def main(argv=None) -> int:
+    from bench.step_group import build_policy, forced_static, make_task, plan_row, trainer_for
+
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--model", default="Qwen2.5-32B")
+    p.add_argument("--format", default="nvfp4")
+    p.add_argument("--dense-decode", default="auto", choices=["auto", "on", "off"])
+    p.add_argument("--prompt-len", type=int, default=256)
+    p.add_argument("--new", type=int, default=512, help="forced completion length")
+    p.add_argument("--device", default="cuda", help="cpu: the walk alone, on a small preset (no allocator figures)")
+    p.add_argument("--out", type=Path, required=True)
+    a = p.parse_args(argv)
+    a.out.mkdir(parents=True, exist_ok=True)
+    stages = []
+
+    cuda = a.device == "cuda"
+
+    def mark(stage):
+        if cuda:
+            torch.cuda.synchronize()
+        stages.append((stage, torch.cuda.memory_allocated() / GIB if cuda else 0.0,
+                       torch.cuda.max_memory_allocated() / GIB if cuda else 0.0))
+        print(f"[census] {stage}: allocated {stages[-1][1]:.2f} GiB, peak {stages[-1][2]:.2f}", flush=True)
+
+    peft, tok = build_policy(a.model, a.format, a.device, 32)
+    gc.collect()
+    mark("model + LoRA")
+    P, C = a.prompt_len, a.new
+    args = dict(prompts=8, group=8, prompt_len=P, lora_r=32, steps=1, keep_cache=True, max_rows=64,
+                dense_cache="auto", max_new_tokens=C)
+    case = dict(model=a.model, format=a.format, engine="static", gradient_checkpointing=True, mu=1, micro_batch=8,
+                seed=0, aqn=a.format == "nvfp4")
+    engine = forced_static(peft, tok, ignore_eos=True, keep_cache=True, max_rows=64, dense_decode=a.dense_decode)
+    engine.lengths = [C] * 64
+    mark("engine")
+    trainer = trainer_for(peft, tok, make_task(a.model, peft, P, 64, 0), engine, case, args, C, a.out / "run")
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    trainer._collect(trainer.step)
+    gc.collect()
+    mark("after one rollout")
+    lines, named = census({"policy": peft, "engine": engine}, device=a.device)
+    plan = plan_row(peft, case, args, C)
+    from qerl_kit.memory_plan import plan_memory
+
+    full = plan_memory(peft.get_base_model().config, fmt=a.format, lora_r=32, optimizer="adamw", rollout_batch=64,
+                       prompt_len=P, max_new_tokens=C, micro_batch=8, gradient_checkpointing=True, group_size=8,
+                       engine="static", keep_cache=True, max_rows=64, humming=a.format == "nvfp4")
+    total = stages[-1][1]
+    md = [f"# Memory census after one rollout: {a.model} {a.format}, dense decode {a.dense_decode}", "",
+          f"GPU: {torch.cuda.get_device_name() if cuda else 'none (cpu)'}; torch {torch.__version__}", "",
+          "| stage | allocated GiB | peak GiB |", "|---|---:|---:|"]
+    md += [f"| {s} | {x:.2f} | {y:.2f} |" for s, x, y in stages]
+    md += ["", f"Named tensors: {named / GIB:.2f} GiB of {total:.2f} allocated; unnamed {total - named / GIB:.2f} GiB "
+           "(CUDA-graph pools, closures).", "", "| tensors (layer numbers as N; the 40 largest) | MiB | count | dtype, shape (one of them) |",
+           "|---|---:|---:|---|"]
+    md += [f"| `{k}` | {g * 1024:.1f} | {n} | {ex} |" for k, g, n, ex in lines[:40]]
+    md += ["", f"Plan: rollout peak {plan['plan_rollout_gib']:.2f}, kept {plan['plan_kept_gib']:.2f} GiB; its parts:", "",
+           "| plan part | GiB |", "|---|---:|"] + [f"| {k} | {v / GIB:.3f} |" for k, v in full.parts.items()]
+    (a.out / "census.md").write_text("\n".join(md) + "\n")
+    print("\n".join(md[:60]))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
