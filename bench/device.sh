@@ -45,7 +45,8 @@
 #                             carried with .whl, a later hold starts with them (a 7B shape compiles in ~20 s)
 #   census [MODELS]           where a step's memory sits when its rollout ends, named tensor by tensor against the
 #                             plan's parts (bench.probe_memory_census; MODELS default "Qwen2.5-32B Qwen2.5-7B", NVFP4);
-#                             $OUT/census-<model>/census.md
+#                             $OUT/census-<model>/census.md; CENSUS_ARGS adds flags (--history: each live block's
+#                             allocating line, --dense-decode off)
 #   repro-tests               NVFP4 bit-reproducibility, tests/test_tuning.py compiled: each kernel's bits in two
 #                             processes (humming a non-strict xfail: XPASS means the same bits)
 #   repro [ARGS]              bench.bench_repro (3 processes, one fixed-seed rollout + Trainer step each, sha256s
@@ -262,7 +263,7 @@ nb05)
     > "$OUT/nb05_log.txt" 2>&1; echo "notebook 05 rc=$?"; tail -20 "$OUT/nb05_log.txt" ;;
 census)
   for m in ${1:-Qwen2.5-32B Qwen2.5-7B}; do
-    timeout "${CENSUS_TIMEOUT:-240}" python3 -m bench.probe_memory_census --model "$m" --out "$OUT/census-$m" \
+    timeout "${CENSUS_TIMEOUT:-240}" python3 -m bench.probe_memory_census --model "$m" --out "$OUT/census-$m" ${CENSUS_ARGS:-} \
       > "$OUT/census-$m.log.txt" 2>&1; echo "$m census rc=$?"; grep -E "^\[census\]|Error" "$OUT/census-$m.log.txt" | tail -5
   done ;;
 unsloth)

@@ -5,10 +5,11 @@
 Builds the model and StaticEngine as ``bench.bench_step`` does (random weights, LoRA r32 on every
 projection, 8 prompts x 8, prompt 256, 512 forced tokens, KV cache kept), runs one step's rollout
 (``Trainer._collect``) and then names every live CUDA tensor it can reach: the policy's parameters,
-buffers and module attributes (the packed weights, humming's repacked copies), and the engine's
-attributes, walked a few levels down (fused copies, KV cache, graph buffers). What it cannot name
-(a CUDA-graph pool's intermediates, tensors held only by closures) is the allocator's total less the
-named bytes. It prints ``torch.cuda.memory_allocated`` after each stage and writes census.md beside
+buffers and module attributes (the packed weights), and the engine's attributes, walked a few levels down (fused copies, KV cache, graph buffers), and humming's repacked
+weights (``kernels.nvfp4_humming``'s cache). What it cannot name (a CUDA-graph pool's intermediates,
+tensors held only by closures, cuBLAS workspaces) is the allocator's total less the named bytes;
+``--history`` names those too, by the Python line that allocated each live block. It prints
+``torch.cuda.memory_allocated`` after each stage and writes census.md beside
 the plan's parts for the same settings (``bench.step_group.plan_row``'s call). A prototype for the
 32B plan's shortfall (bench/results/step_h200.md); not part of the package.
 """
@@ -75,6 +76,27 @@ def census(roots: dict, depth: int = 12, device: str = "cuda") -> tuple[list, in
     return lines, sum(n for _, n, _, _ in found.values())
 
 
+OURS = ("/qerl_kit/", "/humming/", "/bench/")
+
+
+def allocation_sites(snapshot: dict, ours=OURS, frames: int = 2) -> list[tuple[str, float, int]]:
+    """(site, GiB, blocks) of the live allocations in a ``torch.cuda.memory._snapshot()`` taken with
+    ``_record_memory_history`` on, largest first: a site is the innermost ``frames`` stack frames in
+    files under ``ours`` (the code that asked for the memory, not torch's internals); blocks
+    allocated before history was on, or with no such frame, fall under ``(no stack)``."""
+    sums: dict = defaultdict(lambda: [0, 0])
+    for seg in snapshot.get("segments", []):
+        for block in seg.get("blocks", []):
+            if block.get("state") != "active_allocated":
+                continue
+            mine = [f for f in block.get("frames", []) if any(o in f.get("filename", "") for o in ours)]
+            site = " < ".join(f"{f['filename'].rsplit('/', 2)[-2]}/{f['filename'].rsplit('/', 1)[-1]}:{f['line']} "
+                              f"{f.get('name', '')}" for f in mine[:frames]) or "(no stack)"
+            sums[site][0] += block["size"]
+            sums[site][1] += 1
+    return sorted(((k, v[0] / GIB, v[1]) for k, v in sums.items()), key=lambda x: -x[1])
+
+
 def main(argv=None) -> int:
     from bench.step_group import build_policy, forced_static, make_task, plan_row, trainer_for
 
@@ -84,6 +106,9 @@ def main(argv=None) -> int:
     p.add_argument("--dense-decode", default="auto", choices=["auto", "on", "off"])
     p.add_argument("--prompt-len", type=int, default=256)
     p.add_argument("--new", type=int, default=512, help="forced completion length")
+    p.add_argument("--history", action="store_true",
+                   help="record every allocation's Python stack (torch.cuda.memory._record_memory_history) and "
+                        "group the live ones by the qerl_kit/humming line that made them")
     p.add_argument("--device", default="cuda", help="cpu: the walk alone, on a small preset (no allocator figures)")
     p.add_argument("--out", type=Path, required=True)
     a = p.parse_args(argv)
@@ -99,6 +124,8 @@ def main(argv=None) -> int:
                        torch.cuda.max_memory_allocated() / GIB if cuda else 0.0))
         print(f"[census] {stage}: allocated {stages[-1][1]:.2f} GiB, peak {stages[-1][2]:.2f}", flush=True)
 
+    if cuda and a.history:
+        torch.cuda.memory._record_memory_history(max_entries=1_000_000, stacks="python")
     peft, tok = build_policy(a.model, a.format, a.device, 32)
     gc.collect()
     mark("model + LoRA")
@@ -116,7 +143,11 @@ def main(argv=None) -> int:
     trainer._collect(trainer.step)
     gc.collect()
     mark("after one rollout")
-    lines, named = census({"policy": peft, "engine": engine}, device=a.device)
+    from qerl_kit.kernels import nvfp4_humming
+
+    humming = {str(k[0]): v[2] for k, v in nvfp4_humming._cache.items()}  # its repacked weights, by packed id
+    lines, named = census({"policy": peft, "engine": engine, "humming": humming}, device=a.device)
+    sites = allocation_sites(torch.cuda.memory._snapshot()) if cuda and a.history else []
     plan = plan_row(peft, case, args, C)
     from qerl_kit.memory_plan import plan_memory
 
@@ -129,13 +160,17 @@ def main(argv=None) -> int:
           "| stage | allocated GiB | peak GiB |", "|---|---:|---:|"]
     md += [f"| {s} | {x:.2f} | {y:.2f} |" for s, x, y in stages]
     md += ["", f"Named tensors: {named / GIB:.2f} GiB of {total:.2f} allocated; unnamed {total - named / GIB:.2f} GiB "
-           "(CUDA-graph pools, closures).", "", "| tensors (layer numbers as N; the 40 largest) | MiB | count | dtype, shape (one of them) |",
+           "(CUDA-graph pools, closures, the cuBLAS workspaces).", "", "| tensors (layer numbers as N; the 40 largest) | MiB | count | dtype, shape (one of them) |",
            "|---|---:|---:|---|"]
     md += [f"| `{k}` | {g * 1024:.1f} | {n} | {ex} |" for k, g, n, ex in lines[:40]]
+    if sites:
+        md += ["", "Live allocations by the line that made them (`--history`; innermost qerl_kit/humming/bench "
+               "frames, the 40 largest):", "", "| site | GiB | blocks |", "|---|---:|---:|"]
+        md += [f"| `{k}` | {g:.3f} | {n} |" for k, g, n in sites[:40]]
     md += ["", f"Plan: rollout peak {plan['plan_rollout_gib']:.2f}, kept {plan['plan_kept_gib']:.2f} GiB; its parts:", "",
            "| plan part | GiB |", "|---|---:|"] + [f"| {k} | {v / GIB:.3f} |" for k, v in full.parts.items()]
     (a.out / "census.md").write_text("\n".join(md) + "\n")
-    print("\n".join(md[:60]))
+    print("\n".join(md[:120]))
     return 0
 
 
