@@ -5,12 +5,17 @@ same run, on Qwen2.5-7B with random weights, LoRA r = 32, a 256-token prompt and
 
     python -m bench.bench_lora_engine --out bench/results
     python -m bench.bench_lora_engine --smoke --out /tmp/x   # CPU, tiny model
+    python -m bench.bench_lora_engine --tiling 8,64,4 --batches 8 64 --out OUT   # one more path: that Tiling
+
+``--tiling SPLITS,BLOCK_M,N_BLOCKS`` adds the grouped kernels cut by that ``lora_triton.Tiling`` as a
+path of its own (``bench.bench_lora_tiling`` times the tilings launch by launch).
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 from pathlib import Path
 
 import torch
@@ -18,7 +23,7 @@ import torch
 from bench import bench_rollout as br
 
 import qerl_kit.rollout.static.fast as fast
-from qerl_kit.kernels.lora_triton import lora_apply_, lora_apply_ref_
+from qerl_kit.kernels.lora_triton import Tiling, lora_apply_, lora_apply_ref_
 
 PATHS = {"torch ops": lora_apply_ref_, "grouped kernels": lora_apply_, "no LoRA work": lambda y, *args: y}
 
@@ -30,7 +35,15 @@ def main() -> None:
     ap.add_argument("--batches", nargs="+", type=int, default=[1, 8])
     ap.add_argument("--new", type=int, default=256)
     ap.add_argument("--smoke", action="store_true", help="CPU, a tiny model, a few tokens")
+    ap.add_argument("--tiling", default=None, help="SPLITS,BLOCK_M,N_BLOCKS: one more path, the kernels so cut")
     args = ap.parse_args()
+    paths = dict(PATHS)
+    if args.tiling:
+        splits, block_m, n_blocks = (int(v) for v in args.tiling.split(","))
+        tiling = Tiling(max_splits=splits, block_m=block_m, n_blocks=n_blocks)
+        paths = {"torch ops": PATHS["torch ops"], "grouped kernels": lora_apply_,
+                 f"grouped kernels, tiling {args.tiling}": functools.partial(lora_apply_, tiling=tiling),
+                 "no LoRA work": PATHS["no LoRA work"]}
     device = "cuda" if torch.cuda.is_available() else "cpu"
     prompt, vocab, rank = 256, 152064, 32
     if args.smoke:
@@ -40,8 +53,8 @@ def main() -> None:
     lines = [f"# Engine decode step, LoRA paths ({gpu}, {datetime.date.today()}, torch {torch.__version__})", "",
              f"{args.model}, random weights, LoRA r = {rank} on every projection, prompt {prompt}, {args.new} new "
              f"tokens, {'CUDA graphs' if device == 'cuda' else 'eager (CPU)'}; decode ms per step, all in one run.", "",
-             "| weights | batch | " + " | ".join(PATHS) + " | LoRA cost, torch -> kernels |",
-             "|---|---:|" + "---:|" * len(PATHS) + "---|"]
+             "| weights | batch | " + " | ".join(paths) + " | LoRA cost, each path in turn (less no LoRA work) |",
+             "|---|---:|" + "---:|" * len(paths) + "---|"]
     original = fast.lora_apply_
     try:
         for fmt in ("nvfp4", "bf16"):
@@ -49,12 +62,12 @@ def main() -> None:
             for batch in args.batches:
                 prompts = br.random_prompts(batch, prompt, vocab)
                 ms = {}
-                for name, fn in PATHS.items():
+                for name, fn in paths.items():
                     fast.lora_apply_ = fn  # the fused step looks the function up at every call
                     ms[name] = br.engine_run(model, prompts, args.new)["ms_per_step"]
                 base = ms["no LoRA work"]
-                lines.append(f"| {fmt} | {batch} | " + " | ".join(f"{v:.2f}" for v in ms.values())
-                             + f" | {ms['torch ops'] - base:.2f} -> {ms['grouped kernels'] - base:.2f} ms |")
+                costs = " -> ".join(f"{v - base:.2f}" for k, v in ms.items() if k != "no LoRA work")
+                lines.append(f"| {fmt} | {batch} | " + " | ".join(f"{v:.2f}" for v in ms.values()) + f" | {costs} ms |")
                 print(lines[-1], flush=True)
             del model
             br.free()

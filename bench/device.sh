@@ -43,6 +43,10 @@
 #                             MODELS default "Qwen2.5-0.5B Qwen2.5-1.5B", MS (rows) default "1 8 64"; $OUT/routes
 #   hc-save                   humming's compiled kernels of this hold as $OUT/hc/hc.tgz.part_*; copied to .whl/hc/ here and
 #                             carried with .whl, a later hold starts with them (a 7B shape compiles in ~20 s)
+#   lora-tiling [MODEL] [TILING]  the decode step's grouped LoRA under each lora_triton.Tiling at MODEL's (default
+#                             Qwen2.5-7B) group shapes, 8 / 64 / 128 rows (bench.bench_lora_tiling, $OUT/lora-tiling); with
+#                             TILING (SPLITS,BLOCK_M,N_BLOCKS) also the engine's decode step with it against the default,
+#                             batches 8 and 64, 256 new tokens (bench.bench_lora_engine --tiling)
 #   census [MODELS]           where a step's memory sits when its rollout ends, named tensor by tensor against the
 #                             plan's parts (bench.probe_memory_census; MODELS default "Qwen2.5-32B Qwen2.5-7B", NVFP4);
 #                             $OUT/census-<model>/census.md; CENSUS_ARGS adds flags (--history: each live block's
@@ -261,6 +265,16 @@ nb05)
   python3 -m bench.install_missing_wheels .whl/nb --target /tmp/nbsite && export PYTHONPATH="/tmp/nbsite:$PYTHONPATH"
   timeout "${NB_TIMEOUT:-500}" python3 scripts/execute_notebooks.py notebooks/05_gpu_real_model.ipynb --out "$OUT/nb05" \
     > "$OUT/nb05_log.txt" 2>&1; echo "notebook 05 rc=$?"; tail -20 "$OUT/nb05_log.txt" ;;
+lora-tiling)
+  mkdir -p "$OUT/lora-tiling"
+  timeout "${TILING_TIMEOUT:-300}" python3 -m bench.bench_lora_tiling --model "${1:-Qwen2.5-7B}" --out "$OUT/lora-tiling" \
+    > "$OUT/lora-tiling/log.txt" 2>&1
+  echo "bench_lora_tiling rc=$?"; grep -E "^Default|Error" "$OUT/lora-tiling/lora_tiling.md" "$OUT/lora-tiling/log.txt" | tail -6
+  if [ -n "${2:-}" ]; then
+    timeout 300 python3 -m bench.bench_lora_engine --model "${1:-Qwen2.5-7B}" --tiling "$2" --batches 8 64 \
+      --out "$OUT/lora-tiling" > "$OUT/lora-tiling/engine_log.txt" 2>&1; echo "bench_lora_engine rc=$?"
+    grep "^|" "$OUT/lora-tiling/lora_engine_h200.md" 2>/dev/null
+  fi ;;
 census)
   for m in ${1:-Qwen2.5-32B Qwen2.5-7B}; do
     timeout "${CENSUS_TIMEOUT:-240}" python3 -m bench.probe_memory_census --model "$m" --out "$OUT/census-$m" ${CENSUS_ARGS:-} \

@@ -17,7 +17,7 @@ triton = pytest.importorskip("triton", reason="the fused kernels need triton")
 from qerl_kit.rollout import StaticEngine  # noqa: E402
 from qerl_kit.rollout.static.fused import (add_rmsnorm, add_rmsnorm_ref, rope_to_cache,  # noqa: E402
                                             rope_to_cache_ref, silu_mul, silu_mul_ref)
-from qerl_kit.kernels.lora_triton import kernels_take, lora_apply_, lora_apply_ref_  # noqa: E402
+from qerl_kit.kernels.lora_triton import Tiling, kernels_take, lora_apply_, lora_apply_ref_, lora_shrink  # noqa: E402
 from qerl_kit.lora import attach_lora  # noqa: E402
 from qerl_kit.models import build_model  # noqa: E402
 from qerl_kit.quantize import quantize_model  # noqa: E402
@@ -284,6 +284,30 @@ def test_grouped_lora_matches_torch_path(ranks, outs, m, k):
     assert not torch.equal(got, y)
     tol = 1e-4 if dtype == torch.float32 else 2e-2  # bf16: t rounded once either way, sums may differ in order
     torch.testing.assert_close(got, want, atol=tol * want.abs().max().item(), rtol=0)
+
+
+@pytest.mark.parametrize("tiling", [Tiling(max_splits=1), Tiling(max_splits=4, block_m=64, n_blocks=4),
+                                    Tiling(block_m=32, n_blocks=2), Tiling(max_splits=3, n_blocks=8)], ids=str)
+@pytest.mark.parametrize("m,k", [(5, 600), (19, 2048)])
+def test_grouped_lora_tilings_match_the_torch_path(tiling, m, k):
+    # fewer K chunks, more rows or more column blocks per program: the same sums, cut differently
+    dtype = torch.bfloat16 if CUDA else torch.float32
+    x, As, Bs, offsets, y = _lora_case([8, 16], [40, 330], m, k, dtype, seed=m + tiling.n_blocks)
+    part = lora_shrink(x, As, tiling)
+    # K in chunks of 256 x j, at most max_splits of them (the default would cut 2048 into 8)
+    assert part.splits <= tiling.max_splits and (part.splits > 1) == (tiling.max_splits > 1)
+    want = lora_apply_ref_(y.clone(), x, As, Bs, offsets, [0.5, 2.0])
+    got = lora_apply_(y.clone(), x, As, Bs, offsets, [0.5, 2.0], tiling)
+    assert torch.equal(got[:, :2], y[:, :2]) and torch.equal(got[:, -3:], y[:, -3:])
+    tol = 1e-4 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got, want, atol=tol * want.abs().max().item(), rtol=0)
+
+
+@pytest.mark.parametrize("key,value", [("max_splits", 0), ("max_splits", 33), ("block_m", 8), ("n_blocks", 3),
+                                       ("block_m", True)])
+def test_a_tiling_outside_the_kernels_range_is_refused_with_its_key(key, value):
+    with pytest.raises(ValueError, match=f"Tiling.{key} must be .*got {value!r}"):
+        Tiling(**{key: value})
 
 
 def test_grouped_lora_falls_back_beyond_its_limits():

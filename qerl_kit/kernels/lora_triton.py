@@ -39,6 +39,30 @@ MAX_SPLITS = 32  # K chunks of the shrink, summed (unrolled) by every expand pro
 FLOATS = (torch.bfloat16, torch.float16, torch.float32)  # the dtypes the kernels take
 
 
+@dataclass(frozen=True)
+class Tiling:
+    """How the two launches cut their work. ``max_splits``: the most K chunks the shrink writes partial
+    sums for (more spread a long K over the GPU; every expand program reads all of them);
+    ``block_m``: rows per expand program; ``n_blocks``: 64-column blocks per expand program, which
+    sums its rows' partials once for all of them. The default is the tiling every committed
+    measurement ran; ``bench/bench_lora_tiling.py`` times the others at a model's decode shapes."""
+
+    max_splits: int = MAX_SPLITS
+    block_m: int = 16
+    n_blocks: int = 1
+
+    def __post_init__(self):
+        for key, value, allowed, says in (
+                ("max_splits", self.max_splits, range(1, MAX_SPLITS + 1), f"an int in 1..{MAX_SPLITS}"),
+                ("block_m", self.block_m, (16, 32, 64), "16, 32 or 64"),
+                ("n_blocks", self.n_blocks, (1, 2, 4, 8), "1, 2, 4 or 8")):
+            if not isinstance(value, int) or isinstance(value, bool) or value not in allowed:
+                raise ValueError(f"Tiling.{key} must be {says}; got {value!r}")
+
+
+DEFAULT_TILING = Tiling()
+
+
 def _pad(v, fill) -> list:
     """A per-adapter list padded to MAX_ADAPTERS with ``fill`` (the kernels take three of each)."""
     return list(v) + [fill] * (MAX_ADAPTERS - len(v))
@@ -105,15 +129,16 @@ if HAS_TRITON:
     @triton.jit
     def _expand_kernel(y_ptr, p_ptr, a0, b0, b1, b2, M, RT, stride_ym, sb0, sb1, sb2, n0, n1, n2,
                        o0, o1, o2, r0, r1, r2, c1, c2, s0, s1, s2, SPLITS: tl.constexpr,
-                       IEEE: tl.constexpr, INTERPRET: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr):
-        """y[m, o_i + n] += s_i * t_i[m, :] . B_i[n, :], t_i the summed partials rounded as torch does."""
+                       IEEE: tl.constexpr, INTERPRET: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                       BLOCK_R: tl.constexpr, N_BLOCKS: tl.constexpr):
+        """y[m, o_i + n] += s_i * t_i[m, :] . B_i[n, :], t_i the summed partials rounded as torch does;
+        one program sums t's partials once for N_BLOCKS consecutive blocks of BLOCK_N columns."""
         pid_n, i, pid_m = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         b_ptr, sb = _pick(i, b0, b1, b2), _sel(i, sb0, sb1, sb2)
         n, o, r = _sel(i, n0, n1, n2), _sel(i, o0, o1, o2), _sel(i, r0, r1, r2)
         c, s = _sel(i, 0, c1, c2), _sel(i, s0, s1, s2)
-        if pid_n * BLOCK_N < n:
+        if pid_n * BLOCK_N * N_BLOCKS < n:
             offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-            offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
             offs_r = tl.arange(0, BLOCK_R)
             t_mask = (offs_m[:, None] < M) & (offs_r[None, :] < r)
             t = tl.zeros((BLOCK_M, BLOCK_R), tl.float32)
@@ -121,13 +146,15 @@ if HAS_TRITON:
                 t += tl.load(p_ptr + (split * M + offs_m[:, None]) * RT + (c + offs_r)[None, :], mask=t_mask,
                              other=0.0)
             tt = t.to(a0.dtype.element_ty).to(y_ptr.dtype.element_ty)  # x @ A^T in A's dtype, then y's
-            bb = tl.load(b_ptr + offs_n[:, None] * sb + offs_r[None, :],
-                         mask=(offs_n[:, None] < n) & (offs_r[None, :] < r), other=0.0).to(tt.dtype)
-            acc = dot_f32(tt, tl.trans(bb), IEEE, INTERPRET)
-            mask = (offs_m[:, None] < M) & (offs_n[None, :] < n)
-            y_ptrs = y_ptr + offs_m[:, None] * stride_ym + (o + offs_n)[None, :]
-            y = tl.load(y_ptrs, mask=mask, other=0.0).to(tl.float32)
-            tl.store(y_ptrs, (y + s * acc).to(y_ptr.dtype.element_ty), mask=mask)
+            for nb in tl.static_range(N_BLOCKS):
+                offs_n = (pid_n * N_BLOCKS + nb) * BLOCK_N + tl.arange(0, BLOCK_N)
+                bb = tl.load(b_ptr + offs_n[:, None] * sb + offs_r[None, :],
+                             mask=(offs_n[:, None] < n) & (offs_r[None, :] < r), other=0.0).to(tt.dtype)
+                acc = dot_f32(tt, tl.trans(bb), IEEE, INTERPRET)
+                mask = (offs_m[:, None] < M) & (offs_n[None, :] < n)
+                y_ptrs = y_ptr + offs_m[:, None] * stride_ym + (o + offs_n)[None, :]
+                y = tl.load(y_ptrs, mask=mask, other=0.0).to(tl.float32)
+                tl.store(y_ptrs, (y + s * acc).to(y_ptr.dtype.element_ty), mask=mask)
 
 
 def lora_apply_ref_(y: Tensor, x: Tensor, As: list[Tensor], Bs: list[Tensor], offsets: list[int],
@@ -193,7 +220,7 @@ class LoraDelta:
         return max(16, triton.next_power_of_2(max(self.part.ranks)))
 
 
-def lora_shrink(x: Tensor, As: list[Tensor]) -> LoraPartials:
+def lora_shrink(x: Tensor, As: list[Tensor], tiling: Tiling = DEFAULT_TILING) -> LoraPartials:
     """The shrink launch of ``lora_apply_`` alone (for what ``kernels_take`` takes)."""
     m, k = x.shape
     ranks = [a.shape[0] for a in As]
@@ -201,7 +228,7 @@ def lora_shrink(x: Tensor, As: list[Tensor]) -> LoraPartials:
     block_m, block_k = 16, 256
     m_blocks = triton.cdiv(m, block_m)
     steps = triton.cdiv(k, block_k)
-    chunk = block_k * triton.cdiv(steps, MAX_SPLITS)  # K in at most MAX_SPLITS chunks of 256 * j
+    chunk = block_k * triton.cdiv(steps, tiling.max_splits)  # K in at most max_splits chunks of 256 * j
     splits = triton.cdiv(k, chunk)
     partials = torch.empty((splits, m, rt), dtype=torch.float32, device=x.device)
     part = LoraPartials(partials, ranks, As[0])
@@ -226,7 +253,7 @@ def lora_expand_ref_(y: Tensor, lora: LoraDelta) -> Tensor:
     return y
 
 
-def lora_expand_(y: Tensor, lora: LoraDelta) -> Tensor:
+def lora_expand_(y: Tensor, lora: LoraDelta, tiling: Tiling = DEFAULT_TILING) -> Tensor:
     """Apply a pending expand to y in place (the expand launch of ``lora_apply_``)."""
     part, Bs = lora.part, lora.Bs
     floats = FLOATS
@@ -240,21 +267,21 @@ def lora_expand_(y: Tensor, lora: LoraDelta) -> Tensor:
     pad = _pad
     ranks, cols = part.ranks, pad(part.cols, 0)
     r3, n3, Bs3 = pad(ranks, 0), pad([b.shape[0] for b in Bs], 0), pad(Bs, Bs[0])
-    block_m = 16
-    _expand_kernel[(triton.cdiv(max(n3), 64), n_ad, triton.cdiv(m, block_m))](
+    block_m, cols_per_program = tiling.block_m, 64 * tiling.n_blocks
+    _expand_kernel[(triton.cdiv(max(n3), cols_per_program), n_ad, triton.cdiv(m, block_m))](
         y, part.p, part.a_like, *Bs3, m, part.p.shape[2], y.stride(0), *[b.stride(0) for b in Bs3], *n3,
         *pad(lora.offsets, 0), *r3, cols[1], cols[2], *[float(s) for s in pad(lora.scales, 0.0)],
         SPLITS=part.splits, IEEE=y.dtype == torch.float32, INTERPRET=interpreting(), BLOCK_M=block_m, BLOCK_N=64,
-        BLOCK_R=lora.block_r)
+        BLOCK_R=lora.block_r, N_BLOCKS=tiling.n_blocks)
     return y
 
 
 def lora_apply_(y: Tensor, x: Tensor, As: list[Tensor], Bs: list[Tensor], offsets: list[int],
-                scales: list[float]) -> Tensor:
-    """``lora_apply_ref_`` in two launches (``lora_shrink``, ``lora_expand_``) where ``kernels_take``
-    says so; y is updated in place."""
+                scales: list[float], tiling: Tiling = DEFAULT_TILING) -> Tensor:
+    """``lora_apply_ref_`` in two launches (``lora_shrink``, ``lora_expand_``, cut as ``tiling`` says)
+    where ``kernels_take`` says so; y is updated in place."""
     if not kernels_take(y, x, As, Bs):
         return lora_apply_ref_(y, x, As, Bs, offsets, scales)
     if x.shape[0] == 0:
         return y
-    return lora_expand_(y, LoraDelta(lora_shrink(x, As), Bs, offsets, scales))
+    return lora_expand_(y, LoraDelta(lora_shrink(x, As, tiling), Bs, offsets, scales), tiling)

@@ -1,0 +1,142 @@
+"""The decode step's grouped LoRA (``qerl_kit.kernels.lora_triton``) under each ``Tiling``, at a model's
+four projection groups and the decode row counts a GRPO rollout has, in one run.
+
+    python -m bench.bench_lora_tiling --model Qwen2.5-7B --out bench/results/lora_tiling_h100
+    python -m bench.bench_lora_tiling --smoke --out /tmp/x      # CPU (TRITON_INTERPRET=1), tiny shapes
+
+Each (group, rows, tiling) is one shrink + expand on random bf16 inputs (LoRA r ``--rank`` on every
+projection, peft's layout), timed as microseconds per call inside a CUDA graph of 100 calls (the
+engine replays its decode step as a graph); every tiling's output is checked against the torch path
+first (``lora_apply_ref_``, relative error). The report sets each tiling against the default (the one
+every committed step measurement ran) and adds the per-layer sum of the four groups: times the layers,
+the milliseconds a decode step would save. Why: the 7B NVFP4 rollout's profile on an H100 spent 705 ms of
+about 2870 ms of decode GPU time in these two launches (bench/results/step_h200.md, hold 6); the expand
+re-reads every K chunk's float32 partial sums in each of its programs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import itertools
+import time
+from pathlib import Path
+
+import torch
+
+from qerl_kit.kernels.lora_triton import DEFAULT_TILING, Tiling, lora_apply_, lora_apply_ref_
+from qerl_kit.models import PRESETS
+
+GROUPS = ("qkv", "o", "gate_up", "down")
+
+
+def group_shapes(model: str) -> dict[str, tuple[int, list[int]]]:
+    """(K, the output widths of the group's projections) of each fused group of one layer."""
+    c = PRESETS[model]
+    h, i = c["hidden_size"], c["intermediate_size"]
+    d = c.get("head_dim", h // c["num_attention_heads"])
+    q, kv = c["num_attention_heads"] * d, c["num_key_value_heads"] * d
+    return {"qkv": (h, [q, kv, kv]), "o": (q, [h]), "gate_up": (h, [i, i]), "down": (i, [h])}
+
+
+def tilings(smoke: bool) -> list[Tiling]:
+    """The default first, then the grid the kernels take (a smaller one for the CPU smoke run)."""
+    if smoke:
+        grid = [Tiling(max_splits=2, block_m=16, n_blocks=2), Tiling(max_splits=1, block_m=32, n_blocks=1)]
+    else:
+        grid = [Tiling(max_splits=s, block_m=m, n_blocks=n)
+                for s, m, n in itertools.product((32, 8, 4, 2), (16, 32, 64), (1, 4, 8))]
+    return [DEFAULT_TILING] + [t for t in grid if t != DEFAULT_TILING]
+
+
+def case(k: int, outs: list[int], m: int, rank: int, device: str, dtype: torch.dtype, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    mk = lambda *shape, scale=1.0: (torch.randn(*shape, generator=g) * scale).to(device, dtype)  # noqa: E731
+    As = [mk(rank, k, scale=k ** -0.5) for _ in outs]
+    Bs = [mk(n, rank, scale=0.01) for n in outs]
+    offsets = [sum(outs[:j]) for j in range(len(outs))]
+    return mk(m, k), As, Bs, offsets, mk(m, sum(outs))
+
+
+def timed_us(fn, device: str, reps: int = 100) -> float:
+    """Microseconds per call: inside a CUDA graph of ``reps`` calls on a GPU, eager on the CPU."""
+    fn()
+    if device != "cuda":
+        t = time.perf_counter()
+        fn()
+        return (time.perf_counter() - t) * 1e6
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(reps):
+            fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(5):
+        graph.replay()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t) / (5 * reps) * 1e6
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", default="Qwen2.5-7B", choices=sorted(PRESETS))
+    ap.add_argument("--rows", nargs="+", type=int, default=[8, 64, 128])
+    ap.add_argument("--rank", type=int, default=32)
+    ap.add_argument("--smoke", action="store_true", help="CPU: a tiny model, two rows counts, two tilings")
+    ap.add_argument("--out", type=Path, required=True)
+    a = ap.parse_args(argv)
+    device = "cuda" if torch.cuda.is_available() and not a.smoke else "cpu"
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    if a.smoke:
+        a.model, a.rows, a.rank = "qwen2-tiny", [1, 5], 4
+    shapes, layers = group_shapes(a.model), PRESETS[a.model]["num_hidden_layers"]
+    a.out.mkdir(parents=True, exist_ok=True)
+    gpu = torch.cuda.get_device_name() if device == "cuda" else "cpu (interpreter: times mean nothing)"
+    results: dict = {}  # (rows, tiling) -> {group: us}
+    worst = 0.0
+    for m in a.rows:
+        for gi, group in enumerate(GROUPS):
+            k, outs = shapes[group]
+            x, As, Bs, offsets, y = case(k, outs, m, a.rank, device, dtype, seed=m * 10 + gi)
+            scales = [2.0] * len(outs)
+            want = lora_apply_ref_(y.clone(), x, As, Bs, offsets, scales).float()
+            for tiling in tilings(a.smoke):
+                got = lora_apply_(y.clone(), x, As, Bs, offsets, scales, tiling).float()
+                err = ((got - want).abs().max() / want.abs().max().clamp(min=1e-30)).item()
+                worst = max(worst, err)
+                work = y.clone()
+                us = timed_us(lambda: lora_apply_(work, x, As, Bs, offsets, scales, tiling), device)
+                results.setdefault((m, tiling), {})[group] = us
+            print(f"[tiling] rows {m} {group}: default {results[(m, DEFAULT_TILING)][group]:.1f} us", flush=True)
+    name = lambda t: f"splits {t.max_splits}, block_m {t.block_m}, n_blocks {t.n_blocks}"  # noqa: E731
+    lines = [f"# Grouped LoRA tilings, {a.model} decode shapes ({gpu}, {datetime.date.today()}, torch {torch.__version__})",
+             "", f"LoRA r {a.rank} on every projection, {dtype}; microseconds per shrink + expand "
+             f"({'in a CUDA graph of 100 calls' if device == 'cuda' else 'eager'}); largest error against the torch "
+             f"path over every case: {worst:.2e} of its largest output. `python -m bench.bench_lora_tiling "
+             f"--model {a.model} --out ...`.", ""]
+    for m in a.rows:
+        base = results[(m, DEFAULT_TILING)]
+        base_sum = sum(base.values())
+        ranked = sorted((t for (mm, t) in results if mm == m), key=lambda t: sum(results[(m, t)].values()))
+        lines += [f"## {m} rows", "", "| tiling | " + " | ".join(GROUPS) + " | layer | per decode step, ms |",
+                  "|---|" + "---:|" * (len(GROUPS) + 2)]
+        best_per_group = {g: min(results[(m, t)][g] for t in ranked) for g in GROUPS}
+        for t in [DEFAULT_TILING] + [t for t in ranked if t != DEFAULT_TILING][:8]:
+            r = results[(m, t)]
+            lines.append(f"| {name(t)}{' (default)' if t == DEFAULT_TILING else ''} | "
+                         + " | ".join(f"{r[g]:.1f}" for g in GROUPS)
+                         + f" | {sum(r.values()):.1f} | {sum(r.values()) * layers / 1000:.3f} |")
+        lines.append("| best per group | " + " | ".join(f"{best_per_group[g]:.1f}" for g in GROUPS)
+                     + f" | {sum(best_per_group.values()):.1f} | {sum(best_per_group.values()) * layers / 1000:.3f} |")
+        lines += ["", f"Default {base_sum * layers / 1000:.3f} ms per decode step; the best single tiling "
+                  f"({name(ranked[0])}) {sum(results[(m, ranked[0])].values()) * layers / 1000:.3f}; the best per "
+                  f"group {sum(best_per_group.values()) * layers / 1000:.3f}.", ""]
+    (a.out / "lora_tiling.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

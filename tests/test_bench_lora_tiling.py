@@ -1,0 +1,36 @@
+"""bench.bench_lora_tiling: every tiling's output is checked against the torch path before it is
+timed, and the report sets the default first with the per-step projection (CPU smoke run in Triton's
+interpreter, a subprocess so the interpreter is on before Triton's import)."""
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+from bench.bench_lora_tiling import group_shapes, tilings
+from qerl_kit.kernels.lora_triton import DEFAULT_TILING
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_group_shapes_are_the_fused_groups_of_a_layer():
+    s = group_shapes("Qwen2.5-7B")
+    assert s == {"qkv": (3584, [3584, 512, 512]), "o": (3584, [3584]), "gate_up": (3584, [18944, 18944]),
+                 "down": (18944, [3584])}
+
+
+def test_the_grid_starts_with_the_default_and_holds_it_once():
+    for smoke in (True, False):
+        grid = tilings(smoke)
+        assert grid[0] == DEFAULT_TILING and grid.count(DEFAULT_TILING) == 1 and len(set(grid)) == len(grid)
+
+
+def test_the_smoke_run_reports_every_rows_count_with_a_small_error(tmp_path):
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run([sys.executable, "-m", "bench.bench_lora_tiling", "--smoke", "--out", str(tmp_path)],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    md = (tmp_path / "lora_tiling.md").read_text()
+    assert "## 1 rows" in md and "## 5 rows" in md and md.count("(default) |") == 2
+    err = float(re.search(r"largest error against the torch path over every case: ([0-9.e+-]+)", md).group(1))
+    assert err < 1e-4  # float32 on the CPU: the same sums, cut into other chunks
