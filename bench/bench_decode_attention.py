@@ -19,6 +19,7 @@ from pathlib import Path
 
 import torch
 
+from bench.common import graph_us
 from qerl_kit.kernels.decode_attention import Prefix, decode_attention
 
 SHAPES = {"Qwen2.5-7B": (4, 7, 128), "Qwen2.5-32B": (8, 5, 128)}  # kv heads, query heads per kv head, head dim
@@ -26,19 +27,7 @@ SHAPES = {"Qwen2.5-7B": (4, 7, 128), "Qwen2.5-32B": (8, 5, 128)}  # kv heads, qu
 
 def timed(fn, reps: int = 200) -> float:
     """Microseconds per call of ``fn`` captured in a CUDA graph of ``reps`` calls."""
-    fn()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(reps):
-            fn()
-    g.replay()
-    torch.cuda.synchronize()
-    t = time.perf_counter()
-    for _ in range(3):
-        g.replay()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - t) / (3 * reps) * 1e6
+    return graph_us(fn, reps, replays=3)
 
 
 def copy_bandwidth() -> float:

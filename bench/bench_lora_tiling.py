@@ -19,11 +19,11 @@ from __future__ import annotations
 import argparse
 import datetime
 import itertools
-import time
 from pathlib import Path
 
 import torch
 
+from bench.common import graph_us
 from qerl_kit.kernels.lora_triton import DEFAULT_TILING, Tiling, lora_apply_, lora_apply_ref_
 from qerl_kit.models import PRESETS
 
@@ -58,27 +58,6 @@ def case(k: int, outs: list[int], m: int, rank: int, device: str, dtype: torch.d
     return mk(m, k), As, Bs, offsets, mk(m, sum(outs))
 
 
-def timed_us(fn, device: str, reps: int = 100) -> float:
-    """Microseconds per call: inside a CUDA graph of ``reps`` calls on a GPU, eager on the CPU."""
-    fn()
-    if device != "cuda":
-        t = time.perf_counter()
-        fn()
-        return (time.perf_counter() - t) * 1e6
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(reps):
-            fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    t = time.perf_counter()
-    for _ in range(5):
-        graph.replay()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - t) / (5 * reps) * 1e6
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default="Qwen2.5-7B", choices=sorted(PRESETS))
@@ -107,7 +86,7 @@ def main(argv=None) -> int:
                 err = ((got - want).abs().max() / want.abs().max().clamp(min=1e-30)).item()
                 worst = max(worst, err)
                 work = y.clone()
-                us = timed_us(lambda: lora_apply_(work, x, As, Bs, offsets, scales, tiling), device)
+                us = graph_us(lambda: lora_apply_(work, x, As, Bs, offsets, scales, tiling), replays=5, device=device)
                 results.setdefault((m, tiling), {})[group] = us
             print(f"[tiling] rows {m} {group}: default {results[(m, DEFAULT_TILING)][group]:.1f} us", flush=True)
     name = lambda t: f"splits {t.max_splits}, block_m {t.block_m}, n_blocks {t.n_blocks}"  # noqa: E731

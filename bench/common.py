@@ -152,6 +152,29 @@ def copy_bandwidth(device: str) -> float:
     return 2 * a.numel() * 4 * reps / (time.perf_counter() - t)
 
 
+def graph_us(fn, reps: int = 100, replays: int = 3, device: str = "cuda") -> float:
+    """Microseconds per call of ``fn``, captured ``reps`` times in one CUDA graph and replayed
+    ``replays`` times after a warm replay (how the engine runs its decode step); eager, one timed call
+    after a warm one, where ``device`` is the CPU or there is no GPU."""
+    fn()
+    if device == "cpu" or not torch.cuda.is_available():
+        t = time.perf_counter()
+        fn()
+        return (time.perf_counter() - t) * 1e6
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(reps):
+            fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(replays):
+        graph.replay()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t) / (replays * reps) * 1e6
+
+
 # -- prompts -------------------------------------------------------------------------------------
 def random_prompts(batch: int, length: int, vocab: int, seed: int = 0) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
