@@ -45,7 +45,7 @@ def tilings(smoke: bool) -> list[Tiling]:
         grid = [Tiling(max_splits=2, block_m=16, n_blocks=2), Tiling(max_splits=1, block_m=32, n_blocks=1)]
     else:
         grid = [Tiling(max_splits=s, block_m=m, n_blocks=n)
-                for s, m, n in itertools.product((32, 8, 4, 2), (16, 32, 64), (1, 4, 8))]
+                for s, m, n in itertools.product((32, 8, 4, 2, 1), (16, 32, 64), (1, 4, 8))]
     return [DEFAULT_TILING] + [t for t in grid if t != DEFAULT_TILING]
 
 

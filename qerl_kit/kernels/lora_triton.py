@@ -43,7 +43,7 @@ FLOATS = (torch.bfloat16, torch.float16, torch.float32)  # the dtypes the kernel
 class Tiling:
     """How the two launches cut their work. ``max_splits``: the most K chunks the shrink writes partial
     sums for (more spread a long K over the GPU; every expand program reads all of them);
-    ``block_m``: rows per expand program; ``n_blocks``: 64-column blocks per expand program, which
+    ``block_m``: rows per program of either launch; ``n_blocks``: 64-column blocks per expand program, which
     sums its rows' partials once for all of them. The default is the tiling every committed
     measurement ran; ``bench/bench_lora_tiling.py`` times the others at a model's decode shapes."""
 
@@ -225,7 +225,7 @@ def lora_shrink(x: Tensor, As: list[Tensor], tiling: Tiling = DEFAULT_TILING) ->
     m, k = x.shape
     ranks = [a.shape[0] for a in As]
     rt = sum(ranks)
-    block_m, block_k = 16, 256
+    block_m, block_k = tiling.block_m, 256
     m_blocks = triton.cdiv(m, block_m)
     steps = triton.cdiv(k, block_k)
     chunk = block_k * triton.cdiv(steps, tiling.max_splits)  # K in at most max_splits chunks of 256 * j
