@@ -267,7 +267,7 @@ nb05)
     > "$OUT/nb05_log.txt" 2>&1; echo "notebook 05 rc=$?"; tail -20 "$OUT/nb05_log.txt" ;;
 lora-tiling)
   mkdir -p "$OUT/lora-tiling"
-  timeout "${TILING_TIMEOUT:-300}" python3 -m bench.bench_lora_tiling --model "${1:-Qwen2.5-7B}" --out "$OUT/lora-tiling" \
+  timeout "${TILING_TIMEOUT:-450}" python3 -m bench.bench_lora_tiling --model "${1:-Qwen2.5-7B}" --out "$OUT/lora-tiling" \
     > "$OUT/lora-tiling/log.txt" 2>&1
   echo "bench_lora_tiling rc=$?"; grep -E "^Default|Error" "$OUT/lora-tiling/lora_tiling.md" "$OUT/lora-tiling/log.txt" | tail -6
   if [ -n "${2:-}" ]; then
