@@ -9,7 +9,8 @@ mostly launch latency. Here it is two:
 * shrink: ``t = x @ [A_1; ...; A_n]^T`` as float32 partial sums over chunks of K (one program per
   16 adapter rows of one adapter and one chunk: a long K is spread over the GPU, no atomics);
 * expand: sums the partials in chunk order, rounds them to ``t``, and adds
-  ``y[:, off_i : off_i + n_i] += s_i * t_i @ B_i^T`` (one program per output block).
+  ``y[:, off_i : off_i + n_i] += s_i * t_i @ B_i^T`` (one program per output block, or per
+  ``n_blocks`` of them: ``Tiling`` sets the chunks, rows and blocks of both launches).
 
 Both read the adapters where peft keeps them, so an optimizer's in-place update is seen by CUDA
 graphs captured earlier, and both round as the torch path does: ``t`` to the adapters' dtype and
