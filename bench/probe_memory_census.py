@@ -97,6 +97,18 @@ def allocation_sites(snapshot: dict, ours=OURS, frames: int = 2) -> list[tuple[s
     return sorted(((k, v[0] / GIB, v[1]) for k, v in sums.items()), key=lambda x: -x[1])
 
 
+def pool_gib(snapshot: dict) -> dict[str, float]:
+    """Live bytes (GiB) of a ``torch.cuda.memory_snapshot()`` by pool: PyTorch's default pool (pool id
+    (0, 0)) and the private pools CUDA-graph captures allocate from, which hold what a captured step
+    allocated (its static outputs and any block it never freed) for as long as the graph lives."""
+    out = {"default pool": 0.0, "CUDA-graph pools": 0.0}
+    for seg in snapshot.get("segments", []):
+        pool = tuple(seg.get("segment_pool_id", (0, 0)))
+        live = sum(b["size"] for b in seg.get("blocks", []) if b.get("state") == "active_allocated")
+        out["default pool" if pool == (0, 0) else "CUDA-graph pools"] += live / GIB
+    return out
+
+
 def main(argv=None) -> int:
     from bench.step_group import build_policy, forced_static, make_task, plan_row, trainer_for
 
@@ -147,7 +159,9 @@ def main(argv=None) -> int:
 
     humming = {str(k[0]): v[2] for k, v in nvfp4_humming._cache.items()}  # its repacked weights, by packed id
     lines, named = census({"policy": peft, "engine": engine, "humming": humming}, device=a.device)
-    sites = allocation_sites(torch.cuda.memory._snapshot()) if cuda and a.history else []
+    snap = torch.cuda.memory._snapshot() if cuda else {}
+    sites = allocation_sites(snap) if a.history else []
+    pools = pool_gib(snap)
     plan = plan_row(peft, case, args, C)
     from qerl_kit.memory_plan import plan_memory
 
@@ -160,7 +174,8 @@ def main(argv=None) -> int:
           "| stage | allocated GiB | peak GiB |", "|---|---:|---:|"]
     md += [f"| {s} | {x:.2f} | {y:.2f} |" for s, x, y in stages]
     md += ["", f"Named tensors: {named / GIB:.2f} GiB of {total:.2f} allocated; unnamed {total - named / GIB:.2f} GiB "
-           "(CUDA-graph pools, closures, the cuBLAS workspaces).", "", "| tensors (layer numbers as N; the 40 largest) | MiB | count | dtype, shape (one of them) |",
+           "(CUDA-graph pools, closures, the cuBLAS workspaces). Live by pool: "
+           + ", ".join(f"{k} {v:.2f} GiB" for k, v in pools.items()) + ".", "", "| tensors (layer numbers as N; the 40 largest) | MiB | count | dtype, shape (one of them) |",
            "|---|---:|---:|---|"]
     md += [f"| `{k}` | {g * 1024:.1f} | {n} | {ex} |" for k, g, n, ex in lines[:40]]
     if sites:

@@ -53,3 +53,12 @@ def test_allocation_sites_group_live_blocks_by_our_innermost_frames():
     assert sites[0] == ("static/fast.py:120 _dequantized < static/fast.py:90 __init__", 4.0, 2)
     assert sites[1] == ("(no stack)", 2.5, 2)  # freed blocks (inactive) are not counted
     assert len(sites) == 2
+
+
+def test_live_bytes_split_between_the_default_pool_and_graph_pools():
+    snap = {"segments": [
+        {"segment_pool_id": (0, 0), "blocks": [{"size": 2 * pmc.GIB, "state": "active_allocated"},
+                                               {"size": pmc.GIB, "state": "inactive"}]},
+        {"segment_pool_id": (1, 3), "blocks": [{"size": pmc.GIB // 4, "state": "active_allocated"}]},
+        {"segment_pool_id": [2, 0], "blocks": [{"size": pmc.GIB // 4, "state": "active_pending_free"}]}]}
+    assert pmc.pool_gib(snap) == {"default pool": 2.0, "CUDA-graph pools": 0.25}
