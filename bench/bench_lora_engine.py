@@ -7,7 +7,7 @@ same run, on Qwen2.5-7B with random weights, LoRA r = 32, a 256-token prompt and
     python -m bench.bench_lora_engine --smoke --out /tmp/x   # CPU, tiny model
     python -m bench.bench_lora_engine --tiling 8,64,4 --batches 8 64 --out OUT   # one more path: that Tiling
 
-``--tiling SPLITS,BLOCK_M,N_BLOCKS`` adds the grouped kernels cut by that ``lora_triton.Tiling`` as a
+``--tiling SPLITS,BLOCK_M,N_BLOCKS[,reduce]`` adds the grouped kernels cut by that ``lora_triton.Tiling`` as a
 path of its own (``bench.bench_lora_tiling`` times the tilings launch by launch).
 """
 
@@ -35,12 +35,14 @@ def main() -> None:
     ap.add_argument("--batches", nargs="+", type=int, default=[1, 8])
     ap.add_argument("--new", type=int, default=256)
     ap.add_argument("--smoke", action="store_true", help="CPU, a tiny model, a few tokens")
-    ap.add_argument("--tiling", default=None, help="SPLITS,BLOCK_M,N_BLOCKS: one more path, the kernels so cut")
+    ap.add_argument("--tiling", default=None,
+                    help="SPLITS,BLOCK_M,N_BLOCKS[,reduce]: one more path, the kernels so cut")
     args = ap.parse_args()
     paths = dict(PATHS)
     if args.tiling:
-        splits, block_m, n_blocks = (int(v) for v in args.tiling.split(","))
-        tiling = Tiling(max_splits=splits, block_m=block_m, n_blocks=n_blocks)
+        splits, block_m, n_blocks, *rest = args.tiling.split(",")
+        tiling = Tiling(max_splits=int(splits), block_m=int(block_m), n_blocks=int(n_blocks),
+                        reduce=rest == ["reduce"])
         paths = {"torch ops": PATHS["torch ops"], "grouped kernels": lora_apply_,
                  f"grouped kernels, tiling {args.tiling}": functools.partial(lora_apply_, tiling=tiling),
                  "no LoRA work": PATHS["no LoRA work"]}

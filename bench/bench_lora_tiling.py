@@ -42,10 +42,13 @@ def group_shapes(model: str) -> dict[str, tuple[int, list[int]]]:
 def tilings(smoke: bool) -> list[Tiling]:
     """The default first, then the grid the kernels take (a smaller one for the CPU smoke run)."""
     if smoke:
-        grid = [Tiling(max_splits=2, block_m=16, n_blocks=2), Tiling(max_splits=1, block_m=32, n_blocks=1)]
+        grid = [Tiling(max_splits=2, block_m=16, n_blocks=2), Tiling(max_splits=1, block_m=32, n_blocks=1),
+                Tiling(block_m=16, n_blocks=2, reduce=True)]
     else:
         grid = [Tiling(max_splits=s, block_m=m, n_blocks=n)
                 for s, m, n in itertools.product((32, 8, 4, 2, 1), (16, 32, 64), (1, 4, 8))]
+        grid += [Tiling(max_splits=s, block_m=m, n_blocks=n, reduce=True)  # the shrink sums its chunks
+                 for s, m, n in itertools.product((32, 8, 4), (16, 64), (1, 4))]
     return [DEFAULT_TILING] + [t for t in grid if t != DEFAULT_TILING]
 
 
@@ -95,7 +98,8 @@ def main(argv=None) -> int:
                     us = float("inf")
                 results.setdefault((m, tiling), {})[group] = us
             print(f"[tiling] rows {m} {group}: default {results[(m, DEFAULT_TILING)][group]:.1f} us", flush=True)
-    name = lambda t: f"splits {t.max_splits}, block_m {t.block_m}, n_blocks {t.n_blocks}"  # noqa: E731
+    name = lambda t: (f"splits {t.max_splits}, block_m {t.block_m}, n_blocks {t.n_blocks}"  # noqa: E731
+                      + (", reduce" if t.reduce else ""))
     lines = [f"# Grouped LoRA tilings, {a.model} decode shapes ({gpu}, {datetime.date.today()}, torch {torch.__version__})",
              "", f"LoRA r {a.rank} on every projection, {dtype}; microseconds per shrink + expand "
              f"({'in a CUDA graph of 100 calls' if device == 'cuda' else 'eager'}); largest error against the torch "

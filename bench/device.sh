@@ -45,7 +45,7 @@
 #                             carried with .whl, a later hold starts with them (a 7B shape compiles in ~20 s)
 #   lora-tiling [MODEL] [TILING]  the decode step's grouped LoRA under each lora_triton.Tiling at MODEL's (default
 #                             Qwen2.5-7B) group shapes, 8 / 64 / 128 rows (bench.bench_lora_tiling, $OUT/lora-tiling); with
-#                             TILING (SPLITS,BLOCK_M,N_BLOCKS) also the engine's decode step with it against the default,
+#                             TILING (SPLITS,BLOCK_M,N_BLOCKS[,reduce]) also the engine's decode step with it against the default,
 #                             batches 8 and 64, 256 new tokens (bench.bench_lora_engine --tiling)
 #   census [MODELS]           where a step's memory sits when its rollout ends, named tensor by tensor against the
 #                             plan's parts (bench.probe_memory_census; MODELS default "Qwen2.5-32B Qwen2.5-7B", NVFP4);

@@ -287,15 +287,17 @@ def test_grouped_lora_matches_torch_path(ranks, outs, m, k):
 
 
 @pytest.mark.parametrize("tiling", [Tiling(max_splits=1), Tiling(max_splits=4, block_m=64, n_blocks=4),
-                                    Tiling(block_m=32, n_blocks=2), Tiling(max_splits=3, n_blocks=8)], ids=str)
+                                    Tiling(block_m=32, n_blocks=2), Tiling(max_splits=3, n_blocks=8),
+                                    Tiling(reduce=True), Tiling(max_splits=4, block_m=32, n_blocks=4, reduce=True)],
+                         ids=str)
 @pytest.mark.parametrize("m,k", [(5, 600), (19, 2048)])
 def test_grouped_lora_tilings_match_the_torch_path(tiling, m, k):
     # fewer K chunks, more rows or more column blocks per program: the same sums, cut differently
     dtype = torch.bfloat16 if CUDA else torch.float32
     x, As, Bs, offsets, y = _lora_case([8, 16], [40, 330], m, k, dtype, seed=m + tiling.n_blocks)
     part = lora_shrink(x, As, tiling)
-    # K in chunks of 256 x j, at most max_splits of them (the default would cut 2048 into 8)
-    assert part.splits <= tiling.max_splits and (part.splits > 1) == (tiling.max_splits > 1)
+    # K in chunks of 256 x j, at most max_splits of them (the default would cut 2048 into 8); reduce: summed
+    assert part.splits <= tiling.max_splits and (part.splits > 1) == (tiling.max_splits > 1 and not tiling.reduce)
     want = lora_apply_ref_(y.clone(), x, As, Bs, offsets, [0.5, 2.0])
     got = lora_apply_(y.clone(), x, As, Bs, offsets, [0.5, 2.0], tiling)
     assert torch.equal(got[:, :2], y[:, :2]) and torch.equal(got[:, -3:], y[:, -3:])
@@ -303,8 +305,23 @@ def test_grouped_lora_tilings_match_the_torch_path(tiling, m, k):
     torch.testing.assert_close(got, want, atol=tol * want.abs().max().item(), rtol=0)
 
 
+@pytest.mark.parametrize("m,k,block_m", [(5, 600, 16), (19, 2048, 16), (40, 1100, 32)])
+def test_the_shrinks_own_sum_gives_the_expands_bits_and_leaves_its_counters_at_zero(m, k, block_m):
+    # reduce=True: the last chunk to arrive sums the chunks in the order the expand would
+    from qerl_kit.kernels.splitk import arrival_counters
+
+    dtype = torch.bfloat16 if CUDA else torch.float32
+    x, As, Bs, offsets, y = _lora_case([16, 8, 8], [64, 16, 16], m, k, dtype, seed=m)
+    split = lora_apply_(y.clone(), x, As, Bs, offsets, [0.5, 2.0, 1.5], Tiling(block_m=block_m))
+    summed = lora_shrink(x, As, Tiling(block_m=block_m, reduce=True))
+    assert summed.splits == 1  # the expand reads one partial
+    got = lora_apply_(y.clone(), x, As, Bs, offsets, [0.5, 2.0, 1.5], Tiling(block_m=block_m, reduce=True))
+    assert torch.equal(got, split)
+    assert int(arrival_counters(x.device).abs().sum()) == 0
+
+
 @pytest.mark.parametrize("key,value", [("max_splits", 0), ("max_splits", 33), ("block_m", 8), ("n_blocks", 3),
-                                       ("block_m", True)])
+                                       ("block_m", True), ("reduce", 1)])
 def test_a_tiling_outside_the_kernels_range_is_refused_with_its_key(key, value):
     with pytest.raises(ValueError, match=f"Tiling.{key} must be .*got {value!r}"):
         Tiling(**{key: value})

@@ -45,12 +45,15 @@ class Tiling:
     """How the two launches cut their work. ``max_splits``: the most K chunks the shrink writes partial
     sums for (more spread a long K over the GPU; every expand program reads all of them);
     ``block_m``: rows per program of either launch; ``n_blocks``: 64-column blocks per expand program, which
-    sums its rows' partials once for all of them. The default is the tiling every committed
+    sums its rows' partials once for all of them; ``reduce``: the shrink's last chunk to arrive sums the
+    chunks (in order, as the expand would: the same bits) so every expand program reads one partial
+    instead of all (``splitk``'s arrival counters). The default is the tiling every committed
     measurement ran; ``bench/bench_lora_tiling.py`` times the others at a model's decode shapes."""
 
     max_splits: int = MAX_SPLITS
     block_m: int = 16
     n_blocks: int = 1
+    reduce: bool = False
 
     def __post_init__(self):
         for key, value, allowed, says in (
@@ -59,6 +62,8 @@ class Tiling:
                 ("n_blocks", self.n_blocks, (1, 2, 4, 8), "1, 2, 4 or 8")):
             if not isinstance(value, int) or isinstance(value, bool) or value not in allowed:
                 raise ValueError(f"Tiling.{key} must be {says}; got {value!r}")
+        if not isinstance(self.reduce, bool):
+            raise ValueError(f"Tiling.reduce must be True or False; got {self.reduce!r}")
 
 
 DEFAULT_TILING = Tiling()
@@ -73,6 +78,7 @@ if HAS_TRITON:
     import triton.language as tl
 
     from qerl_kit.kernels.backend import interpreting, patch_interpreter_for_numpy24
+    from qerl_kit.kernels.splitk import COUNTER_SLOTS, arrival_counters
 
     if interpreting():
         patch_interpreter_for_numpy24()
@@ -105,10 +111,12 @@ if HAS_TRITON:
             return tl.dot(a, b)
 
     @triton.jit
-    def _shrink_kernel(x_ptr, p_ptr, a0, a1, a2, M, K, stride_xm, RT, sa0, sa1, sa2, r0, r1, r2, c1, c2,
-                       CHUNK, M_BLOCKS, IEEE: tl.constexpr, INTERPRET: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr,
-                       BLOCK_K: tl.constexpr):
-        """Partial products over one K chunk: p[split, m, c_i + j] = x[m, chunk] . A_i[j, chunk]."""
+    def _shrink_kernel(x_ptr, p_ptr, t_ptr, cnt_ptr, a0, a1, a2, M, K, stride_xm, RT, sa0, sa1, sa2, r0, r1, r2,
+                       c1, c2, CHUNK, M_BLOCKS, R_BLOCKS, SPLITS, IEEE: tl.constexpr, INTERPRET: tl.constexpr,
+                       BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, REDUCE: tl.constexpr):
+        """Partial products over one K chunk: p[split, m, c_i + j] = x[m, chunk] . A_i[j, chunk]. With
+        REDUCE the last chunk of a tile to arrive (an int32 counter per tile, which it resets) sums the
+        tile's partials in chunk order into t[m, c_i + j]: the expand then reads one partial."""
         pid_r, i, pid2 = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         split, pid_m = pid2 // M_BLOCKS, pid2 % M_BLOCKS
         a_ptr, sa = _pick(i, a0, a1, a2), _sel(i, sa0, sa1, sa2)
@@ -124,8 +132,19 @@ if HAS_TRITON:
                 ak = tl.load(a_ptr + offs_r[:, None] * sa + offs_k[None, :],
                              mask=(offs_r[:, None] < r) & (offs_k[None, :] < K), other=0.0)
                 acc += dot_f32(xk.to(ak.dtype), tl.trans(ak), IEEE, INTERPRET)
-            tl.store(p_ptr + (split * M + offs_m[:, None]) * RT + (c + offs_r)[None, :], acc,
-                     mask=(offs_m[:, None] < M) & (offs_r[None, :] < r))
+            tile = offs_m[:, None] * RT + (c + offs_r)[None, :]
+            tile_mask = (offs_m[:, None] < M) & (offs_r[None, :] < r)
+            tl.store(p_ptr + split * M * RT + tile, acc, mask=tile_mask)
+            if REDUCE:  # as the split-K decode kernels do (splitk.py): deterministic, one launch
+                slot = (i * R_BLOCKS + pid_r) * M_BLOCKS + pid_m
+                arrived = tl.atomic_add(cnt_ptr + slot, 1, sem="acq_rel", scope="gpu")
+                if arrived == SPLITS - 1:
+                    total = tl.zeros((BLOCK_M, BLOCK_R), tl.float32)
+                    for sp in range(0, SPLITS):  # in chunk order: the sum the expand would make
+                        total += tl.load(p_ptr + sp * M * RT + tile, mask=tile_mask, other=0.0,
+                                         cache_modifier=".cg")
+                    tl.store(t_ptr + tile, total, mask=tile_mask)
+                    tl.atomic_xchg(cnt_ptr + slot, 0, sem="relaxed", scope="gpu")
 
     @triton.jit
     def _expand_kernel(y_ptr, p_ptr, a0, b0, b1, b2, M, RT, stride_ym, sb0, sb1, sb2, n0, n1, n2,
@@ -231,16 +250,23 @@ def lora_shrink(x: Tensor, As: list[Tensor], tiling: Tiling = DEFAULT_TILING) ->
     steps = triton.cdiv(k, block_k)
     chunk = block_k * triton.cdiv(steps, tiling.max_splits)  # K in at most max_splits chunks of 256 * j
     splits = triton.cdiv(k, chunk)
+    r_blocks = triton.cdiv(max(ranks), 16)
+    reduce = tiling.reduce and splits > 1 and m > 0
     partials = torch.empty((splits, m, rt), dtype=torch.float32, device=x.device)
-    part = LoraPartials(partials, ranks, As[0])
+    summed = torch.empty((1, m, rt), dtype=torch.float32, device=x.device) if reduce else partials
+    part = LoraPartials(summed, ranks, As[0])  # what the expand reads: every chunk, or their sum
     if m == 0:
         return part
+    if reduce and len(As) * r_blocks * m_blocks > COUNTER_SLOTS:
+        raise ValueError(f"lora_shrink: {m} rows in blocks of {block_m} need more arrival counters than the "
+                         f"{COUNTER_SLOTS} there are; use Tiling(reduce=False) or a larger block_m")
     pad = _pad
     cols, As3 = pad(part.cols, 0), pad(As, As[0])
-    _shrink_kernel[(triton.cdiv(max(ranks), 16), len(As), splits * m_blocks)](
-        x, partials, *As3, m, k, x.stride(0), rt, *[a.stride(0) for a in As3], *pad(ranks, 0), cols[1], cols[2],
-        chunk, m_blocks, IEEE=As[0].dtype == torch.float32, INTERPRET=interpreting(), BLOCK_M=block_m, BLOCK_R=16,
-        BLOCK_K=block_k)
+    counters = arrival_counters(x.device) if reduce else partials
+    _shrink_kernel[(r_blocks, len(As), splits * m_blocks)](
+        x, partials, summed, counters, *As3, m, k, x.stride(0), rt, *[a.stride(0) for a in As3], *pad(ranks, 0),
+        cols[1], cols[2], chunk, m_blocks, r_blocks, splits, IEEE=As[0].dtype == torch.float32,
+        INTERPRET=interpreting(), BLOCK_M=block_m, BLOCK_R=16, BLOCK_K=block_k, REDUCE=reduce)
     return part
 
 
