@@ -43,7 +43,8 @@
 #                             MODELS default "Qwen2.5-0.5B Qwen2.5-1.5B", MS (rows) default "1 8 64"; $OUT/routes
 #   hc-save                   humming's compiled kernels of this hold as $OUT/hc/hc.tgz.part_*; copied to .whl/hc/ here and
 #                             carried with .whl, a later hold starts with them (a 7B shape compiles in ~20 s)
-#   lora-tiling [MODEL] [TILING]  the decode step's grouped LoRA under each lora_triton.Tiling at MODEL's (default
+#   lora-tiling [MODEL] [TILING]  the grouped-LoRA tests compiled (TILING_TESTS=0 skips them; pytest from .whl/test),
+#                             then the decode step's grouped LoRA under each lora_triton.Tiling at MODEL's (default
 #                             Qwen2.5-7B) group shapes, 8 / 64 / 128 rows (bench.bench_lora_tiling, $OUT/lora-tiling); with
 #                             TILING (SPLITS,BLOCK_M,N_BLOCKS[,reduce]) also the engine's decode step with it against the default,
 #                             batches 8 and 64, 256 new tokens (bench.bench_lora_engine --tiling)
@@ -267,6 +268,10 @@ nb05)
     > "$OUT/nb05_log.txt" 2>&1; echo "notebook 05 rc=$?"; tail -20 "$OUT/nb05_log.txt" ;;
 lora-tiling)
   mkdir -p "$OUT/lora-tiling"
+  if [ "${TILING_TESTS:-1}" != 0 ]; then  # the grouped-LoRA tests compiled (tilings, the shrink's own sum)
+    timeout 200 python3 -m pytest tests/test_engine_fused.py -q -x -p no:cacheprovider -k "lora or tiling or shrink" \
+      > "$OUT/lora-tiling/tests_log.txt" 2>&1; echo "grouped-LoRA tests rc=$?"; tail -2 "$OUT/lora-tiling/tests_log.txt"
+  fi
   timeout "${TILING_TIMEOUT:-450}" python3 -m bench.bench_lora_tiling --model "${1:-Qwen2.5-7B}" --out "$OUT/lora-tiling" \
     > "$OUT/lora-tiling/log.txt" 2>&1
   echo "bench_lora_tiling rc=$?"; grep -E "^Default|Error" "$OUT/lora-tiling/lora_tiling.md" "$OUT/lora-tiling/log.txt" | tail -6
