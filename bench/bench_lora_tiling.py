@@ -66,7 +66,7 @@ def main(argv=None) -> int:
     ap.add_argument("--model", default="Qwen2.5-7B", choices=sorted(PRESETS))
     ap.add_argument("--rows", nargs="+", type=int, default=[8, 64, 128])
     ap.add_argument("--rank", type=int, default=32)
-    ap.add_argument("--smoke", action="store_true", help="CPU: a tiny model, two rows counts, two tilings")
+    ap.add_argument("--smoke", action="store_true", help="CPU: a tiny model, two rows counts, four tilings")
     ap.add_argument("--out", type=Path, required=True)
     a = ap.parse_args(argv)
     device = "cuda" if torch.cuda.is_available() and not a.smoke else "cpu"
@@ -121,7 +121,9 @@ def main(argv=None) -> int:
                          + f" | {sum(r.values()):.1f} | {sum(r.values()) * layers / 1000:.3f} |")
         lines.append("| best per group | " + " | ".join(f"{best_per_group[g]:.1f}" for g in GROUPS)
                      + f" | {sum(best_per_group.values()):.1f} | {sum(best_per_group.values()) * layers / 1000:.3f} |")
-        lines += ["", f"Default {base_sum * layers / 1000:.3f} ms per decode step; the best single tiling "
+        winners = {g: min(ranked, key=lambda t: results[(m, t)][g]) for g in GROUPS}
+        lines += ["", "Best per group: " + "; ".join(f"{g} {name(t)}" for g, t in winners.items()) + ".",
+                  "", f"Default {base_sum * layers / 1000:.3f} ms per decode step; the best single tiling "
                   f"({name(ranked[0])}) {sum(results[(m, ranked[0])].values()) * layers / 1000:.3f}; the best per "
                   f"group {sum(best_per_group.values()) * layers / 1000:.3f}.", ""]
     (a.out / "lora_tiling.md").write_text("\n".join(lines) + "\n")
