@@ -110,7 +110,7 @@ def pool_gib(snapshot: dict) -> dict[str, float]:
 
 
 def main(argv=None) -> int:
-    from bench.step_group import build_policy, forced_static, make_task, plan_row, trainer_for
+    from bench.step_group import build_policy, forced_static, make_task, plan_for, trainer_for
 
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", default="Qwen2.5-32B")
@@ -162,12 +162,7 @@ def main(argv=None) -> int:
     snap = torch.cuda.memory._snapshot() if cuda else {}
     sites = allocation_sites(snap) if a.history else []
     pools = pool_gib(snap)
-    plan = plan_row(peft, case, args, C)
-    from qerl_kit.memory_plan import plan_memory
-
-    full = plan_memory(peft.get_base_model().config, fmt=a.format, lora_r=32, optimizer="adamw", rollout_batch=64,
-                       prompt_len=P, max_new_tokens=C, micro_batch=8, gradient_checkpointing=True, group_size=8,
-                       engine="static", keep_cache=True, max_rows=64, humming=a.format == "nvfp4")
+    plan = plan_for(peft, case, args, C)  # the bench rows' plan: the same settings, humming where it runs
     total = stages[-1][1]
     md = [f"# Memory census after one rollout: {a.model} {a.format}, dense decode {a.dense_decode}", "",
           f"GPU: {torch.cuda.get_device_name() if cuda else 'none (cpu)'}; torch {torch.__version__}", "",
@@ -182,8 +177,9 @@ def main(argv=None) -> int:
         md += ["", "Live allocations by the line that made them (`--history`; innermost qerl_kit/humming/bench "
                "frames, the 40 largest):", "", "| site | GiB | blocks |", "|---|---:|---:|"]
         md += [f"| `{k}` | {g:.3f} | {n} |" for k, g, n in sites[:40]]
-    md += ["", f"Plan: rollout peak {plan['plan_rollout_gib']:.2f}, kept {plan['plan_kept_gib']:.2f} GiB; its parts:", "",
-           "| plan part | GiB |", "|---|---:|"] + [f"| {k} | {v / GIB:.3f} |" for k, v in full.parts.items()]
+    md += ["", f"Plan: rollout peak {(plan.static + plan.rollout) / GIB:.2f}, kept {(plan.static + plan.kept_bytes) / GIB:.2f} "
+           "GiB; its parts:", "", "| plan part | GiB |", "|---|---:|"] + [f"| {k} | {v / GIB:.3f} |"
+                                                                       for k, v in plan.parts.items()]
     (a.out / "census.md").write_text("\n".join(md) + "\n")
     print("\n".join(md[:120]))
     return 0

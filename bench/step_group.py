@@ -144,6 +144,20 @@ def _humming(fmt: str) -> bool:
     return nvfp4_humming.humming_status()[0]
 
 
+def plan_for(peft, case: dict, a: dict, max_len: int, held_gib: float = 0.0):
+    """``qerl_kit.memory_plan.plan_memory`` of a StaticEngine run's settings (``plan_row``'s plan; its
+    errors propagate), with the dense cache the steps held (``held_gib``)."""
+    from qerl_kit.memory_plan import plan_memory
+
+    return plan_memory(peft.get_base_model().config, fmt=CONFIG_FORMAT.get(case["format"], case["format"]),
+                       lora_r=a["lora_r"], optimizer="adamw",
+                       rollout_batch=a["prompts"] * a["group"], prompt_len=a["prompt_len"],
+                       max_new_tokens=max_len, micro_batch=case["micro_batch"],
+                       gradient_checkpointing=case["gradient_checkpointing"], group_size=a["group"],
+                       engine="static", keep_cache=a["keep_cache"], max_rows=a["max_rows"],
+                       humming=_humming(case["format"]), dense_cache_bytes=int(held_gib * 2**30))
+
+
 def plan_row(peft, case: dict, a: dict, max_len: int, held_gib: float = 0.0) -> dict:
     """``plan_memory(...).allocated`` for the run's settings (``plan_gib``, GiB: the bound of
     ``max_memory_allocated``, as bench_memory and real_grpo compare it), with the dense cache the steps
@@ -153,21 +167,12 @@ def plan_row(peft, case: dict, a: dict, max_len: int, held_gib: float = 0.0) -> 
     ``plan_rollout_gib`` (static + rollout parts: the rollout's peak), ``plan_kept_gib`` (static + the
     parts kept while training: what stays allocated into the update) and ``plan_training_gib`` (the
     training parts: the update's working set on top of that); NaN where there is no plan."""
-    from qerl_kit.memory_plan import plan_memory
-
     nan = float("nan")
     row = dict(plan_gib=nan, plan_note="", plan_rollout_gib=nan, plan_kept_gib=nan, plan_training_gib=nan)
     if case["engine"] != "static":
         return {**row, "plan_note": f"no plan: the plan counts our StaticEngine, not {case['engine']}'s memory"}
     try:
-        plan = plan_memory(peft.get_base_model().config, fmt=CONFIG_FORMAT.get(case["format"], case["format"]),
-                           lora_r=a["lora_r"], optimizer="adamw",
-                           rollout_batch=a["prompts"] * a["group"], prompt_len=a["prompt_len"],
-                           max_new_tokens=max_len, micro_batch=case["micro_batch"],
-                           gradient_checkpointing=case["gradient_checkpointing"], group_size=a["group"],
-                           engine="static", keep_cache=a["keep_cache"], max_rows=a["max_rows"],
-                           humming=_humming(case["format"]),
-                           dense_cache_bytes=int(held_gib * 2**30))
+        plan = plan_for(peft, case, a, max_len, held_gib)
     except Exception as err:  # noqa: BLE001 - a reference figure: say why it is missing
         return {**row, "plan_note": f"{type(err).__name__}: {err}"[:200]}
     gib = 2**30
