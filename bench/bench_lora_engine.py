@@ -21,9 +21,10 @@ from pathlib import Path
 import torch
 
 from bench import bench_rollout as br
+from bench.bench_lora_tiling import parse_tiling
 
 import qerl_kit.rollout.static.fast as fast
-from qerl_kit.kernels.lora_triton import Tiling, lora_apply_, lora_apply_ref_
+from qerl_kit.kernels.lora_triton import lora_apply_, lora_apply_ref_
 
 PATHS = {"torch ops": lora_apply_ref_, "grouped kernels": lora_apply_, "no LoRA work": lambda y, *args: y}
 
@@ -40,9 +41,10 @@ def main() -> None:
     args = ap.parse_args()
     paths = dict(PATHS)
     if args.tiling:
-        splits, block_m, n_blocks, *rest = args.tiling.split(",")
-        tiling = Tiling(max_splits=int(splits), block_m=int(block_m), n_blocks=int(n_blocks),
-                        reduce=rest == ["reduce"])
+        try:
+            tiling = parse_tiling(args.tiling)
+        except ValueError as err:
+            ap.error(f"--tiling: {err}")
         paths = {"torch ops": PATHS["torch ops"], "grouped kernels": lora_apply_,
                  f"grouped kernels, tiling {args.tiling}": functools.partial(lora_apply_, tiling=tiling),
                  "no LoRA work": PATHS["no LoRA work"]}

@@ -52,6 +52,15 @@ def tilings(smoke: bool) -> list[Tiling]:
     return [DEFAULT_TILING] + [t for t in grid if t != DEFAULT_TILING]
 
 
+def parse_tiling(text: str) -> Tiling:
+    """``SPLITS,BLOCK_M,N_BLOCKS[,reduce]`` (``bench_lora_engine --tiling``, ``device.sh lora-tiling``) as a Tiling."""
+    parts = text.split(",")
+    if len(parts) not in (3, 4) or not all(p.strip().isdigit() for p in parts[:3]) \
+            or (len(parts) == 4 and parts[3].strip() != "reduce"):
+        raise ValueError(f"a tiling is SPLITS,BLOCK_M,N_BLOCKS[,reduce] (e.g. 8,64,4,reduce); got {text!r}")
+    return Tiling(max_splits=int(parts[0]), block_m=int(parts[1]), n_blocks=int(parts[2]), reduce=len(parts) == 4)
+
+
 def case(k: int, outs: list[int], m: int, rank: int, device: str, dtype: torch.dtype, seed: int):
     g = torch.Generator().manual_seed(seed)
     mk = lambda *shape, scale=1.0: (torch.randn(*shape, generator=g) * scale).to(device, dtype)  # noqa: E731

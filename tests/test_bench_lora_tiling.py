@@ -7,8 +7,10 @@ import subprocess
 import sys
 from pathlib import Path
 
-from bench.bench_lora_tiling import group_shapes, tilings
-from qerl_kit.kernels.lora_triton import DEFAULT_TILING
+import pytest
+
+from bench.bench_lora_tiling import group_shapes, parse_tiling, tilings
+from qerl_kit.kernels.lora_triton import DEFAULT_TILING, Tiling
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -34,3 +36,13 @@ def test_the_smoke_run_reports_every_rows_count_with_a_small_error(tmp_path):
     assert "## 1 rows" in md and "## 5 rows" in md and md.count("(default) |") == 2
     err = float(re.search(r"largest error against the torch path over every case: ([0-9.e+-]+)", md).group(1))
     assert err < 1e-4  # float32 on the CPU: the same sums, cut into other chunks
+
+
+def test_a_tiling_is_read_from_its_command_line_form_and_a_malformed_one_is_refused():
+    assert parse_tiling("8,64,4") == Tiling(max_splits=8, block_m=64, n_blocks=4)
+    assert parse_tiling("32,16,1,reduce") == Tiling(reduce=True)
+    for bad in ("8,64", "8,64,4,fast", "a,64,4", "8,64,4,reduce,x"):
+        with pytest.raises(ValueError, match="SPLITS,BLOCK_M,N_BLOCKS"):
+            parse_tiling(bad)
+    with pytest.raises(ValueError, match="Tiling.block_m must be 16, 32 or 64; got 8"):
+        parse_tiling("8,8,4")
