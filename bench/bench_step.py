@@ -48,8 +48,10 @@ records the setting (``dense_cache``, ``dense_cache_gib``) and the most any step
 (``dense_cache_held_gib``), which the plan counts. Our engine's memory switches are flags too:
 ``--keep-cache on|off`` (``rollout.keep_cache``), ``--max-rows N`` (``rollout.max_rows``: N
 completions decoded at a time, every row still forced to its drawn length) and ``--dense-decode
-auto|on|off`` (the StaticEngine's ``dense_decode``: a same-call A/B of its dense copies); the row
-records each (the plan counts the dense copies whatever the setting: an upper bound when off).
+auto|on|off`` (the StaticEngine's ``dense_decode``: a same-call A/B of its dense copies) and
+``--share-weights on|off`` (``rollout.share_weights``: the policy's q/k/v and gate/up stored in the
+engine's fused buffers, no second copy; off by default, as in every earlier run); the row records
+each (the plan counts the dense copies whatever the setting: an upper bound when off).
 
 Each (model, format, engine) runs in a fresh process (``--isolate auto``: on a GPU, for honest peaks;
 always for vLLM, whose memory is not given back inside one); a run that fails, runs out of memory or
@@ -183,7 +185,7 @@ def run(args) -> list[dict]:
     rows_path.unlink(missing_ok=True)
     a = {k: getattr(args, k) for k in ("prompts", "group", "prompt_len", "lora_r", "steps", "max_new_tokens",
                                        "keep_cache", "max_rows", "vllm_memory", "length_seed", "dense_cache",
-                                       "dense_decode", "profile")}
+                                       "dense_decode", "share_weights", "profile")}
     meta, start, first_line = versions(), time.perf_counter(), len(LOG)  # this call's clock and log lines
     limit = args.budget + 120 if args.limit is None else args.limit
     for cases in plan_cases(args):
@@ -244,6 +246,10 @@ def parser() -> argparse.ArgumentParser:
     r.add_argument("--dense-decode", default="auto", type=_choices("dense-decode", DENSE_DECODE_MODES),
                    help="the StaticEngine's dense_decode (auto: bf16 copies of the small 4-bit groups where the "
                         "routes table says cuBLAS wins; off: every decode through the 4-bit kernels)")
+    r.add_argument("--share-weights", default=False,
+                   type=lambda v: _choices("share-weights", ("on", "off"))(v) == "on",
+                   help="the StaticEngine's share_weights (on: the policy's q/k/v and gate/up are the fused "
+                        "plan's buffers, no second copy; off, the default: the engine holds its own copy)")
     r.add_argument("--dense-cache", default="all", type=dense_cache_arg,
                    help="model.dense_cache_gib per run: all (every 4-bit projection's dense copy), auto (the "
                         "Trainer's budget) or GiB (0: off)")

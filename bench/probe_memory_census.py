@@ -116,6 +116,8 @@ def main(argv=None) -> int:
     p.add_argument("--model", default="Qwen2.5-32B")
     p.add_argument("--format", default="nvfp4")
     p.add_argument("--dense-decode", default="auto", choices=["auto", "on", "off"])
+    p.add_argument("--share-weights", action="store_true",
+                   help="the StaticEngine's share_weights: the policy's q/k/v and gate/up stored in its fused buffers")
     p.add_argument("--prompt-len", type=int, default=256)
     p.add_argument("--new", type=int, default=512, help="forced completion length")
     p.add_argument("--history", action="store_true",
@@ -143,10 +145,11 @@ def main(argv=None) -> int:
     mark("model + LoRA")
     P, C = a.prompt_len, a.new
     args = dict(prompts=8, group=8, prompt_len=P, lora_r=32, steps=1, keep_cache=True, max_rows=64,
-                dense_cache="auto", max_new_tokens=C)
+                dense_cache="auto", max_new_tokens=C, share_weights=a.share_weights)
     case = dict(model=a.model, format=a.format, engine="static", gradient_checkpointing=True, mu=1, micro_batch=8,
                 seed=0, aqn=a.format == "nvfp4")
-    engine = forced_static(peft, tok, ignore_eos=True, keep_cache=True, max_rows=64, dense_decode=a.dense_decode)
+    engine = forced_static(peft, tok, ignore_eos=True, keep_cache=True, max_rows=64, dense_decode=a.dense_decode,
+                           share_weights=a.share_weights)
     engine.lengths = [C] * 64
     mark("engine")
     trainer = trainer_for(peft, tok, make_task(a.model, peft, P, 64, 0), engine, case, args, C, a.out / "run")
@@ -164,7 +167,8 @@ def main(argv=None) -> int:
     pools = pool_gib(snap)
     plan = plan_for(peft, case, args, C)  # the bench rows' plan: the same settings, humming where it runs
     total = stages[-1][1]
-    md = [f"# Memory census after one rollout: {a.model} {a.format}, dense decode {a.dense_decode}", "",
+    shared = ", shared weights" if a.share_weights else ""
+    md = [f"# Memory census after one rollout: {a.model} {a.format}, dense decode {a.dense_decode}{shared}", "",
           f"GPU: {torch.cuda.get_device_name() if cuda else 'none (cpu)'}; torch {torch.__version__}", "",
           "| stage | allocated GiB | peak GiB |", "|---|---:|---:|"]
     md += [f"| {s} | {x:.2f} | {y:.2f} |" for s, x, y in stages]

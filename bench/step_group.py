@@ -155,7 +155,8 @@ def plan_for(peft, case: dict, a: dict, max_len: int, held_gib: float = 0.0):
                        max_new_tokens=max_len, micro_batch=case["micro_batch"],
                        gradient_checkpointing=case["gradient_checkpointing"], group_size=a["group"],
                        engine="static", keep_cache=a["keep_cache"], max_rows=a["max_rows"],
-                       humming=_humming(case["format"]), dense_cache_bytes=int(held_gib * 2**30))
+                       humming=_humming(case["format"]), dense_cache_bytes=int(held_gib * 2**30),
+                       share_weights=a.get("share_weights", False))
 
 
 def plan_row(peft, case: dict, a: dict, max_len: int, held_gib: float = 0.0) -> dict:
@@ -260,7 +261,8 @@ def case_row(case: dict, a: dict, meta: dict) -> dict:
             "prompt_len": "gsm8k" if is_real(case["model"]) else a["prompt_len"], "lora_r": a["lora_r"],
             "mu": case["mu"], "micro_batch": case["micro_batch"], "gradient_checkpointing": case["gradient_checkpointing"],
             "aqn": case["aqn"], "keep_cache": a["keep_cache"], "max_rows": a["max_rows"] or rows,
-            "dense_cache": a["dense_cache"], "dense_decode": a["dense_decode"], "optimizer": "adamw",
+            "dense_cache": a["dense_cache"], "dense_decode": a["dense_decode"],
+            "share_weights": a.get("share_weights", False), "optimizer": "adamw",
             "seed": case["seed"],
             "steps": a["steps"], "step_index": a["steps"] - 1, "status": "", "error": ""}
 
@@ -324,7 +326,8 @@ def run_group(cases: list[dict], a: dict, meta: dict, rows_path: Path) -> None:
         try:
             if vllm_engine is None:
                 engine = forced_static(peft, tok, ignore_eos=drawn["lengths"] is not None, keep_cache=a["keep_cache"],
-                                       max_rows=a["max_rows"], dense_decode=a["dense_decode"])
+                                       max_rows=a["max_rows"], dense_decode=a["dense_decode"],
+                                       share_weights=a.get("share_weights", False))
             else:
                 engine, row["engine_start_s"] = vllm_engine, start
             engine.lengths, engine.ignore_eos = drawn["lengths"], drawn["lengths"] is not None  # per case

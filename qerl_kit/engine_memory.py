@@ -1,6 +1,8 @@
-"""The StaticEngine's memory settings for a training run: ``rollout.keep_cache`` and ``rollout.max_rows``.
+"""The StaticEngine's memory settings for a training run: ``rollout.keep_cache``, ``rollout.max_rows``
+and ``rollout.share_weights``.
 
-Two switches trade rollout speed for memory (``qerl_kit.rollout.static.engine``):
+Two switches trade rollout speed for memory (``qerl_kit.rollout.static.engine``), and a third
+trades none:
 
 * ``keep_cache``: the engine keeps its KV cache and captured decode graphs from one rollout to the
   next (no re-allocation, no graph capture per step), so they stay allocated through the update;
@@ -8,12 +10,18 @@ Two switches trade rollout speed for memory (``qerl_kit.rollout.static.engine``)
   rollouts are the same (tests/test_engine_memory.py).
 * ``max_rows``: the most completions the engine decodes at once (whole groups); the KV cache holds
   that many rows and a larger batch is decoded in turns, at a lower throughput.
+* ``share_weights``: the policy's q/k/v and gate/up tensors become row blocks of the engine's fused
+  buffers instead of the engine holding a copy of them (two thirds of the linear weights: 10.7 GiB
+  for a 32B NVFP4 model). No speed cost; the policy's values stay as they are, only the storage of
+  those tensors moves (``StaticEngine.restore_weights()`` separates them again).
 
 ``None`` (auto, the default) lets ``choose`` pick them on a CUDA GPU from the memory plan of this run
 (``qerl_kit.memory_plan.plan_memory``: the model's shape, ``model.format``, LoRA rank, optimizer,
 ``loss.micro_batch``, gradient checkpointing, the task's longest prompt, ``rollout.max_new_tokens``
 and group size): the most rows whose planned peak fits the GPU's memory, the cache kept when it
-still fits. The whole batch with the cache kept is the default wherever it fits; a 32B NVFP4 model at
+still fits, the weights shared only where the copy is what does not fit (at each row count: the
+cache kept with the copy, then kept with shared weights, then freed with the copy, then freed with
+shared weights). The whole batch with the cache kept is the default wherever it fits; a 32B NVFP4 model at
 the paper's GSM8K recipe (128 x 4096 tokens, micro-batches of 8) decodes 80 of its 128 completions at
 a time with the cache freed when planned against 141 GB (notebook 05, exercise 4), 88 against the
 H200's 139.8 GiB as torch reports it. Under data parallelism each rank plans its own share of the
@@ -40,16 +48,22 @@ CANDIDATES = 48  # most row counts planned (every whole number of groups up to i
 @dataclass(frozen=True)
 class EngineMemory:
     """The StaticEngine settings a run uses: ``keep_cache``, ``max_rows`` (None: the whole batch), the
-    planned peak in bytes (None when nothing was planned) and why, in one line."""
+    planned peak in bytes (None when nothing was planned), why, in one line, and ``share_weights``."""
 
     keep_cache: bool
     max_rows: int | None
     planned_bytes: int | None
     reason: str
+    share_weights: bool = False
 
     @property
     def is_default(self) -> bool:
-        return self.keep_cache and self.max_rows is None
+        return self.keep_cache and self.max_rows is None and not self.share_weights
+
+    @property
+    def options(self) -> dict[str, Any]:
+        """The StaticEngine keyword arguments of this choice."""
+        return {"keep_cache": self.keep_cache, "max_rows": self.max_rows, "share_weights": self.share_weights}
 
 
 def _group_counts(groups: int) -> list[int]:
@@ -83,8 +97,8 @@ def _planner(config, shape, prompt_len: int, batch: int):
                     max_new_tokens=r.max_new_tokens, micro_batch=min(config.loss.micro_batch, batch),
                     gradient_checkpointing=config.model.gradient_checkpointing, engine="static", humming=humming)
 
-    def plan(rows: int, keep: bool) -> int:
-        return int(plan_memory(shape, keep_cache=keep, max_rows=rows, **settings).peak)
+    def plan(rows: int, keep: bool, share: bool = False) -> int:
+        return int(plan_memory(shape, keep_cache=keep, max_rows=rows, share_weights=share, **settings).peak)
 
     try:  # a setting the planner refuses (a format it has no size for, say) must not stop the run
         plan(r.group_size, False)
@@ -106,12 +120,14 @@ def choose(config, policy=None, tokenizer=None, task=None, *, shape: Any = None,
     r = config.rollout
     if policy is None and (shape is None or gpu_bytes is None or (prompt_len is None and task is None)):
         raise ValueError("choose() without a policy needs shape=, gpu_bytes= and prompt_len= (or task and tokenizer)")
-    if r.keep_cache is not None and r.max_rows is not None:
-        return EngineMemory(r.keep_cache, r.max_rows, None, "rollout.keep_cache and rollout.max_rows as configured")
+    share_given = bool(r.share_weights)  # what runs where nothing is planned: as configured, else not shared
+    if r.keep_cache is not None and r.max_rows is not None and r.share_weights is not None:
+        return EngineMemory(r.keep_cache, r.max_rows, None, "rollout.keep_cache, max_rows and share_weights as "
+                            "configured", share_given)
     if gpu_bytes is None:
         device = next(policy.parameters()).device
         if device.type != "cuda":
-            return EngineMemory(r.keep_cache is not False, r.max_rows, None, f"not planned on {device.type}")
+            return EngineMemory(r.keep_cache is not False, r.max_rows, None, f"not planned on {device.type}", share_given)
         import torch
 
         gpu_bytes = torch.cuda.get_device_properties(device).total_memory
@@ -120,18 +136,19 @@ def choose(config, policy=None, tokenizer=None, task=None, *, shape: Any = None,
     batch = r.batch_size // world  # this rank's completions
     plan, why = _planner(config, getattr(policy, "config", None) if shape is None else shape, prompt_len, batch)
     if plan is None:
-        return EngineMemory(r.keep_cache is not False, r.max_rows, None, why)
+        return EngineMemory(r.keep_cache is not False, r.max_rows, None, why, share_given)
     rows_options = [r.max_rows] if r.max_rows is not None else \
         [g * r.group_size for g in _group_counts(batch // r.group_size)]
-    keep_options = [r.keep_cache] if r.keep_cache is not None else [True, False]
-    planned = []  # most rows first, the cache kept first; planned until one fits (all of them when none does)
+    settings = [(keep, share) for keep in ([r.keep_cache] if r.keep_cache is not None else [True, False])
+                for share in ([r.share_weights] if r.share_weights is not None else [False, True])]
+    planned = []  # most rows first, then the order of ``settings``; planned until one fits (all when none does)
     for rows in rows_options:
-        planned += [(rows, keep, plan(rows, keep)) for keep in keep_options]
-        if any(p <= gpu_bytes for _, _, p in planned[-len(keep_options):]):
+        planned += [(rows, keep, share, plan(rows, keep, share)) for keep, share in settings]
+        if any(c[-1] <= gpu_bytes for c in planned[-len(settings):]):
             break
-    smallest = min(p for _, _, p in planned)
+    smallest = min(c[-1] for c in planned)
     budget = max(gpu_bytes, smallest)
-    rows, keep, peak = next(c for c in planned if c[2] <= budget)  # most rows first, the cache kept first
+    rows, keep, share, peak = next(c for c in planned if c[-1] <= budget)  # the first that fits
     max_rows = None if r.max_rows is None and rows >= batch else rows
     fits = f"planned peak {human_bytes(peak)} of the GPU's {human_bytes(gpu_bytes)}"
     if smallest > gpu_bytes:
@@ -140,7 +157,8 @@ def choose(config, policy=None, tokenizer=None, task=None, *, shape: Any = None,
                   f"peaks); lower loss.micro_batch or rollout.max_new_tokens{ckpt}, if the run runs out of memory")
     else:
         reason = fits
-    choice = EngineMemory(keep, max_rows, peak, f"keep_cache={keep}, max_rows={max_rows}: {reason}")
+    choice = EngineMemory(keep, max_rows, peak, f"keep_cache={keep}, max_rows={max_rows}, share_weights={share}: "
+                          f"{reason}", share)
     if warn and (not choice.is_default or smallest > gpu_bytes):
         warnings.warn(f"rollout (auto): {choice.reason}. {_cost(choice, batch, world)}", stacklevel=2)
     return choice
@@ -154,7 +172,11 @@ def _cost(choice: EngineMemory, batch: int, world: int) -> str:
     if choice.max_rows is not None and choice.max_rows < batch:
         whose = "a step's" if world == 1 else "each rank's"
         out.append(f"{whose} {batch} completions are decoded {choice.max_rows} at a time")
-    return ("; ".join(out) + ". " if out else "") + "Set rollout.keep_cache / rollout.max_rows to choose."
+    if choice.share_weights:
+        out.append("the policy's q/k/v and gate/up tensors are stored in the engine's fused buffers instead of "
+                   "beside them (same values; StaticEngine.restore_weights() separates them)")
+    return ("; ".join(out) + ". " if out else "") + \
+        "Set rollout.keep_cache / rollout.max_rows / rollout.share_weights to choose."
 
 
 def static_options(config, policy, tokenizer, task, world: int = 1) -> tuple[dict[str, Any], EngineMemory | None]:
@@ -164,10 +186,10 @@ def static_options(config, policy, tokenizer, task, world: int = 1) -> tuple[dic
 
     r = config.rollout
     if resolve_engine(r.engine, policy) != "static":
-        given = [f"rollout.{k}" for k in ("keep_cache", "max_rows") if getattr(r, k) is not None]
+        given = [f"rollout.{k}" for k in ("keep_cache", "max_rows", "share_weights") if getattr(r, k) is not None]
         if given:  # auto resolved to transformers' generate (the CPU): a GPU config runs here, without them
             warnings.warn(f"{' and '.join(given)} set the static engine; rollout.engine {r.engine!r} runs "
                           f"transformers' generate here, which ignores them", stacklevel=3)
         return {}, None
     choice = choose(config, policy, tokenizer, task, world=world)
-    return {"keep_cache": choice.keep_cache, "max_rows": choice.max_rows}, choice
+    return choice.options, choice

@@ -7,8 +7,9 @@ step allocates (``qerl_kit.memory_terms`` computes each term and says which code
 * **kept for the run**: the projections in the 4-bit format (``bits_per_weight`` of
   ``qerl_kit.formats``) or bf16 with ``fmt="none"``; embeddings, the output head (unless tied),
   norms and q/k/v biases in bf16; the StaticEngine's fused copy of q/k/v and gate/up (``fused``,
-  NVFP4 and bf16 bases); humming-kernels' repacked copy of every NVFP4 weight the routing table can
-  send to it (``humming``); LoRA ``r * (in + out)`` per targeted projection, its gradients and the
+  NVFP4 and bf16 bases; none with ``share_weights``, where the model's tensors are that copy);
+  humming-kernels' repacked copy of every NVFP4 weight the routing table can send to it
+  (``humming``); LoRA ``r * (in + out)`` per targeted projection, its gradients and the
   optimizer state (AdamW: two moments in the parameters' dtype; ``adamw8bit``: one byte each);
   cuBLAS's workspace per CUDA stream that ran a matmul;
 * **rollout**: the KV cache as the engine allocates it (the prompt padded to the engine's bucket,
@@ -196,15 +197,15 @@ def plan_memory(model: Any = "Qwen2.5-7B", fmt: str = "nvfp4", lora_r: int = 32,
                 act_bytes: int = 2, lora_bytes: int = 2, overhead: float = 0.10,
                 gpu_bytes: int | None = None, group_size: int = 1, engine: str = "static", fused: bool = True,
                 keep_cache: bool = True, humming: bool = True, dense_cache_bytes: int | str = 0,
-                max_rows: int | None = None) -> MemoryPlan:
+                max_rows: int | None = None, share_weights: bool = False) -> MemoryPlan:
     """Bound the memory of a QeRL run; see the module docstring for what each part counts. Every
     argument is checked where it enters (a ConfigError naming it): sizes and counts are ints >= 1,
     ``micro_batch`` at most ``rollout_batch`` (default: 8 or the whole batch if smaller), bytes per value
     1, 2 or 4, ``overhead`` in [0, 10], ``targets`` projection names (one name as a string is that name).
     ``prompt_len`` is the longest prompt and ``max_new_tokens`` the longest completion: the engine
     and every micro-batch pad to the batch's longest (a batch of shorter ones allocates less).
-    ``engine``: ``static`` (the StaticEngine: ``fused`` copy, ``keep_cache``) or ``hf`` (transformers'
-    generate). ``humming``: count humming-kernels' repacked NVFP4 weights (where it is installed,
+    ``engine``: ``static`` (the StaticEngine: ``fused`` copy, ``keep_cache``, ``share_weights``: the
+    model's q/k/v and gate/up are the fused buffers, no copy) or ``hf`` (transformers' generate). ``humming``: count humming-kernels' repacked NVFP4 weights (where it is installed,
     ``kernels`` backend ``auto``). ``dense_cache_bytes``: bytes of dequantized weights kept for the
     log-prob and update passes, or ``"all"`` (the bf16 bytes of every quantized projection).
     ``max_rows``: the StaticEngine's ``max_rows`` (``rollout.max_rows``): it decodes at most that many
@@ -214,7 +215,7 @@ def plan_memory(model: Any = "Qwen2.5-7B", fmt: str = "nvfp4", lora_r: int = 32,
                           prompt_len=prompt_len, max_new_tokens=max_new_tokens, micro_batch=micro_batch,
                           gradient_checkpointing=gradient_checkpointing, kv_bytes=kv_bytes, act_bytes=act_bytes,
                           lora_bytes=lora_bytes, overhead=overhead, gpu_bytes=gpu_bytes, group_size=group_size)
-    a |= _checked_engine(engine, fused, keep_cache, humming)
+    a |= _checked_engine(engine, fused, keep_cache, humming, share_weights)
     a |= _checked_rows(max_rows, a)
     s = model_shape(model)
     proj = layer_projections(s)
@@ -229,7 +230,8 @@ def plan_memory(model: Any = "Qwen2.5-7B", fmt: str = "nvfp4", lora_r: int = 32,
              **T.prefill_parts(s, proj, targets, ra), **T.training_parts(s, proj, targets, a)}
     settings = {k: a[k] for k in ("fmt", "lora_r", "optimizer", "rollout_batch", "prompt_len", "max_new_tokens",
                                   "micro_batch", "gradient_checkpointing", "group_size", "engine", "fused",
-                                  "keep_cache", "humming", "dense_cache_bytes", "max_rows")} | {"vocab": s["vocab"]}
+                                  "keep_cache", "humming", "dense_cache_bytes", "max_rows", "share_weights")} \
+        | {"vocab": s["vocab"]}
     name = model if isinstance(model, str) else (model.get("model_type", "model") if isinstance(model, dict)
                                                  else getattr(model, "model_type", "model"))
     return MemoryPlan(str(name), parts, settings, a["overhead"], a["gpu_bytes"], kept)
@@ -238,11 +240,12 @@ def plan_memory(model: Any = "Qwen2.5-7B", fmt: str = "nvfp4", lora_r: int = 32,
 ENGINES = ("static", "hf")
 
 
-def _checked_engine(engine, fused, keep_cache, humming) -> dict:
+def _checked_engine(engine, fused, keep_cache, humming, share_weights) -> dict:
     """The rollout engine's settings: its name and the StaticEngine's switches."""
     return {"engine": check_value("engine", engine, str, choices=ENGINES),
             "fused": check_value("fused", fused, bool), "keep_cache": check_value("keep_cache", keep_cache, bool),
-            "humming": check_value("humming", humming, bool)}
+            "humming": check_value("humming", humming, bool),
+            "share_weights": check_value("share_weights", share_weights, bool)}
 
 
 def _checked_rows(max_rows, a: dict) -> dict:

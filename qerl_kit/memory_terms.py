@@ -68,13 +68,15 @@ def uses_fused_plan(a: dict) -> bool:
 
 def engine_parts(s: dict, proj: dict, a: dict) -> dict[str, int]:
     """The fused plan's own copy of q/k/v and gate/up (the weights again, concatenated, plus the q/k/v
-    biases), and its dense copies of the small 4-bit groups it decodes with cuBLAS (``DENSE_DECODE``)."""
+    biases; none with ``share_weights``: the model's tensors are row blocks of it), and its dense copies
+    of the small 4-bit groups it decodes with cuBLAS (``DENSE_DECODE``)."""
     if not uses_fused_plan(a):
         return {}
     groups = _fused_groups(proj)
     n = sum(i * o for i, o in groups.values())
     bias = groups["qkv"][1] * 2 if s["qkv_bias"] else 0
-    parts = {f"engine: fused q/k/v + gate/up copy ({a['fmt']})": s["layers"] * (projection_bytes(n, a["fmt"]) + bias)}
+    parts = {} if a.get("share_weights") else \
+        {f"engine: fused q/k/v + gate/up copy ({a['fmt']})": s["layers"] * (projection_bytes(n, a["fmt"]) + bias)}
     dense = _dense_decode_weights(groups, proj, a["fmt"])
     if dense:
         parts["engine: dense decode copies of small 4-bit groups (bf16)"] = s["layers"] * dense * 2

@@ -471,6 +471,24 @@ def test_dense_decode_is_a_setting_the_engine_gets_and_the_row_records(tmp_path,
         bench_step.main(["run", *TINY, "--dense-decode", "always", "--out", str(tmp_path / "x")])
 
 
+def test_share_weights_is_a_setting_the_engine_gets_the_plan_counts_and_the_row_records(tmp_path, monkeypatch):
+    """--share-weights on: the engine shares the policy's q/k/v and gate/up, the plan drops the engine's
+    copy (a lower plan than the same run's with the copy), the row and the report's key record it."""
+    engines = []
+    real = step_group.forced_static
+    monkeypatch.setattr(step_group, "forced_static", lambda *a, **kw: engines.append(real(*a, **kw)) or engines[-1])
+    shared = _run(tmp_path / "on", "--formats", "nvfp4", "--isolate", "off", "--max-new-tokens", "8",
+                  "--share-weights", "on")
+    assert engines[-1].shares_weights and shared[0]["status"] == "ok" and shared[0]["share_weights"] == "True"
+    copy = _run(tmp_path / "off", "--formats", "nvfp4", "--isolate", "off", "--max-new-tokens", "8")
+    assert not engines[-1].shares_weights and copy[0]["share_weights"] == "False"
+    assert float(shared[0]["plan_gib"]) < float(copy[0]["plan_gib"])
+    assert "share_weights" in step_report.KEY
+    assert step_report._label(shared[0]).endswith("(shared weights)") and "shared" not in step_report._label(copy[0])
+    with pytest.raises(SystemExit):
+        bench_step.main(["run", *TINY, "--share-weights", "yes", "--out", str(tmp_path / "x")])
+
+
 def test_a_run_that_fails_later_keeps_its_finished_steps_and_rollout_marks(tmp_path, monkeypatch):
     """A run out of memory at its second step is an oom row that still says how many steps finished
     (and, on CUDA, their peak); the rollout marks are read after each rollout (fake CUDA counters)."""

@@ -1,5 +1,5 @@
-"""rollout.keep_cache / rollout.max_rows: the config keys, the plan's rows, the auto choice
-(qerl_kit.engine_memory) and what the StaticEngine and the Trainer do with them."""
+"""rollout.keep_cache / rollout.max_rows / rollout.share_weights: the config keys, the plan's rows,
+the auto choice (qerl_kit.engine_memory) and what the StaticEngine and the Trainer do with them."""
 
 import types
 import warnings
@@ -33,25 +33,28 @@ def _part(plan, prefix):
 # ---- the config keys ----------------------------------------------------------------------------------
 def test_the_keys_default_to_auto_and_are_checked_where_they_enter():
     r = RolloutConfig()
-    assert r.keep_cache is None and r.max_rows is None
+    assert r.keep_cache is None and r.max_rows is None and r.share_weights is None
     assert RolloutConfig(keep_cache=False, max_rows=16, group_size=8).max_rows == 16
     with pytest.raises(ConfigError, match="rollout.max_rows") as err:
         RolloutConfig(max_rows=12, group_size=8)  # would split a group
     assert "multiple of rollout.group_size = 8" in str(err.value)
     with pytest.raises(ConfigError, match="rollout.max_rows"):
         RolloutConfig(max_rows=0)
-    for key, value in (("keep_cache", False), ("max_rows", 8)):
+    for key, value in (("keep_cache", False), ("max_rows", 8), ("share_weights", True)):
         with pytest.raises(ConfigError, match=f"rollout.{key}") as err:  # another engine never reads it
             RolloutConfig(engine="hf", **{key: value})
         assert "static engine" in str(err.value)
     with pytest.raises(ConfigError, match="rollout.keep_cache"):
         RolloutConfig(keep_cache="sometimes")
+    with pytest.raises(ConfigError, match="rollout.share_weights"):
+        RolloutConfig(share_weights="sometimes")
 
 
-def test_keep_cache_is_resume_neutral_and_max_rows_is_not():
-    """Freeing the cache changes no rollout (test below); decoding in turns draws other samples."""
+def test_keep_cache_and_share_weights_are_resume_neutral_and_max_rows_is_not():
+    """Freeing the cache and sharing the weights change no rollout (tests below and
+    tests/test_shared_weights.py); decoding in turns draws other samples."""
     a = preset("tiny-cpu").to_dict()
-    b = preset("tiny-cpu", rollout=dict(engine="static", keep_cache=False)).to_dict()
+    b = preset("tiny-cpu", rollout=dict(engine="static", keep_cache=False, share_weights=True)).to_dict()
     c = preset("tiny-cpu", rollout=dict(engine="static", max_rows=8)).to_dict()
     assert set(config_changes(a, b)) == {"rollout.engine"}
     assert set(config_changes(a, c)) == {"rollout.engine", "rollout.max_rows"}
@@ -99,7 +102,7 @@ def _choose(gpu_gib, warn=False, model="Qwen2.5-32B", **rollout):
                                 warn=warn), cfg
 
 
-def _peak(cfg, rows, keep, model="Qwen2.5-32B"):
+def _peak(cfg, rows, keep, model="Qwen2.5-32B", share=False):
     from qerl_kit.kernels.nvfp4_humming import humming_status
 
     # the choice counts humming's repacked weights where humming runs (a CUDA machine that has it)
@@ -107,31 +110,36 @@ def _peak(cfg, rows, keep, model="Qwen2.5-32B"):
                        rollout_batch=128, group_size=8, prompt_len=200, max_new_tokens=4096, micro_batch=4,
                        gradient_checkpointing=cfg.model.gradient_checkpointing, engine="static",
                        humming=humming_status()[0],
-                       keep_cache=keep, max_rows=rows).peak
+                       keep_cache=keep, max_rows=rows, share_weights=share).peak
 
 
 def test_the_whole_batch_with_the_cache_kept_wherever_it_fits():
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # the default choice is silent
         choice, cfg = _choose(10_000, warn=True)
-    assert (choice.keep_cache, choice.max_rows) == (True, None) and choice.is_default
+    assert (choice.keep_cache, choice.max_rows, choice.share_weights) == (True, None, False) and choice.is_default
     assert choice.planned_bytes == _peak(cfg, None, True) and "planned peak" in choice.reason
+    assert choice.options == {"keep_cache": True, "max_rows": None, "share_weights": False}
 
 
 def test_on_an_h200_the_32b_paper_batch_takes_the_most_rows_that_fit():
     """32B NVFP4 at 128 x 4096 does not fit 140 GiB whole; the choice is the largest number of rows
-    whose plan fits, the cache kept if it still fits, and no candidate with more rows fits."""
+    whose plan fits, the cache kept if it still fits, and no candidate with more rows fits. The
+    weights are shared there: without the engine's copy (10.7 GiB) more rows fit."""
     gpu = 140
     choice, cfg = _choose(gpu)
     assert choice.max_rows is not None and choice.max_rows % 8 == 0 and choice.max_rows < 128
-    assert choice.planned_bytes == _peak(cfg, choice.max_rows, choice.keep_cache) <= gpu * GiB
+    assert choice.share_weights
+    assert choice.planned_bytes == _peak(cfg, choice.max_rows, choice.keep_cache, share=True) <= gpu * GiB
     for rows in range(choice.max_rows + 8, 129, 8):
-        assert _peak(cfg, rows, False) > gpu * GiB, rows
+        assert _peak(cfg, rows, False, share=True) > gpu * GiB, rows
+    assert _peak(cfg, choice.max_rows, choice.keep_cache) > gpu * GiB  # with the copy these rows do not fit
     if not choice.keep_cache:
-        assert _peak(cfg, choice.max_rows, True) > gpu * GiB
+        assert _peak(cfg, choice.max_rows, True, share=True) > gpu * GiB
     with pytest.warns(UserWarning, match=rf"a step's 128 completions are decoded {choice.max_rows} at a time") as rec:
         _choose(gpu, warn=True)
-    assert "rollout.keep_cache / rollout.max_rows" in str(rec[0].message)
+    assert "rollout.keep_cache / rollout.max_rows / rollout.share_weights" in str(rec[0].message)
+    assert "stored in the engine's fused buffers" in str(rec[0].message)
 
 
 def test_freeing_the_cache_comes_before_fewer_rows():
@@ -139,26 +147,44 @@ def test_freeing_the_cache_comes_before_fewer_rows():
     cfg = _choose(10_000)[1]
     kept, freed = _peak(cfg, None, True, "Qwen2.5-7B"), _peak(cfg, None, False, "Qwen2.5-7B")
     assert freed < kept
-    choice, _ = _choose((freed + kept) / 2 / GiB, model="Qwen2.5-7B")
-    assert (choice.keep_cache, choice.max_rows) == (False, None)
+    shared = _peak(cfg, None, True, "Qwen2.5-7B", share=True)
+    assert shared < kept
+    choice, _ = _choose((max(freed, shared) + kept) / 2 / GiB, model="Qwen2.5-7B", share_weights=False)
+    assert (choice.keep_cache, choice.max_rows, choice.share_weights) == (False, None, False)
+
+
+def test_sharing_the_weights_comes_before_freeing_the_cache():
+    """Sharing costs no speed; freeing the cache costs a graph capture per step. A GPU between the
+    plan with the cache kept and shared weights and the plan with the cache kept and the copy: shared."""
+    cfg = _choose(10_000)[1]
+    kept, shared = _peak(cfg, None, True, "Qwen2.5-7B"), _peak(cfg, None, True, "Qwen2.5-7B", share=True)
+    plan = plan_memory("Qwen2.5-7B", lora_r=32, share_weights=True)
+    assert not any(k.startswith("engine: fused") for k in plan.parts)
+    assert any(k.startswith("engine: fused") for k in plan_memory("Qwen2.5-7B", lora_r=32).parts)
+    choice, _ = _choose((shared + kept) / 2 / GiB, model="Qwen2.5-7B")
+    assert (choice.keep_cache, choice.max_rows, choice.share_weights) == (True, None, True)
+    assert not choice.is_default and "share_weights=True" in choice.reason
 
 
 def test_when_nothing_fits_the_smallest_plan_is_taken_and_named():
     choice, cfg = _choose(8)
-    smallest = min(_peak(cfg, rows, keep) for rows in range(8, 129, 8) for keep in (True, False))
+    smallest = min(_peak(cfg, rows, keep, share=share) for rows in range(8, 129, 8) for keep in (True, False)
+                   for share in (True, False))
     assert choice.planned_bytes == smallest and "no setting fits" in choice.reason
     with pytest.warns(UserWarning, match="no setting fits"):
         _choose(8, warn=True)
 
 
 def test_a_configured_setting_is_kept_and_the_other_is_planned_around_it():
-    choice, cfg = _choose(140, keep_cache=True)
-    assert choice.keep_cache is True and choice.max_rows < 128
+    choice, cfg = _choose(140, keep_cache=True, share_weights=False)
+    assert choice.keep_cache is True and choice.max_rows < 128 and not choice.share_weights
     assert _peak(cfg, choice.max_rows, True) <= 140 * GiB < _peak(cfg, choice.max_rows + 8, True)
     choice, _ = _choose(140, max_rows=32)
     assert choice.max_rows == 32
-    both, _ = _choose(1, keep_cache=False, max_rows=16)
-    assert (both.keep_cache, both.max_rows, both.planned_bytes) == (False, 16, None)
+    every, _ = _choose(1, keep_cache=False, max_rows=16, share_weights=True)
+    assert (every.keep_cache, every.max_rows, every.share_weights, every.planned_bytes) == (False, 16, True, None)
+    two, _ = _choose(10_000, keep_cache=False, max_rows=16)  # share_weights planned: not needed here
+    assert (two.keep_cache, two.max_rows, two.share_weights) == (False, 16, False) and two.planned_bytes
 
 
 def test_a_plan_without_a_model_takes_its_shape():
@@ -196,7 +222,7 @@ def test_each_data_parallel_rank_plans_its_share_of_the_batch():
     assert (two.keep_cache, two.max_rows, two.planned_bytes) == (half.keep_cache, half.max_rows, half.planned_bytes)
     assert two.max_rows is None or two.max_rows < 64
     with pytest.warns(UserWarning, match="each rank's 64 completions"):
-        engine_memory.choose(cfg, shape="Qwen2.5-32B", gpu_bytes=100 * GiB, prompt_len=200, world=2)
+        engine_memory.choose(cfg, shape="Qwen2.5-32B", gpu_bytes=80 * GiB, prompt_len=200, world=2)
 
 
 def test_a_run_the_planner_refuses_keeps_the_defaults(monkeypatch):
@@ -248,12 +274,14 @@ def test_the_trainer_builds_the_static_engine_with_the_run_settings(tiny, tmp_pa
     model, tok = tiny
     cfg = preset("tiny-cpu", output_dir=str(tmp_path), save_every=0,
                  rollout=dict(engine="static", batch_size=8, group_size=4, max_new_tokens=8, keep_cache=False,
-                              max_rows=4))
+                              max_rows=4, share_weights=True))
     trainer = Trainer(model, tok, make_task(cfg.data), cfg, progress="none")
-    assert (trainer.engine.keep_cache, trainer.engine.max_rows) == (False, 4)
+    assert (trainer.engine.keep_cache, trainer.engine.max_rows, trainer.engine.shares_weights) == (False, 4, True)
     assert trainer.engine_memory.reason.endswith("as configured")
     row = trainer.train_step()
     assert row["num_tokens"] > 0 and trainer.engine._state is None  # freed after the rollout
+    trainer.engine.restore_weights()  # the module fixture's model serves other tests: its own storage again
+    assert not trainer.engine.shares_weights
     auto = Trainer(model, tok, make_task(cfg.data), preset("tiny-cpu", output_dir=str(tmp_path / "b"),
                                                              rollout=dict(engine="static")), progress="none")
     assert auto.engine.keep_cache and auto.engine.max_rows is None  # the CPU: not planned, the defaults

@@ -21,7 +21,9 @@ or wrapped by peft) and runs them itself, so the rollout engine controls every t
 ``fused=True`` (default) decodes through ``qerl_kit.rollout.static.fast.FusedPlan`` where the
 model allows (fused q/k/v and gate/up matmuls, LoRA as shared down-projections, fused elementwise
 kernels); ``decoder.path`` says which path runs and, if generic, why. Nothing here writes to the
-model: its modules are called in eval mode under no_grad, its tensors only read.
+model: its modules are called in eval mode under no_grad, its tensors only read; with
+``share_weights=True`` the plan moves the storage of the fused projections' tensors into its own
+buffers (values unchanged, ``unshare`` restores it).
 
 Only full attention is supported (no sliding window); an unknown layout raises a clear error.
 """
@@ -131,7 +133,7 @@ def unsupported_layout(model: nn.Module) -> str | None:
 class Decoder:
     """The model's modules, run with a static KV cache (see the module docstring)."""
 
-    def __init__(self, model: nn.Module, fused: bool = True, dense_decode: str = "auto"):
+    def __init__(self, model: nn.Module, fused: bool = True, dense_decode: str = "auto", share_weights: bool = False):
         reason = unsupported_layout(model)
         if reason is not None:
             raise (NotImplementedError if "sliding window" in reason else TypeError)(reason)
@@ -152,7 +154,7 @@ class Decoder:
         self.use_plan = True  # the engine turns it off for a call on a model with forward hooks
         self.attention = "auto"  # decode attention's implementation (kernels.decode_attention.IMPLS)
         if fused:
-            self.plan, self.path = FusedPlan.build(self, dense_decode)
+            self.plan, self.path = FusedPlan.build(self, dense_decode, share_weights)
 
     @property
     def num_layers(self) -> int:
@@ -171,6 +173,12 @@ class Decoder:
         """Before a generation call: the fused plan's weight copies brought up to date (``FusedPlan.refresh``)."""
         if self.plan is not None:
             self.plan.refresh()
+
+    def unshare(self) -> None:
+        """The model's fused projections back on their own storage (``FusedPlan.unshare``); nothing
+        when no plan shares it."""
+        if self.plan is not None and self.plan.shares:
+            self.plan.unshare()
 
     def set_attention(self, impl: str) -> None:
         if impl not in IMPLS:
@@ -241,6 +249,7 @@ class Decoder:
                 return logits
             except Exception as err:  # noqa: BLE001 - e.g. a kernel that does not compile here
                 warnings.warn(f"the fused decode step failed ({err!r:.300}); using the generic path", stacklevel=2)
+                self.unshare()  # the model's tensors get their own storage back before the plan goes
                 self.plan, self.path = None, f"generic decode path (fused step failed: {type(err).__name__})"
         R = tokens.shape[0]
         h = self.embed(tokens[:, None])  # [R, 1, hidden]

@@ -7,12 +7,18 @@ launches whatever the number of adapters in it:
   the same input, so their weights are copied once into one buffer per group: ``NVFP4Linear``
   buffers (``packed``, ``scales``, ``bias``) when the group shares one global scale
   (``quantize_model`` makes fused groups share it), or ``nn.Linear`` weights for a bf16 model; the
-  engine runs one NVFP4 kernel / cuBLAS call over the concatenated weight. The model is never
-  written to: its tensors keep their storage, values and attributes. The copy costs the memory of
-  those projections (about two thirds of a transformer's linear weights; ``fused=False`` has none);
-  ``FusedPlan.refresh()``, at the start of every generation call, re-copies a projection whose
-  tensor changed (trained, reloaded or replaced: its version counter or storage moved), so the
-  plan decodes the model as it is now. o_proj and down_proj are single projections: their own
+  engine runs one NVFP4 kernel / cuBLAS call over the concatenated weight. By default the model is
+  never written to: its tensors keep their storage, values and attributes, and the copy costs the
+  memory of those projections (about two thirds of a transformer's linear weights: 10.7 GiB at 32B
+  NVFP4; ``fused=False`` has none). ``share=True`` (the engine's ``share_weights``) holds one copy
+  instead of two: each of the model's tensors becomes a row block of the buffer (``tensor.data =
+  buffer[rows]``: the same tensor objects, values, shapes, dtypes and devices; only their storage
+  moves), and ``unshare()`` gives each its own storage again (``restore_weights``). Parts that
+  already are consecutive row blocks of one buffer (the model after a sharing plan) are decoded
+  from that buffer without a copy. ``FusedPlan.refresh()``, at the start of every generation call,
+  re-copies a projection whose tensor changed (trained, reloaded or replaced: its version counter
+  or storage moved), so the plan decodes the model as it is now; a sharing plan then makes the
+  replaced tensor a row block again. o_proj and down_proj are single projections: their own
   tensors are used.
 * **LoRA unmerged, read live.** peft's matrices are used in place: ``t = x @ [A_q; A_k; A_v]^T``,
   then ``y[:, q] += s * t[:, :r] @ B_q^T`` for every projection into the fused output, as two
@@ -38,6 +44,7 @@ the generic path.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -88,13 +95,15 @@ class _Group:
 
     With several projections the base weights are copied into one buffer the group owns
     (``refresh`` re-copies a part whose tensor changed); a single projection's tensors are used as
-    they are. The model's own tensors are only read."""
+    they are. The model's own tensors are only read, unless ``share``: then they become row blocks
+    of the buffer (their values unchanged) until ``unshare``."""
 
-    def __init__(self, modules: list[nn.Module], tag: str, dense: str = "auto", dtype: torch.dtype = torch.bfloat16):
+    def __init__(self, modules: list[nn.Module], tag: str, dense: str = "auto", dtype: torch.dtype = torch.bfloat16,
+                 share: bool = False):
         from qerl_kit.linear import MXFP4Linear, NF4Linear, NVFP4Linear
 
         pairs = [_unwrap(m) for m in modules]
-        self.tag = tag
+        self.tag, self.share = tag, share
         self.bases = [b for b, _ in pairs]
         self.loras = [lo for _, lo in pairs]
         self.splits = [b.out_features for b in self.bases]
@@ -177,17 +186,38 @@ class _Group:
         return tuple((id(p), p.data_ptr(), p._version) for p in parts)
 
     def _concat(self, attr: str) -> Tensor:
-        """The group's buffer for ``attr``: the model's tensor itself for one projection, else a copy
-        of every projection's tensor, row blocks side by side."""
+        """The group's buffer for ``attr``: the model's tensor itself for one projection, the buffer
+        the parts already are row blocks of, else a copy of every projection's tensor, row blocks side
+        by side (with ``share``, the parts then become those row blocks)."""
         parts = self._parts(attr)
         if len(parts) == 1:
             return parts[0]
         if len({p.dtype for p in parts}) != 1 or len({tuple(p.shape[1:]) for p in parts}) != 1:
             raise ValueError(f"{self.tag}: {attr} tensors differ in dtype or width")
-        with torch.no_grad():
-            fused = torch.cat([p.detach() for p in parts], dim=0)
+        fused = _tiled(parts)
+        if fused is None:
+            with torch.no_grad():
+                fused = torch.cat([p.detach() for p in parts], dim=0)
+            if self.share:
+                for part, lo, hi in zip(parts, self.offsets[:-1], self.offsets[1:]):
+                    part.data = fused[lo:hi]  # the same tensor object and values; its old storage is freed
         self._seen[attr] = self._stamp(parts)
         return fused
+
+    def unshare(self) -> None:
+        """Give every model tensor that is a row block of this group's buffers its own storage again
+        (a copy of the same values); the buffers stay the plan's own copy."""
+        self.share = False
+        for attr in self.attrs:
+            parts = self._parts(attr)
+            if len(parts) == 1:
+                continue
+            buffer = self.fused[attr].untyped_storage().data_ptr()
+            with torch.no_grad():
+                for part in parts:
+                    if part.untyped_storage().data_ptr() == buffer:
+                        part.data = part.detach().clone()
+            self._seen[attr] = self._stamp(parts)
 
     def refresh(self) -> None:
         """Copy into the group's buffers the parts that changed since the last copy (a base weight
@@ -205,8 +235,13 @@ class _Group:
             with torch.no_grad():
                 for part, lo, hi, new, old in zip(parts, self.offsets[:-1], self.offsets[1:], stamp, self._seen[attr]):
                     if new != old:
-                        self.fused[attr][lo:hi].copy_(part.detach())
-            self._seen[attr] = stamp
+                        # A part that is this row block already was written in place: the copy is a no-op
+                        # that moves the buffer's version on, so kernels caching it by version (humming) rebuild.
+                        block = self.fused[attr][lo:hi]
+                        block.copy_(part.detach())
+                        if self.share and part.data_ptr() != block.data_ptr():
+                            part.data = block
+            self._seen[attr] = self._stamp(parts)  # after the copies: a view's counter may be the buffer's
         if self.dense_weight is not None and (stamp := self._dense_stamp()) != self._dense_seen:
             self.dense_weight.copy_(self._dequantized())  # in place: captured graphs read this buffer
             self._dense_seen = stamp
@@ -230,6 +265,20 @@ class _Group:
         return y
 
 
+def _tiled(parts: list[Tensor]) -> Tensor | None:
+    """The tensor of which ``parts`` are consecutive row blocks, in order (a model whose tensors a
+    sharing plan made row blocks of its buffer, or a loader that split one fused weight), or None."""
+    first, row = parts[0], math.prod(parts[0].shape[1:])
+    storage, offset = first.untyped_storage().data_ptr(), first.storage_offset()
+    for p in parts:
+        if (not p.is_contiguous() or p.device != first.device or p.untyped_storage().data_ptr() != storage
+                or p.storage_offset() != offset):
+            return None
+        offset += p.shape[0] * row
+    rows = sum(p.shape[0] for p in parts)
+    return first.detach().as_strided((rows, *first.shape[1:]), first.stride(), first.storage_offset())
+
+
 def _eps(norm: nn.Module) -> float:
     for attr in ("variance_epsilon", "eps"):
         if hasattr(norm, attr):
@@ -238,16 +287,17 @@ def _eps(norm: nn.Module) -> float:
 
 
 class _LayerPlan:
-    def __init__(self, layer: nn.Module, index: int, dense: str = "auto", dtype: torch.dtype = torch.bfloat16):
+    def __init__(self, layer: nn.Module, index: int, dense: str = "auto", dtype: torch.dtype = torch.bfloat16,
+                 share: bool = False):
         attn, mlp = layer.self_attn, layer.mlp
         act = getattr(mlp, "act_fn", None)
         if not isinstance(act, nn.SiLU) and getattr(act, "__name__", "") != "silu" and type(act).__name__ != "SiLUActivation":
             raise ValueError(f"layer {index}: MLP activation {type(act).__name__} (the fused step does SiLU)")
         self.ln1, self.ln2 = layer.input_layernorm, layer.post_attention_layernorm
         self.eps1, self.eps2 = _eps(self.ln1), _eps(self.ln2)
-        self.qkv = _Group([attn.q_proj, attn.k_proj, attn.v_proj], "qkv", dense, dtype)
+        self.qkv = _Group([attn.q_proj, attn.k_proj, attn.v_proj], "qkv", dense, dtype, share)
         self.o = _Group([attn.o_proj], "o", dense, dtype)
-        self.gate_up = _Group([mlp.gate_proj, mlp.up_proj], "gate_up", dense, dtype)
+        self.gate_up = _Group([mlp.gate_proj, mlp.up_proj], "gate_up", dense, dtype, share)
         self.down = _Group([mlp.down_proj], "down", dense, dtype)
         self.q_norm = getattr(attn, "q_norm", None)
         self.k_norm = getattr(attn, "k_norm", None)
@@ -258,11 +308,13 @@ class _LayerPlan:
 
 
 class FusedPlan:
-    """Per-layer fused groups for a ``Decoder``; ``decode`` has the same contract as its own."""
+    """Per-layer fused groups for a ``Decoder``; ``decode`` has the same contract as its own.
+    ``share``: the model's q/k/v and gate/up tensors become row blocks of the plan's buffers (the
+    module docstring), layer by layer as the plan is built, so memory never holds both copies."""
 
-    def __init__(self, decoder, dense: str = "auto"):
+    def __init__(self, decoder, dense: str = "auto", share: bool = False):
         self.dec = decoder
-        self.layers = [_LayerPlan(layer, i, dense, decoder.dtype) for i, layer in enumerate(decoder.layers)]
+        self.layers = [_LayerPlan(layer, i, dense, decoder.dtype, share) for i, layer in enumerate(decoder.layers)]
         self.final_eps = _eps(decoder.norm)
         # The fused NVFP4 weights' GEMM kernels compile now (humming-kernels: 13-15 s per new shape,
         # with a progress bar), not inside the first rollout; each weight repacks at its first call.
@@ -274,11 +326,24 @@ class FusedPlan:
                                    groups[0].packed.device)
 
     @classmethod
-    def build(cls, decoder, dense: str = "auto") -> tuple["FusedPlan | None", str]:
+    def build(cls, decoder, dense: str = "auto", share: bool = False) -> tuple["FusedPlan | None", str]:
+        """(plan, "fused"), or (None, why) for a model the plan does not cover. A sharing plan that
+        fails part way leaves the layers it passed sharing a buffer no plan holds: same values, one copy."""
         try:
-            return cls(decoder, dense), "fused"
+            return cls(decoder, dense, share), "fused"
         except (ValueError, AttributeError) as err:
             return None, f"generic decode path ({err})"
+
+    @property
+    def shares(self) -> bool:
+        """Whether the model's fused projections are row blocks of this plan's buffers."""
+        return any(g.share for lp in self.layers for g in (lp.qkv, lp.gate_up))
+
+    def unshare(self) -> None:
+        """Every model tensor back on its own storage (same values); the plan keeps its buffers as copies."""
+        for lp in self.layers:
+            lp.qkv.unshare()
+            lp.gate_up.unshare()
 
     def refresh(self) -> None:
         """Bring the concatenated weights up to date with the model's (``_Group.refresh``); the
