@@ -72,7 +72,8 @@ def case(name: str, fmt: str, checkpointing: bool, args, device: str) -> dict:
     preset = MODELS[name]
     peft = with_lora(build(preset, "none" if fmt == "bf16" else fmt, device), args.lora_r)
     keep = not checkpointing  # as bench_rollout's step: the big models free the cache before the update
-    engine = StaticEngine(peft, IdTokenizer(), ignore_eos=True, keep_cache=keep)
+    engine = StaticEngine(peft, IdTokenizer(), ignore_eos=True, keep_cache=keep,
+                          share_weights=args.share_weights == "on")
     dense_gib = None if args.dense_cache == "auto" else \
         dense_projection_bytes(peft) / GIB if args.dense_cache == "all" else float(args.dense_cache)
     trainer, cfg = _trainer(peft, engine, args, Path(args.out) / "run", checkpointing, peft.config.vocab_size,
@@ -90,7 +91,7 @@ def case(name: str, fmt: str, checkpointing: bool, args, device: str) -> dict:
                     rollout_batch=args.prompts * args.group, group_size=args.group, prompt_len=args.prompt,
                     max_new_tokens=args.new, micro_batch=args.micro_batch, gradient_checkpointing=checkpointing,
                     engine="static", keep_cache=keep, humming=device == "cuda" and fmt == "nvfp4" and _humming_on(),
-                    dense_cache_bytes=int(held * GIB))
+                    dense_cache_bytes=int(held * GIB), share_weights=args.share_weights == "on")
     plan = plan_memory(peft.config, **settings)
     del trainer, engine, peft
     free()
@@ -101,7 +102,7 @@ def case(name: str, fmt: str, checkpointing: bool, args, device: str) -> dict:
 
 
 def table(rows: list[dict]) -> str:
-    lines = ["| model | format | batch | prompt + new | micro-batch | checkpointing | keep cache | humming | "
+    lines = ["| model | format | batch | prompt + new | micro-batch | checkpointing | keep cache (shared weights) | humming | "
              "dense cache held GiB | measured GiB | plan GiB | plan / measured | largest parts of the plan |",
              "|---|---|---:|---|---:|---|---|---|---:|---:|---:|---:|---|"]
     for r in rows:
@@ -113,7 +114,8 @@ def table(rows: list[dict]) -> str:
         measured = "not measured (CPU)" if math.isnan(r["measured_gib"]) else f"{r['measured_gib']:.2f}"
         ratio = "" if math.isnan(r["ratio"]) else f"{r['ratio']:.2f}"
         lines.append(f"| {r['model']} | {s['fmt']} | {s['rollout_batch']} | {s['prompt_len']} + {s['max_new_tokens']} | "
-                     f"{s['micro_batch']} | {s['gradient_checkpointing']} | {s['keep_cache']} | {s['humming']} | "
+                     f"{s['micro_batch']} | {s['gradient_checkpointing']} | {s['keep_cache']}"
+                     f"{' (shared)' if s.get('share_weights') else ''} | {s['humming']} | "
                      f"{s['dense_cache_bytes'] / 2**30:.2f} | {measured} | {r['plan_gib']:.2f} | {ratio} | {'; '.join(r['largest'])} |")
     return "\n".join(lines)
 
@@ -133,7 +135,7 @@ def append(path: Path, rows: list[dict], meta: dict, source: str) -> int:
     return len(new)
 
 
-_PASSED = ("prompts", "group", "prompt", "new", "micro_batch", "lora_r", "steps", "out", "dense_cache")
+_PASSED = ("prompts", "group", "prompt", "new", "micro_batch", "lora_r", "steps", "out", "dense_cache", "share_weights")
 
 
 def isolated_case(name: str, fmt: str, ckpt: bool, args, limit: float) -> dict:
@@ -171,6 +173,9 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--steps", type=int, default=2)
     ap.add_argument("--dense-cache", default="all", type=dense_cache_arg,
                     help="model.dense_cache_gib: all (every 4-bit projection's dense copy) or GiB (0: off)")
+    ap.add_argument("--share-weights", default="off", choices=["on", "off"],
+                    help="the StaticEngine's share_weights (on: the policy's q/k/v and gate/up are its fused "
+                         "buffers, no second copy); the settings record it")
     ap.add_argument("--out", default="bench/results/memory")
     ap.add_argument("--append", default=None, help="a measured-peaks JSON file to add the GPU rows to")
     ap.add_argument("--budget", type=float, default=480.0, help="seconds after which no new case starts")

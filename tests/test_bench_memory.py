@@ -21,7 +21,7 @@ def test_smoke_run_writes_its_table_and_appends_nothing_on_the_cpu(tmp_path):
                            "--append", str(peaks)], cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     md = (tmp_path / "out" / "memory.md").read_text()
-    assert "| tiny | nvfp4 | 4 | 8 + 4 | 2 | False | True |" in md and "not measured (CPU)" in md
+    assert "| tiny | nvfp4 | 4 | 8 + 4 | 2 | False | True |" in md and "not measured (CPU)" in md  # the engine's copy
     rows = json.loads((tmp_path / "out" / "memory.json").read_text())["rows"]
     assert len(rows) == 1 and rows[0]["plan_gib"] > 0 and "error" not in rows[0]
     assert rows[0]["engine_class"] == "StaticEngine"  # the engine the plan's settings describe
@@ -54,12 +54,15 @@ def test_appended_gpu_row_is_a_case_the_plan_test_reads(tmp_path):
 
 
 def test_each_case_runs_in_its_own_process_and_none_starts_after_the_budget(tmp_path):
-    # --isolate on (the GPU's default): the case's row comes back from its own process, written at once
+    # --isolate on (the GPU's default): the case's row comes back from its own process, written at once,
+    # with the settings the child got (--share-weights on: the engine shared, the plan without its copy)
     proc = subprocess.run([sys.executable, "-m", "bench.bench_memory", "--smoke", "--isolate", "on", "--out",
-                           str(tmp_path / "iso")], cwd=ROOT, capture_output=True, text=True, timeout=600)
+                           str(tmp_path / "iso"), "--share-weights", "on"], cwd=ROOT, capture_output=True, text=True,
+                          timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = json.loads((tmp_path / "iso" / "memory.json").read_text())["rows"]
     assert len(rows) == 1 and "error" not in rows[0] and rows[0]["plan_gib"] > 0
+    assert rows[0]["settings"]["share_weights"] is True and "| True (shared) |" in (tmp_path / "iso" / "memory.md").read_text()
     assert (tmp_path / "iso" / "case_tiny_nvfp4_log.txt").exists()  # the child's own log
     # a spent budget: the case is a row saying so, and the table is still written
     proc = subprocess.run([sys.executable, "-m", "bench.bench_memory", "--smoke", "--budget", "-1", "--out",

@@ -120,3 +120,38 @@ def test_it_answers_gsm8k_problems_as_on_the_h200(real, fmt):
     scores = task.accuracy(completions=texts, answer=[task.eval[i]["answer"] for i in PROBLEMS])
     assert scores == [1.0, 1.0], texts
     assert all(gen.finish_reasons[j] == "stop" for j in range(len(PROBLEMS)))  # ended at <|im_end|>
+
+
+def test_shared_weights_decode_the_real_model_as_the_engines_copy_does_with_one_copy_in_memory(real):
+    """StaticEngine(share_weights=True) on the real 0.5B in NVFP4 + LoRA: the same greedy tokens and
+    log-probs as with the engine's own copy, and the q/k/v and gate/up bytes held once, not twice."""
+    from qerl_kit.lora import attach_lora
+    from qerl_kit.quantize import quantize_model
+    from qerl_kit.rollout.static import StaticEngine
+    from qerl_kit.rollout.types import SamplingParams
+
+    model, tok = real
+    model = copy.deepcopy(model).float()
+    quantize_model(model, fmt="nvfp4")
+    model = attach_lora(model, r=8, seed=0)
+    with torch.no_grad():  # a trained adapter (peft starts B at zero)
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.02, generator=torch.Generator().manual_seed(1))
+    prompts = [tok(text, add_special_tokens=False)["input_ids"] for text in ("def fib(n):", "Natalia sold clips to")]
+    sp = SamplingParams(max_new_tokens=6, temperature=0.0)
+
+    def held(engine):  # distinct storages under the model's tensors and the plan's buffers
+        tensors = list(model.state_dict().values()) + [t for lp in engine.decoder.plan.layers
+                                                        for g in (lp.qkv, lp.gate_up) for t in g.fused.values()]
+        return sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}.values())
+
+    own = StaticEngine(model, tok)
+    a, own_bytes = own.generate_ids(prompts, 1, sp), held(own)
+    fused = sum(t.untyped_storage().nbytes() for lp in own.decoder.plan.layers for g in (lp.qkv, lp.gate_up)
+                for t in g.fused.values())
+    del own
+    shared = StaticEngine(model, tok, share_weights=True)
+    b = shared.generate_ids(prompts, 1, sp)
+    assert torch.equal(a.completion_ids, b.completion_ids) and torch.equal(a.logprobs, b.logprobs)
+    assert own_bytes - held(shared) == fused > 100 * 2**20  # the 0.5B's q/k/v + gate/up in NVFP4
