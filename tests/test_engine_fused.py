@@ -305,6 +305,28 @@ def test_grouped_lora_tilings_match_the_torch_path(tiling, m, k):
     torch.testing.assert_close(got, want, atol=tol * want.abs().max().item(), rtol=0)
 
 
+# The real Qwen2.5-0.5B's decode groups (in, outs), LoRA r=32 on every projection: widths that are no
+# power of two (896 = 7 x 128, 4864 = 38 x 128), so K chunks and column blocks end part-way.
+REAL_GROUPS = {"qkv": (896, [896, 128, 128]), "o": (896, [896]), "gate_up": (896, [4864, 4864]), "down": (4864, [896])}
+
+
+@pytest.mark.parametrize("group", sorted(REAL_GROUPS))
+@pytest.mark.parametrize("m,tiling", [(8, Tiling()), (8, Tiling(reduce=True)),
+                                      (64, Tiling(max_splits=4, block_m=64, n_blocks=4, reduce=True))], ids=str)
+def test_grouped_lora_at_the_real_models_decode_shapes(group, m, tiling):
+    k, outs = REAL_GROUPS[group]
+    dtype = torch.bfloat16 if CUDA else torch.float32
+    g = torch.Generator().manual_seed(m + len(outs))
+    mk = lambda *shape, s=1.0: (torch.randn(*shape, generator=g) * s).to(DEVICE, dtype)  # noqa: E731
+    x, y = mk(m, k), mk(m, sum(outs))
+    As, Bs = [mk(32, k, s=0.02) for _ in outs], [mk(n, 32, s=0.02) for n in outs]
+    offsets = [sum(outs[:i]) for i in range(len(outs))]
+    want = lora_apply_ref_(y.clone(), x, As, Bs, offsets, [2.0] * len(outs))
+    got = lora_apply_(y.clone(), x, As, Bs, offsets, [2.0] * len(outs), tiling)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got, want, atol=tol * want.abs().max().item(), rtol=0)
+
+
 @pytest.mark.parametrize("m,k,block_m", [(5, 600, 16), (19, 2048, 16), (40, 1100, 32)])
 def test_the_shrinks_own_sum_gives_the_expands_bits_and_leaves_its_counters_at_zero(m, k, block_m):
     # reduce=True: the last chunk to arrive sums the chunks in the order the expand would
