@@ -17,7 +17,10 @@ Where we depart from the official code, on purpose:
 
 * Norms are found by structure, not by class name: a probe forward pass records which norm's
   output tensor is the very input of quantized projections (of the linear projections in an
-  unquantized model, for the bf16 + AQN ablation). So Qwen2, Qwen3 and Llama work
+  unquantized model, for the bf16 + AQN ablation). The projections return zeros of their output
+  shape during the probe: it reads where tensors go, so no matmul runs and no kernel is compiled or
+  repacks a weight for it (on a GPU a 4-token probe sent a 32B model's gate/up to humming-kernels,
+  which kept a second repacked copy of them, 9.5 GiB, that nothing else used). So Qwen2, Qwen3 and Llama work
   (Qwen3's q/k norms and the final norm feed no quantized projection and are left alone), and
   finding none is an error. The official code matched transformers' class names inside vLLM,
   whose norms are vLLM's own class, so its noise most likely never applied.
@@ -94,12 +97,34 @@ def find_noise_norms(model: nn.Module, probe_ids: torch.Tensor | None = None) ->
         first = next(itertools.chain(model.parameters(), model.buffers()), None)
         probe_ids = torch.arange(1, 5, device=first.device if first is not None else None).unsqueeze(0)
     try:
-        with torch.no_grad():
+        with torch.no_grad(), _shapes_only(targets):
             model(input_ids=probe_ids)
     finally:
         for h in handles:
             h.remove()
     return list(found.values())
+
+
+@contextlib.contextmanager
+def _shapes_only(layers: list[nn.Module]):
+    """Inside: each of ``layers`` returns zeros of its output shape (hooks still see its input), and
+    no kernel runs; on leaving, each gets its own ``forward`` back (an instance attribute it had
+    before included)."""
+    saved = [(m, vars(m).get("forward")) for m in layers]
+
+    def zeros(out_features: int):
+        return lambda x, *args, **kwargs: x.new_zeros(*x.shape[:-1], out_features)
+
+    try:
+        for m, _ in saved:
+            m.forward = zeros(m.out_features)
+        yield
+    finally:
+        for m, before in saved:
+            if before is None:
+                del m.forward
+            else:
+                m.forward = before
 
 
 def _check_probe_forward(model: nn.Module) -> None:

@@ -64,6 +64,40 @@ def test_perturbed_norm_counts_by_structure(arch, wrap):
     assert aqn.apply(model, step=0) == 0  # stage 0 is noise-free
 
 
+@pytest.mark.parametrize("quantized", [True, False])
+def test_the_probe_runs_no_projection_and_gives_every_forward_back(quantized, monkeypatch):
+    """The probe reads where tensors go: no projection computes (on a GPU a 4-row NVFP4 call could send
+    a large weight to humming-kernels, which keeps a repacked copy of it), the norms found are the
+    structure's, and every layer has its own forward again afterwards, an error inside included."""
+    from qerl_kit.aqn import _projection_layers
+
+    model = attach_lora(_model() if quantized else build_model("qwen2-tiny"), r=4)
+    layers = _projection_layers(model)
+    own = layers[0].forward  # a layer that brought its own forward (as accelerate's hooks do) keeps it
+    layers[0].forward = own
+    calls, targets = [], {id(m) for m in layers}
+    for cls in {type(m) for m in layers}:  # a projection's own forward, counted (LoRA's matrices run as ever)
+        def counted(self, *args, _forward=cls.forward, **kwargs):
+            calls.extend([1] if id(self) in targets else [])
+            return _forward(self, *args, **kwargs)
+        monkeypatch.setattr(cls, "forward", counted)
+    with torch.no_grad():
+        model(input_ids=IDS)  # the counter counts: an ordinary forward runs every projection's class forward
+    assert len(calls) == len(layers) - 1  # (layers[0] runs the forward it brought)
+    calls.clear()
+    norms = find_noise_norms(model)
+    assert len(norms) == 4 and not calls
+    assert vars(layers[0])["forward"] is own and all("forward" not in vars(m) for m in layers[1:])
+    monkeypatch.undo()
+    with torch.no_grad():
+        before = model(input_ids=IDS).logits
+    with pytest.raises(RuntimeError, match="indices"):  # an error inside the probe
+        find_noise_norms(model, probe_ids=IDS.float())  # float ids: the embedding refuses them
+    assert all("forward" not in vars(m) for m in layers[1:]) and vars(layers[0])["forward"] is own
+    with torch.no_grad():
+        assert torch.equal(model(input_ids=IDS).logits, before)
+
+
 def test_unquantized_model_gets_the_same_norms_for_the_bf16_ablation():
     model = build_model("qwen2-tiny")
     assert len(find_noise_norms(model)) == 4

@@ -261,3 +261,46 @@ def test_layer_activations_bound_what_autograd_saves():
     bound = B * L * (s["layers"] * per_token + 4 * s["hidden"] + 2 * s["hidden"])  # + the final norm's
     total = sum(saved.values())
     assert 0.7 * bound < total <= bound, (total, bound)
+
+
+def test_every_row_count_a_step_sends_to_the_models_own_layers_is_one_the_plan_counts(tmp_path, monkeypatch):
+    """humming-kernels keeps a repacked copy of every weight it sees, so the plan's humming term lists
+    the row counts each weight meets (memory_terms._row_ranges): the model's own q/k/v and gate/up only
+    in prefill chunks and micro-batches (the engine decodes its fused copy), o/down also in decode. One
+    whole GRPO step of the StaticEngine with AQN, every call of a model layer recorded: none outside.
+    (AQN's probe forward once called every layer with 4 rows: at 32B on a GPU that repacked the
+    policy's gate/up, 9.5 GiB nothing counted.)"""
+    from bench.step_group import build_policy, forced_static, make_task, trainer_for
+    from qerl_kit.linear import NVFP4Linear
+    from qerl_kit.memory_terms import _row_ranges
+
+    P, C, rows, group, micro = 64, 16, 16, 4, 4
+    peft, tok = build_policy("qwen2-tiny", "nvfp4", "cpu", 4)
+    seen = []
+    forward = NVFP4Linear.forward
+
+    def recorded(self, x):
+        seen.append((self._probe_name, x.reshape(-1, self.in_features).shape[0]))
+        return forward(self, x)
+
+    for name, m in peft.named_modules():
+        if isinstance(m, NVFP4Linear):
+            m._probe_name = name.rsplit(".", 2)[-2] if name.endswith("base_layer") else name.rsplit(".", 1)[-1]
+    monkeypatch.setattr(NVFP4Linear, "forward", recorded)
+    a = dict(prompts=rows // group, group=group, prompt_len=P, lora_r=4, steps=1, keep_cache=True, max_rows=rows,
+             dense_cache="auto", max_new_tokens=C)
+    case = dict(model="qwen2-tiny", format="nvfp4", engine="static", gradient_checkpointing=True, mu=1,
+                micro_batch=micro, seed=0, aqn=True)
+    engine = forced_static(peft, tok, ignore_eos=True, keep_cache=True, max_rows=rows)
+    engine.lengths = [C] * rows
+    trainer = trainer_for(peft, tok, make_task("qwen2-tiny", peft, P, rows, 0), engine, case, a, C, tmp_path)
+    trainer.train_step()
+    ranges = _row_ranges(dict(rollout_batch=rows, group_size=group, micro_batch=micro, prompt_len=P,
+                              max_new_tokens=C, engine="static"))
+    own = ranges["prefill"] + ranges["train"]
+    inside = lambda m, spans: any(lo <= m <= hi for lo, hi in spans)  # noqa: E731
+    assert seen and {name for name, _ in seen} == {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+                                                   "down_proj"}
+    outside = sorted({(name, m) for name, m in seen
+                      if not inside(m, own + (ranges["decode"] if name in ("o_proj", "down_proj") else []))})
+    assert not outside, f"row counts no plan term counts: {outside}; the plan's ranges: {ranges}"
