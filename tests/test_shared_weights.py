@@ -117,6 +117,21 @@ def test_a_base_weight_changed_in_place_or_replaced_reaches_the_next_rollout():
     assert base.packed.untyped_storage().data_ptr() == group.fused["packed"].untyped_storage().data_ptr()
 
 
+def test_a_tensor_moved_to_another_dtype_is_copied_in_but_not_made_a_row_block_again():
+    """Sharing moves storage, never a tensor's dtype or device: a replaced part of another kind is only
+    copied into the plan's buffer (cast, as without sharing) and keeps what it is. (The refresh every
+    generation call starts with; a float64 weight in a float32 model would stop the prefill itself.)"""
+    model = _policy("none")
+    engine = StaticEngine(model, share_weights=True)
+    q = _bases(model)[0, "q_proj"]
+    q.weight.data = q.weight.data.double()
+    engine.decoder.refresh()
+    group = engine.decoder.plan.layers[0].qkv
+    assert q.weight.dtype == torch.float64 and group.fused["weight"].dtype == torch.float32
+    assert q.weight.untyped_storage().data_ptr() != group.fused["weight"].untyped_storage().data_ptr()
+    assert torch.equal(group.fused["weight"][:q.out_features], q.weight.float())
+
+
 def test_a_second_engine_decodes_from_the_buffers_the_model_already_is():
     model = _policy("nvfp4")
     first = StaticEngine(model, share_weights=True)

@@ -239,8 +239,8 @@ class _Group:
                         # that moves the buffer's version on, so kernels caching it by version (humming) rebuild.
                         block = self.fused[attr][lo:hi]
                         block.copy_(part.detach())
-                        if self.share and part.data_ptr() != block.data_ptr():
-                            part.data = block
+                        if self.share and part.data_ptr() != block.data_ptr() and _same_kind(part, block):
+                            part.data = block  # shared again (a tensor moved to another device or dtype: not)
             self._seen[attr] = self._stamp(parts)  # after the copies: a view's counter may be the buffer's
         if self.dense_weight is not None and (stamp := self._dense_stamp()) != self._dense_seen:
             self.dense_weight.copy_(self._dequantized())  # in place: captured graphs read this buffer
@@ -263,6 +263,11 @@ class _Group:
         if self.lora_idx:
             lora_apply_(y, x, *self.lora_args)
         return y
+
+
+def _same_kind(a: Tensor, b: Tensor) -> bool:
+    """Whether ``b`` can stand for ``a`` as its storage: the same shape, dtype and device."""
+    return a.shape == b.shape and a.dtype == b.dtype and a.device == b.device
 
 
 def _tiled(parts: list[Tensor]) -> Tensor | None:
