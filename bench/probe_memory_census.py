@@ -56,16 +56,34 @@ def _tensors(obj, prefix: str, depth: int, seen: set, out: dict, device: str = "
 
 def _group(path: str) -> str:
     """A census line: the path with layer numbers folded, so 64 layers' copies sum in one line."""
-    parts = [("N" if p.isdigit() else p) for p in path.split(".")]
-    return ".".join(parts)
+    parts = [(p.replace(p.strip("[]"), "N") if p.strip("[]").isdigit() else p) for p in path.split(".")]
+    return ".".join(parts)  # (a humming copy's "[engine.fused.1]" folds as "[engine.fused.N]")
 
 
-def census(roots: dict, depth: int = 12, device: str = "cuda") -> tuple[list, int]:
-    """(lines of (group, GiB, count, example dtype/shape), named bytes) over the roots' tensors."""
+def walk(roots: dict, depth: int = 12, device: str = "cuda") -> dict:
+    """{storage pointer: (path, bytes, dtype, shape)} of every ``device`` tensor the roots reach."""
     found: dict = {}
     seen: set = set()
     for name, obj in roots.items():
         _tensors(obj, name, depth, seen, found, device)
+    return found
+
+
+def humming_roots(cache: dict, found: dict) -> dict:
+    """humming's repacked weights (``kernels.nvfp4_humming._cache``) keyed by the path of the weight each
+    one repacks (``found``: ``walk`` of the policy and the engine), so a census line says whose copy it
+    is: the engine's fused buffers' or the policy's own projections'."""
+    out = {}
+    for (ident, _dtype), (ref, _version, gemm) in cache.items():
+        packed = ref()
+        where = None if packed is None else found.get(packed.untyped_storage().data_ptr())
+        out[f"[{where[0] if where else f'unnamed.{ident}'}]"] = gemm
+    return out
+
+
+def census(roots: dict, depth: int = 12, device: str = "cuda") -> tuple[list, int]:
+    """(lines of (group, GiB, count, example dtype/shape), named bytes) over the roots' tensors."""
+    found = walk(roots, depth, device)
     sums: dict = defaultdict(lambda: [0, 0, ""])
     for path, nbytes, dtype, shape in found.values():
         g = sums[_group(path)]
@@ -160,8 +178,9 @@ def main(argv=None) -> int:
     mark("after one rollout")
     from qerl_kit.kernels import nvfp4_humming
 
-    humming = {str(k[0]): v[2] for k, v in nvfp4_humming._cache.items()}  # its repacked weights, by packed id
-    lines, named = census({"policy": peft, "engine": engine, "humming": humming}, device=a.device)
+    ours = {"policy": peft, "engine": engine}
+    humming = humming_roots(nvfp4_humming._cache, walk(ours, device=a.device))  # by the weight each repacks
+    lines, named = census({**ours, "humming": humming}, device=a.device)
     snap = torch.cuda.memory._snapshot() if cuda else {}
     sites = allocation_sites(snap) if a.history else []
     pools = pool_gib(snap)

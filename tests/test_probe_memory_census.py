@@ -62,3 +62,28 @@ def test_live_bytes_split_between_the_default_pool_and_graph_pools():
         {"segment_pool_id": (1, 3), "blocks": [{"size": pmc.GIB // 4, "state": "active_allocated"}]},
         {"segment_pool_id": [2, 0], "blocks": [{"size": pmc.GIB // 4, "state": "active_pending_free"}]}]}
     assert pmc.pool_gib(snap) == {"default pool": 2.0, "CUDA-graph pools": 0.25}
+
+
+def test_hummings_copies_are_named_by_the_weight_each_repacks():
+    """A census line of humming's cache says whose weight it is (the engine's fused buffer or the
+    policy's own projection): the copy the AQN probe once made of a 32B's gate/up showed only as
+    humming's, with no owner."""
+    import weakref
+
+    from bench.probe_memory_census import census, humming_roots, walk
+
+    def Gemm(n):  # noqa: N802 - a repacked copy: a tensor of humming's own
+        return {"weight": torch.zeros(n, dtype=torch.uint8)}
+
+    policy = torch.nn.ModuleDict({"layers": torch.nn.ModuleList(torch.nn.Linear(4, 4) for _ in range(2))})
+    engine = {"fused": [torch.zeros(8, 4), torch.zeros(8, 4)]}
+    weights = [policy["layers"][0].weight, engine["fused"][1]]
+    cache = {(id(w), torch.bfloat16): (weakref.ref(w), 0, Gemm(10 * (i + 1))) for i, w in enumerate(weights)}
+    gone = torch.zeros(3)
+    cache[(id(gone), torch.bfloat16)] = (weakref.ref(gone), 0, Gemm(5))
+    found = walk({"policy": policy, "engine": engine}, device="cpu")
+    roots = humming_roots(cache, found)
+    assert sorted(roots) == sorted(["[policy.layers.0.weight]", "[engine.fused.1]", f"[unnamed.{id(gone)}]"])
+    lines, _ = census({"policy": policy, "engine": engine, "humming": roots}, device="cpu")
+    assert {line[0] for line in lines if line[0].startswith("humming")} == {
+        "humming.[policy.layers.N.weight].weight", "humming.[engine.fused.N].weight", "humming.[unnamed.N].weight"}
