@@ -22,9 +22,9 @@ and group size): the most rows whose planned peak fits the GPU's memory, the cac
 still fits, the weights shared only where the copy is what does not fit (at each row count: the
 cache kept with the copy, then kept with shared weights, then freed with the copy, then freed with
 shared weights). The whole batch with the cache kept is the default wherever it fits; a 32B NVFP4 model at
-the paper's GSM8K recipe (128 x 4096 tokens, micro-batches of 8) decodes 80 of its 128 completions at
-a time with the cache freed when planned against 141 GB (notebook 05, exercise 4), 88 against the
-H200's 139.8 GiB as torch reports it. Under data parallelism each rank plans its own share of the
+the paper's GSM8K recipe (128 x 4096 tokens, micro-batches of 8) decodes 88 of its 128 completions at
+a time with the cache freed and the weights shared when planned against 141 GB (notebook 05, exercise
+4; 80 with the engine's copy), 96 against the H200's 139.8 GiB as torch reports it (88 with the copy). Under data parallelism each rank plans its own share of the
 batch (``world``).
 When no setting fits, the one with the smallest plan is taken (the plan is an upper bound, 1.1-1.3x
 of measured peaks) and the warning says by how much it exceeds the GPU. A setting the config gives
