@@ -102,7 +102,8 @@ def case(name: str, fmt: str, checkpointing: bool, args, device: str) -> dict:
 
 
 def table(rows: list[dict]) -> str:
-    lines = ["| model | format | batch | prompt + new | micro-batch | checkpointing | keep cache (shared weights) | humming | "
+    lines = ["| model | format | batch | prompt + new | micro-batch | checkpointing | keep cache (shared weights) | "
+             "humming | "
              "dense cache held GiB | measured GiB | plan GiB | plan / measured | largest parts of the plan |",
              "|---|---|---:|---|---:|---|---|---|---:|---:|---:|---:|---|"]
     for r in rows:

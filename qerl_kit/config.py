@@ -168,7 +168,7 @@ class RolloutConfig:
     max_rows: int | None = _rule(None, ge=1, why="completions decoded at once: whole groups, at least one")
     # engine: static (or auto) only. The policy's q/k/v and gate/up tensors stored in the engine's fused
     # buffers instead of the engine holding a copy (same values; saves two thirds of the linear weights'
-    # memory at no speed cost). None: shared when the memory plan needs it
+    # memory; the decode reads the same buffer). None: shared when the memory plan needs it
     share_weights: bool | None = None
 
     def __post_init__(self):

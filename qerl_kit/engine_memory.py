@@ -12,8 +12,9 @@ trades none:
   that many rows and a larger batch is decoded in turns, at a lower throughput.
 * ``share_weights``: the policy's q/k/v and gate/up tensors become row blocks of the engine's fused
   buffers instead of the engine holding a copy of them (two thirds of the linear weights: 10.7 GiB
-  for a 32B NVFP4 model). No speed cost; the policy's values stay as they are, only the storage of
-  those tensors moves (``StaticEngine.restore_weights()`` separates them again).
+  for a 32B NVFP4 model). The decode reads the same buffer (no speed cost expected); the policy's
+  values stay as they are, only the storage of those tensors moves (``StaticEngine.restore_weights()``
+  separates them again).
 
 ``None`` (auto, the default) lets ``choose`` pick them on a CUDA GPU from the memory plan of this run
 (``qerl_kit.memory_plan.plan_memory``: the model's shape, ``model.format``, LoRA rank, optimizer,
@@ -21,11 +22,12 @@ trades none:
 and group size): the most rows whose planned peak fits the GPU's memory, the cache kept when it
 still fits, the weights shared only where the copy is what does not fit (at each row count: the
 cache kept with the copy, then kept with shared weights, then freed with the copy, then freed with
-shared weights). The whole batch with the cache kept is the default wherever it fits; a 32B NVFP4 model at
-the paper's GSM8K recipe (128 x 4096 tokens, micro-batches of 8) decodes 88 of its 128 completions at
-a time with the cache freed and the weights shared when planned against 141 GB (notebook 05, exercise
-4; 80 with the engine's copy), 96 against the H200's 139.8 GiB as torch reports it (88 with the copy). Under data parallelism each rank plans its own share of the
-batch (``world``).
+shared weights). The whole batch with the cache kept is the default wherever it fits; a 32B NVFP4
+model at the paper's GSM8K recipe (128 x 4096 tokens, micro-batches of 8) decodes 88 of its 128
+completions at a time with the cache freed and the weights shared when planned against 141 GB
+(notebook 05, exercise 4; 80 with the engine's copy), 96 against the H200's 139.8 GiB as torch
+reports it (88 with the copy). Under data parallelism each rank plans its own share of the batch
+(``world``).
 When no setting fits, the one with the smallest plan is taken (the plan is an upper bound, 1.1-1.3x
 of measured peaks) and the warning says by how much it exceeds the GPU. A setting the config gives
 is kept as given. Off a GPU nothing is planned: the whole batch, the cache kept.
@@ -127,7 +129,8 @@ def choose(config, policy=None, tokenizer=None, task=None, *, shape: Any = None,
     if gpu_bytes is None:
         device = next(policy.parameters()).device
         if device.type != "cuda":
-            return EngineMemory(r.keep_cache is not False, r.max_rows, None, f"not planned on {device.type}", share_given)
+            return EngineMemory(r.keep_cache is not False, r.max_rows, None, f"not planned on {device.type}",
+                                share_given)
         import torch
 
         gpu_bytes = torch.cuda.get_device_properties(device).total_memory

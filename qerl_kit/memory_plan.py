@@ -205,8 +205,9 @@ def plan_memory(model: Any = "Qwen2.5-7B", fmt: str = "nvfp4", lora_r: int = 32,
     ``prompt_len`` is the longest prompt and ``max_new_tokens`` the longest completion: the engine
     and every micro-batch pad to the batch's longest (a batch of shorter ones allocates less).
     ``engine``: ``static`` (the StaticEngine: ``fused`` copy, ``keep_cache``, ``share_weights``: the
-    model's q/k/v and gate/up are the fused buffers, no copy) or ``hf`` (transformers' generate). ``humming``: count humming-kernels' repacked NVFP4 weights (where it is installed,
-    ``kernels`` backend ``auto``). ``dense_cache_bytes``: bytes of dequantized weights kept for the
+    model's q/k/v and gate/up are the fused buffers, no copy) or ``hf`` (transformers' generate).
+    ``humming``: count humming-kernels' repacked NVFP4 weights (where it is installed, ``kernels``
+    backend ``auto``). ``dense_cache_bytes``: bytes of dequantized weights kept for the
     log-prob and update passes, or ``"all"`` (the bf16 bytes of every quantized projection).
     ``max_rows``: the StaticEngine's ``max_rows`` (``rollout.max_rows``): it decodes at most that many
     rows at once, whole groups (``max_rows // group_size`` prompts, at least one), so the KV cache,

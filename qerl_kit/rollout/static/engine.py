@@ -82,9 +82,9 @@ class StaticEngine(ModelEngine):
     ``share_weights``: hold that copy only: the model's q/k/v and gate/up tensors become row blocks
     of it (``tensor.data``; values, tensor objects, shapes, dtypes and devices unchanged), which
     saves those projections' memory (about two thirds of the linear weights: 10.7 GiB for a 32B
-    NVFP4 model, 2.2 GiB at 7B) at no cost in speed. Code that needs each tensor on storage of its
-    own calls ``restore_weights()``. The Trainer turns it on where the memory plan needs it
-    (``rollout.share_weights``, ``qerl_kit.engine_memory``).
+    NVFP4 model, 2.2 GiB at 7B); the decode reads the same buffer with the same kernels. Code that
+    needs each tensor on storage of its own calls ``restore_weights()``. The Trainer turns it on
+    where the memory plan needs it (``rollout.share_weights``, ``qerl_kit.engine_memory``).
     ``keep_cache``: keep the KV cache and graphs between calls (fast); False frees them after each
     call, so a training step that follows has the cache's memory back (graphs are re-captured).
     ``compact``: decode live rows only (step 4 of the module docstring); False runs every row until
