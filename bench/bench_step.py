@@ -177,15 +177,20 @@ def run_isolated(cases: list[dict], a: dict, meta: dict, out: Path, timeout: flo
     log(f"{cases[0]['model']} {cases[0]['format']} {cases[0]['engine']}: process exit {rc}")
 
 
+def run_settings(args) -> dict:
+    """The call's settings every case reads (``step_group``'s ``a``), from the parsed ``run`` arguments."""
+    return {k: getattr(args, k) for k in ("prompts", "group", "prompt_len", "lora_r", "steps", "max_new_tokens",
+                                          "keep_cache", "max_rows", "vllm_memory", "length_seed", "dense_cache",
+                                          "dense_decode", "share_weights", "profile")}
+
+
 def run(args) -> list[dict]:
     """Every case of the call, then OUT/step.csv, step.md and step.png."""
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     rows_path = out / "rows.jsonl"
     rows_path.unlink(missing_ok=True)
-    a = {k: getattr(args, k) for k in ("prompts", "group", "prompt_len", "lora_r", "steps", "max_new_tokens",
-                                       "keep_cache", "max_rows", "vllm_memory", "length_seed", "dense_cache",
-                                       "dense_decode", "share_weights", "profile")}
+    a = run_settings(args)
     meta, start, first_line = versions(), time.perf_counter(), len(LOG)  # this call's clock and log lines
     limit = args.budget + 120 if args.limit is None else args.limit
     for cases in plan_cases(args):

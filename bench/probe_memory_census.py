@@ -60,9 +60,10 @@ def _group(path: str) -> str:
     return ".".join(parts)  # (a humming copy's "[engine.fused.1]" folds as "[engine.fused.N]")
 
 
-def walk(roots: dict, depth: int = 12, device: str = "cuda") -> dict:
-    """{storage pointer: (path, bytes, dtype, shape)} of every ``device`` tensor the roots reach."""
-    found: dict = {}
+def walk(roots: dict, depth: int = 12, device: str = "cuda", found: dict | None = None) -> dict:
+    """{storage pointer: (path, bytes, dtype, shape)} of every ``device`` tensor the roots reach, added
+    to ``found`` (a storage already in it keeps its path)."""
+    found = {} if found is None else found
     seen: set = set()
     for name, obj in roots.items():
         _tensors(obj, name, depth, seen, found, device)
@@ -81,9 +82,10 @@ def humming_roots(cache: dict, found: dict) -> dict:
     return out
 
 
-def census(roots: dict, depth: int = 12, device: str = "cuda") -> tuple[list, int]:
-    """(lines of (group, GiB, count, example dtype/shape), named bytes) over the roots' tensors."""
-    found = walk(roots, depth, device)
+def census(roots: dict, depth: int = 12, device: str = "cuda", found: dict | None = None) -> tuple[list, int]:
+    """(lines of (group, GiB, count, example dtype/shape), named bytes) over the roots' tensors and the
+    ones ``found`` already holds (a ``walk`` of other roots)."""
+    found = walk(roots, depth, device, found)
     sums: dict = defaultdict(lambda: [0, 0, ""])
     for path, nbytes, dtype, shape in found.values():
         g = sums[_group(path)]
@@ -178,9 +180,9 @@ def main(argv=None) -> int:
     mark("after one rollout")
     from qerl_kit.kernels import nvfp4_humming
 
-    ours = {"policy": peft, "engine": engine}
-    humming = humming_roots(nvfp4_humming._cache, walk(ours, device=a.device))  # by the weight each repacks
-    lines, named = census({**ours, "humming": humming}, device=a.device)
+    found = walk({"policy": peft, "engine": engine}, device=a.device)
+    humming = humming_roots(nvfp4_humming._cache, found)  # named by the weight each one repacks
+    lines, named = census({"humming": humming}, device=a.device, found=found)
     snap = torch.cuda.memory._snapshot() if cuda else {}
     sites = allocation_sites(snap) if a.history else []
     pools = pool_gib(snap)

@@ -156,7 +156,7 @@ def plan_for(peft, case: dict, a: dict, max_len: int, held_gib: float = 0.0):
                        gradient_checkpointing=case["gradient_checkpointing"], group_size=a["group"],
                        engine="static", keep_cache=a["keep_cache"], max_rows=a["max_rows"],
                        humming=_humming(case["format"]), dense_cache_bytes=int(held_gib * 2**30),
-                       share_weights=a.get("share_weights", False))
+                       share_weights=a["share_weights"])
 
 
 def plan_row(peft, case: dict, a: dict, max_len: int, held_gib: float = 0.0) -> dict:
@@ -262,7 +262,7 @@ def case_row(case: dict, a: dict, meta: dict) -> dict:
             "mu": case["mu"], "micro_batch": case["micro_batch"], "gradient_checkpointing": case["gradient_checkpointing"],
             "aqn": case["aqn"], "keep_cache": a["keep_cache"], "max_rows": a["max_rows"] or rows,
             "dense_cache": a["dense_cache"], "dense_decode": a["dense_decode"],
-            "share_weights": a.get("share_weights", False), "optimizer": "adamw",
+            "share_weights": a["share_weights"], "optimizer": "adamw",
             "seed": case["seed"],
             "steps": a["steps"], "step_index": a["steps"] - 1, "status": "", "error": ""}
 
@@ -327,7 +327,7 @@ def run_group(cases: list[dict], a: dict, meta: dict, rows_path: Path) -> None:
             if vllm_engine is None:
                 engine = forced_static(peft, tok, ignore_eos=drawn["lengths"] is not None, keep_cache=a["keep_cache"],
                                        max_rows=a["max_rows"], dense_decode=a["dense_decode"],
-                                       share_weights=a.get("share_weights", False))
+                                       share_weights=a["share_weights"])
             else:
                 engine, row["engine_start_s"] = vllm_engine, start
             engine.lengths, engine.ignore_eos = drawn["lengths"], drawn["lengths"] is not None  # per case

@@ -161,9 +161,7 @@ def test_a_run_that_fails_or_whose_process_dies_is_a_row(tmp_path):
     args = bench_step.parser().parse_args(["run", *TINY, "--formats", "none", "--out", str(tmp_path / "c")])
     (tmp_path / "c").mkdir()
     cases = bench_step.plan_cases(args)[0]
-    a = {k: getattr(args, k) for k in ("prompts", "group", "prompt_len", "lora_r", "steps", "max_new_tokens",
-                                       "keep_cache", "max_rows", "vllm_memory", "length_seed", "dense_cache",
-                                       "dense_decode")}
+    a = bench_step.run_settings(args)
     bench_step.run_isolated(cases, a, {"run_id": "t"}, tmp_path / "c", timeout=0.01)
     crashed = bench_step.read_rows(tmp_path / "c" / "rows.jsonl")
     assert [r["status"] for r in crashed] == ["crashed"]
@@ -290,9 +288,7 @@ def test_the_vllm_driven_step_sends_each_row_at_its_drawn_length_through_the_tra
     args = bench_step.parser().parse_args(["run", *TINY, "--formats", "nvfp4", "--engines", "vllm", "--lengths",
                                            "paper", "--max-new-tokens", "32", "--out", str(tmp_path)])
     cases = bench_step.plan_cases(args)[0]
-    a = {k: getattr(args, k) for k in ("prompts", "group", "prompt_len", "lora_r", "steps", "max_new_tokens",
-                                       "keep_cache", "max_rows", "vllm_memory", "length_seed", "dense_cache",
-                                       "dense_decode")}
+    a = bench_step.run_settings(args)
     peft, tok = step_group.build_policy("qwen2-tiny", "nvfp4", "cpu", 4)
     engine = step_group.vllm_for(peft, tok, "nvfp4", a, cases, tmp_path, None)
     assert engine.llm.kwargs["max_model_len"] == 64 and engine.llm.kwargs["skip_tokenizer_init"] is True
@@ -325,7 +321,7 @@ def test_the_plan_bounds_what_ran_and_vllm_rows_have_none():
     from qerl_kit.memory_plan import plan_memory
 
     peft = with_lora(build("qwen2-tiny", "nvfp4", "cpu"), 4)
-    a = dict(lora_r=4, prompts=2, group=2, prompt_len=8, keep_cache=True, max_rows=None)
+    a = dict(lora_r=4, prompts=2, group=2, prompt_len=8, keep_cache=True, max_rows=None, share_weights=False)
     case = dict(format="nvfp4", engine="static", micro_batch=2, gradient_checkpointing=False)
     r = step_group.plan_row(peft, case, a, 16)
     none, note = r["plan_gib"], r["plan_note"]
@@ -355,7 +351,7 @@ def test_decoding_in_turns_is_a_setting_of_the_row_and_the_plan(tmp_path):
     assert whole[0]["max_rows"] == "4"  # the step.csv's strings
     peft = with_lora(build("qwen2-tiny", "nvfp4", "cpu"), 4)
     case = dict(format="nvfp4", engine="static", micro_batch=2, gradient_checkpointing=False)
-    a = dict(lora_r=4, prompts=2, group=2, prompt_len=8, keep_cache=True)
+    a = dict(lora_r=4, prompts=2, group=2, prompt_len=8, keep_cache=True, share_weights=False)
     turns = step_group.plan_row(peft, case, {**a, "max_rows": 2}, 16)["plan_gib"]
     at_once = step_group.plan_row(peft, case, {**a, "max_rows": None}, 16)["plan_gib"]
     assert turns < at_once

@@ -84,6 +84,7 @@ def test_hummings_copies_are_named_by_the_weight_each_repacks():
     found = walk({"policy": policy, "engine": engine}, device="cpu")
     roots = humming_roots(cache, found)
     assert sorted(roots) == sorted(["[policy.layers.0.weight]", "[engine.fused.1]", f"[unnamed.{id(gone)}]"])
-    lines, _ = census({"policy": policy, "engine": engine, "humming": roots}, device="cpu")
+    lines, _ = census({"humming": roots}, device="cpu", found=found)  # the policy and engine walked once
+    assert "policy.layers.N.weight" in {line[0] for line in lines}
     assert {line[0] for line in lines if line[0].startswith("humming")} == {
         "humming.[policy.layers.N.weight].weight", "humming.[engine.fused.N].weight", "humming.[unnamed.N].weight"}
