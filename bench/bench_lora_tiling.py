@@ -39,11 +39,15 @@ def group_shapes(model: str) -> dict[str, tuple[int, list[int]]]:
     return {"qkv": (h, [q, kv, kv]), "o": (q, [h]), "gate_up": (h, [i, i]), "down": (i, [h])}
 
 
-def tilings(smoke: bool) -> list[Tiling]:
-    """The default first, then the grid the kernels take (a smaller one for the CPU smoke run)."""
+def tilings(smoke: bool, grid_size: str = "full") -> list[Tiling]:
+    """The default first, then the grid the kernels take (``small``: the splits, rows and column blocks the
+    bandwidth arithmetic favours, for a short hold; a smaller one still for the CPU smoke run)."""
     if smoke:
         grid = [Tiling(max_splits=2, block_m=16, n_blocks=2), Tiling(max_splits=1, block_m=32, n_blocks=1),
                 Tiling(block_m=16, n_blocks=2, reduce=True)]
+    elif grid_size == "small":
+        grid = [Tiling(max_splits=s, block_m=m, n_blocks=n, reduce=r)
+                for s, m, n, r in itertools.product((8, 4, 2), (16, 64), (1, 4), (False, True)) if s > 2 or not r]
     else:
         grid = [Tiling(max_splits=s, block_m=m, n_blocks=n)
                 for s, m, n in itertools.product((32, 8, 4, 2, 1), (16, 32, 64), (1, 4, 8))]
@@ -61,6 +65,11 @@ def parse_tiling(text: str) -> Tiling:
     return Tiling(max_splits=int(parts[0]), block_m=int(parts[1]), n_blocks=int(parts[2]), reduce=len(parts) == 4)
 
 
+def tiling_text(t: Tiling) -> str:
+    """``parse_tiling``'s inverse."""
+    return f"{t.max_splits},{t.block_m},{t.n_blocks}" + (",reduce" if t.reduce else "")
+
+
 def case(k: int, outs: list[int], m: int, rank: int, device: str, dtype: torch.dtype, seed: int):
     g = torch.Generator().manual_seed(seed)
     mk = lambda *shape, scale=1.0: (torch.randn(*shape, generator=g) * scale).to(device, dtype)  # noqa: E731
@@ -76,6 +85,7 @@ def main(argv=None) -> int:
     ap.add_argument("--rows", nargs="+", type=int, default=[8, 64, 128])
     ap.add_argument("--rank", type=int, default=32)
     ap.add_argument("--smoke", action="store_true", help="CPU: a tiny model, two rows counts, four tilings")
+    ap.add_argument("--grid", default="full", choices=("full", "small"), help="small: 21 tilings, not 57")
     ap.add_argument("--out", type=Path, required=True)
     a = ap.parse_args(argv)
     device = "cuda" if torch.cuda.is_available() and not a.smoke else "cpu"
@@ -93,7 +103,7 @@ def main(argv=None) -> int:
             x, As, Bs, offsets, y = case(k, outs, m, a.rank, device, dtype, seed=m * 10 + gi)
             scales = [2.0] * len(outs)
             want = lora_apply_ref_(y.clone(), x, As, Bs, offsets, scales).float()
-            for tiling in tilings(a.smoke):
+            for tiling in tilings(a.smoke, a.grid):
                 try:  # a tiling the GPU cannot build (out of resources, say) is a missing cell, not the end
                     got = lora_apply_(y.clone(), x, As, Bs, offsets, scales, tiling).float()
                     err = ((got - want).abs().max() / want.abs().max().clamp(min=1e-30)).item()
@@ -135,6 +145,11 @@ def main(argv=None) -> int:
                   "", f"Default {base_sum * layers / 1000:.3f} ms per decode step; the best single tiling "
                   f"({name(ranked[0])}) {sum(results[(m, ranked[0])].values()) * layers / 1000:.3f}; the best per "
                   f"group {sum(best_per_group.values()) * layers / 1000:.3f}.", ""]
+    # the one tiling fastest over every row count together (each count's decode step weighted alike), in
+    # the SPLITS,BLOCK_M,N_BLOCKS[,reduce] form bench_lora_engine --tiling and bench_step --lora-tiling read
+    overall = min({t for (_, t) in results}, key=lambda t: sum(sum(results[(m, t)].values()) for m in a.rows))
+    lines += [f"Fastest over every row count: {name(overall)} ({tiling_text(overall)}).", ""]
+    (a.out / "best.txt").write_text(tiling_text(overall) + "\n")
     (a.out / "lora_tiling.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     return 0

@@ -181,7 +181,7 @@ def run_settings(args) -> dict:
     """The call's settings every case reads (``step_group``'s ``a``), from the parsed ``run`` arguments."""
     return {k: getattr(args, k) for k in ("prompts", "group", "prompt_len", "lora_r", "steps", "max_new_tokens",
                                           "keep_cache", "max_rows", "vllm_memory", "length_seed", "dense_cache",
-                                          "dense_decode", "share_weights", "profile")}
+                                          "dense_decode", "share_weights", "lora_tiling", "profile")}
 
 
 def run(args) -> list[dict]:
@@ -224,6 +224,17 @@ def _lengths(value: str) -> str:
     return value
 
 
+def _lora_tiling(value: str) -> str:
+    if value != "default":
+        from bench.bench_lora_tiling import parse_tiling
+
+        try:
+            parse_tiling(value)
+        except ValueError as err:
+            raise argparse.ArgumentTypeError(f"lora-tiling: {err}") from None
+    return value
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -255,6 +266,10 @@ def parser() -> argparse.ArgumentParser:
                    type=lambda v: _choices("share-weights", ("on", "off"))(v) == "on",
                    help="the StaticEngine's share_weights (on: the policy's q/k/v and gate/up are the fused "
                         "plan's buffers, no second copy; off, the default: the engine holds its own copy)")
+    r.add_argument("--lora-tiling", default="default", type=_lora_tiling,
+                   help="SPLITS,BLOCK_M,N_BLOCKS[,reduce]: the StaticEngine's decode step runs its grouped LoRA "
+                        "kernels cut by this lora_triton.Tiling (bench.bench_lora_tiling picks one); default: "
+                        "the kernels' own")
     r.add_argument("--dense-cache", default="all", type=dense_cache_arg,
                    help="model.dense_cache_gib per run: all (every 4-bit projection's dense copy), auto (the "
                         "Trainer's budget) or GiB (0: off)")

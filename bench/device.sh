@@ -46,8 +46,9 @@
 #   lora-tiling [MODEL] [TILING]  the grouped-LoRA tests compiled (TILING_TESTS=0 skips them; pytest from .whl/test),
 #                             then the decode step's grouped LoRA under each lora_triton.Tiling at MODEL's (default
 #                             Qwen2.5-7B) group shapes, 8 / 64 / 128 rows (bench.bench_lora_tiling, $OUT/lora-tiling); with
-#                             TILING (SPLITS,BLOCK_M,N_BLOCKS[,reduce]) also the engine's decode step with it against the default,
-#                             batches 8 and 64, 256 new tokens (bench.bench_lora_engine --tiling)
+#                             TILING (SPLITS,BLOCK_M,N_BLOCKS[,reduce], or auto: the sweep's fastest, its best.txt) also the
+#                             engine's decode step with it against the default, batches 8 and 64, 256 new tokens
+#                             (bench.bench_lora_engine --tiling); TILING_GRID=small sweeps 21 tilings, not 57
 #   census [MODELS]           where a step's memory sits when its rollout ends, named tensor by tensor against the
 #                             plan's parts (bench.probe_memory_census; MODELS default "Qwen2.5-32B Qwen2.5-7B", NVFP4);
 #                             $OUT/census-<model>/census.md; CENSUS_ARGS adds flags (--history: each live block's
@@ -273,10 +274,11 @@ lora-tiling)
       > "$OUT/lora-tiling/tests_log.txt" 2>&1; echo "grouped-LoRA tests rc=$?"; tail -2 "$OUT/lora-tiling/tests_log.txt"
   fi
   timeout "${TILING_TIMEOUT:-450}" python3 -m bench.bench_lora_tiling --model "${1:-Qwen2.5-7B}" --out "$OUT/lora-tiling" \
-    > "$OUT/lora-tiling/log.txt" 2>&1
-  echo "bench_lora_tiling rc=$?"; grep -E "^Default|Error" "$OUT/lora-tiling/lora_tiling.md" "$OUT/lora-tiling/log.txt" | tail -6
-  if [ -n "${2:-}" ]; then
-    timeout 300 python3 -m bench.bench_lora_engine --model "${1:-Qwen2.5-7B}" --tiling "$2" --batches 8 64 \
+    --grid "${TILING_GRID:-full}" > "$OUT/lora-tiling/log.txt" 2>&1
+  echo "bench_lora_tiling rc=$?"; grep -E "^Default|^Fastest|Error" "$OUT/lora-tiling/lora_tiling.md" "$OUT/lora-tiling/log.txt" | tail -6
+  tiling="${2:-}"; [ "$tiling" != auto ] || tiling=$(cat "$OUT/lora-tiling/best.txt" 2>/dev/null)
+  if [ -n "$tiling" ]; then
+    timeout "${ENGINE_TIMEOUT:-300}" python3 -m bench.bench_lora_engine --model "${1:-Qwen2.5-7B}" --tiling "$tiling" --batches 8 64 \
       --out "$OUT/lora-tiling" > "$OUT/lora-tiling/engine_log.txt" 2>&1; echo "bench_lora_engine rc=$?"
     grep "^|" "$OUT/lora-tiling/lora_engine_h200.md" 2>/dev/null
   fi ;;

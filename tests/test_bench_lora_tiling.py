@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.bench_lora_tiling import group_shapes, parse_tiling, tilings
+from bench.bench_lora_tiling import group_shapes, parse_tiling, tiling_text, tilings
 from qerl_kit.kernels.lora_triton import DEFAULT_TILING, Tiling
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -22,9 +22,11 @@ def test_group_shapes_are_the_fused_groups_of_a_layer():
 
 
 def test_the_grid_starts_with_the_default_and_holds_it_once():
-    for smoke in (True, False):
-        grid = tilings(smoke)
+    for smoke, size in ((True, "full"), (False, "full"), (False, "small")):
+        grid = tilings(smoke, size)
         assert grid[0] == DEFAULT_TILING and grid.count(DEFAULT_TILING) == 1 and len(set(grid)) == len(grid)
+        assert all(parse_tiling(tiling_text(t)) == t for t in grid)  # best.txt's form reads back
+    assert len(tilings(False, "small")) == 21 and set(tilings(False, "small")) < set(tilings(False, "full"))
 
 
 def test_the_smoke_run_reports_every_rows_count_with_a_small_error(tmp_path):
@@ -34,6 +36,8 @@ def test_the_smoke_run_reports_every_rows_count_with_a_small_error(tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     md = (tmp_path / "lora_tiling.md").read_text()
     assert "## 1 rows" in md and "## 5 rows" in md and md.count("(default) |") == 2
+    best = parse_tiling((tmp_path / "best.txt").read_text().strip())  # the form device.sh hands on
+    assert best in tilings(True) and "Fastest over every row count: " in md
     err = float(re.search(r"largest error against the torch path over every case: ([0-9.e+-]+)", md).group(1))
     assert err < 1e-4  # float32 on the CPU: the same sums, cut into other chunks
 

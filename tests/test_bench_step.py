@@ -485,6 +485,30 @@ def test_share_weights_is_a_setting_the_engine_gets_the_plan_counts_and_the_row_
         bench_step.main(["run", *TINY, "--share-weights", "yes", "--out", str(tmp_path / "x")])
 
 
+def test_lora_tiling_is_the_decode_steps_kernels_for_the_run_only_and_the_row_records_it(tmp_path, monkeypatch):
+    """--lora-tiling S,M,N[,reduce]: while the run's engine decodes, the fused step's grouped LoRA call
+    carries that Tiling; after the run it is the kernels' own again; the row and the key record it; a
+    malformed tiling is refused naming the form."""
+    import qerl_kit.rollout.static.fast as fast
+    from qerl_kit.kernels.lora_triton import Tiling
+
+    seen = []
+    real = step_group.forced_static
+    monkeypatch.setattr(step_group, "forced_static",
+                        lambda *a, **kw: seen.append(getattr(fast.lora_apply_, "keywords", {})) or real(*a, **kw))
+    original = fast.lora_apply_
+    rows = _run(tmp_path / "t", "--formats", "nvfp4", "--isolate", "off", "--max-new-tokens", "8",
+                "--lora-tiling", "8,64,4,reduce")
+    assert seen == [{"tiling": Tiling(max_splits=8, block_m=64, n_blocks=4, reduce=True)}]
+    assert fast.lora_apply_ is original and rows[0]["status"] == "ok" and rows[0]["lora_tiling"] == "8,64,4,reduce"
+    assert "lora_tiling" in step_report.KEY
+    assert step_report._label(rows[0]).endswith("(LoRA tiling 8,64,4,reduce)")
+    rows = _run(tmp_path / "d", "--formats", "nvfp4", "--isolate", "off", "--max-new-tokens", "8")
+    assert seen[-1] == {} and rows[0]["lora_tiling"] == "default" and "tiling" not in step_report._label(rows[0])
+    with pytest.raises(SystemExit):
+        bench_step.main(["run", *TINY, "--lora-tiling", "8,64", "--out", str(tmp_path / "x")])
+
+
 def test_a_run_that_fails_later_keeps_its_finished_steps_and_rollout_marks(tmp_path, monkeypatch):
     """A run out of memory at its second step is an oom row that still says how many steps finished
     (and, on CUDA, their peak); the rollout marks are read after each rollout (fake CUDA counters)."""
