@@ -315,36 +315,17 @@ def profiled(fn, top: int = 40, stacks: bool = False):
     return result, "\n".join(text), rows
 
 
-def rollout_marks(trainer) -> dict:
-    """Where a step's memory goes, read when its rollout ends (CUDA only; the step's peak counter is
-    reset before it): ``bench/rollout_peak_gib``, the rollout's peak, and ``bench/after_rollout_gib``,
-    what stays allocated into the update (weights, optimizer state, a kept KV cache). A step's peak
-    minus the second is the update's working set: the plan's static + kept parts and its training
-    parts can then be checked apart. The returned dict is refreshed in place by every step."""
-    marks: dict = {}
-    collect = trainer._collect
-
-    def marked(step):
-        out = collect(step)
-        if torch.cuda.is_available():  # host-side counters: no device synchronization
-            marks["bench/rollout_peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
-            marks["bench/after_rollout_gib"] = torch.cuda.memory_allocated() / 2**30
-        return out
-    trainer._collect = marked
-    return marks
-
-
 def timed_steps(trainer, steps: int, label: str, every: list | None = None) -> tuple[dict, float, float]:
     """``steps`` Trainer steps: the last one's metrics, its peak memory (GiB; the peak counter is reset
     before each step, so it is the last step's alone) and the most dense-cache GiB any step held
     (``memory/dense_cache_gib``); ``every``, a list, gets every step's metrics appended, with its peak
-    (``bench/peak_gib``) and ``rollout_marks``' two figures, so a run that fails later keeps them."""
+    (``bench/peak_gib``; the Trainer's own ``memory/*`` figures on CUDA: the rollout's peak, what stays
+    allocated into the update), so a run that fails later keeps them."""
     held = 0.0
-    marks = rollout_marks(trainer)
     for i in range(steps):
         if torch.cuda.is_available():
             torch.cuda.reset_peak_memory_stats()
-        m = {**trainer.train_step(), "bench/peak_gib": peak_gib(), **marks}
+        m = {**trainer.train_step(), "bench/peak_gib": peak_gib()}
         if every is not None:
             every.append(m)
         held = max(held, m.get("memory/dense_cache_gib", 0.0))

@@ -165,7 +165,7 @@ def plan_row(peft, case: dict, a: dict, max_len: int, held_gib: float = 0.0) -> 
     ``max_memory_allocated``, as bench_memory and real_grpo compare it), with the dense cache the steps
     held (``held_gib``, the most ``memory/dense_cache_gib`` of any step), or NaN and why there is none
     (``plan_note``; vLLM's rows: the plan counts our StaticEngine, vLLM's pool is its own); and the
-    plan's phases in GiB, the figures ``rollout_marks`` measures:
+    plan's phases in GiB, the figures the Trainer's ``memory/*`` metrics measure:
     ``plan_rollout_gib`` (static + rollout parts: the rollout's peak), ``plan_kept_gib`` (static + the
     parts kept while training: what stays allocated into the update) and ``plan_training_gib`` (the
     training parts: the update's working set on top of that); NaN where there is no plan."""
@@ -388,8 +388,8 @@ def run_cases(cases, a, meta, peft, tok, vllm_engine, start, emit, root: Path, o
                 row["peak_gib"] = every[-1]["bench/peak_gib"]
         if every:
             row["steps_done"] = len(every)
-            row["rollout_peak_gib"] = every[-1].get("bench/rollout_peak_gib", float("nan"))
-            row["after_rollout_gib"] = every[-1].get("bench/after_rollout_gib", float("nan"))
+            row["rollout_peak_gib"] = every[-1].get("memory/rollout_peak_gib", float("nan"))
+            row["after_rollout_gib"] = every[-1].get("memory/after_rollout_gib", float("nan"))
         row["dense_cache_held_gib"] = held  # the most any step held: the plan counts it
         row.update(plan_row(peft, case, a, drawn["max_new_tokens"], held))
         emit(row)

@@ -281,7 +281,7 @@ def gpu_table(rows: list[dict]) -> list[str]:
 
 
 def memory_table(rows: list[dict]) -> list[str]:
-    """Each run's memory by phase against the plan's (runs with ``rollout_marks``' figures: CUDA): the
+    """Each run's memory by phase against the plan's (runs with the Trainer's ``memory/*`` figures: CUDA): the
     rollout's peak (plan: static + rollout parts), what stays allocated into the update (plan: static +
     kept parts) and the update's working set on top of it (the step's peak minus that; plan: training
     parts). A measured figure above its plan's is where the plan misses something."""

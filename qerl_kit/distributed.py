@@ -230,8 +230,8 @@ def group_slice(n_groups: int, rank_: int, world: int) -> slice:
 def _op(key: str) -> str:
     if key in ("loss", "num_tokens") or key.endswith("tokens_per_s"):
         return "sum"  # each rank holds its share of the global loss / token count / throughput
-    if key.startswith("time/") or key.endswith("_max") or key.endswith("/max"):
-        return "max"  # a step takes as long as its slowest rank
+    if key.startswith(("time/", "memory/")) or key.endswith("_max") or key.endswith("/max"):
+        return "max"  # a step takes as long as its slowest rank, and needs the memory of its fullest
     if key.endswith("_min") or key.endswith("/min"):
         return "min"
     return "mean"  # equal-sized slices: the mean of per-rank means is the global mean

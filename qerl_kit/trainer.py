@@ -63,6 +63,12 @@ from qerl_kit.step_phases import Prepared, dense_block, phase_clock, step_metric
 from qerl_kit.tasks.task import Task
 
 
+def _cuda_counters(device: torch.device) -> bool:
+    """Whether the step's ``memory/*`` figures can be read: PyTorch's CUDA allocator counters, which
+    count what goes through PyTorch's allocator (vLLM's own pool is not in them)."""
+    return device.type == "cuda"
+
+
 class Trainer:
     """GRPO/DAPO on a (quantized) LoRA model; see the module docstring for one step."""
 
@@ -157,7 +163,13 @@ class Trainer:
     # ---- one step: collect -> score -> prepare -> update -> metrics ---------------------------
     def train_step(self) -> dict:
         start = time.perf_counter()
+        cuda = _cuda_counters(self._device)
+        if cuda:  # memory/peak_gib is this step's own: CUDA's peak counter restarts with each step
+            torch.cuda.reset_peak_memory_stats(self._device)
         batch, rewards, metrics = self._collect(self.step)
+        if cuda:  # host-side counters (no synchronization): the rollout's peak, what stays into the update
+            metrics["memory/rollout_peak_gib"] = torch.cuda.max_memory_allocated(self._device) / dense_update.GIB
+            metrics["memory/after_rollout_gib"] = torch.cuda.memory_allocated(self._device) / dense_update.GIB
         lc = self.config.loss  # the rows of each micro-batch, for the block, the passes and the update:
         plan = micro_batch_plan(batch.prompt_mask, batch.completion_mask, lc.micro_batch, lc.micro_batch_order)
         # the base's dense weights, made once for the log-prob passes + update, freed before the next rollout
@@ -166,6 +178,8 @@ class Trainer:
             update = self._update(prep, metrics)
             metrics.update(self._metrics(prep, update))
         metrics["memory/dense_cache_gib"] = cache.peak_bytes / dense_update.GIB
+        if cuda:
+            metrics["memory/peak_gib"] = torch.cuda.max_memory_allocated(self._device) / dense_update.GIB
         metrics["time/step"] = time.perf_counter() - start
         self.step += 1
         return distributed.reduce_metrics(metrics, self.dist)  # the same row on every rank

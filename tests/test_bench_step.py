@@ -509,9 +509,9 @@ def test_lora_tiling_is_the_decode_steps_kernels_for_the_run_only_and_the_row_re
         bench_step.main(["run", *TINY, "--lora-tiling", "8,64", "--out", str(tmp_path / "x")])
 
 
-def test_a_run_that_fails_later_keeps_its_finished_steps_and_rollout_marks(tmp_path, monkeypatch):
+def test_a_run_that_fails_later_keeps_its_finished_steps_and_memory_figures(tmp_path, monkeypatch):
     """A run out of memory at its second step is an oom row that still says how many steps finished
-    (and, on CUDA, their peak); the rollout marks are read after each rollout (fake CUDA counters)."""
+    (and, on CUDA, their peak); the Trainer's memory figures reach every step's metrics (fake CUDA counters)."""
     import torch
 
     from bench import common
@@ -528,26 +528,15 @@ def test_a_run_that_fails_later_keeps_its_finished_steps_and_rollout_marks(tmp_p
     rows = _run(tmp_path / "o", "--formats", "nvfp4", "--isolate", "off", "--max-new-tokens", "8", "--steps", "2")
     assert rows[0]["status"] == "oom" and rows[0]["steps_done"] == "1" and "1022.00 MiB" in rows[0]["error"]
 
-    class Fake:  # a Trainer's two halves: the rollout (_collect) holds 1 GiB, the update 3 at its peak
-        gib = 0
-
-        def _collect(self, step):
-            self.gib = 1
-            return step
-
+    class Fake:  # a Trainer step whose metrics carry its memory figures (CUDA's, read by the Trainer)
         def train_step(self):
-            self._collect(0)
-            self.gib = 3
-            return {"time/step": 1.0}
-    fake = Fake()
+            return {"time/step": 1.0, "memory/rollout_peak_gib": 1.0, "memory/after_rollout_gib": 0.5}
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda: None)
-    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda: fake.gib << 30)
-    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda: 1 << 30)
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda: 3 << 30)
     every = []
-    common.timed_steps(fake, 2, "fake", every)
-    assert [m["bench/rollout_peak_gib"] for m in every] == [1.0, 1.0] and every[-1]["bench/after_rollout_gib"] == 1.0
-    assert every[-1]["bench/peak_gib"] == 3.0
+    common.timed_steps(Fake(), 2, "fake", every)
+    assert [m["memory/rollout_peak_gib"] for m in every] == [1.0, 1.0] and every[-1]["bench/peak_gib"] == 3.0
 
 
 def test_the_plan_by_phase_adds_up_and_the_memory_table_sets_runs_against_it(tmp_path):

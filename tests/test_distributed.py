@@ -212,9 +212,9 @@ def test_shutdown_frees_the_ddp_reducers_before_it_destroys_the_group(tmp_path, 
 
 
 def test_metric_reduction_ops():
-    assert [distributed._op(k) for k in ("loss", "num_tokens", "rollout/tokens_per_s", "time/step",
+    assert [distributed._op(k) for k in ("loss", "num_tokens", "rollout/tokens_per_s", "time/step", "memory/peak_gib",
                                          "clip_ratio/high_max", "clip_ratio/low_min", "reward")] == \
-        ["sum", "sum", "sum", "max", "max", "min", "mean"]
+        ["sum", "sum", "sum", "max", "max", "max", "min", "mean"]
 
 
 def test_group_seeded_engine_samples_a_group_the_same_in_any_batch():

@@ -247,3 +247,35 @@ def test_phase_times_wait_for_the_device_at_each_boundary(tmp_path, monkeypatch)
     real_sync(torch.device("cpu"))
     real_sync(torch.device("cuda", 0))
     assert cuda == [torch.device("cuda", 0)]
+
+
+def test_on_cuda_each_step_logs_its_own_memory_by_phase(tmp_path, monkeypatch):
+    """memory/rollout_peak_gib and memory/after_rollout_gib (read when the rollout ends) and
+    memory/peak_gib (the step's own: CUDA's peak counter restarts with each step); a CPU step logs
+    none of them. Fake CUDA counters: the rollout peaks at 2 GiB and leaves 1, the update peaks at 5."""
+    import qerl_kit.trainer as trainer_mod
+
+    trainer = _trainer(tmp_path)
+    trainer.train(1)
+    assert [k for k in trainer.history[-1] if k.startswith("memory/")] == ["memory/dense_cache_gib"]
+    gib, fake = 1 << 30, {"now": 0, "peak": 0, "resets": 0}
+
+    def reset(device=None):
+        fake.update(peak=fake["now"], resets=fake["resets"] + 1)
+
+    def holding(method, now, peak):
+        def run(*args, **kwargs):
+            out = method(*args, **kwargs)
+            fake.update(now=now * gib, peak=max(fake["peak"], peak * gib))
+            return out
+        return run
+    monkeypatch.setattr(trainer_mod, "_cuda_counters", lambda device: True)
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", reset)
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: fake["peak"])
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: fake["now"])
+    monkeypatch.setattr(trainer, "_collect", holding(trainer._collect, 1, 2))
+    monkeypatch.setattr(trainer, "_update", holding(trainer._update, 1, 5))
+    trainer.train(2)
+    for row in trainer.history[-2:]:  # the second step's rollout peak is its own, not the first update's 5
+        assert (row["memory/rollout_peak_gib"], row["memory/after_rollout_gib"], row["memory/peak_gib"]) == (2, 1, 5)
+    assert fake["resets"] == 2
