@@ -291,11 +291,41 @@ def vllm_for(peft, tok, fmt: str, a: dict, cases: list[dict], root: Path, dense_
 
 
 def run_group(cases: list[dict], a: dict, meta: dict, rows_path: Path) -> None:
-    """One (model, format, engine): build once, then every case (``run_cases``); each case's row is
-    appended to ``rows_path`` as soon as it is known, so a process that dies keeps what it measured."""
+    """``_run_group`` with the call's grouped-LoRA tiling (``lora_tiling``) for its duration."""
+    with lora_tiling(a["lora_tiling"]):
+        _run_group(cases, a, meta, rows_path)
+
+
+@contextlib.contextmanager
+def lora_tiling(text: str):
+    """The StaticEngine's decode step with its grouped LoRA kernels cut by the ``Tiling`` ``text`` names
+    (``bench.bench_lora_tiling``'s form) for the block's duration; ``default``: as they are. The fused
+    step looks ``fast.lora_apply_`` up at every call, as ``bench.bench_lora_engine`` relies on."""
+    if text == "default":
+        yield
+        return
+    import functools
+
+    import qerl_kit.rollout.static.fast as fast
+    from bench.bench_lora_tiling import parse_tiling
+
+    original = fast.lora_apply_
+    fast.lora_apply_ = functools.partial(original, tiling=parse_tiling(text))
+    try:
+        yield
+    finally:
+        fast.lora_apply_ = original
+
+
+def _run_group(cases: list[dict], a: dict, meta: dict, rows_path: Path) -> None:
+    """One (model, format, engine): build once, then every case; each case's row is appended to
+    ``rows_path`` as soon as it is known, so a process that dies keeps what it measured.
+
+    Long because: build, per-case trainer, timing and failure bookkeeping read best in one place."""
     model, fmt, engine_kind = cases[0]["model"], cases[0]["format"], cases[0]["engine"]
     device = "cuda" if torch.cuda.is_available() else "cpu"
     root = Path(tempfile.mkdtemp(prefix="bench-step-"))
+    rows_n = a["prompts"] * a["group"]
 
     def emit(row):
         with open(rows_path, "a") as f:
@@ -314,43 +344,6 @@ def run_group(cases: list[dict], a: dict, meta: dict, rows_path: Path) -> None:
         for case in cases:
             emit({**case_row(case, a, meta), **failure(err)})
         return
-    with lora_tiling(a["lora_tiling"]):
-        run_cases(cases, a, meta, peft, tok, vllm_engine, start, emit, root, rows_path.parent)
-    if vllm_engine is not None:
-        vllm_engine.close()
-    import shutil
-
-    shutil.rmtree(root, ignore_errors=True)  # exports and run directories (GBs at 7B and above)
-
-
-@contextlib.contextmanager
-def lora_tiling(text: str):
-    """The StaticEngine's decode step with its grouped LoRA kernels cut by the ``Tiling`` ``text`` names
-    (``bench.bench_lora_tiling``'s form) for the block's duration; ``default``: as they are. The fused
-    step looks ``fast.lora_apply_`` up at every call, as ``bench.bench_lora_engine`` relies on."""
-    if text in (None, "default"):
-        yield
-        return
-    import functools
-
-    import qerl_kit.rollout.static.fast as fast
-    from bench.bench_lora_tiling import parse_tiling
-
-    original = fast.lora_apply_
-    fast.lora_apply_ = functools.partial(original, tiling=parse_tiling(text))
-    try:
-        yield
-    finally:
-        fast.lora_apply_ = original
-
-
-def run_cases(cases, a, meta, peft, tok, vllm_engine, start, emit, root: Path, out: Path) -> None:
-    """``run_group``'s cases on the policy it built, one row each (``out``: the profiles' folder).
-
-    Long because: per-case trainer, timing and failure bookkeeping read best in one place."""
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    model, fmt, engine_kind = cases[0]["model"], cases[0]["format"], cases[0]["engine"]
-    rows_n = a["prompts"] * a["group"]
     for case in cases:
         row = case_row(case, a, meta)
         drawn = draw_lengths(case["lengths"], rows_n, a["max_new_tokens"], a["length_seed"])
@@ -377,7 +370,7 @@ def run_cases(cases, a, meta, peft, tok, vllm_engine, start, emit, root: Path, o
             row.update(status="ok", wall_s=time.perf_counter() - t, **steady_times(every))
             if a.get("profile"):  # after the row is measured: a profiler failure is logged, the row stays ok
                 try:
-                    profile_step(trainer, out / f"profile_case{case['case_id']}.txt", label,
+                    profile_step(trainer, rows_path.parent / f"profile_case{case['case_id']}.txt", label,
                                  stacks=a["profile"] == "stacks")
                 except Exception as err:  # noqa: BLE001
                     log(f"{label}: the profiled step failed: {err!r}")
@@ -397,3 +390,8 @@ def run_cases(cases, a, meta, peft, tok, vllm_engine, start, emit, root: Path, o
             engine.reset()  # its KV cache and graphs, before the next case's engine
         del trainer, engine
         free()
+    if vllm_engine is not None:
+        vllm_engine.close()
+    import shutil
+
+    shutil.rmtree(root, ignore_errors=True)  # exports and run directories (GBs at 7B and above)
