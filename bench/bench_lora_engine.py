@@ -21,9 +21,7 @@ from pathlib import Path
 import torch
 
 from bench import bench_rollout as br
-from bench.bench_lora_tiling import parse_tiling
-
-import qerl_kit.rollout.static.fast as fast
+from bench.bench_lora_tiling import lora_path, parse_tiling
 from qerl_kit.kernels.lora_triton import lora_apply_, lora_apply_ref_
 
 PATHS = {"torch ops": lora_apply_ref_, "grouped kernels": lora_apply_, "no LoRA work": lambda y, *args: y}
@@ -59,24 +57,20 @@ def main() -> None:
              f"tokens, {'CUDA graphs' if device == 'cuda' else 'eager (CPU)'}; decode ms per step, all in one run.", "",
              "| weights | batch | " + " | ".join(paths) + " | LoRA cost, each path in turn (less no LoRA work) |",
              "|---|---:|" + "---:|" * len(paths) + "---|"]
-    original = fast.lora_apply_
-    try:
-        for fmt in ("nvfp4", "bf16"):
-            model = br.with_lora(br.build(args.model, fmt, device), rank)
-            for batch in args.batches:
-                prompts = br.random_prompts(batch, prompt, vocab)
-                ms = {}
-                for name, fn in paths.items():
-                    fast.lora_apply_ = fn  # the fused step looks the function up at every call
+    for fmt in ("nvfp4", "bf16"):
+        model = br.with_lora(br.build(args.model, fmt, device), rank)
+        for batch in args.batches:
+            prompts = br.random_prompts(batch, prompt, vocab)
+            ms = {}
+            for name, fn in paths.items():
+                with lora_path(fn):
                     ms[name] = br.engine_run(model, prompts, args.new)["ms_per_step"]
-                base = ms["no LoRA work"]
-                costs = " -> ".join(f"{v - base:.2f}" for k, v in ms.items() if k != "no LoRA work")
-                lines.append(f"| {fmt} | {batch} | " + " | ".join(f"{v:.2f}" for v in ms.values()) + f" | {costs} ms |")
-                print(lines[-1], flush=True)
-            del model
-            br.free()
-    finally:
-        fast.lora_apply_ = original
+            base = ms["no LoRA work"]
+            costs = " -> ".join(f"{v - base:.2f}" for k, v in ms.items() if k != "no LoRA work")
+            lines.append(f"| {fmt} | {batch} | " + " | ".join(f"{v:.2f}" for v in ms.values()) + f" | {costs} ms |")
+            print(lines[-1], flush=True)
+        del model
+        br.free()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "lora_engine_h200.md").write_text("\n".join(lines) + "\n")

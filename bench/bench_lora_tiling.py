@@ -17,6 +17,7 @@ re-reads every K chunk's float32 partial sums in each of its programs.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import itertools
 from pathlib import Path
@@ -68,6 +69,21 @@ def parse_tiling(text: str) -> Tiling:
 def tiling_text(t: Tiling) -> str:
     """``parse_tiling``'s inverse."""
     return f"{t.max_splits},{t.block_m},{t.n_blocks}" + (",reduce" if t.reduce else "")
+
+
+@contextlib.contextmanager
+def lora_path(fn):
+    """The StaticEngine's decode step applies its LoRA with ``fn`` (``lora_apply_``'s signature) for the
+    block's duration: the fused step looks ``fast.lora_apply_`` up at every call. ``bench_lora_engine``'s
+    paths and ``bench_step --lora-tiling`` both go through this."""
+    import qerl_kit.rollout.static.fast as fast
+
+    original = fast.lora_apply_
+    fast.lora_apply_ = fn
+    try:
+        yield
+    finally:
+        fast.lora_apply_ = original
 
 
 def case(k: int, outs: list[int], m: int, rank: int, device: str, dtype: torch.dtype, seed: int):

@@ -299,22 +299,17 @@ def run_group(cases: list[dict], a: dict, meta: dict, rows_path: Path) -> None:
 @contextlib.contextmanager
 def lora_tiling(text: str):
     """The StaticEngine's decode step with its grouped LoRA kernels cut by the ``Tiling`` ``text`` names
-    (``bench.bench_lora_tiling``'s form) for the block's duration; ``default``: as they are. The fused
-    step looks ``fast.lora_apply_`` up at every call, as ``bench.bench_lora_engine`` relies on."""
+    (``bench.bench_lora_tiling``'s form) for the block's duration; ``default``: as they are."""
     if text == "default":
         yield
         return
     import functools
 
-    import qerl_kit.rollout.static.fast as fast
-    from bench.bench_lora_tiling import parse_tiling
+    from bench.bench_lora_tiling import lora_path, parse_tiling
+    from qerl_kit.kernels.lora_triton import lora_apply_
 
-    original = fast.lora_apply_
-    fast.lora_apply_ = functools.partial(original, tiling=parse_tiling(text))
-    try:
+    with lora_path(functools.partial(lora_apply_, tiling=parse_tiling(text))):
         yield
-    finally:
-        fast.lora_apply_ = original
 
 
 def _run_group(cases: list[dict], a: dict, meta: dict, rows_path: Path) -> None:
