@@ -316,15 +316,13 @@ def profiled(fn, top: int = 40, stacks: bool = False):
 
 
 def timed_steps(trainer, steps: int, label: str, every: list | None = None) -> tuple[dict, float, float]:
-    """``steps`` Trainer steps: the last one's metrics, its peak memory (GiB; the peak counter is reset
-    before each step, so it is the last step's alone) and the most dense-cache GiB any step held
+    """``steps`` Trainer steps: the last one's metrics, its peak memory (GiB; the Trainer restarts CUDA's
+    peak counter at each step's start, so it is the last step's alone) and the most dense-cache GiB any step held
     (``memory/dense_cache_gib``); ``every``, a list, gets every step's metrics appended, with its peak
     (``bench/peak_gib``; the Trainer's own ``memory/*`` figures on CUDA: the rollout's peak, what stays
     allocated into the update), so a run that fails later keeps them."""
     held = 0.0
     for i in range(steps):
-        if torch.cuda.is_available():
-            torch.cuda.reset_peak_memory_stats()
         m = {**trainer.train_step(), "bench/peak_gib": peak_gib()}
         if every is not None:
             every.append(m)

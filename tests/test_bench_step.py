@@ -282,8 +282,7 @@ def test_the_vllm_driven_step_sends_each_row_at_its_drawn_length_through_the_tra
 
     from bench.common import timed_steps
 
-    resets, order = [], []
-    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda: resets.append(1) or order.append("reset"))
+    order = []
     monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda: 3 << 30)
     args = bench_step.parser().parse_args(["run", *TINY, "--formats", "nvfp4", "--engines", "vllm", "--lengths",
                                            "paper", "--max-new-tokens", "32", "--out", str(tmp_path)])
@@ -299,8 +298,7 @@ def test_the_vllm_driven_step_sends_each_row_at_its_drawn_length_through_the_tra
     step = trainer.train_step
     monkeypatch.setattr(trainer, "train_step", lambda: order.append("step") or step())
     m, _, _ = timed_steps(trainer, 2, "fake vllm")
-    # the peak is the last step's alone: the counter is reset before each timed step
-    assert len(resets) == 2 and order == ["reset", "step", "reset", "step"]
+    assert order == ["step", "step"]  # the peak's restart at each step is the Trainer's (tests/test_trainer.py)
     generate = [c for c in engine.llm.calls if c[0] == "generate"][-1]
     assert [p.kwargs["max_tokens"] for p in generate[2]] == drawn["lengths"]
     assert [p.kwargs["min_tokens"] for p in generate[2]] == drawn["lengths"]
