@@ -181,7 +181,7 @@ def run_settings(args) -> dict:
     """The call's settings every case reads (``step_group``'s ``a``), from the parsed ``run`` arguments."""
     return {k: getattr(args, k) for k in ("prompts", "group", "prompt_len", "lora_r", "steps", "max_new_tokens",
                                           "keep_cache", "max_rows", "vllm_memory", "length_seed", "dense_cache",
-                                          "dense_decode", "share_weights", "lora_tiling", "profile")}
+                                          "dense_decode", "share_weights", "lora_tiling", "lora_forward", "profile")}
 
 
 def run(args) -> list[dict]:
@@ -270,6 +270,9 @@ def parser() -> argparse.ArgumentParser:
                    help="SPLITS,BLOCK_M,N_BLOCKS[,reduce]: the StaticEngine's decode step runs its grouped LoRA "
                         "kernels cut by this lora_triton.Tiling (bench.bench_lora_tiling picks one); default: "
                         "the kernels' own")
+    r.add_argument("--lora-forward", default="fused", type=_choices("lora-forward", ("fused", "peft")),
+                   help="the training pass's LoRA layers: fused (the default: the adapter added in the GEMM, "
+                        "qerl_kit.lora_layer) or peft (peft's own forward, a multiply and an add over each output)")
     r.add_argument("--dense-cache", default="all", type=dense_cache_arg,
                    help="model.dense_cache_gib per run: all (every 4-bit projection's dense copy), auto (the "
                         "Trainer's budget) or GiB (0: off)")

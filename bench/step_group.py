@@ -263,7 +263,8 @@ def case_row(case: dict, a: dict, meta: dict) -> dict:
             "mu": case["mu"], "micro_batch": case["micro_batch"], "gradient_checkpointing": case["gradient_checkpointing"],
             "aqn": case["aqn"], "keep_cache": a["keep_cache"], "max_rows": a["max_rows"] or rows,
             "dense_cache": a["dense_cache"], "dense_decode": a["dense_decode"],
-            "share_weights": a["share_weights"], "lora_tiling": a["lora_tiling"], "optimizer": "adamw",
+            "share_weights": a["share_weights"], "lora_tiling": a["lora_tiling"],
+            "lora_forward": a.get("lora_forward", "fused"), "optimizer": "adamw",
             "seed": case["seed"],
             "steps": a["steps"], "step_index": a["steps"] - 1, "status": "", "error": ""}
 
@@ -291,9 +292,29 @@ def vllm_for(peft, tok, fmt: str, a: dict, cases: list[dict], root: Path, dense_
 
 
 def run_group(cases: list[dict], a: dict, meta: dict, rows_path: Path) -> None:
-    """``_run_group`` with the call's grouped-LoRA tiling (``lora_tiling``) for its duration."""
-    with lora_tiling(a["lora_tiling"]):
+    """``_run_group`` with the call's grouped-LoRA tiling (``lora_tiling``) and training-pass LoRA forward
+    (``lora_forward``) for its duration."""
+    with lora_tiling(a["lora_tiling"]), lora_forward(a.get("lora_forward", "fused")):
         _run_group(cases, a, meta, rows_path)
+
+
+@contextlib.contextmanager
+def lora_forward(mode: str):
+    """``peft``: the policy's LoRA layers run peft's own forward (``result + B(A(x)) * scale``) for the
+    block's duration, the baseline of ``qerl_kit.lora_layer.FusedLoraLinear``; ``fused``: as they are."""
+    if mode == "fused":
+        yield
+        return
+    from peft.tuners.lora.layer import Linear as PeftLoraLinear
+
+    from qerl_kit.lora_layer import FusedLoraLinear
+
+    fused = FusedLoraLinear.forward
+    FusedLoraLinear.forward = PeftLoraLinear.forward
+    try:
+        yield
+    finally:
+        FusedLoraLinear.forward = fused
 
 
 @contextlib.contextmanager

@@ -1,9 +1,11 @@
 """LoRA adapters on a frozen 4-bit base, through peft's custom-module dispatch.
 
 ``attach_lora(model, r=32)`` wraps every targeted ``QuantLinear`` (``NVFP4Linear`` and friends)
-in ``QuantLoraLinear``, peft's own LoRA ``Linear`` with two changes: it reads in/out features
-from the quantized layer, and it refuses to merge (adding a bf16 delta into packed 4-bit codes
-would need a requantization and lose the delta). So ``get_peft_model``, ``save_pretrained`` and
+in ``QuantLoraLinear``, peft's own LoRA ``Linear`` with three changes: it reads in/out features
+from the quantized layer, it refuses to merge (adding a bf16 delta into packed 4-bit codes
+would need a requantization and lose the delta), and its forward adds the adapter's product inside
+the GEMM (``lora_layer.FusedLoraLinear``, which wraps a bf16 model's ``torch.nn.Linear`` layers too,
+so a bf16 baseline trains through the same LoRA arithmetic). So ``get_peft_model``, ``save_pretrained`` and
 ``PeftModel.from_pretrained`` work as usual and the adapter files are standard peft adapters:
 the same file loads onto a bf16 copy of the model with plain peft, and vLLM serves it.
 
@@ -33,7 +35,6 @@ from typing import Sequence
 
 import torch
 from peft import LoraConfig, PeftModel, get_peft_model
-from peft.tuners.lora.layer import Linear as PeftLoraLinear
 from peft.tuners.tuners_utils import BaseTunerLayer
 
 from qerl_kit.adapter_files import CheckpointError, load_adapter_weights, read_adapter
@@ -41,13 +42,15 @@ from qerl_kit.config_types import (LORA_ALPHA_RULE, LORA_R_RULE, ConfigError, _R
                                    check_rule, check_seed, short_repr)
 from qerl_kit.formats import FORMATS
 from qerl_kit.linear import QuantLinear
+from qerl_kit.lora_layer import FusedLoraLinear, PlainLinear
 
 ALL_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 NORMS_BEFORE_PROJECTIONS = ("input_layernorm", "post_attention_layernorm")
 
 
-class QuantLoraLinear(PeftLoraLinear):
-    """peft's LoRA Linear over a frozen quantized base: y = base(x) + B(A(dropout(x))) * scale."""
+class QuantLoraLinear(FusedLoraLinear):
+    """peft's LoRA Linear over a frozen quantized base: y = base(x) + B(A(dropout(x))) * scale (the add
+    in the GEMM: ``lora_layer.FusedLoraLinear``)."""
 
     def _get_in_out_features(self, module):
         base = module.get_base_layer() if isinstance(module, BaseTunerLayer) else module
@@ -62,8 +65,10 @@ class QuantLoraLinear(PeftLoraLinear):
 
 def register_quant_layers(config: LoraConfig) -> LoraConfig:
     """Teach a peft LoraConfig to wrap qerl_kit's quantized layers, the layer class of every format of
-    ``formats.FORMATS`` (returns the same config)."""
-    config._register_custom_module({fmt.linear: QuantLoraLinear for fmt in FORMATS.values()})
+    ``formats.FORMATS``, and plain ``torch.nn.Linear`` layers (a bf16 model) in ``FusedLoraLinear``
+    (returns the same config)."""
+    config._register_custom_module({**{fmt.linear: QuantLoraLinear for fmt in FORMATS.values()},
+                                    PlainLinear: FusedLoraLinear})
     return config
 
 

@@ -22,7 +22,7 @@ LAYERS: list[tuple[str, list[str]]] = [
     ("formats", ["qerl_kit.fp4", "qerl_kit.nvfp4", "qerl_kit.mxfp4", "qerl_kit.nf4", "qerl_kit.dense_cache"]),
     ("kernels", ["qerl_kit.kernels"]),
     ("model", ["qerl_kit.linear", "qerl_kit.formats", "qerl_kit.quantize", "qerl_kit.adapter_files",
-               "qerl_kit.lora", "qerl_kit.model_files", "qerl_kit.chat_tokens", "qerl_kit.export",
+               "qerl_kit.lora", "qerl_kit.lora_layer", "qerl_kit.model_files", "qerl_kit.chat_tokens", "qerl_kit.export",
                "qerl_kit.export_dirs", "qerl_kit.ct_format", "qerl_kit.models", "qerl_kit.gguf_model",
                "qerl_kit.tiny", "qerl_kit.aqn", "qerl_kit.logprobs", "qerl_kit.memory_plan",
                "qerl_kit.dense_update", "qerl_kit.memory_terms"]),

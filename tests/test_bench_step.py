@@ -507,6 +507,28 @@ def test_lora_tiling_is_the_decode_steps_kernels_for_the_run_only_and_the_row_re
         bench_step.main(["run", *TINY, "--lora-tiling", "8,64", "--out", str(tmp_path / "x")])
 
 
+def test_lora_forward_peft_runs_peft_s_own_layer_for_the_run_only_and_the_row_records_it(tmp_path, monkeypatch):
+    """--lora-forward peft: the policy's LoRA layers run peft's forward while the run trains (the fused
+    layer's baseline), the fused one after it; the row, the key and the label record it."""
+    from peft.tuners.lora.layer import Linear as PeftLoraLinear
+
+    from qerl_kit.lora_layer import FusedLoraLinear
+
+    fused, seen = FusedLoraLinear.forward, []
+    real = step_group.timed_steps
+    monkeypatch.setattr(step_group, "timed_steps",
+                        lambda *a, **kw: seen.append(FusedLoraLinear.forward) or real(*a, **kw))
+    rows = _run(tmp_path / "p", "--formats", "nvfp4", "--isolate", "off", "--max-new-tokens", "8",
+                "--lora-forward", "peft")
+    assert seen == [PeftLoraLinear.forward] and FusedLoraLinear.forward is fused
+    assert rows[0]["status"] == "ok" and rows[0]["lora_forward"] == "peft" and "lora_forward" in step_report.KEY
+    assert step_report._label(rows[0]).endswith("(peft's LoRA forward)")
+    rows = _run(tmp_path / "f", "--formats", "nvfp4", "--isolate", "off", "--max-new-tokens", "8")
+    assert seen[-1] is fused and rows[0]["lora_forward"] == "fused" and "peft" not in step_report._label(rows[0])
+    with pytest.raises(SystemExit):
+        bench_step.main(["run", *TINY, "--lora-forward", "unfused", "--out", str(tmp_path / "x")])
+
+
 def test_a_run_that_fails_later_keeps_its_finished_steps_and_memory_figures(tmp_path, monkeypatch):
     """A run out of memory at its second step is an oom row that still says how many steps finished
     (and, on CUDA, their peak); the Trainer's memory figures reach every step's metrics (fake CUDA counters)."""

@@ -1,0 +1,66 @@
+"""peft's LoRA ``Linear`` with the adapter's product added inside the GEMM: the training pass's LoRA.
+
+peft computes ``result + lora_B(lora_A(dropout(x))) * scaling``: besides the two small matmuls, a
+multiply and an add over the whole ``[tokens, out_features]`` output, and in the backward pass
+another multiply of the output's gradient by ``scaling``. On a GRPO micro-batch those are three
+extra passes over tensors as large as the projection's output (at 7B, gate/up: 6144 x 18944 per
+micro-batch), for each of the seven projections, in the forward, the checkpointed recompute and the
+backward. ``FusedLoraLinear`` computes the same sum as
+
+    h = lora_A(dropout(x)) * scaling          # [tokens, r]: the scale on the small side
+    y = addmm(base(x), h, lora_B.weight.T)    # the add in the GEMM's epilogue (beta = 1)
+
+so the only full-size work left is the base GEMM and the one that adds the adapter; the product is
+rounded to the compute dtype once, where peft rounds it three times. Everything else (several or
+disabled adapters, ``adapter_names`` batches, DoRA and other variants, LoRA biases, autocast, mixed
+dtypes) goes to peft's own ``forward`` unchanged.
+
+``PlainLinear`` is the key that registers it for ``torch.nn.Linear`` itself (the bf16 baseline),
+not for its subclasses: bitsandbytes' ``Linear4bit`` is one, and keeps peft's own layer (the
+field's QLoRA, as the step benchmark's NF4 baseline measures it).
+"""
+
+from __future__ import annotations
+
+import torch
+from peft.tuners.lora.layer import Linear as PeftLoraLinear
+
+
+class _ExactLinear(type):
+    def __instancecheck__(cls, obj) -> bool:
+        return type(obj) is torch.nn.Linear
+
+
+class PlainLinear(metaclass=_ExactLinear):
+    """``isinstance(m, PlainLinear)``: ``m`` is a ``torch.nn.Linear`` and not of a subclass (peft's
+    custom-module dispatch matches with isinstance)."""
+
+
+class FusedLoraLinear(PeftLoraLinear):
+    """peft's LoRA Linear, y = base(x) + B(A(dropout(x))) * scale, the add done by the GEMM."""
+
+    def _fused_adapter(self, x: torch.Tensor, args, kwargs) -> str | None:
+        """The one vanilla adapter the fused path computes, or None: peft's forward then runs."""
+        if args or kwargs or self.disable_adapters or self.merged or torch.is_autocast_enabled(x.device.type):
+            return None
+        active = [a for a in self.active_adapters if a in self.lora_A]
+        if len(active) != 1:
+            return None
+        name = active[0]
+        if name in getattr(self, "lora_variant", {}) or self.lora_B[name].bias is not None:
+            return None
+        dtype = self.lora_A[name].weight.dtype
+        return name if x.dtype == dtype == self.lora_B[name].weight.dtype else None
+
+    def forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+        name = self._fused_adapter(x, args, kwargs)
+        if name is None:
+            return super().forward(x, *args, **kwargs)
+        self._check_forward_args(x)
+        result = self.base_layer(x)
+        lora_b = self.lora_B[name].weight
+        h = self.lora_A[name](self.lora_dropout[name](x)) * self.scaling[name]
+        if result.dtype != lora_b.dtype:  # a base computing in another dtype: peft's sum, in its dtype
+            return (result + self.lora_B[name](h)).to(result.dtype)
+        out = torch.addmm(result.reshape(-1, result.shape[-1]), h.reshape(-1, h.shape[-1]), lora_b.t())
+        return out.view(result.shape)
