@@ -7,8 +7,9 @@ four projection groups and the decode row counts a GRPO rollout has, in one run.
 Each (group, rows, tiling) is one shrink + expand on random bf16 inputs (LoRA r ``--rank`` on every
 projection, peft's layout), timed as microseconds per call inside a CUDA graph of 100 calls (the
 engine replays its decode step as a graph); every tiling's output is checked against the torch path
-first (``lora_apply_ref_``, relative error). The report sets each tiling against the default (the one
-every committed step measurement ran) and adds the per-layer sum of the four groups: times the layers,
+first (``lora_apply_ref_``, relative error). The report sets each tiling against ``Tiling()`` (the one
+every step measurement before 2026-12-06 ran; ``lora_apply_`` now picks one by row count,
+``lora_triton.tiling_for``, from this benchmark's 7B run on an H100) and adds the per-layer sum of the four groups: times the layers,
 the milliseconds a decode step would save. Why: the 7B NVFP4 rollout's profile on an H100 spent 705 ms of
 about 2870 ms of decode GPU time in these two launches (bench/results/step_h200.md, hold 6); the expand
 re-reads every K chunk's float32 partial sums in each of its programs.
@@ -25,7 +26,7 @@ from pathlib import Path
 import torch
 
 from bench.common import graph_us
-from qerl_kit.kernels.lora_triton import DEFAULT_TILING, Tiling, lora_apply_, lora_apply_ref_
+from qerl_kit.kernels.lora_triton import DEFAULT_TILING, Tiling, lora_apply_, lora_apply_ref_, tiling_for
 from qerl_kit.models import PRESETS
 
 GROUPS = ("qkv", "o", "gate_up", "down")
@@ -151,14 +152,18 @@ def main(argv=None) -> int:
         best_per_group = {g: min(results[(m, t)][g] for t in ranked) for g in GROUPS}
         for t in [DEFAULT_TILING] + [t for t in ranked if t != DEFAULT_TILING][:8]:
             r = results[(m, t)]
-            lines.append(f"| {name(t)}{' (default)' if t == DEFAULT_TILING else ''} | "
+            mark = " (Tiling())" if t == DEFAULT_TILING else " (lora_apply_'s)" if t == tiling_for(m) else ""
+            lines.append(f"| {name(t)}{mark} | "
                          + " | ".join(f"{r[g]:.1f}" for g in GROUPS)
                          + f" | {sum(r.values()):.1f} | {sum(r.values()) * layers / 1000:.3f} |")
         lines.append("| best per group | " + " | ".join(f"{best_per_group[g]:.1f}" for g in GROUPS)
                      + f" | {sum(best_per_group.values()):.1f} | {sum(best_per_group.values()) * layers / 1000:.3f} |")
         winners = {g: min(ranked, key=lambda t: results[(m, t)][g]) for g in GROUPS}
         lines += ["", "Best per group: " + "; ".join(f"{g} {name(t)}" for g, t in winners.items()) + ".",
-                  "", f"Default {base_sum * layers / 1000:.3f} ms per decode step; the best single tiling "
+                  "", f"Tiling() {base_sum * layers / 1000:.3f} ms per decode step; lora_apply_'s "
+                  f"({name(tiling_for(m))}) " + (f"{sum(results[(m, tiling_for(m))].values()) * layers / 1000:.3f}"
+                                                if (m, tiling_for(m)) in results else "not in this grid")
+                  + f"; the best single tiling "
                   f"({name(ranked[0])}) {sum(results[(m, ranked[0])].values()) * layers / 1000:.3f}; the best per "
                   f"group {sum(best_per_group.values()) * layers / 1000:.3f}.", ""]
     # the one tiling fastest over every row count together (each count's decode step weighted alike), in

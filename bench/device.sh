@@ -275,7 +275,7 @@ lora-tiling)
   fi
   timeout "${TILING_TIMEOUT:-450}" python3 -m bench.bench_lora_tiling --model "${1:-Qwen2.5-7B}" --out "$OUT/lora-tiling" \
     --grid "${TILING_GRID:-full}" > "$OUT/lora-tiling/log.txt" 2>&1
-  echo "bench_lora_tiling rc=$?"; grep -E "^Default|^Fastest|Error" "$OUT/lora-tiling/lora_tiling.md" "$OUT/lora-tiling/log.txt" | tail -6
+  echo "bench_lora_tiling rc=$?"; grep -E "^Tiling\(\)|^Fastest|Error" "$OUT/lora-tiling/lora_tiling.md" "$OUT/lora-tiling/log.txt" | tail -6
   tiling="${2:-}"; [ "$tiling" != auto ] || tiling=$(cat "$OUT/lora-tiling/best.txt" 2>/dev/null)
   if [ -n "$tiling" ]; then
     timeout "${ENGINE_TIMEOUT:-300}" python3 -m bench.bench_lora_engine --model "${1:-Qwen2.5-7B}" --tiling "$tiling" --batches 8 64 \

@@ -35,7 +35,7 @@ def test_the_smoke_run_reports_every_rows_count_with_a_small_error(tmp_path):
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     md = (tmp_path / "lora_tiling.md").read_text()
-    assert "## 1 rows" in md and "## 5 rows" in md and md.count("(default) |") == 2
+    assert "## 1 rows" in md and "## 5 rows" in md and md.count("(Tiling()) |") == 2 and "lora_apply_'s (" in md
     best = parse_tiling((tmp_path / "best.txt").read_text().strip())  # the form device.sh hands on
     assert best in tilings(True) and "Fastest over every row count: " in md
     err = float(re.search(r"largest error against the torch path over every case: ([0-9.e+-]+)", md).group(1))

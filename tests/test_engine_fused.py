@@ -305,6 +305,25 @@ def test_grouped_lora_tilings_match_the_torch_path(tiling, m, k):
     torch.testing.assert_close(got, want, atol=tol * want.abs().max().item(), rtol=0)
 
 
+@pytest.mark.parametrize("m,want", [(1, Tiling(max_splits=8)), (16, Tiling(max_splits=8)),
+                                    (17, Tiling(max_splits=8, block_m=64, reduce=True)),
+                                    (64, Tiling(max_splits=8, block_m=64, reduce=True))])
+def test_lora_apply_cuts_its_rows_as_tiling_for_says(m, want, monkeypatch):
+    # the measured choice (bench/results/lora_tiling_h100.md): 16-row programs up to 16 rows, then 64-row
+    # programs whose shrink sums its 8 chunks; an explicit tiling still wins
+    from qerl_kit.kernels import lora_triton
+
+    seen, shrink = [], lora_triton.lora_shrink
+    monkeypatch.setattr(lora_triton, "lora_shrink", lambda x, As, t: seen.append(t) or shrink(x, As, t))
+    x, As, Bs, offsets, y = _lora_case([8, 16], [40, 72], m, 600, torch.float32, seed=m)
+    assert lora_triton.tiling_for(m) == want
+    got = lora_apply_(y.clone(), x, As, Bs, offsets, [0.5, 2.0])
+    lora_apply_(y.clone(), x, As, Bs, offsets, [0.5, 2.0], Tiling())
+    assert seen == [want, Tiling()]
+    want_y = lora_apply_ref_(y.clone(), x, As, Bs, offsets, [0.5, 2.0])
+    torch.testing.assert_close(got, want_y, atol=1e-4 * want_y.abs().max().item(), rtol=0)
+
+
 # The real Qwen2.5-0.5B's decode groups (in, outs), LoRA r=32 on every projection: widths that are no
 # power of two (896 = 7 x 128, 4864 = 38 x 128), so K chunks and column blocks end part-way.
 REAL_GROUPS = {"qkv": (896, [896, 128, 128]), "o": (896, [896]), "gate_up": (896, [4864, 4864]), "down": (4864, [896])}
