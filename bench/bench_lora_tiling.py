@@ -1,7 +1,7 @@
 """The decode step's grouped LoRA (``qerl_kit.kernels.lora_triton``) under each ``Tiling``, at a model's
 four projection groups and the decode row counts a GRPO rollout has, in one run.
 
-    python -m bench.bench_lora_tiling --model Qwen2.5-7B --out bench/results/lora_tiling_h100
+    python -m bench.bench_lora_tiling --model Qwen2.5-7B --out bench/results/lora_tiling_h100 --grid small
     python -m bench.bench_lora_tiling --smoke --out /tmp/x      # CPU (TRITON_INTERPRET=1), tiny shapes
 
 Each (group, rows, tiling) is one shrink + expand on random bf16 inputs (LoRA r ``--rank`` on every

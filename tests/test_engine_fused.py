@@ -309,7 +309,7 @@ def test_grouped_lora_tilings_match_the_torch_path(tiling, m, k):
                                     (17, Tiling(max_splits=8, block_m=64, reduce=True)),
                                     (64, Tiling(max_splits=8, block_m=64, reduce=True))])
 def test_lora_apply_cuts_its_rows_as_tiling_for_says(m, want, monkeypatch):
-    # the measured choice (bench/results/lora_tiling_h100.md): 16-row programs up to 16 rows, then 64-row
+    # the measured choice (bench/results/lora_tiling_h100/lora_tiling.md): 16-row programs up to 16 rows, then 64-row
     # programs whose shrink sums its 8 chunks; an explicit tiling still wins
     from qerl_kit.kernels import lora_triton
 

@@ -72,7 +72,7 @@ DEFAULT_TILING = Tiling()
 
 def tiling_for(m: int) -> Tiling:
     """The tiling ``lora_apply_`` cuts ``m`` rows with: 8 K chunks, and from 17 rows 64-row programs whose
-    shrink sums its chunks (``reduce``). bench/results/lora_tiling_h100.md (Qwen2.5-7B's decode groups,
+    shrink sums its chunks (``reduce``). bench/results/lora_tiling_h100/lora_tiling.md (Qwen2.5-7B's decode groups,
     r 32, 21 tilings): the fastest at 8 rows (0.756 ms per decode step against 0.859 for ``Tiling()``)
     and, the other, at 64 and 128 rows (0.906 and 1.033 against 1.336 and 2.037: gate/up's 64 or 128
     rows in 16-row programs each summed 32 chunks); the 7B GRPO step's rollout 5.8% faster with it."""
