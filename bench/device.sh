@@ -293,8 +293,9 @@ unsloth)
   grep "^\[probe\]" "$OUT/unsloth_log.txt" | tail -20 ;;
 step7b|step-model|step-paper|step-vllm|step05b-real)
   # one bench.bench_step call per table; --budget stops new (format, engine) groups in time for the tail
-  # the tag names the arguments and STEP_ARGS, e.g. step7b-nf4-mxfp4: calls of one command keep apart
-  tag=$(echo "$cmd" "$@" ${STEP_ARGS:-} | tr -s ' :' '--')
+  # the tag names the arguments and STEP_ARGS, e.g. step7b-nf4-mxfp4: calls of one command keep apart (a comma
+  # becomes a dash: the device tool returns no file under a name with one)
+  tag=$(echo "$cmd" "$@" ${STEP_ARGS:-} | tr -s ' :,' '---')
   [ "$cmd" = step05b-real ] && [ "${REAL_MODEL:-0.5b}" = 1.5b ] && tag="step15b-real${tag#step05b-real}"
   case " $* " in *bnb-nf4*) bitsandbytes ;; esac  # bitsandbytes' NF4 layers (the field's QLoRA)
   common=(--steps "${STEP_STEPS:-2}" --budget "${STEP_BUDGET:-400}" --limit "${STEP_LIMIT:-540}" --out "$OUT/$tag")

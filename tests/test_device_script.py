@@ -53,7 +53,7 @@ def test_step_commands_call_the_step_bench_with_their_table_settings(tmp_path):
                               env=env, timeout=60)
         assert "bench_step rc=0" in proc.stdout, proc.stdout + proc.stderr
     proc = subprocess.run(["bash", str(SCRIPT), "step-model", "Qwen2.5-14B", "nvfp4"], cwd=SCRIPT.parents[1],
-                          capture_output=True, text=True, env={**env, "STEP_ARGS": "--max-rows 32 --keep-cache off"},
+                          capture_output=True, text=True, env={**env, "STEP_ARGS": "--max-rows 32 --lora-tiling 8,64,1,reduce"},
                           timeout=60)
     assert "bench_step rc=0" in proc.stdout, proc.stdout + proc.stderr
     calls = [c for c in (out / "calls.txt").read_text().splitlines() if c.startswith("-m bench.bench_step run")]
@@ -62,9 +62,10 @@ def test_step_commands_call_the_step_bench_with_their_table_settings(tmp_path):
     assert "--formats none nvfp4 --lengths fixed:512 --gradient-checkpointing off on" in calls[1]
     assert "--models Qwen2.5-32B --formats nvfp4 --lengths fixed:512 --gradient-checkpointing on" in calls[2]
     assert calls[1].endswith(f"--out {out}/step7b") and calls[2].endswith(f"--out {out}/step-model-Qwen2.5-32B-nvfp4")
-    # STEP_ARGS go to the bench and into the output folder's name: two calls of one command apart
-    assert calls[3].endswith(f"--out {out}/step-model-Qwen2.5-14B-nvfp4-max-rows-32-keep-cache-off "
-                             "--max-rows 32 --keep-cache off")
+    # STEP_ARGS go to the bench and into the output folder's name: two calls of one command apart (a
+    # comma becomes a dash: the device tool returns no file under a name with one)
+    assert calls[3].endswith(f"--out {out}/step-model-Qwen2.5-14B-nvfp4-max-rows-32-lora-tiling-8-64-1-reduce "
+                             "--max-rows 32 --lora-tiling 8,64,1,reduce")
 
 
 FAKE_PYTHON = r'''#!/bin/bash
