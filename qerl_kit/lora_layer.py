@@ -28,6 +28,9 @@ import torch
 from peft.tuners.lora.layer import Linear as PeftLoraLinear
 
 
+_LARGEST = {dt: torch.finfo(dt).max for dt in (torch.float16, torch.bfloat16, torch.float32, torch.float64)}
+
+
 class _ExactLinear(type):
     def __instancecheck__(cls, obj) -> bool:
         return type(obj) is torch.nn.Linear
@@ -56,6 +59,10 @@ class FusedLoraLinear(PeftLoraLinear):
             return None
         b = self.lora_B[name]
         if b.bias is not None or not x.dtype == self.lora_A[name].weight.dtype == b.weight.dtype:
+            return None
+        # addmm refuses an alpha its dtype cannot hold; peft's multiply makes the inf that the run's
+        # non-finite check then names (model.lora_alpha / r beyond the dtype's range)
+        if not abs(self.scaling[name]) <= _LARGEST.get(x.dtype, 0.0):
             return None
         return name
 

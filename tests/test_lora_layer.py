@@ -94,6 +94,15 @@ def test_what_the_fused_path_does_not_take_goes_to_peft(peft_forward_calls):
     assert len(peft_forward_calls) == 10  # two active adapters: peft sums them
 
 
+def test_a_scale_beyond_the_dtype_s_range_goes_to_peft_s_multiply(peft_forward_calls):
+    # addmm would refuse alpha = 1e300 in float32; peft's forward makes the inf the run's check names
+    ref, fused = _pair(torch.float32)
+    for layer in fused.base_model.model:
+        layer.scaling = {k: 1e300 for k in layer.scaling}
+    out = fused(torch.randn(2, 64))
+    assert len(peft_forward_calls) == 2 and not torch.isfinite(out).all()
+
+
 def test_a_base_of_another_dtype_gets_peft_s_sum_in_its_dtype():
     ref, fused = _pair(torch.float32)
     for model in (ref, fused):  # bf16 bases under fp32 adapters: the layer's output is the base's dtype
