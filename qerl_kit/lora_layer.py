@@ -55,7 +55,7 @@ class FusedLoraLinear(PeftLoraLinear):
             if len(name) != 1:
                 return None
             name = name[0]
-        if name not in self.lora_A or name in self.lora_variant:
+        if name not in self.lora_A or name in getattr(self, "lora_variant", ()):  # DoRA and the like
             return None
         b = self.lora_B[name]
         if b.bias is not None or not x.dtype == self.lora_A[name].weight.dtype == b.weight.dtype:
@@ -75,6 +75,6 @@ class FusedLoraLinear(PeftLoraLinear):
         h = self.lora_A[name](self.lora_dropout[name](x))
         if result.dtype != lora_b.dtype:  # a base computing in another dtype: peft's sum, in its dtype
             return (result + self.lora_B[name](h) * scale).to(result.dtype)
-        # the scale in the GEMM too (alpha): no multiply of its own in the forward or the backward
+        # the scale in the GEMM too (alpha): no multiply over the output in the forward or the backward
         out = torch.addmm(result.reshape(-1, result.shape[-1]), h.reshape(-1, h.shape[-1]), lora_b.t(), alpha=scale)
         return out.view(result.shape)
