@@ -150,9 +150,10 @@ def main(argv=None) -> int:
         lines += [f"## {m} rows", "", "| tiling | " + " | ".join(GROUPS) + " | layer | per decode step, ms |",
                   "|---|" + "---:|" * (len(GROUPS) + 2)]
         best_per_group = {g: min(results[(m, t)][g] for t in ranked) for g in GROUPS}
+        chosen = tiling_for(m)  # what lora_apply_ cuts m rows with
         for t in [DEFAULT_TILING] + [t for t in ranked if t != DEFAULT_TILING][:8]:
             r = results[(m, t)]
-            mark = " (Tiling())" if t == DEFAULT_TILING else " (lora_apply_'s)" if t == tiling_for(m) else ""
+            mark = " (Tiling())" if t == DEFAULT_TILING else " (lora_apply_'s)" if t == chosen else ""
             lines.append(f"| {name(t)}{mark} | "
                          + " | ".join(f"{r[g]:.1f}" for g in GROUPS)
                          + f" | {sum(r.values()):.1f} | {sum(r.values()) * layers / 1000:.3f} |")
@@ -161,8 +162,8 @@ def main(argv=None) -> int:
         winners = {g: min(ranked, key=lambda t: results[(m, t)][g]) for g in GROUPS}
         lines += ["", "Best per group: " + "; ".join(f"{g} {name(t)}" for g, t in winners.items()) + ".",
                   "", f"Tiling() {base_sum * layers / 1000:.3f} ms per decode step; lora_apply_'s "
-                  f"({name(tiling_for(m))}) " + (f"{sum(results[(m, tiling_for(m))].values()) * layers / 1000:.3f}"
-                                                if (m, tiling_for(m)) in results else "not in this grid")
+                  f"({name(chosen)}) " + (f"{sum(results[(m, chosen)].values()) * layers / 1000:.3f}"
+                                          if (m, chosen) in results else "not in this grid")
                   + f"; the best single tiling "
                   f"({name(ranked[0])}) {sum(results[(m, ranked[0])].values()) * layers / 1000:.3f}; the best per "
                   f"group {sum(best_per_group.values()) * layers / 1000:.3f}.", ""]

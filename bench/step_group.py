@@ -264,7 +264,7 @@ def case_row(case: dict, a: dict, meta: dict) -> dict:
             "aqn": case["aqn"], "keep_cache": a["keep_cache"], "max_rows": a["max_rows"] or rows,
             "dense_cache": a["dense_cache"], "dense_decode": a["dense_decode"],
             "share_weights": a["share_weights"], "lora_tiling": a["lora_tiling"],
-            "lora_forward": a.get("lora_forward", "fused"), "optimizer": "adamw",
+            "lora_forward": a["lora_forward"], "optimizer": "adamw",
             "seed": case["seed"],
             "steps": a["steps"], "step_index": a["steps"] - 1, "status": "", "error": ""}
 
@@ -294,7 +294,7 @@ def vllm_for(peft, tok, fmt: str, a: dict, cases: list[dict], root: Path, dense_
 def run_group(cases: list[dict], a: dict, meta: dict, rows_path: Path) -> None:
     """``_run_group`` with the call's grouped-LoRA tiling (``lora_tiling``) and training-pass LoRA forward
     (``lora_forward``) for its duration."""
-    with lora_tiling(a["lora_tiling"]), lora_forward(a.get("lora_forward", "fused")):
+    with lora_tiling(a["lora_tiling"]), lora_forward(a["lora_forward"]):
         _run_group(cases, a, meta, rows_path)
 
 
