@@ -201,7 +201,16 @@ def phase_times(m: dict) -> dict:
     row["measured_mean_length"] = m.get("completions/mean_length", nan)
     row["rollout_tokens_per_s"] = m.get("rollout/tokens_per_s", nan)
     row["aqn_sigma"] = m.get("aqn/sigma", 0.0)
+    row.update({f"rollout_{k}": m.get(metric, nan) for k, metric in ROLLOUT_QUALITY.items()})
     return row
+
+
+# what the rollouts were, from the Trainer's metrics (the mean over the timed steps): engines that sample
+# the same policy on the same prompts must agree on these within sampling noise, and ``logp_gap`` (the mean
+# |engine log-prob - training forward's| of the sampled tokens, TRL's name) is small for an engine that
+# computes the policy the Trainer trains; one that computes it wrongly shows it here first
+ROLLOUT_QUALITY = {"reward": "reward", "accuracy": "accuracy", "entropy": "entropy", "at_cap": "completions/clipped_ratio",
+                   "logp_gap": "sampling/sampling_logp_difference/mean"}
 
 
 GPU_FIELDS = "temperature.gpu,clocks.sm,power.draw"
@@ -236,7 +245,9 @@ def steady_times(steps: list[dict]) -> dict:
     median over the rest, with ``timed_steps`` (how many) and the fastest and slowest step of
     ``SPREAD``'s phases (``time_step_min``, ``time_step_max``, ...). Two steps: the last step's times."""
     timed = [phase_times(m) for m in (steps[1:] if len(steps) > 1 else steps)]
-    row = {k: statistics.median(r[k] for r in timed) if k.startswith("time_") else timed[-1][k] for k in timed[-1]}
+    quality = {f"rollout_{k}" for k in ROLLOUT_QUALITY} | {"measured_mean_length"}
+    row = {k: statistics.median(r[k] for r in timed) if k.startswith("time_")
+           else statistics.fmean(r[k] for r in timed) if k in quality else timed[-1][k] for k in timed[-1]}
     for k in SPREAD:
         vals = [r[f"time_{k}"] for r in timed]
         row[f"time_{k}_min"], row[f"time_{k}_max"] = min(vals), max(vals)

@@ -23,6 +23,7 @@ SETTINGS = ["model", "format", "engine", "lengths", "length_params", "lengths_sh
             "share_weights", "lora_tiling", "lora_forward", "optimizer", "seed", "steps", "step_index"]
 RESULTS = ["status", "error", "time_step", "time_rollout", "time_sync", "time_wake", "time_upload", "time_sleep",
            "time_logprob", "time_update", "time_other", "measured_mean_length", "rollout_tokens_per_s", "aqn_sigma",
+           "rollout_at_cap", "rollout_reward", "rollout_accuracy", "rollout_entropy", "rollout_logp_gap",
            "peak_gib", "peak_reserved_gib", "rollout_peak_gib", "after_rollout_gib", "steps_done", "dense_cache_held_gib",
            "plan_gib", "plan_note", "plan_rollout_gib", "plan_kept_gib", "plan_training_gib", "engine_start_s", "wall_s",
            "timed_steps", "time_step_min", "time_step_max", "time_rollout_min", "time_rollout_max", "time_update_min",
@@ -304,8 +305,28 @@ def memory_table(rows: list[dict]) -> list[str]:
     return lines
 
 
+def rollouts_table(rows: list[dict]) -> list[str]:
+    """What each run's rollouts were (runs that sampled their own lengths: ``natural``): engines sampling one
+    policy on the same prompts should agree here within sampling noise, so a speed comparison of them is one of
+    the same work, and the gap between an engine's log-probs of its tokens and the training forward's is
+    small; where they do not, the engine computes another policy than the one trained."""
+    seen = [r for r in rows if _ok(r) and str(r.get("lengths", "")).startswith("natural")
+            and _num(r.get("rollout_entropy")) == _num(r.get("rollout_entropy"))]
+    if not seen:
+        return []
+    lines = ["", "## What the rollouts were (their own lengths; the mean over the timed steps)", "",
+             "| model | format / engine | lengths | mean length | at the cap | reward | accuracy | entropy | "
+             "engine vs training log-prob gap | tokens / s |", "|---|---|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in seen:
+        lines.append(f"| {r['model']} | {_label(r)} | {r['lengths']} | {_f(r.get('measured_mean_length'), '.0f')} | "
+                     f"{_f(r.get('rollout_at_cap'))} | {_f(r.get('rollout_reward'), '.3f')} | "
+                     f"{_f(r.get('rollout_accuracy'), '.3f')} | {_f(r.get('rollout_entropy'), '.3f')} | "
+                     f"{_f(r.get('rollout_logp_gap'), '.3f')} | {_f(r.get('rollout_tokens_per_s'), '.0f')} |")
+    return lines
+
+
 def markdown(rows: list[dict]) -> str:
-    return "\n".join(header(rows) + ["## Runs", ""] + runs_table(rows)
+    return "\n".join(header(rows) + ["## Runs", ""] + runs_table(rows) + rollouts_table(rows)
                      + ["", "## NVFP4 + LoRA (StaticEngine) against the baselines: baseline s / ours", ""]
                      + ratio_table(rows) + ["", "## Gradient checkpointing's cost", ""]
                      + checkpointing_table(rows) + memory_table(rows) + gpu_table(rows)) + "\n"

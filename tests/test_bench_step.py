@@ -226,6 +226,13 @@ def test_a_real_model_directory_runs_on_gsm8k_prompts_with_its_own_or_forced_len
     assert {r["status"] for r in rows.values()} == {"ok"} and {r["prompt_len"] for r in rows.values()} == {"gsm8k"}
     assert rows["fixed:3"]["measured_mean_length"] == 3.0
     assert 1 <= rows["natural:8"]["measured_mean_length"] <= 8 and rows["natural:8"]["lengths_sha"] == ""
+    # what the rollouts were, from the Trainer's own metrics: the table that sets engines side by side
+    own = rows["natural:8"]
+    assert 0 <= own["rollout_reward"] <= 1 and 0 <= own["rollout_accuracy"] <= 1 and 0 <= own["rollout_at_cap"] <= 1
+    assert own["rollout_entropy"] > 0 and 0 < own["rollout_logp_gap"] < 0.1  # the engine samples the trained policy (0.004 here)
+    md = (tmp_path / "out" / "step.md").read_text()
+    table = md.split("## What the rollouts were")[1].split("\n## ")[0]
+    assert "natural:8" in table and "fixed:3" not in table  # forced lengths say nothing of the engine
 
 
 def _vllm_missing() -> str | None:
@@ -384,14 +391,16 @@ def test_profile_adds_one_profiled_step_after_the_timed_ones(tmp_path):
     assert "reads back or synchronizations" in text.splitlines()[1] and "Python frames' own code" not in text
 
 
-def _metrics(step, rollout, update):
+def _metrics(step, rollout, update, reward=0.5):
     return {"time/step": step, "time/rollout": rollout, "time/logprob": 0.0, "time/update": update,
-            "completions/mean_length": 5.0}
+            "completions/mean_length": 5.0, "reward": reward}
 
 
 def test_steady_times_drop_the_warm_up_and_keep_the_median_and_range():
-    steps = [_metrics(30.0, 20.0, 9.0), _metrics(10.0, 4.0, 5.0), _metrics(12.0, 5.0, 6.0), _metrics(11.0, 4.5, 6.5)]
+    steps = [_metrics(30.0, 20.0, 9.0, 0.0), _metrics(10.0, 4.0, 5.0, 0.25), _metrics(12.0, 5.0, 6.0, 0.5),
+             _metrics(11.0, 4.5, 6.5, 1.0)]
     row = step_group.steady_times(steps)
+    assert row["rollout_reward"] == 0.5833333333333334  # what the rollouts were: the mean, warm-up out
     assert (row["time_step"], row["time_rollout"], row["time_update"]) == (11.0, 4.5, 6.0)  # medians, warm-up out
     assert (row["time_step_min"], row["time_step_max"], row["time_update_min"], row["time_update_max"]) == \
         (10.0, 12.0, 5.0, 6.5)

@@ -346,6 +346,35 @@ def test_grouped_lora_at_the_real_models_decode_shapes(group, m, tiling):
     torch.testing.assert_close(got, want, atol=tol * want.abs().max().item(), rtol=0)
 
 
+@pytest.mark.skipif(not CUDA, reason="programs race only on a GPU (the interpreter runs them one at a time)")
+@pytest.mark.parametrize("group", ["qkv", "gate_up", "down"])
+def test_gpu_the_shrinks_sum_never_reads_a_chunk_before_it_is_stored(group):
+    # reduce=True at the tiling lora_apply_ picks for a rollout's 128 rows (64-row programs, 8 chunks): the
+    # last program to arrive sums the others' chunks, which all their warps must have stored first (a CTA
+    # barrier before the release). The partials' memory is NaN before each call, so a chunk read early is
+    # a NaN; every call must give the first call's bits, near the torch path.
+    from qerl_kit.kernels.lora_triton import tiling_for
+
+    k, outs = REAL_GROUPS[group]
+    g = torch.Generator().manual_seed(len(outs))
+    mk = lambda *shape, s=1.0: (torch.randn(*shape, generator=g) * s).to("cuda", torch.bfloat16)  # noqa: E731
+    x, y = mk(128, k), mk(128, sum(outs))
+    As, Bs = [mk(16, k, s=0.03) for _ in outs], [mk(n, 16, s=0.01) for n in outs]
+    offsets, scales = [sum(outs[:i]) for i in range(len(outs))], [2.0] * len(outs)
+    assert tiling_for(128).reduce
+    want = lora_apply_ref_(y.clone(), x, As, Bs, offsets, scales)
+    first = lora_apply_(y.clone(), x, As, Bs, offsets, scales)
+    torch.testing.assert_close(first, want, atol=2e-2 * want.abs().max().item(), rtol=0)
+    rt = 16 * len(outs)
+    for _ in range(300):
+        y_in = y.clone()
+        # NaN blocks of every size the partials (1..8 chunks) and their sum take, freed: the call reuses them
+        poison = [torch.full((splits, 128, rt), float("nan"), device="cuda") for splits in range(1, 9)]
+        del poison
+        got = lora_apply_(y_in, x, As, Bs, offsets, scales)
+        assert torch.equal(got, first)
+
+
 @pytest.mark.parametrize("m,k,block_m", [(5, 600, 16), (19, 2048, 16), (40, 1100, 32)])
 def test_the_shrinks_own_sum_gives_the_expands_bits_and_leaves_its_counters_at_zero(m, k, block_m):
     # reduce=True: the last chunk to arrive sums the chunks in the order the expand would
