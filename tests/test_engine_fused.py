@@ -350,9 +350,9 @@ def test_grouped_lora_at_the_real_models_decode_shapes(group, m, tiling):
 @pytest.mark.parametrize("group", ["qkv", "gate_up", "down"])
 def test_gpu_the_shrinks_sum_never_reads_a_chunk_before_it_is_stored(group):
     # reduce=True at the tiling lora_apply_ picks for a rollout's 128 rows (64-row programs, 8 chunks): the
-    # last program to arrive sums the others' chunks, which all their warps must have stored first (a CTA
-    # barrier before the release). The partials' memory is NaN before each call, so a chunk read early is
-    # a NaN; every call must give the first call's bits, near the torch path.
+    # last program to arrive sums the others' chunks, which all their warps must have stored first (the
+    # CTA barrier Triton puts before the scalar arrival atomic). The partials' memory is NaN before each
+    # call, so a chunk read early is a NaN; every call must give the first call's bits, near the torch path.
     from qerl_kit.kernels.lora_triton import tiling_for
 
     k, outs = REAL_GROUPS[group]

@@ -151,9 +151,6 @@ if HAS_TRITON:
             tl.store(p_ptr + split * M * RT + tile, acc, mask=tile_mask)
             if REDUCE:  # as the split-K decode kernels do (splitk.py): deterministic, one launch
                 slot = (i * R_BLOCKS + pid_r) * M_BLOCKS + pid_m
-                # every warp's stores of this tile before the one thread's release (Triton 3.6 puts no CTA
-                # barrier before a scalar atomic: without it the last program can read a tile still unwritten)
-                tl.debug_barrier()
                 arrived = tl.atomic_add(cnt_ptr + slot, 1, sem="acq_rel", scope="gpu")
                 if arrived == SPLITS - 1:
                     total = tl.zeros((BLOCK_M, BLOCK_R), tl.float32)

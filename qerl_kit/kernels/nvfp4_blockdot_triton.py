@@ -246,7 +246,6 @@ if HAS_TRITON:
         if SPLIT_K > 1:
             # Each slice parked its partial rows; the last to arrive (counter) sums them in slice
             # order (deterministic), writes y and resets the counter for the next call.
-            tl.debug_barrier()  # all warps' partials stored before the release (lora_triton)
             arrived = tl.atomic_add(cnt_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
             if arrived == SPLIT_K - 1:
                 for r in tl.static_range(ROWS):

@@ -164,7 +164,6 @@ if HAS_TRITON:
             tile = rows[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
             ws_tile = ws_ptr + pid_n * (SPLIT_K * BLOCK_M * BLOCK_N)
             tl.store(ws_tile + pid_k * (BLOCK_M * BLOCK_N) + tile, out)
-            tl.debug_barrier()  # all warps' partials stored before the release (lora_triton)
             arrived = tl.atomic_add(cnt_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
             if arrived == SPLIT_K - 1:
                 total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
