@@ -104,19 +104,20 @@
 #   cdgrid [MODEL] [LIMIT_S] [STEPS] [LR]   the grid (resumable: call again, or carry .vllm/cdgrid/parts.tgz);
 #                             LR "best" takes cdsweep's choice; CD_CONFIGS / SEED_GROUPS pick configs and seeds
 #   cdsweep [LIMIT_S] [STEPS] ["LRS"]       bf16 and NVFP4 at the same lr, seeds 0 1; picks the lr
-# The real 0.5B (GGUF) in 44 MiB pieces (bench/results/real_model_h200.md): prepare here
+# The real 0.5B (GGUF) in pieces of 42.5 MB, 12 (a call carries 64 MiB with the tracked files, which take
+# 23 MB on disk in 2026-12: `git ls-files -z | xargs -0 du -cB1 | tail -1`; 44 MiB pieces no longer fit): prepare here
 #   ../shared/tools/fetch-real-model qwen2.5-coder-0.5b-instruct
-#   mkdir -p .rm && (cd .rm && split -b 44M -d -a 2 --numeric-suffixes=1 ~/.cache/qerl-models/qwen2.5-coder-0.5b-instruct.gguf part \
+#   mkdir -p .rm && (cd .rm && split -b 42500000 -d -a 2 --numeric-suffixes=1 ~/.cache/qerl-models/qwen2.5-coder-0.5b-instruct.gguf part \
 #     && for f in part*; do mkdir p${f#part} && mv $f p${f#part}/part; done)
-#   mkdir -p .rdata && cp ../shared/data/*.jsonl .rdata/
+#   mkdir -p .rdata && cp ../shared/data/gsm8k_*.jsonl .rdata/
 #   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
 #     --platform manylinux_2_28_x86_64 --platform any -d .whl/real gguf humming-kernels==0.1.19 math-verify \
 #     latex2sympy2_extended antlr4-python3-runtime==4.13.2
 # (.rm, .rdata and .whl ignored in .git/info/exclude), then one call each:
 #   (the 1.5B: REAL_MODEL=1.5b on every call below and on step05b-real / repro, the same steps with
-#   qwen2.5-coder-1.5b-instruct: 25 pieces of 44 MiB, converted to /tmp/m15; results tagged step15b-real)
-#   model-piece NN            (carry .rm/pNN) for 01 ... 10
-#   model-setup NN            (carry .rm/pNN .rdata .whl) the last piece, sha256 (then /tmp/model.sha256.ok, which
+#   qwen2.5-coder-1.5b-instruct: 26 pieces of 42.5 MB, converted to /tmp/m15; results tagged step15b-real)
+#   model-piece NN            (carry .rm/pNN) for 01 ... 11 (a few seconds each)
+#   model-setup NN            (carry .rm/pNN .rdata .whl/real; .rdata: gsm8k_train and gsm8k_test only) the last piece, sha256 (then /tmp/model.sha256.ok, which
 #                             repro and step05b-real test), data, convert
 #   real-eval [ARGS]          bench.real_model eval (EVAL_TAG names the output; ARGS e.g. --pass-k 8)
 #   real-regress [ARGS]       bench.real_model regress
