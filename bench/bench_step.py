@@ -52,6 +52,9 @@ auto|on|off`` (the StaticEngine's ``dense_decode``: a same-call A/B of its dense
 ``--share-weights on|off`` (``rollout.share_weights``: the policy's q/k/v and gate/up stored in the
 engine's fused buffers, no second copy; off by default, as in every earlier run); the row records
 each (the plan counts the dense copies whatever the setting: an upper bound when off).
+``--engine-off cuda_graphs compact shared_prefix fused`` turns those StaticEngine features off for the
+run (recorded as ``engine_off``): with a real model's own lengths and the rollouts table, a same-call
+A/B that says which part of the engine changes what it samples.
 
 Each (model, format, engine) runs in a fresh process (``--isolate auto``: on a GPU, for honest peaks;
 always for vLLM, whose memory is not given back inside one); a run that fails, runs out of memory or
@@ -91,6 +94,7 @@ from qerl_kit.rollout.static.engine import DENSE_DECODE_MODES
 
 FORMATS = ("none", "nvfp4", "nf4", "mxfp4", "bnb-nf4")
 ENGINES = ("static", "vllm", "unsloth")
+ENGINE_SWITCHES = ("cuda_graphs", "compact", "shared_prefix", "fused")  # StaticEngine's on/off options
 
 
 def aqn_on(setting: str, fmt: str) -> bool:
@@ -181,7 +185,8 @@ def run_settings(args) -> dict:
     """The call's settings every case reads (``step_group``'s ``a``), from the parsed ``run`` arguments."""
     return {k: getattr(args, k) for k in ("prompts", "group", "prompt_len", "lora_r", "steps", "max_new_tokens",
                                           "keep_cache", "max_rows", "vllm_memory", "length_seed", "dense_cache",
-                                          "dense_decode", "share_weights", "lora_tiling", "lora_forward", "profile")}
+                                          "dense_decode", "share_weights", "lora_tiling", "lora_forward", "profile",
+                                          "engine_off")}
 
 
 def run(args) -> list[dict]:
@@ -273,6 +278,10 @@ def parser() -> argparse.ArgumentParser:
     r.add_argument("--lora-forward", default="fused", type=_choices("lora-forward", ("fused", "peft")),
                    help="the training pass's LoRA layers: fused (the default: the adapter added in the GEMM, "
                         "qerl_kit.lora_layer) or peft (peft's own forward, a multiply and an add over each output)")
+    r.add_argument("--engine-off", nargs="+", default=[], type=_choices("engine-off", ENGINE_SWITCHES),
+                   help="StaticEngine features turned off for the run (a same-call A/B that takes the engine apart: "
+                        "cuda_graphs, compact (live-row compaction), shared_prefix (one prompt prefix per group), "
+                        "fused (the fused decode plan)); the row records them")
     r.add_argument("--dense-cache", default="all", type=dense_cache_arg,
                    help="model.dense_cache_gib per run: all (every 4-bit projection's dense copy), auto (the "
                         "Trainer's budget) or GiB (0: off)")

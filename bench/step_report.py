@@ -20,7 +20,7 @@ from pathlib import Path
 SETTINGS = ["model", "format", "engine", "lengths", "length_params", "lengths_sha", "mean_length", "max_length",
             "max_new_tokens", "prompts", "group", "rows", "prompt_len", "lora_r", "mu", "micro_batch",
             "gradient_checkpointing", "aqn", "keep_cache", "max_rows", "dense_cache", "dense_cache_gib", "dense_decode",
-            "share_weights", "lora_tiling", "lora_forward", "optimizer", "seed", "steps", "step_index"]
+            "share_weights", "lora_tiling", "lora_forward", "engine_off", "optimizer", "seed", "steps", "step_index"]
 RESULTS = ["status", "error", "time_step", "time_rollout", "time_sync", "time_wake", "time_upload", "time_sleep",
            "time_logprob", "time_update", "time_other", "measured_mean_length", "rollout_tokens_per_s", "aqn_sigma",
            "rollout_at_cap", "rollout_reward", "rollout_accuracy", "rollout_entropy", "rollout_logp_gap",
@@ -34,8 +34,8 @@ NUMERIC = {"dense_cache_gib", "max_rows", "mean_length", "max_length", "max_new_
            "seed", "steps", "step_index", "case_id", *(c for c in RESULTS if c not in ("status", "error", "plan_note", "gpu_before", "gpu_after"))}
 # what a setting is, without format and engine: rows that share it are compared
 KEY = ["model", "lengths", "lengths_sha", "prompts", "group", "prompt_len", "lora_r", "mu", "micro_batch",
-       "gradient_checkpointing", "dense_cache", "dense_decode", "share_weights", "lora_tiling", "lora_forward", "seed",
-       "steps"]
+       "gradient_checkpointing", "dense_cache", "dense_decode", "share_weights", "lora_tiling", "lora_forward",
+       "engine_off", "seed", "steps"]
 SUBJECT = ("nvfp4", "static")
 # (label, format, engine, the issue's target speed-up or None; "lengths" targets depend on the lengths)
 BASELINES = [("bf16 + LoRA, ours", "none", "static", "lengths"), ("NF4 + LoRA (QLoRA), ours", "nf4", "static", 1.5),
@@ -181,6 +181,8 @@ def _decode_note(r: dict) -> str:
         note = f"{note}, LoRA tiling {r['lora_tiling']}" if note else f"LoRA tiling {r['lora_tiling']}"
     if r.get("lora_forward") == "peft":
         note = f"{note}, peft's LoRA forward" if note else "peft's LoRA forward"
+    if r.get("engine_off"):
+        note = f"{note}, without {r['engine_off']}" if note else f"without {r['engine_off']}"
     return f" ({note})" if note else ""
 
 

@@ -456,6 +456,24 @@ def test_gpu_state_reads_nvidia_smi_and_falls_back_without_clock_events(monkeypa
     assert step_group.gpu_state() == "70 C, 1755 MHz, 690.1 W, events 0x0000000000000004"
 
 
+def test_engine_off_turns_staticengine_features_off_for_the_run_and_the_row_records_it(tmp_path, monkeypatch):
+    """--engine-off: the StaticEngine is built with those features False, the row, the report's key and the
+    label record them (a same-call A/B that takes the engine apart); a name it does not know is refused."""
+    built = []
+    real = step_group.forced_static
+    monkeypatch.setattr(step_group, "forced_static", lambda *a, **kw: built.append(kw) or real(*a, **kw))
+    rows = _run(tmp_path / "off", "--formats", "nvfp4", "--isolate", "off", "--max-new-tokens", "8",
+                "--engine-off", "compact", "shared_prefix")
+    assert built[0]["compact"] is False and built[0]["shared_prefix"] is False and "cuda_graphs" not in built[0]
+    assert rows[0]["status"] == "ok" and rows[0]["engine_off"] == "compact shared_prefix"
+    assert step_report._label(rows[0]).endswith("(without compact shared_prefix)")
+    rows = _run(tmp_path / "on", "--formats", "nvfp4", "--isolate", "off", "--max-new-tokens", "8")
+    assert "compact" not in built[1] and rows[0]["engine_off"] == "" and "without" not in step_report._label(rows[0])
+    assert "engine_off" in step_report.KEY  # rows of two settings are not each other's baseline
+    with pytest.raises(SystemExit):
+        bench_step.main(["run", *TINY, "--engine-off", "graphs", "--out", str(tmp_path / "x")])
+
+
 def test_dense_decode_is_a_setting_the_engine_gets_and_the_row_records(tmp_path, monkeypatch):
     """--dense-decode (the StaticEngine's dense_decode): the engine is built with it, the row and the
     report's key record it (a same-call A/B of the dense copies), and a bad value names the choices."""
