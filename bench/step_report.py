@@ -75,7 +75,7 @@ def merge(paths) -> list[dict]:
     for p in map(Path, paths):
         for r in read_csv(p / "step.csv" if p.is_dir() else p):
             call = (str(r.get("run_id")),) if (r.get("format"), r.get("engine")) == SUBJECT else ()
-            seen[tuple(str(r.get(k)) for k in KEY + ["format", "engine", "aqn"]) + call] = r
+            seen[_key(r) + tuple(str(r.get(k)) for k in ("format", "engine", "aqn")) + call] = r
     return list(seen.values())
 
 
@@ -90,8 +90,12 @@ def _num(v) -> float:
         return float("nan")
 
 
+# a setting's value in rows written before its column existed (an older step.csv read back): what those runs did
+KEY_DEFAULTS = {"lora_tiling": "default", "lora_forward": "fused", "engine_off": ""}
+
+
 def _key(r: dict) -> tuple:
-    return tuple(str(r.get(k)) for k in KEY)
+    return tuple(str(r.get(k, KEY_DEFAULTS.get(k))) for k in KEY)
 
 
 def _target(target, model: str, lengths: str):

@@ -470,6 +470,8 @@ def test_engine_off_turns_staticengine_features_off_for_the_run_and_the_row_reco
     rows = _run(tmp_path / "on", "--formats", "nvfp4", "--isolate", "off", "--max-new-tokens", "8")
     assert "compact" not in built[1] and rows[0]["engine_off"] == "" and "without" not in step_report._label(rows[0])
     assert "engine_off" in step_report.KEY  # rows of two settings are not each other's baseline
+    older = {k: v for k, v in rows[0].items() if k not in ("engine_off", "lora_forward")}  # a step.csv from before
+    assert step_report._key(older) == step_report._key(rows[0])  # still the same setting as a default run
     with pytest.raises(SystemExit):
         bench_step.main(["run", *TINY, "--engine-off", "graphs", "--out", str(tmp_path / "x")])
 
