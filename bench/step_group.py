@@ -275,7 +275,7 @@ def case_row(case: dict, a: dict, meta: dict) -> dict:
             "aqn": case["aqn"], "keep_cache": a["keep_cache"], "max_rows": a["max_rows"] or rows,
             "dense_cache": a["dense_cache"], "dense_decode": a["dense_decode"],
             "share_weights": a["share_weights"], "lora_tiling": a["lora_tiling"],
-            "lora_forward": a["lora_forward"], "engine_off": " ".join(a.get("engine_off") or ()), "optimizer": "adamw",
+            "lora_forward": a["lora_forward"], "engine_off": " ".join(a["engine_off"]), "optimizer": "adamw",
             "seed": case["seed"],
             "steps": a["steps"], "step_index": a["steps"] - 1, "status": "", "error": ""}
 
@@ -382,7 +382,7 @@ def _run_group(cases: list[dict], a: dict, meta: dict, rows_path: Path) -> None:
             if vllm_engine is None:
                 engine = forced_static(peft, tok, ignore_eos=drawn["lengths"] is not None, keep_cache=a["keep_cache"],
                                        max_rows=a["max_rows"], dense_decode=a["dense_decode"],
-                                       share_weights=a["share_weights"], **{k: False for k in a.get("engine_off") or ()})
+                                       share_weights=a["share_weights"], **{k: False for k in a["engine_off"]})
             else:
                 engine, row["engine_start_s"] = vllm_engine, start
             engine.lengths, engine.ignore_eos = drawn["lengths"], drawn["lengths"] is not None  # per case

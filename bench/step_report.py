@@ -175,18 +175,15 @@ def _spread(r: dict, phase: str) -> str:
 
 
 def _decode_note(r: dict) -> str:
-    """The StaticEngine's dense decode copies where a run set them other than the default (auto), and
-    its shared weights where a run shared them."""
+    """The run's settings other than the defaults, in the label: the StaticEngine's dense decode copies
+    (on/off, not auto), shared weights, a LoRA tiling, peft's LoRA forward, engine features turned off."""
     mode = r.get("dense_decode")
-    note = f"dense decode {mode}" if mode in ("on", "off") else ""
-    if str(r.get("share_weights")) == "True":  # a bool in rows.jsonl, its text in a step.csv read back
-        note = f"{note}, shared weights" if note else "shared weights"
-    if r.get("lora_tiling") not in (None, "", "default"):
-        note = f"{note}, LoRA tiling {r['lora_tiling']}" if note else f"LoRA tiling {r['lora_tiling']}"
-    if r.get("lora_forward") == "peft":
-        note = f"{note}, peft's LoRA forward" if note else "peft's LoRA forward"
-    if r.get("engine_off"):
-        note = f"{note}, without {r['engine_off']}" if note else f"without {r['engine_off']}"
+    notes = [f"dense decode {mode}" if mode in ("on", "off") else "",
+             "shared weights" if str(r.get("share_weights")) == "True" else "",  # a bool, or its text read back
+             f"LoRA tiling {r['lora_tiling']}" if r.get("lora_tiling") not in (None, "", "default") else "",
+             "peft's LoRA forward" if r.get("lora_forward") == "peft" else "",
+             f"without {r['engine_off']}" if r.get("engine_off") else ""]
+    note = ", ".join(n for n in notes if n)
     return f" ({note})" if note else ""
 
 
