@@ -122,6 +122,8 @@
 #   real-eval [ARGS]          bench.real_model eval (EVAL_TAG names the output; ARGS e.g. --pass-k 8)
 #   real-regress [ARGS]       bench.real_model regress
 #   real-grpo [ARGS]          bench.real_grpo run, resumable: call again to continue
+#   engine-policy [ARGS]      bench.probe_engine_policy: StaticEngine's log-probs of its own samples against a
+#                             teacher-forced forward, per engine feature switched off; $OUT/policy/policy.{md,json}
 set -uo pipefail
 cmd="${1:?command}"; shift
 OUT="${OUT:?set OUT}"
@@ -417,6 +419,11 @@ real-eval)
 real-regress)
   timeout "${LIMIT_S:-560}" python3 -m bench.real_model regress "$MODEL_DIR" --out /tmp/regress "$@" 2>&1 | grep -v "it/s\]"
   cp /tmp/regress/regress.json "$OUT/" ;;
+engine-policy)
+  model_checked || { echo "engine-policy: no checked and converted real ${REAL_MODEL:-0.5b}: run model-setup first" >&2; exit 2; }
+  carried_wheels; humming_cache
+  timeout "${LIMIT_S:-570}" python3 -m bench.probe_engine_policy "$MODEL_DIR" --out "$OUT/policy" "$@" 2>&1 \
+    | grep -v "it/s\]" | tail -60 ;;
 real-grpo)
   mkdir -p /tmp/grpo
   timeout "${LIMIT_S:-540}" python3 -m bench.real_grpo run "$MODEL_DIR" --out /tmp/grpo "$@" 2>&1 | grep -v "it/s\]"

@@ -1,0 +1,190 @@
+"""Does our rollout engine sample the model's policy? Its log-probs of its own sampled tokens against a
+teacher-forced forward of the same rows (the training forward's), per StaticEngine feature switched off.
+
+The real 0.5B on the GPU sampled completions of 64 tokens on average where vLLM and transformers gave
+300-480, and bf16 training on its rollouts had non-finite gradients (bench/results/step_h200.md, hold 8);
+on the CPU the engine matches a teacher-forced forward within 5e-6. This probe runs the bench's
+conditions (GSM8K chat prompts of the real model, 16 x 8 rows, T = 1, the bench's random adapter, AQN
+noise redrawn and the adapter changed in place between calls, as a training step does) through one
+engine per variant and reports, per call, the lengths and the gap between the engine's log-prob of
+each sampled token and the forward's. A variant whose gap is near bf16's rounding samples the policy;
+the first variant that brings a broken default back to that names the path.
+
+    python -m bench.probe_engine_policy MODEL_DIR --out DIR [--formats none nvfp4] [--variants ...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+VARIANTS = {
+    "default": {},
+    "graphs-off": {"cuda_graphs": False},
+    "compact-off": {"compact": False},
+    "prefix-off": {"shared_prefix": False},
+    "fused-off": {"fused": False},
+    "dense-off": {"dense_decode": "off"},
+    "attn-torch": {"attention": "torch"},
+    "attn-sdpa": {"attention": "sdpa", "shared_prefix": False},
+    "all-off": {"cuda_graphs": False, "compact": False, "shared_prefix": False, "fused": False,
+                "dense_decode": "off", "attention": "torch"},
+    "hf": None,  # transformers' generate through HFEngine: the lengths' reference
+}
+
+
+def teacher_forced(peft, g, batch: int = 32) -> tuple[list[torch.Tensor], list[int]]:
+    """Per row: the forward's log-probs of its completion tokens (prompt unpadded, completion as sampled)."""
+    out, prompt_lens = [], []
+    rows = g.completion_ids.shape[0]
+    for s in range(0, rows, batch):
+        seqs, spans = [], []
+        for r in range(s, min(rows, s + batch)):
+            p = g.prompt_ids[r][g.prompt_mask[r].bool()].tolist()
+            n = int(g.completion_mask[r].sum())
+            seqs.append(p + g.completion_ids[r, :n].tolist())
+            spans.append((len(p), n))
+            prompt_lens.append(len(p))
+        width = max(len(x) for x in seqs)
+        ids = torch.zeros(len(seqs), width, dtype=torch.long)
+        mask = torch.zeros(len(seqs), width, dtype=torch.long)
+        for i, x in enumerate(seqs):
+            ids[i, :len(x)] = torch.tensor(x)
+            mask[i, :len(x)] = 1
+        dev = next(peft.parameters()).device
+        with torch.no_grad():
+            logits = peft(input_ids=ids.to(dev), attention_mask=mask.to(dev)).logits.float()
+        logp = F.log_softmax(logits, dim=-1)
+        for i, (p, n) in enumerate(spans):
+            tok = ids[i, p:p + n].to(dev)
+            out.append(logp[i, p - 1:p + n - 1].gather(1, tok[:, None])[:, 0].cpu())
+        del logits, logp
+    return out, prompt_lens
+
+
+def compare(g, forced: list[torch.Tensor]) -> dict:
+    eng, gaps, first, early, late = [], [], [], [], []
+    for r, lp in enumerate(forced):
+        n = lp.shape[0]
+        e = g.logprobs[r, :n].float().cpu()
+        eng.append(e)
+        gap = (e - lp).abs()
+        gaps.append(gap)
+        if n:
+            first.append(gap[0])
+            early.append(gap[1:33])
+            late.append(gap[33:])
+    allg = torch.cat(gaps)
+    alle = torch.cat(eng)
+    finite = torch.isfinite(allg)
+    lengths = g.completion_mask.sum(1).float()
+    cat = lambda xs: torch.cat([x.reshape(-1) for x in xs]) if xs else torch.zeros(0)  # noqa: E731
+    mean = lambda x: float(x[torch.isfinite(x)].mean()) if x.numel() else float("nan")  # noqa: E731
+    return {"rows": len(forced), "len_mean": float(lengths.mean()), "len_min": int(lengths.min()),
+            "stopped": float(g.stopped.float().mean()), "tokens": int(allg.numel()),
+            "engine_nonfinite": int((~torch.isfinite(alle)).sum()), "gap_nonfinite": int((~finite).sum()),
+            "gap_mean": mean(allg), "gap_max": float(allg[finite].max()) if finite.any() else float("nan"),
+            "gap_gt1": float((allg[finite] > 1).float().mean()), "gap_first": mean(cat(first)),
+            "gap_2_33": mean(cat(early)), "gap_34_on": mean(cat(late)),
+            "engine_lp_mean": mean(alle), "forced_lp_mean": mean(torch.cat(forced))}
+
+
+def engine_for(name: str, peft, tok):
+    from qerl_kit.rollout import StaticEngine
+    from qerl_kit.rollout.hf import HFEngine
+
+    if VARIANTS[name] is None:
+        return HFEngine(peft, tok)
+    return StaticEngine(peft, tok, keep_cache=True, **VARIANTS[name])
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("model")
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--formats", nargs="+", default=["none", "nvfp4"])
+    ap.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
+    ap.add_argument("--prompts", type=int, default=16)
+    ap.add_argument("--n", type=int, default=8)
+    ap.add_argument("--max-new", type=int, default=512)
+    ap.add_argument("--calls", type=int, default=2)
+    ap.add_argument("--aqn", type=float, default=0.01, help="AQN sigma redrawn before each call (0: none)")
+    ap.add_argument("--budget", type=float, default=480, help="seconds after which no new variant starts")
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    a = ap.parse_args(argv)
+
+    from bench.common import with_lora
+    from qerl_kit.aqn import AQN
+    from qerl_kit.build import load_base, quantize_base
+    from qerl_kit.config import ModelConfig
+    from qerl_kit.data import chat_prompt, load_gsm8k
+    from qerl_kit.rollout.types import SamplingParams
+
+    t0 = time.time()
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    rows = list(load_gsm8k("train", limit=a.prompts * a.calls))
+    results = []
+    for fmt in a.formats:
+        torch.manual_seed(0)
+        base, tok = load_base(ModelConfig(name=a.model), device=a.device, dtype=getattr(torch, a.dtype))
+        quantize_base(base, fmt)
+        peft = with_lora(base, 16)
+        prompts = [chat_prompt(tok, r) for r in rows]
+        lora_b = [p for n, p in peft.named_parameters() if "lora_B" in n]
+        for name in a.variants:
+            if time.time() - t0 > a.budget:
+                print(f"budget: {fmt} {name} not run", flush=True)
+                continue
+            engine = engine_for(name, peft, tok)
+            aqn = AQN(seed=0) if a.aqn else None
+            for call in range(a.calls):
+                if aqn:
+                    aqn.apply(peft, step=1, sigma=a.aqn)
+                t = time.time()
+                try:
+                    g = engine.generate_ids(prompts[call * a.prompts:(call + 1) * a.prompts], n=a.n,
+                                            sampling=SamplingParams(max_new_tokens=a.max_new, temperature=1.0,
+                                                                    seed=call))
+                except Exception as e:  # noqa: BLE001 - a variant that fails is a result too
+                    row = {"format": fmt, "variant": name, "call": call, "error": repr(e)[:300]}
+                    print(json.dumps(row), flush=True)
+                    results.append(row)
+                    break
+                secs = time.time() - t
+                forced, plens = teacher_forced(peft, g)
+                row = {"format": fmt, "variant": name, "call": call, "seconds": round(secs, 2),
+                       "prompt_len_min": min(plens), "prompt_len_max": max(plens), **compare(g, forced)}
+                print(json.dumps(row), flush=True)
+                if call == 0:
+                    row["sample"] = tok.decode(g.completion_ids[0, :int(g.completion_mask[0].sum())].tolist())[:400]
+                results.append(row)
+                with torch.no_grad():  # an optimizer step's in-place change of the adapter
+                    for p in lora_b:
+                        p.add_(torch.randn_like(p) * 0.002)
+            if aqn:
+                aqn.restore(peft)
+            del engine
+            torch.cuda.empty_cache()
+        del peft, base
+        torch.cuda.empty_cache()
+    (out / "policy.json").write_text(json.dumps(results, indent=1))
+    cols = ["format", "variant", "call", "seconds", "len_mean", "len_min", "stopped", "engine_nonfinite",
+            "gap_nonfinite", "gap_mean", "gap_max", "gap_gt1", "gap_first", "gap_2_33", "gap_34_on",
+            "engine_lp_mean", "forced_lp_mean"]
+    lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    for r in results:
+        cells = [r.get(c, r.get("error", "")) if c != "seconds" or "error" not in r else r["error"] for c in cols]
+        lines.append("| " + " | ".join(f"{x:.4g}" if isinstance(x, float) else str(x) for x in cells) + " |")
+    (out / "policy.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
