@@ -103,6 +103,99 @@ def engine_for(name: str, peft, tok):
     return StaticEngine(peft, tok, keep_cache=True, **VARIANTS[name])
 
 
+def trainer_probe(a, fmt: str, results: list) -> None:
+    """The bench's own step (``bench.step_group``: its policy, engine, GSM8K task and Trainer, mu 4, AQN
+    as bench_step's auto) with the engine's output compared to a teacher-forced forward at each rollout."""
+    from bench import step_group as sg
+
+    peft, tok = sg.build_policy(a.model, fmt, a.device, 16)
+    engine = sg.forced_static(peft, tok, ignore_eos=False, keep_cache=True, max_rows=None, dense_decode="auto",
+                              share_weights=False)
+    task = sg.make_task(a.model, peft, 256, a.prompts * a.n, 0)
+    s = dict(steps=a.steps, lora_r=16, dense_cache="all", prompts=a.prompts, group=a.n)
+    case = dict(format=fmt, gradient_checkpointing=False, model=a.model, seed=0, mu=4, micro_batch=8,
+                aqn=fmt == "nvfp4")
+    trainer = sg.trainer_for(peft, tok, task, engine, case, s, a.max_new, Path(a.out) / f"run-{fmt}")
+    spied = []
+    generate = engine.generate_ids
+
+    def spy(*args, **kw):
+        g = generate(*args, **kw)
+        forced, _ = teacher_forced(peft, g)
+        spied.append(compare(g, forced))
+        return g
+
+    engine.generate_ids = spy
+    keys = ("reward", "loss", "grad_norm", "entropy", "completions/mean_length", "sampling/sampling_logp_difference/mean",
+            "sampling/importance_sampling_ratio/max", "time/step")
+    for step in range(a.steps):
+        spied.clear()
+        try:
+            m = trainer.train_step()
+            row = {"format": fmt, "variant": "trainer", "call": step, **(spied[0] if spied else {}),
+                   **{k: m.get(k) for k in keys}}
+        except Exception as e:  # noqa: BLE001 - a failed step is a result too
+            row = {"format": fmt, "variant": "trainer", "call": step, **(spied[0] if spied else {}),
+                   "error": repr(e)[:300]}
+        print(json.dumps(row), flush=True)
+        results.append(row)
+        if "error" in row:
+            break
+
+
+def nan_hunt(a, fmt: str, variant: str, results: list) -> None:
+    """One bench Trainer step with every module's forward output checked for non-finite values, under
+    autograd's anomaly mode (its error names the backward op that made the first NaN and the forward
+    line that recorded it); ``variant``: ``sdpa`` (as the bench runs), ``eager`` attention, or ``peft``'s
+    LoRA forward instead of ``FusedLoraLinear``'s."""
+    import traceback
+    import warnings
+
+    from bench import step_group as sg
+
+    peft, tok = sg.build_policy(a.model, fmt, a.device, 16)
+    if variant == "eager":
+        peft.get_base_model().set_attn_implementation("eager")
+    engine = sg.forced_static(peft, tok, ignore_eos=False, keep_cache=True, max_rows=None, dense_decode="auto",
+                              share_weights=False)
+    task = sg.make_task(a.model, peft, 256, a.prompts * a.n, 0)
+    s = dict(steps=1, lora_r=16, dense_cache="all", prompts=a.prompts, group=a.n)
+    case = dict(format=fmt, gradient_checkpointing=False, model=a.model, seed=0, mu=4, micro_batch=8, aqn=False)
+    trainer = sg.trainer_for(peft, tok, task, engine, case, s, a.max_new, Path(a.out) / f"hunt-{fmt}-{variant}")
+    first: list[str] = []
+
+    def watch(name):
+        def hook(_module, _inputs, output):
+            t = output[0] if isinstance(output, tuple) else getattr(output, "logits", output)
+            if not first and torch.is_tensor(t) and t.is_floating_point() and not torch.isfinite(t).all():
+                bad = ~torch.isfinite(t)
+                first.append(f"{name}: {int(bad.sum())} of {t.numel()} non-finite, shape {tuple(t.shape)}, "
+                             f"first at {bad.nonzero()[0].tolist()}")
+        return hook
+
+    handles = [m.register_forward_hook(watch(n)) for n, m in peft.named_modules() if n]
+    row = {"format": fmt, "variant": f"hunt-{variant}", "call": 0}
+    with warnings.catch_warnings(record=True) as caught, sg.lora_forward("peft" if variant == "peft" else "fused"):
+        warnings.simplefilter("always")
+        try:
+            with torch.autograd.detect_anomaly(check_nan=True):
+                m = trainer.train_step()
+            row.update(grad_norm=m.get("grad_norm"), reward=m.get("reward"))
+        except Exception as e:  # noqa: BLE001
+            row["error"] = repr(e)[:600]
+            print(traceback.format_exc()[-3000:], flush=True)
+    for h in handles:
+        h.remove()
+    row["first_nonfinite_forward"] = first[0] if first else "none"
+    forward_tb = [str(w.message) for w in caught if "Traceback of forward call" in str(w.message)]
+    if forward_tb:
+        print("anomaly forward traceback:\n" + forward_tb[-1][-4000:], flush=True)
+    print(json.dumps(row), flush=True)
+    results.append(row)
+    del trainer, engine, peft
+    torch.cuda.empty_cache()
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("model")
@@ -116,6 +209,10 @@ def main(argv=None) -> None:
     ap.add_argument("--aqn", type=float, default=0.01, help="AQN sigma redrawn before each call (0: none)")
     ap.add_argument("--budget", type=float, default=480, help="seconds after which no new variant starts")
     ap.add_argument("--device", default="cuda")
+    ap.add_argument("--trainer", action="store_true", help="the bench's Trainer steps instead of the variants")
+    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--hunt", nargs="*", default=None, choices=["sdpa", "eager", "peft"],
+                    help="the non-finite gradient's hunt (nan_hunt) per variant, instead of the variants")
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     a = ap.parse_args(argv)
 
@@ -131,7 +228,13 @@ def main(argv=None) -> None:
     out.mkdir(parents=True, exist_ok=True)
     rows = list(load_gsm8k("train", limit=a.prompts * a.calls))
     results = []
-    for fmt in a.formats:
+    for fmt in a.formats if a.hunt else ():
+        for variant in a.hunt:
+            nan_hunt(a, fmt, variant, results)
+    for fmt in a.formats if a.trainer and not a.hunt else ():
+        trainer_probe(a, fmt, results)
+        torch.cuda.empty_cache()
+    for fmt in a.formats if not (a.trainer or a.hunt) else ():
         torch.manual_seed(0)
         base, tok = load_base(ModelConfig(name=a.model), device=a.device, dtype=getattr(torch, a.dtype))
         quantize_base(base, fmt)
@@ -177,7 +280,8 @@ def main(argv=None) -> None:
     (out / "policy.json").write_text(json.dumps(results, indent=1))
     cols = ["format", "variant", "call", "seconds", "len_mean", "len_min", "stopped", "engine_nonfinite",
             "gap_nonfinite", "gap_mean", "gap_max", "gap_gt1", "gap_first", "gap_2_33", "gap_34_on",
-            "engine_lp_mean", "forced_lp_mean"]
+            "engine_lp_mean", "forced_lp_mean", "reward", "grad_norm", "completions/mean_length",
+            "sampling/sampling_logp_difference/mean"]
     lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     for r in results:
         cells = [r.get(c, r.get("error", "")) if c != "seconds" or "error" not in r else r["error"] for c in cols]
