@@ -103,6 +103,45 @@ def engine_for(name: str, peft, tok):
     return StaticEngine(peft, tok, keep_cache=True, **VARIANTS[name])
 
 
+def replay(peft, g, out: Path, fmt: str, micro: int = 8) -> dict:
+    """After a step with non-finite gradients: its rollout saved (``batch-<fmt>.pt``), then each micro-batch
+    of ``micro`` rows backpropagated alone (loss: its completion log-probs' sum, as the Trainer's forward
+    computes them) under every SDPA backend: which rows and which attention kernel make the NaN."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from qerl_kit.logprobs import completion_logprobs
+
+    torch.save({k: getattr(g, k).cpu() for k in ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask",
+                                                 "logprobs")}, out / f"batch-{fmt}.pt")
+    lora = [(n, p) for n, p in peft.named_parameters() if p.requires_grad]
+    dev = next(peft.parameters()).device
+    found = {}
+    for backend in ("default", "MATH", "EFFICIENT_ATTENTION", "CUDNN_ATTENTION", "FLASH_ATTENTION"):
+        bad = []
+        for s in range(0, g.completion_ids.shape[0], micro):
+            sl = slice(s, s + micro)
+            for _, p in lora:
+                p.grad = None
+            try:
+                ctx = sdpa_kernel(getattr(SDPBackend, backend)) if backend != "default" else torch.enable_grad()
+                with ctx:
+                    logp = completion_logprobs(peft, *(getattr(g, k)[sl].to(dev) for k in (
+                        "prompt_ids", "prompt_mask", "completion_ids", "completion_mask")))
+                    logp.sum().backward()
+            except RuntimeError as e:  # a backend that refuses the mask or dtype
+                bad.append(f"refused: {str(e)[:120]}")
+                break
+            grads = [n for n, p in lora if p.grad is not None and not torch.isfinite(p.grad).all()]
+            if grads or not torch.isfinite(logp).all():
+                bad.append(f"rows {s}-{s + micro - 1}: logp finite {bool(torch.isfinite(logp).all())}, "
+                           f"{len(grads)} non-finite grads, first {grads[:1]}")
+        found[backend] = bad or "all finite"
+        print(f"replay {fmt} {backend}: {found[backend]}", flush=True)
+    for _, p in lora:
+        p.grad = None
+    return found
+
+
 def trainer_probe(a, fmt: str, results: list) -> None:
     """The bench's own step (``bench.step_group``: its policy, engine, GSM8K task and Trainer, mu 4, AQN
     as bench_step's auto) with the engine's output compared to a teacher-forced forward at each rollout."""
@@ -116,11 +155,12 @@ def trainer_probe(a, fmt: str, results: list) -> None:
     case = dict(format=fmt, gradient_checkpointing=False, model=a.model, seed=0, mu=4, micro_batch=8,
                 aqn=fmt == "nvfp4")
     trainer = sg.trainer_for(peft, tok, task, engine, case, s, a.max_new, Path(a.out) / f"run-{fmt}")
-    spied = []
+    spied, gens = [], []
     generate = engine.generate_ids
 
     def spy(*args, **kw):
         g = generate(*args, **kw)
+        gens.append(g)
         forced, _ = teacher_forced(peft, g)
         spied.append(compare(g, forced))
         return g
@@ -130,6 +170,7 @@ def trainer_probe(a, fmt: str, results: list) -> None:
             "sampling/importance_sampling_ratio/max", "time/step")
     for step in range(a.steps):
         spied.clear()
+        gens.clear()
         try:
             m = trainer.train_step()
             row = {"format": fmt, "variant": "trainer", "call": step, **(spied[0] if spied else {}),
@@ -137,6 +178,8 @@ def trainer_probe(a, fmt: str, results: list) -> None:
         except Exception as e:  # noqa: BLE001 - a failed step is a result too
             row = {"format": fmt, "variant": "trainer", "call": step, **(spied[0] if spied else {}),
                    "error": repr(e)[:300]}
+        if "error" in row and gens:
+            row["replay"] = replay(peft, gens[0], Path(a.out), fmt)
         print(json.dumps(row), flush=True)
         results.append(row)
         if "error" in row:

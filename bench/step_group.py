@@ -20,6 +20,13 @@ import torch
 from bench.common import IdTokenizer, build, free, log, profiled, random_id_task, timed_steps, with_lora
 from bench.step_lengths import draw_lengths
 
+# The optimizer of the paper's GSM8K recipe (qerl_kit.config's paper-gsm8k: AdamW, lr 1e-5, gradient norm
+# clipped to 0.2). Timings do not depend on it, but a run at a real model's own lengths does: under the
+# tiny-cpu preset's lr 2e-3 the real 0.5B's four optimizer steps per GRPO step (mu 4) took its mean
+# completion from 282 to 155 and 75 tokens in two steps, entropy 0.42 -> 1.50 (bench/results/step_h200.md,
+# 2026-12-06), so each engine timed a different, collapsing policy
+OPTIM = dict(lr=1e-5, max_grad_norm=0.2)
+
 # bnb-nf4: bitsandbytes' NF4 layers (bench.common.to_nf4), the field's QLoRA kernels; qerl_kit's config
 # and memory plan know it as nf4
 CONFIG_FORMAT = {"bnb-nf4": "nf4"}
@@ -118,7 +125,7 @@ def trainer_for(peft, tok, task, engine, case: dict, a: dict, max_len: int, out_
                  data=dict(dataset="gsm8k") if is_real(case["model"]) else {},
                  rollout=dict(batch_size=a["prompts"] * a["group"], group_size=a["group"], max_new_tokens=max_len,
                               temperature=1.0),
-                 loss=dict(loss="grpo", mu=case["mu"], micro_batch=case["micro_batch"]),
+                 loss=dict(loss="grpo", mu=case["mu"], micro_batch=case["micro_batch"]), optim=OPTIM,
                  aqn=dict(enabled=case["aqn"], stages=steps))
     trainer = Trainer(peft, tok, task, cfg, engine=engine, progress="none")
     trainer.step = 1
@@ -276,7 +283,7 @@ def case_row(case: dict, a: dict, meta: dict) -> dict:
             "dense_cache": a["dense_cache"], "dense_decode": a["dense_decode"],
             "share_weights": a["share_weights"], "lora_tiling": a["lora_tiling"],
             "lora_forward": a["lora_forward"], "engine_off": " ".join(a["engine_off"]), "optimizer": "adamw",
-            "seed": case["seed"],
+            "lr": OPTIM["lr"], "seed": case["seed"],
             "steps": a["steps"], "step_index": a["steps"] - 1, "status": "", "error": ""}
 
 

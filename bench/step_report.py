@@ -20,7 +20,7 @@ from pathlib import Path
 SETTINGS = ["model", "format", "engine", "lengths", "length_params", "lengths_sha", "mean_length", "max_length",
             "max_new_tokens", "prompts", "group", "rows", "prompt_len", "lora_r", "mu", "micro_batch",
             "gradient_checkpointing", "aqn", "keep_cache", "max_rows", "dense_cache", "dense_cache_gib", "dense_decode",
-            "share_weights", "lora_tiling", "lora_forward", "engine_off", "optimizer", "seed", "steps", "step_index"]
+            "share_weights", "lora_tiling", "lora_forward", "engine_off", "optimizer", "lr", "seed", "steps", "step_index"]
 RESULTS = ["status", "error", "time_step", "time_rollout", "time_sync", "time_wake", "time_upload", "time_sleep",
            "time_logprob", "time_update", "time_other", "measured_mean_length", "rollout_tokens_per_s", "aqn_sigma",
            "rollout_at_cap", "rollout_reward", "rollout_accuracy", "rollout_entropy", "rollout_logp_gap",
