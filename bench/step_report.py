@@ -30,7 +30,7 @@ RESULTS = ["status", "error", "time_step", "time_rollout", "time_sync", "time_wa
            "time_update_max", "gpu_before", "gpu_after"]
 META = ["case_id", "run_id", "date", "gpu", "torch", "triton", "transformers", "humming", "vllm", "bitsandbytes"]
 COLUMNS = META + SETTINGS + RESULTS
-NUMERIC = {"dense_cache_gib", "max_rows", "mean_length", "max_length", "max_new_tokens", "prompts", "group", "rows", "lora_r", "mu", "micro_batch",
+NUMERIC = {"dense_cache_gib", "lr", "max_rows", "mean_length", "max_length", "max_new_tokens", "prompts", "group", "rows", "lora_r", "mu", "micro_batch",
            "seed", "steps", "step_index", "case_id", *(c for c in RESULTS if c not in ("status", "error", "plan_note", "gpu_before", "gpu_after"))}
 # what a setting is, without format and engine: rows that share it are compared
 KEY = ["model", "lengths", "lengths_sha", "prompts", "group", "prompt_len", "lora_r", "mu", "micro_batch",

@@ -230,6 +230,9 @@ def test_a_real_model_directory_runs_on_gsm8k_prompts_with_its_own_or_forced_len
     own = rows["natural:8"]
     assert 0 <= own["rollout_reward"] <= 1 and 0 <= own["rollout_accuracy"] <= 1 and 0 <= own["rollout_at_cap"] <= 1
     assert own["rollout_entropy"] > 0 and 0 < own["rollout_logp_gap"] < 0.1  # the engine samples the trained policy (0.004 here)
+    # the paper's GSM8K optimizer: at the tiny-cpu preset's lr 2e-3 a real model's policy collapsed within two
+    # steps, so runs at their own lengths timed different policies (step_h200.md, hold 9)
+    assert {r["lr"] for r in rows.values()} == {1e-5}
     md = (tmp_path / "out" / "step.md").read_text()
     table = md.split("## What the rollouts were")[1].split("\n## ")[0]
     assert "natural:8" in table and "fixed:3" not in table  # forced lengths say nothing of the engine
@@ -302,6 +305,7 @@ def test_the_vllm_driven_step_sends_each_row_at_its_drawn_length_through_the_tra
     engine.lengths, engine.ignore_eos = drawn["lengths"], True
     trainer = step_group.trainer_for(peft, tok, step_group.make_task("qwen2-tiny", peft, 8, 4, 0), engine, cases[0],
                                      a, drawn["max_new_tokens"], tmp_path / "run")
+    assert (trainer.config.optim.lr, trainer.config.optim.max_grad_norm) == (1e-5, 0.2)  # the paper's, not tiny-cpu's
     step = trainer.train_step
     monkeypatch.setattr(trainer, "train_step", lambda: order.append("step") or step())
     m, _, _ = timed_steps(trainer, 2, "fake vllm")

@@ -1,0 +1,76 @@
+"""bench.probe_engine_policy: the engine's log-probs of its own samples against a teacher-forced forward
+(the GPU probe that told hold 8's collapsing policy from an engine fault), on the CPU's tiny model."""
+
+import json
+
+import torch
+
+from bench import probe_engine_policy as probe
+from bench.common import with_lora
+from qerl_kit.rollout import SamplingParams, StaticEngine
+from qerl_kit.tiny import load_tiny
+
+
+def _rollout(n_new: int = 6):
+    model, tok = load_tiny()
+    peft = with_lora(model, 4)
+    g = StaticEngine(peft, tok).generate_ids(["12+7=", "3+4="], n=2, sampling=SamplingParams(max_new_tokens=n_new, seed=0))
+    return peft, g
+
+
+def test_the_gap_is_rounding_where_the_engine_samples_the_policy_and_large_where_a_log_prob_is_wrong():
+    peft, g = _rollout()
+    forced, prompt_lens = probe.teacher_forced(peft, g, batch=3)  # batches that split the rows unevenly
+    assert len(forced) == 4 and sorted(set(prompt_lens)) == [4, 5]
+    assert [f.shape[0] for f in forced] == g.completion_mask.sum(1).tolist()
+    ok = probe.compare(g, forced)
+    assert ok["engine_nonfinite"] == 0 and ok["gap_max"] < 1e-4 and ok["tokens"] == int(g.completion_mask.sum())
+    g.logprobs[1, 0] -= 2.0  # a first token whose log-prob is not the policy's
+    g.logprobs[2, 1] = float("nan")
+    bad = probe.compare(g, forced)
+    assert abs(bad["gap_max"] - 2.0) < 1e-3 and bad["gap_first"] > 0.4
+    assert bad["engine_nonfinite"] == 1 and bad["gap_nonfinite"] == 1
+
+
+def test_replay_saves_the_batch_and_names_the_micro_batch_whose_gradient_is_not_finite(tmp_path):
+    peft, g = _rollout()
+    assert probe.replay(peft, g, tmp_path, "none", micro=2)["default"] == "all finite"
+    saved = torch.load(tmp_path / "batch-none.pt")
+    assert torch.equal(saved["completion_ids"], g.completion_ids) and torch.equal(saved["logprobs"], g.logprobs)
+    # rows 2-3 only: a prompt token id the embedding maps to NaN poisons their forward and backward
+    emb = peft.get_base_model().get_input_embeddings().weight
+    seen = set(g.prompt_ids[:2][g.prompt_mask[:2].bool()].tolist()) | set(g.completion_ids[:2][g.completion_mask[:2].bool()].tolist())
+    poisoned = next(t for t in g.prompt_ids[2][g.prompt_mask[2].bool()].tolist() if t not in seen)
+    base = peft.get_base_model()
+    base.lm_head.weight = torch.nn.Parameter(emb.detach().clone(), requires_grad=False)  # untied: inputs only
+    with torch.no_grad():
+        emb[poisoned] = float("nan")
+    found = probe.replay(peft, g, tmp_path, "none", micro=2)
+    assert len(found["default"]) == 1 and found["default"][0].startswith("rows 2-3: logp finite False")
+    assert all(p.grad is None for p in peft.parameters())  # it leaves no gradient behind
+
+
+def test_the_cli_runs_the_variants_and_the_benchs_own_step_on_a_model_directory(tmp_path, monkeypatch):
+    # the tiny model saved as a directory stands for the converted real model, a few GSM8K-shaped rows for the data
+    data = tmp_path / "data"
+    data.mkdir()
+    rows = [{"question": f"Tom has {a} apples and buys {b} more. How many apples does he have?",
+             "answer": f"{a} + {b} = {a + b}\n#### {a + b}"} for a, b in ((3, 4), (5, 9), (12, 7), (2, 8))]
+    for split in ("train", "test"):
+        (data / f"gsm8k_{split}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    monkeypatch.setenv("QERL_DATA", str(data))
+    model, tok = load_tiny()
+    model.save_pretrained(tmp_path / "m")
+    tok.save_pretrained(tmp_path / "m")
+    common = [str(tmp_path / "m"), "--device", "cpu", "--dtype", "float32", "--formats", "none", "--prompts", "2",
+              "--n", "2", "--max-new", "4"]
+    probe.main([*common, "--out", str(tmp_path / "v"), "--variants", "default", "graphs-off", "hf"])
+    got = json.loads((tmp_path / "v" / "policy.json").read_text())
+    assert [(r["variant"], r["call"]) for r in got] == [(v, c) for v in ("default", "graphs-off", "hf") for c in (0, 1)]
+    # the adapter and the AQN noise change between calls; every engine still samples the model it reads
+    assert all(r["gap_max"] < 1e-4 and r["engine_nonfinite"] == 0 and r["rows"] == 4 for r in got)
+    assert "| none | hf | 1 |" in (tmp_path / "v" / "policy.md").read_text()
+    probe.main([*common, "--out", str(tmp_path / "t"), "--trainer", "--steps", "2"])
+    steps = json.loads((tmp_path / "t" / "policy.json").read_text())
+    assert [r["call"] for r in steps] == [0, 1] and all("error" not in r for r in steps)
+    assert all(r["gap_max"] < 1e-4 and r["grad_norm"] is not None for r in steps)
