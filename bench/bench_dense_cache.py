@@ -24,6 +24,11 @@ update pass through a 4-bit base spends the time a bf16 pass does not.
     python -m bench.bench_dense_cache --model Qwen2.5-0.5B --formats nvfp4 nf4 mxfp4 none   # GPU
     python -m bench.bench_dense_cache --smoke                                               # CPU, tiny
     python -m bench.bench_dense_cache --narrow --formats none nvfp4 nf4 mxfp4               # CPU, host work
+
+``--paired`` then runs every format's dense-cache pass again in alternation (all models in memory) and
+gives each round's ratio to bf16's pass of the same round: the table above times each format in its own
+period, and a small model's host-bound pass follows the machine's speed (the 0.5B's NVFP4 / bf16 ratio
+measured 0.78x to 1.18x in different holds).
 """
 
 from __future__ import annotations
@@ -133,6 +138,32 @@ def time_modes(policy, batches, mu: int, modes: dict[str, tuple[float | None, bo
     return out
 
 
+def paired_passes(policies: dict, batches, mu: int, gib: float | None, repeats: int) -> dict[str, list[float]]:
+    """Seconds of each format's dense-cache pass, ``repeats`` rounds in which every format runs one pass,
+    the order rotated each round (after one warm-up round): the formats' passes alternate, so a drift of
+    the machine's speed (a host-bound small model's pass follows the host's) reaches all of them alike,
+    and each round's ratio compares passes a few seconds apart."""
+    names = list(policies)
+    for name in names:
+        one_pass(policies[name], batches, mu, gib, False)
+    times: dict[str, list[float]] = {name: [] for name in names}
+    for r in range(repeats):
+        for name in names[r % len(names):] + names[:r % len(names)]:
+            times[name].append(one_pass(policies[name], batches, mu, gib, False)[0])
+    return times
+
+
+def paired_markdown(times: dict[str, list[float]], base: str = "none") -> list[str]:
+    """Each format's median pass and its ratio to ``base``'s pass of the same round (median [min-max])."""
+    lines = ["", f"## Paired: the formats' dense-cache passes in alternation ({len(times[base])} rounds)", "",
+             f"| format | dense cache s (median) | per round: {base} s / this s, median [min-max] |", "|---|---:|---|"]
+    for name, ts in times.items():
+        ratios = sorted(b / t for b, t in zip(times[base], ts))
+        lines.append(f"| {name} | {statistics.median(ts):.3f} | {statistics.median(ratios):.2f}x "
+                     f"[{ratios[0]:.2f}-{ratios[-1]:.2f}x] |")
+    return lines
+
+
 def profile_pass(policy, batches, mu: int, gib: float | None, top: int = 30,
                  stacks: bool = False) -> tuple[str, list[tuple[str, float, int]]]:
     """One dense-cache pass under torch.profiler: (its key_averages table, [(name, own ms, calls)] of
@@ -178,7 +209,11 @@ def main() -> None:
     ap.add_argument("--stacks", action="store_true", help="with --profile: name each synchronization's Python "
                     "call site and rank the Python frames' own time (about twice the profiler's cost)")
     ap.add_argument("--narrow", action="store_true", help="every width 64, the preset's depth: the host's work")
+    ap.add_argument("--paired", action="store_true", help="then every format's dense-cache pass again, in alternation "
+                    "(paired_passes), each round's ratio to bf16's (needs none among --formats; all models in memory)")
     args = ap.parse_args()
+    if args.paired and "none" not in args.formats:
+        ap.error(f"--paired compares each format with bf16: list none among --formats (got {' '.join(args.formats)})")
     device = "cuda" if torch.cuda.is_available() else "cpu"
     if args.smoke:
         args.model, args.micro_batch, args.prompt, args.completion, args.lora_r, args.repeats = \
@@ -224,7 +259,15 @@ def main() -> None:
             table, profiles[fmt] = profile_pass(policy, batches, args.mu, args.gib, stacks=args.stacks)
             Path(args.profile).mkdir(parents=True, exist_ok=True)
             (Path(args.profile) / f"profile_{fmt}.txt").write_text(table)
-        del policy, batches, packed, dense, routed, timed
+        del policy, packed, dense, routed, timed  # batches: the same random ids for --paired
+        free()
+    if args.paired:
+        policies = {fmt: make_policy(args.model, fmt, device, args.lora_r, args.checkpointing,
+                                     **(NARROW if args.narrow else {})) for fmt in args.formats}
+        paired = paired_markdown(paired_passes(policies, batches, args.mu, args.gib, args.repeats))
+        print("\n".join(paired), flush=True)
+        lines += paired
+        del policies
         free()
     if profiles:
         lines += profile_markdown(profiles)

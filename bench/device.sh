@@ -31,7 +31,8 @@
 #                             (list none first for the "vs bf16" column); UPDATE_ARGS replaces the shape flags
 #                             (e.g. "--micro-batch 8 --micro-batches 8 --prompt 256 --completion 512 --repeats 3":
 #                             the 0.5B step's update, checkpointing off; add --stacks for the Python call
-#                             sites of the synchronizations); profile.md and each format's
+#                             sites of the synchronizations, --paired for the formats' passes in alternation, each
+#                             round divided by bf16's: the fair ratio for a host-bound small model); profile.md and each format's
 #                             profile_<fmt>.txt in $OUT/profile-update
 #   trim [MODEL] ["FORMATS"]  one update pass at the real 1.5B's GSM8K lengths (16 x 8 rows, checkpointing on): micro-
 #                             batches padded to the batch, trimmed to their own width, sorted by length first,

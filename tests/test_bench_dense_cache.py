@@ -1,6 +1,8 @@
 """bench.bench_dense_cache: one update pass with and without the dense cache, and --profile's tables."""
 import sys
 
+import pytest
+
 from bench import bench_dense_cache
 
 
@@ -33,3 +35,32 @@ def test_narrow_run_keeps_the_depth_and_compares_each_format_with_bf16(tmp_path,
     rows = {line.split("|")[1].strip(): [c.strip() for c in line.split("|")[1:-1]]
             for line in table.splitlines() if line.startswith(("| nvfp4 ", "| none "))}
     assert rows["none"][6] == "1.00x" and rows["nvfp4"][6].endswith("x") and rows["nvfp4"][-1] == "yes, yes"
+
+
+def test_paired_rounds_alternate_the_formats_and_divide_each_round_by_bf16s_pass(tmp_path, monkeypatch):
+    order = []
+    monkeypatch.setattr(bench_dense_cache, "one_pass",
+                        lambda policy, *a: order.append(policy) or ({"none": 2.0, "nvfp4": 2.5, "nf4": 4.0}[policy], 0.0))
+    times = bench_dense_cache.paired_passes({f: f for f in ("none", "nvfp4", "nf4")}, None, 1, None, repeats=3)
+    # a warm-up round, then each round starts one format later: no format always runs first
+    assert order == ["none", "nvfp4", "nf4", "none", "nvfp4", "nf4", "nvfp4", "nf4", "none", "nf4", "none", "nvfp4"]
+    assert times == {"none": [2.0] * 3, "nvfp4": [2.5] * 3, "nf4": [4.0] * 3}
+    times["nvfp4"] = [2.5, 2.0, 4.0]  # per-round ratios 0.8, 1.0, 0.5
+    rows = {line.split("|")[1].strip(): line for line in bench_dense_cache.paired_markdown(times) if line.startswith("| n")}
+    assert "| 2.500 | 0.80x [0.50-1.00x] |" in rows["nvfp4"] and "| 1.00x [1.00-1.00x] |" in rows["none"]
+
+def test_paired_without_bf16_is_refused_before_anything_runs(monkeypatch, capsys):
+    monkeypatch.setattr(bench_dense_cache, "make_policy", lambda *a, **k: pytest.fail("a model was built"))
+    monkeypatch.setattr(sys, "argv", ["bench_dense_cache", "--smoke", "--formats", "nvfp4", "--paired"])
+    with pytest.raises(SystemExit):
+        bench_dense_cache.main()
+    assert "list none among --formats (got nvfp4)" in capsys.readouterr().err
+
+
+def test_a_paired_run_adds_the_alternating_table(tmp_path, monkeypatch):
+    out = tmp_path / "paired.md"
+    monkeypatch.setattr(sys, "argv", ["bench_dense_cache", "--smoke", "--formats", "none", "nvfp4", "--paired",
+                                      "--out", str(out)])
+    bench_dense_cache.main()
+    paired = out.read_text().split("## Paired")[1]
+    assert "| none |" in paired and "| nvfp4 |" in paired and "1.00x [1.00-1.00x]" in paired
