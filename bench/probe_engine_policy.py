@@ -142,6 +142,21 @@ def replay(peft, g, out: Path, fmt: str, micro: int = 8) -> dict:
     return found
 
 
+def differing_state(model, fresh) -> list[str]:
+    """Names of ``model``'s parameters and buffers (LoRA's aside) whose values differ from ``fresh``'s, the
+    same model loaded anew, or are not finite: what a rollout engine may have written into the model."""
+    theirs = dict(fresh.named_parameters()) | dict(fresh.named_buffers())
+    out = []
+    for name, t in [*model.named_parameters(), *model.named_buffers()]:
+        if "lora_" in name or name not in theirs:
+            continue
+        other = theirs[name]
+        if t.shape != other.shape or not torch.equal(t, other.to(t.device)) or (
+                t.is_floating_point() and not torch.isfinite(t).all()):
+            out.append(name)
+    return out
+
+
 def trainer_probe(a, fmt: str, results: list) -> None:
     """The bench's own step (``bench.step_group``: its policy, engine, GSM8K task and Trainer, mu 4, AQN
     as bench_step's auto) with the engine's output compared to a teacher-forced forward at each rollout."""
@@ -149,7 +164,7 @@ def trainer_probe(a, fmt: str, results: list) -> None:
 
     peft, tok = sg.build_policy(a.model, fmt, a.device, 16)
     engine = sg.forced_static(peft, tok, ignore_eos=False, keep_cache=True, max_rows=None, dense_decode="auto",
-                              share_weights=False)
+                              share_weights=False, **{k: False for k in a.engine_off})
     task = sg.make_task(a.model, peft, 256, a.prompts * a.n, 0)
     s = dict(steps=a.steps, lora_r=16, dense_cache="all", prompts=a.prompts, group=a.n)
     case = dict(format=fmt, gradient_checkpointing=False, model=a.model, seed=0, mu=4, micro_batch=8,
@@ -168,18 +183,25 @@ def trainer_probe(a, fmt: str, results: list) -> None:
     engine.generate_ids = spy
     keys = ("reward", "loss", "grad_norm", "entropy", "completions/mean_length", "sampling/sampling_logp_difference/mean",
             "sampling/importance_sampling_ratio/max", "time/step")
+    variant = "trainer" + "".join(f" -{k}" for k in a.engine_off)
     for step in range(a.steps):
         spied.clear()
         gens.clear()
         try:
             m = trainer.train_step()
-            row = {"format": fmt, "variant": "trainer", "call": step, **(spied[0] if spied else {}),
+            row = {"format": fmt, "variant": variant, "call": step, **(spied[0] if spied else {}),
                    **{k: m.get(k) for k in keys}}
         except Exception as e:  # noqa: BLE001 - a failed step is a result too
-            row = {"format": fmt, "variant": "trainer", "call": step, **(spied[0] if spied else {}),
+            row = {"format": fmt, "variant": variant, "call": step, **(spied[0] if spied else {}),
                    "error": repr(e)[:300]}
         if "error" in row and gens:
             row["replay"] = replay(peft, gens[0], Path(a.out), fmt)
+            # the same batch through a model the engine never ran: does the NaN follow the batch or the state?
+            fresh, _ = sg.build_policy(a.model, fmt, a.device, 16)
+            row["state_differs"] = differing_state(peft, fresh)
+            fresh.load_state_dict({k: v for k, v in peft.state_dict().items() if "lora_" in k}, strict=False)
+            row["replay_fresh"] = replay(fresh, gens[0], Path(a.out), f"{fmt}-fresh")["default"]
+            del fresh
         print(json.dumps(row), flush=True)
         results.append(row)
         if "error" in row:
@@ -254,6 +276,8 @@ def main(argv=None) -> None:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--trainer", action="store_true", help="the bench's Trainer steps instead of the variants")
     ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--engine-off", nargs="*", default=[], choices=["cuda_graphs", "compact", "shared_prefix", "fused"],
+                    help="with --trainer: these StaticEngine features off (as bench_step --engine-off)")
     ap.add_argument("--hunt", nargs="*", default=None, choices=["sdpa", "eager", "peft"],
                     help="the non-finite gradient's hunt (nan_hunt) per variant, instead of the variants")
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])

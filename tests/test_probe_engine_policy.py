@@ -70,7 +70,21 @@ def test_the_cli_runs_the_variants_and_the_benchs_own_step_on_a_model_directory(
     # the adapter and the AQN noise change between calls; every engine still samples the model it reads
     assert all(r["gap_max"] < 1e-4 and r["engine_nonfinite"] == 0 and r["rows"] == 4 for r in got)
     assert "| none | hf | 1 |" in (tmp_path / "v" / "policy.md").read_text()
-    probe.main([*common, "--out", str(tmp_path / "t"), "--trainer", "--steps", "2"])
+    probe.main([*common, "--out", str(tmp_path / "t"), "--trainer", "--steps", "2", "--engine-off", "compact"])
     steps = json.loads((tmp_path / "t" / "policy.json").read_text())
-    assert [r["call"] for r in steps] == [0, 1] and all("error" not in r for r in steps)
+    assert [(r["variant"], r["call"]) for r in steps] == [("trainer -compact", 0), ("trainer -compact", 1)]
+    assert all("error" not in r for r in steps)
     assert all(r["gap_max"] < 1e-4 and r["grad_norm"] is not None for r in steps)
+
+
+def test_differing_state_names_what_differs_from_a_fresh_load_and_leaves_the_adapter_aside():
+    model, _ = load_tiny()
+    fresh, _ = load_tiny()
+    peft, other = with_lora(model, 4), with_lora(fresh, 4)  # two random adapters: never compared
+    assert probe.differing_state(peft, other) == []
+    base = peft.get_base_model()
+    with torch.no_grad():
+        base.model.layers[1].mlp.down_proj.weight[0, 0] += 1.0
+        base.model.norm.weight[3] = float("nan")
+    assert probe.differing_state(peft, other) == ["base_model.model.model.layers.1.mlp.down_proj.base_layer.weight",
+                                                  "base_model.model.model.norm.weight"]
