@@ -1,16 +1,23 @@
-"""Does our rollout engine sample the model's policy? Its log-probs of its own sampled tokens against a
+"""Does a rollout engine sample the model's policy? Its log-probs of its own sampled tokens against a
 teacher-forced forward of the same rows (the training forward's), per StaticEngine feature switched off.
 
-The real 0.5B on the GPU sampled completions of 64 tokens on average where vLLM and transformers gave
-300-480, and bf16 training on its rollouts had non-finite gradients (bench/results/step_h200.md, hold 8);
-on the CPU the engine matches a teacher-forced forward within 5e-6. This probe runs the bench's
-conditions (GSM8K chat prompts of the real model, 16 x 8 rows, T = 1, the bench's random adapter, AQN
-noise redrawn and the adapter changed in place between calls, as a training step does) through one
-engine per variant and reports, per call, the lengths and the gap between the engine's log-prob of
-each sampled token and the forward's. A variant whose gap is near bf16's rounding samples the policy;
-the first variant that brings a broken default back to that names the path.
+An engine that samples another policy than the one trained makes a fast rollout meaningless, and on a
+real model that shows in the completions' lengths before anything else (the reason this exists: hold 8's
+real 0.5B completions were a quarter as long on our engine as on vLLM; hold 9 found the bench's learning
+rate collapsing the policy, not the engine, bench/results/step_h200.md). The variants run the bench's
+conditions: GSM8K chat prompts of the real model (16 x 8 rows, T = 1, up to 512 tokens), the bench's
+random adapter, AQN noise redrawn and the adapter changed in place between two calls of one engine, as a
+training step changes them; per call, the lengths and the gap between the engine's log-prob of each
+sampled token and the forward's (bf16's rounding gives about 0.01 nats, transformers' ``generate`` too).
+
+``--trainer`` runs the step bench's own steps (``bench.step_group``: policy, engine, GSM8K task, Trainer)
+and checks each rollout the same way; after a step with non-finite gradients it saves the batch,
+backpropagates it per micro-batch under each SDPA backend, compares the model's tensors with a fresh
+load and replays the batch on that load. ``--hunt`` runs one bf16 step under autograd's anomaly mode
+with a finite check on every module's output (the hooks send the engine down its eager path).
 
     python -m bench.probe_engine_policy MODEL_DIR --out DIR [--formats none nvfp4] [--variants ...]
+    python -m bench.probe_engine_policy MODEL_DIR --out DIR --trainer --formats none [--engine-off cuda_graphs]
 """
 
 from __future__ import annotations
@@ -68,6 +75,8 @@ def teacher_forced(peft, g, batch: int = 32) -> tuple[list[torch.Tensor], list[i
 
 
 def compare(g, forced: list[torch.Tensor]) -> dict:
+    """The rollout's lengths and the engine-vs-forward log-prob gap: mean and max over the finite gaps,
+    non-finite ones counted; by position too (the first token, from the prefill; 2-33; 34 on)."""
     eng, gaps, first, early, late = [], [], [], [], []
     for r, lp in enumerate(forced):
         n = lp.shape[0]
@@ -83,15 +92,23 @@ def compare(g, forced: list[torch.Tensor]) -> dict:
     alle = torch.cat(eng)
     finite = torch.isfinite(allg)
     lengths = g.completion_mask.sum(1).float()
-    cat = lambda xs: torch.cat([x.reshape(-1) for x in xs]) if xs else torch.zeros(0)  # noqa: E731
-    mean = lambda x: float(x[torch.isfinite(x)].mean()) if x.numel() else float("nan")  # noqa: E731
     return {"rows": len(forced), "len_mean": float(lengths.mean()), "len_min": int(lengths.min()),
             "stopped": float(g.stopped.float().mean()), "tokens": int(allg.numel()),
             "engine_nonfinite": int((~torch.isfinite(alle)).sum()), "gap_nonfinite": int((~finite).sum()),
-            "gap_mean": mean(allg), "gap_max": float(allg[finite].max()) if finite.any() else float("nan"),
-            "gap_gt1": float((allg[finite] > 1).float().mean()), "gap_first": mean(cat(first)),
-            "gap_2_33": mean(cat(early)), "gap_34_on": mean(cat(late)),
-            "engine_lp_mean": mean(alle), "forced_lp_mean": mean(torch.cat(forced))}
+            "gap_mean": _finite_mean(allg), "gap_max": float(allg[finite].max()) if finite.any() else float("nan"),
+            "gap_gt1": float((allg[finite] > 1).float().mean()), "gap_first": _finite_mean(_flat(first)),
+            "gap_2_33": _finite_mean(_flat(early)), "gap_34_on": _finite_mean(_flat(late)),
+            "engine_lp_mean": _finite_mean(alle), "forced_lp_mean": _finite_mean(torch.cat(forced))}
+
+
+def _flat(parts: list[torch.Tensor]) -> torch.Tensor:
+    return torch.cat([x.reshape(-1) for x in parts]) if parts else torch.zeros(0)
+
+
+def _finite_mean(x: torch.Tensor) -> float:
+    """The mean of the finite values (NaN where there are none): non-finite ones are counted apart."""
+    x = x[torch.isfinite(x)]
+    return float(x.mean()) if x.numel() else float("nan")
 
 
 def engine_for(name: str, peft, tok):
@@ -157,19 +174,28 @@ def differing_state(model, fresh) -> list[str]:
     return out
 
 
+def bench_trainer(a, fmt: str, steps: int, aqn: bool, tag: str, engine_off=(), attention: str | None = None):
+    """(policy, engine, Trainer) as the step bench builds them for a real model at its own lengths
+    (``bench.step_group``: LoRA r 16, mu 4, micro-batches of 8, checkpointing off, the dense cache all)."""
+    from bench import step_group as sg
+
+    peft, tok = sg.build_policy(a.model, fmt, a.device, 16)
+    if attention:
+        peft.get_base_model().set_attn_implementation(attention)
+    engine = sg.forced_static(peft, tok, ignore_eos=False, keep_cache=True, max_rows=None, dense_decode="auto",
+                              share_weights=False, **{k: False for k in engine_off})
+    task = sg.make_task(a.model, peft, 256, a.prompts * a.n, 0)
+    s = dict(steps=steps, lora_r=16, dense_cache="all", prompts=a.prompts, group=a.n)
+    case = dict(format=fmt, gradient_checkpointing=False, model=a.model, seed=0, mu=4, micro_batch=8, aqn=aqn)
+    return peft, engine, sg.trainer_for(peft, tok, task, engine, case, s, a.max_new, Path(a.out) / tag)
+
+
 def trainer_probe(a, fmt: str, results: list) -> None:
     """The bench's own step (``bench.step_group``: its policy, engine, GSM8K task and Trainer, mu 4, AQN
     as bench_step's auto) with the engine's output compared to a teacher-forced forward at each rollout."""
     from bench import step_group as sg
 
-    peft, tok = sg.build_policy(a.model, fmt, a.device, 16)
-    engine = sg.forced_static(peft, tok, ignore_eos=False, keep_cache=True, max_rows=None, dense_decode="auto",
-                              share_weights=False, **{k: False for k in a.engine_off})
-    task = sg.make_task(a.model, peft, 256, a.prompts * a.n, 0)
-    s = dict(steps=a.steps, lora_r=16, dense_cache="all", prompts=a.prompts, group=a.n)
-    case = dict(format=fmt, gradient_checkpointing=False, model=a.model, seed=0, mu=4, micro_batch=8,
-                aqn=fmt == "nvfp4")
-    trainer = sg.trainer_for(peft, tok, task, engine, case, s, a.max_new, Path(a.out) / f"run-{fmt}")
+    peft, engine, trainer = bench_trainer(a, fmt, a.steps, fmt == "nvfp4", f"run-{fmt}", a.engine_off)
     spied, gens = [], []
     generate = engine.generate_ids
 
@@ -218,15 +244,8 @@ def nan_hunt(a, fmt: str, variant: str, results: list) -> None:
 
     from bench import step_group as sg
 
-    peft, tok = sg.build_policy(a.model, fmt, a.device, 16)
-    if variant == "eager":
-        peft.get_base_model().set_attn_implementation("eager")
-    engine = sg.forced_static(peft, tok, ignore_eos=False, keep_cache=True, max_rows=None, dense_decode="auto",
-                              share_weights=False)
-    task = sg.make_task(a.model, peft, 256, a.prompts * a.n, 0)
-    s = dict(steps=1, lora_r=16, dense_cache="all", prompts=a.prompts, group=a.n)
-    case = dict(format=fmt, gradient_checkpointing=False, model=a.model, seed=0, mu=4, micro_batch=8, aqn=False)
-    trainer = sg.trainer_for(peft, tok, task, engine, case, s, a.max_new, Path(a.out) / f"hunt-{fmt}-{variant}")
+    peft, engine, trainer = bench_trainer(a, fmt, 1, False, f"hunt-{fmt}-{variant}", (),
+                                          attention="eager" if variant == "eager" else None)
     first: list[str] = []
 
     def watch(name):

@@ -75,6 +75,10 @@ def test_the_cli_runs_the_variants_and_the_benchs_own_step_on_a_model_directory(
     assert [(r["variant"], r["call"]) for r in steps] == [("trainer -compact", 0), ("trainer -compact", 1)]
     assert all("error" not in r for r in steps)
     assert all(r["gap_max"] < 1e-4 and r["grad_norm"] is not None for r in steps)
+    probe.main([*common, "--out", str(tmp_path / "h"), "--hunt", "sdpa", "eager"])
+    hunted = json.loads((tmp_path / "h" / "policy.json").read_text())
+    assert [r["variant"] for r in hunted] == ["hunt-sdpa", "hunt-eager"]
+    assert all(r["first_nonfinite_forward"] == "none" and "error" not in r for r in hunted)
 
 
 def test_differing_state_names_what_differs_from_a_fresh_load_and_leaves_the_adapter_aside():
