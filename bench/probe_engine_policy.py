@@ -28,7 +28,8 @@ import time
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
+
+from bench.bench_step import ENGINE_SWITCHES
 
 VARIANTS = {
     "default": {},
@@ -46,32 +47,20 @@ VARIANTS = {
 
 
 def teacher_forced(peft, g, batch: int = 32) -> tuple[list[torch.Tensor], list[int]]:
-    """Per row: the forward's log-probs of its completion tokens (prompt unpadded, completion as sampled)."""
-    out, prompt_lens = [], []
-    rows = g.completion_ids.shape[0]
-    for s in range(0, rows, batch):
-        seqs, spans = [], []
-        for r in range(s, min(rows, s + batch)):
-            p = g.prompt_ids[r][g.prompt_mask[r].bool()].tolist()
-            n = int(g.completion_mask[r].sum())
-            seqs.append(p + g.completion_ids[r, :n].tolist())
-            spans.append((len(p), n))
-            prompt_lens.append(len(p))
-        width = max(len(x) for x in seqs)
-        ids = torch.zeros(len(seqs), width, dtype=torch.long)
-        mask = torch.zeros(len(seqs), width, dtype=torch.long)
-        for i, x in enumerate(seqs):
-            ids[i, :len(x)] = torch.tensor(x)
-            mask[i, :len(x)] = 1
-        dev = next(peft.parameters()).device
-        with torch.no_grad():
-            logits = peft(input_ids=ids.to(dev), attention_mask=mask.to(dev)).logits.float()
-        logp = F.log_softmax(logits, dim=-1)
-        for i, (p, n) in enumerate(spans):
-            tok = ids[i, p:p + n].to(dev)
-            out.append(logp[i, p - 1:p + n - 1].gather(1, tok[:, None])[:, 0].cpu())
-        del logits, logp
-    return out, prompt_lens
+    """Per row: the training forward's log-probs of its completion tokens (``qerl_kit.logprobs.
+    completion_logprobs``, as the Trainer computes them: left-padded prompts, positions from the mask),
+    ``batch`` rows per forward; and each row's prompt length."""
+    from qerl_kit.logprobs import completion_logprobs
+
+    dev = next(peft.parameters()).device
+    out = []
+    with torch.no_grad():
+        for s in range(0, g.completion_ids.shape[0], batch):
+            sl = slice(s, s + batch)
+            logp = completion_logprobs(peft, *(getattr(g, k)[sl].to(dev) for k in (
+                "prompt_ids", "prompt_mask", "completion_ids", "completion_mask")))
+            out += [row[:int(n)].float().cpu() for row, n in zip(logp, g.completion_mask[sl].sum(1))]
+    return out, g.prompt_mask.sum(1).tolist()
 
 
 def compare(g, forced: list[torch.Tensor]) -> dict:
@@ -295,7 +284,7 @@ def main(argv=None) -> None:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--trainer", action="store_true", help="the bench's Trainer steps instead of the variants")
     ap.add_argument("--steps", type=int, default=3)
-    ap.add_argument("--engine-off", nargs="*", default=[], choices=["cuda_graphs", "compact", "shared_prefix", "fused"],
+    ap.add_argument("--engine-off", nargs="*", default=[], choices=ENGINE_SWITCHES,
                     help="with --trainer: these StaticEngine features off (as bench_step --engine-off)")
     ap.add_argument("--hunt", nargs="*", default=None, choices=["sdpa", "eager", "peft"],
                     help="the non-finite gradient's hunt (nan_hunt) per variant, instead of the variants")
@@ -367,10 +356,10 @@ def main(argv=None) -> None:
     cols = ["format", "variant", "call", "seconds", "len_mean", "len_min", "stopped", "engine_nonfinite",
             "gap_nonfinite", "gap_mean", "gap_max", "gap_gt1", "gap_first", "gap_2_33", "gap_34_on",
             "engine_lp_mean", "forced_lp_mean", "reward", "grad_norm", "completions/mean_length",
-            "sampling/sampling_logp_difference/mean"]
+            "sampling/sampling_logp_difference/mean", "error"]
     lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     for r in results:
-        cells = [r.get(c, r.get("error", "")) if c != "seconds" or "error" not in r else r["error"] for c in cols]
+        cells = [r.get(c, "") for c in cols]
         lines.append("| " + " | ".join(f"{x:.4g}" if isinstance(x, float) else str(x) for x in cells) + " |")
     (out / "policy.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
