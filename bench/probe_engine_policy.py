@@ -23,6 +23,10 @@ with a finite check on every module's output (the hooks send the engine down its
 from __future__ import annotations
 
 import argparse
+import contextlib
+import functools
+import gzip
+import io
 import json
 import time
 from pathlib import Path
@@ -110,37 +114,39 @@ def engine_for(name: str, peft, tok):
 
 
 def replay(peft, g, out: Path, fmt: str, micro: int = 8) -> dict:
-    """After a step with non-finite gradients: its rollout saved (``batch-<fmt>.pt``), then each micro-batch
-    of ``micro`` rows backpropagated alone (loss: its completion log-probs' sum, as the Trainer's forward
-    computes them) under every SDPA backend: which rows and which attention kernel make the NaN."""
+    """After a step with non-finite gradients: its rollout saved (``batch-<fmt>.pt``), then each of the
+    Trainer's micro-batches (``micro_batch_plan``: ``micro`` rows sorted by length, each on its own width)
+    backpropagated alone (loss: its completion log-probs' sum, as the Trainer's forward computes them)
+    under every SDPA backend: which rows and which attention kernel make the NaN."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    from qerl_kit.logprobs import completion_logprobs
+    from qerl_kit import logprobs
 
     torch.save({k: getattr(g, k).cpu() for k in ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask",
-                                                 "logprobs")}, out / f"batch-{fmt}.pt")
+                                                 "logprobs", "stopped")}, out / f"batch-{fmt}.pt")
     lora = [(n, p) for n, p in peft.named_parameters() if p.requires_grad]
     dev = next(peft.parameters()).device
     found = {}
+    plan = logprobs.micro_batch_plan(g.prompt_mask, g.completion_mask, micro)
     for backend in ("default", "MATH", "EFFICIENT_ATTENTION", "CUDNN_ATTENTION", "FLASH_ATTENTION"):
         bad = []
-        for s in range(0, g.completion_ids.shape[0], micro):
-            sl = slice(s, s + micro)
+        for sl, bound in zip(*plan):
             for _, p in lora:
                 p.grad = None
             try:
                 ctx = sdpa_kernel(getattr(SDPBackend, backend)) if backend != "default" else torch.enable_grad()
                 with ctx:
-                    logp = completion_logprobs(peft, *(getattr(g, k)[sl].to(dev) for k in (
-                        "prompt_ids", "prompt_mask", "completion_ids", "completion_mask")))
+                    logp = logprobs.completion_logprobs(peft, *(getattr(g, k)[sl].to(dev) for k in (
+                        "prompt_ids", "prompt_mask", "completion_ids", "completion_mask")), bounds=bound)
                     logp.sum().backward()
             except RuntimeError as e:  # a backend that refuses the mask or dtype
                 bad.append(f"refused: {str(e)[:120]}")
                 break
             grads = [n for n, p in lora if p.grad is not None and not torch.isfinite(p.grad).all()]
             if grads or not torch.isfinite(logp).all():
-                bad.append(f"rows {s}-{s + micro - 1}: logp finite {bool(torch.isfinite(logp).all())}, "
-                           f"{len(grads)} non-finite grads, first {grads[:1]}")
+                rows = sl.tolist() if torch.is_tensor(sl) else list(range(g.completion_ids.shape[0])[sl])
+                bad.append(f"rows {rows} {bound}: logp finite "
+                           f"{bool(torch.isfinite(logp).all())}, {len(grads)} non-finite grads, first {grads[:1]}")
         found[backend] = bad or "all finite"
         print(f"replay {fmt} {backend}: {found[backend]}", flush=True)
     for _, p in lora:
@@ -163,20 +169,59 @@ def differing_state(model, fresh) -> list[str]:
     return out
 
 
+def saved_generation(path: Path, stop_ids, device):
+    """The rollout ``replay`` saved (``batch-<fmt>.pt``, or gzipped: ``.pt.gz``) as a ``Generation`` on
+    ``device``; a file from before ``stopped`` was saved gets it from the rows (shorter than the width, or
+    ending on a stop token)."""
+    from qerl_kit.rollout.types import Generation
+
+    data = gzip.decompress(path.read_bytes()) if path.suffix == ".gz" else path.read_bytes()
+    b = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+    if "stopped" not in b:
+        n = b["completion_mask"].sum(1)
+        last = b["completion_ids"].gather(1, (n - 1).clamp(min=0)[:, None])[:, 0]
+        b["stopped"] = (n < b["completion_mask"].shape[1]) | torch.isin(last, torch.tensor(list(stop_ids)))
+    return Generation(**{k: v.to(device) for k, v in b.items()})
+
+
 def bench_trainer(a, fmt: str, steps: int, aqn: bool, tag: str, engine_off=(), attention: str | None = None):
     """(policy, engine, Trainer) as the step bench builds them for a real model at its own lengths
-    (``bench.step_group``: LoRA r 16, mu 4, micro-batches of 8, checkpointing off, the dense cache all)."""
+    (``bench.step_group``: LoRA r 16, mu 4, micro-batches of 8, checkpointing off, the dense cache all).
+    With ``a.batch`` the engine's rollout is that saved one (``saved_generation``): the step on the
+    same rows with no engine kernel run before it."""
     from bench import step_group as sg
 
-    peft, tok = sg.build_policy(a.model, fmt, a.device, 16)
+    peft, tok = sg.build_policy(a.model, fmt, a.device, 16, dtype=getattr(torch, a.dtype))
     if attention:
         peft.get_base_model().set_attn_implementation(attention)
     engine = sg.forced_static(peft, tok, ignore_eos=False, keep_cache=True, max_rows=None, dense_decode="auto",
                               share_weights=False, **{k: False for k in engine_off})
     task = sg.make_task(a.model, peft, 256, a.prompts * a.n, 0)
+    if getattr(a, "batch", None):
+        saved = saved_generation(Path(a.batch), engine.stop_token_ids, a.device)
+        engine.generate_ids = lambda *_args, **_kw: saved
     s = dict(steps=steps, lora_r=16, dense_cache="all", prompts=a.prompts, group=a.n)
     case = dict(format=fmt, gradient_checkpointing=False, model=a.model, seed=0, mu=4, micro_batch=8, aqn=aqn)
     return peft, engine, sg.trainer_for(peft, tok, task, engine, case, s, a.max_new, Path(a.out) / tag)
+
+
+@contextlib.contextmanager
+def layout(name: str):
+    """``padded``: every ``completion_logprobs`` call in the block runs the engine's layout (left-padded
+    prompt + right-padded completion, masked: ``aligned=False``), the A/B of the aligned default."""
+    from qerl_kit import logprobs, old_policy
+
+    if name == "aligned":
+        yield
+        return
+    plain = logprobs.completion_logprobs
+    for module in (logprobs, old_policy):  # the Trainer's forward imports the name
+        module.completion_logprobs = functools.partial(plain, aligned=False)
+    try:
+        yield
+    finally:
+        for module in (logprobs, old_policy):
+            module.completion_logprobs = plain
 
 
 def trainer_probe(a, fmt: str, results: list) -> None:
@@ -212,7 +257,7 @@ def trainer_probe(a, fmt: str, results: list) -> None:
         if "error" in row and gens:
             row["replay"] = replay(peft, gens[0], Path(a.out), fmt)
             # the same batch through a model the engine never ran: does the NaN follow the batch or the state?
-            fresh, _ = sg.build_policy(a.model, fmt, a.device, 16)
+            fresh, _ = sg.build_policy(a.model, fmt, a.device, 16, dtype=getattr(torch, a.dtype))
             row["state_differs"] = differing_state(peft, fresh)
             fresh.load_state_dict({k: v for k, v in peft.state_dict().items() if "lora_" in k}, strict=False)
             row["replay_fresh"] = replay(fresh, gens[0], Path(a.out), f"{fmt}-fresh")["default"]
@@ -289,6 +334,10 @@ def main(argv=None) -> None:
     ap.add_argument("--hunt", nargs="*", default=None, choices=["sdpa", "eager", "peft"],
                     help="the non-finite gradient's hunt (nan_hunt) per variant, instead of the variants")
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    ap.add_argument("--layout", default="aligned", choices=["aligned", "padded"],
+                    help="with --trainer or --hunt: the training forward's layout (completion_logprobs' aligned)")
+    ap.add_argument("--batch", help="with --trainer or --hunt: the step on this saved rollout (batch-<fmt>.pt) "
+                                    "instead of the engine's")
     a = ap.parse_args(argv)
 
     from bench.common import with_lora
@@ -305,9 +354,11 @@ def main(argv=None) -> None:
     results = []
     for fmt in a.formats if a.hunt else ():
         for variant in a.hunt:
-            nan_hunt(a, fmt, variant, results)
+            with layout(a.layout):
+                nan_hunt(a, fmt, variant, results)
     for fmt in a.formats if a.trainer and not a.hunt else ():
-        trainer_probe(a, fmt, results)
+        with layout(a.layout):
+            trainer_probe(a, fmt, results)
         torch.cuda.empty_cache()
     for fmt in a.formats if not (a.trainer or a.hunt) else ():
         torch.manual_seed(0)

@@ -66,13 +66,15 @@ def is_real(model: str) -> bool:
     return model.endswith(".gguf") or path.is_dir()
 
 
-def build_policy(model: str, fmt: str, device: str, lora_r: int, dense_dir: Path | None = None):
+def build_policy(model: str, fmt: str, device: str, lora_r: int, dense_dir: Path | None = None,
+                 dtype: torch.dtype | None = None):
     """(peft policy, tokenizer) of ``model`` in ``fmt``; ``dense_dir`` gets the bf16 checkpoint before
-    quantization (vLLM's NF4 baseline quantizes it with bitsandbytes itself)."""
+    quantization (vLLM's NF4 baseline quantizes it with bitsandbytes itself); a real model's ``dtype``
+    defaults to bf16 on CUDA, float32 elsewhere."""
     from qerl_kit.build import load_base, quantize_base
     from qerl_kit.config import ModelConfig
 
-    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    dtype = dtype or (torch.bfloat16 if device == "cuda" else torch.float32)
     if is_real(model):  # qerl_kit's own loader: a GGUF file through load_gguf, a directory as saved
         base, tok = load_base(ModelConfig(name=model), device=device, dtype=dtype)
     else:

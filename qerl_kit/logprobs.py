@@ -1,13 +1,14 @@
 """Training-side log-probabilities of completion tokens (and their entropy), micro-batched.
 
-The rollout engine returns prompt ids left-padded and completion ids right-padded; the model
-sees their concatenation. Position ids are derived from the attention mask (as ``generate``
-does), so left padding does not shift positions and training log-probs match sampling ones.
+The rollout engine returns prompt ids left-padded and completion ids right-padded; the model sees
+each row's prompt and completion moved to its first column, the padding after them, causal with no
+attention mask (``completion_logprobs``): every real token at the position ``generate`` gave it, so
+training log-probs match sampling ones, and SDPA runs its flash kernel.
 Logits are divided by the sampling temperature, so the ratio in the loss compares like with like.
 
-Memory: the model's logits [B, P+C, V] stay in its dtype; the float32 log-softmax (and entropy)
-is taken over chunks of completion positions of about ``CHUNK_ELEMS`` values, each chunk under
-activation checkpointing when gradients are on. So the float32 copies of the full-vocabulary
+Memory: the model's logits [B, C, V] (completion positions only) stay in its dtype; the float32
+log-softmax (and entropy) is taken over chunks of completion positions of about ``CHUNK_ELEMS``
+values, each chunk under activation checkpointing when gradients are on. So the float32 copies of the full-vocabulary
 logits, the largest tensors of a long-completion training step (about 40 GB at 8 x 4096 tokens
 over Qwen2.5's 152k vocabulary), never exist; backward recomputes one chunk at a time.
 The entropy (never with gradient) is taken from the same log-softmax where one is computed whole
@@ -16,6 +17,8 @@ float32 chunks at once, so a training forward can return both (``loss.old_logp: 
 """
 
 from __future__ import annotations
+
+import contextlib
 
 import torch
 from torch.utils.checkpoint import checkpoint
@@ -82,31 +85,82 @@ def padding_bounds(prompt_mask: torch.Tensor, completion_mask: torch.Tensor) -> 
     return _bounds(*_row_spans(prompt_mask, completion_mask), prompt_mask.shape[1], completion_mask.shape[1])
 
 
+def output_head(model: torch.nn.Module) -> torch.nn.Module | None:
+    """The module that turns a causal LM's hidden states into logits (``get_output_embeddings``; through a
+    DistributedDataParallel wrapper and peft's), or None."""
+    inner = getattr(model, "module", model)  # DDP keeps the model as .module
+    get = getattr(inner, "get_output_embeddings", None)
+    head = get() if callable(get) else None
+    return head if isinstance(head, torch.nn.Module) else None
+
+
+@contextlib.contextmanager
+def head_rows(head: torch.nn.Module, cols: torch.Tensor):
+    """Inside the block ``head`` (``output_head``) computes row b's logits at columns ``cols[b]`` only
+    (cols [B, c]): a forward pre-hook gathers the hidden states [B, T, H] it is given to [B, c, H]. The
+    model's logits are then [B, c, V]; the gather's backward is over the hidden size, not the vocabulary."""
+    def pick(_module, args):
+        hidden = args[0]
+        return (hidden.gather(1, cols[:, :, None].expand(-1, -1, hidden.shape[-1])), *args[1:])
+
+    handle = head.register_forward_pre_hook(pick)
+    try:
+        yield
+    finally:
+        handle.remove()
+
+
 def completion_logprobs(model: torch.nn.Module, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
                         completion_ids: torch.Tensor, completion_mask: torch.Tensor,
                         temperature: float = 1.0, with_entropy: bool = False, trim: bool = True,
-                        bounds: tuple[int, int] | None = None):
+                        bounds: tuple[int, int] | None = None, aligned: bool = True):
     """Log-probs [B, C] (float32) of ``completion_ids`` under ``model``, with gradient when autograd is on;
     optionally the entropy [B, C] too, without gradient.
 
     ``trim``: the model runs on these rows' own width, not the batch's: the leading prompt columns and
     the trailing completion columns that are padding in every row are cut off (``padding_bounds``), and
-    the outputs padded back to [B, C] with zeros (positions no row's mask counts). Position ids come from
-    the mask, so every real token sees what it saw untrimmed: the same log-probs up to the float rounding
-    of a different matmul shape. A micro-batch of short completions in a batch with a long one costs its
-    own length, not the longest's. ``bounds``: these rows' ``padding_bounds`` when the caller has them
-    (``micro_batch_plan`` reads every micro-batch's at once), so the forward does not read back."""
+    the outputs padded back to [B, C] with zeros (positions no row's mask counts). Every real token sees
+    what it saw untrimmed: the same log-probs up to the float rounding of a different matmul shape. A
+    micro-batch of short completions in a batch with a long one costs its own length, not the longest's.
+    ``bounds``: these rows' ``padding_bounds`` when the caller has them (``micro_batch_plan`` reads every
+    micro-batch's at once), so the forward does not read back.
+
+    ``aligned`` (default): each row's tokens are moved to start at column 0 (its prompt's left padding
+    goes after its completion) and the model runs causal with no attention mask: a real token attends
+    only to earlier columns, all real tokens of its row, so it sees what the padded layout shows it, at
+    the positions it had there (0, 1, ...). The output head computes the completion positions only
+    (``head_rows``), not the prompt's. ``aligned=False`` (or a model without ``get_output_embeddings``):
+    the engine's layout, left-padded prompt + right-padded completion under an attention mask. Why the
+    default: with a mask PyTorch 2.11's SDPA picks cuDNN attention on an H100, whose backward gave NaN
+    gradients from finite log-probs on one micro-batch of the real Qwen2.5-0.5B's GSM8K rollouts (the
+    math and memory-efficient kernels did not: bench/results/step_h200.md, hold 10); without a mask
+    it runs causal flash attention. Needs left-padded prompts (every engine's ``Generation``)."""
     C = completion_ids.shape[1]
     if trim:
         first, end = padding_bounds(prompt_mask, completion_mask) if bounds is None else bounds
         prompt_ids, prompt_mask = prompt_ids[:, first:], prompt_mask[:, first:]
         completion_ids, completion_mask = completion_ids[:, :end], completion_mask[:, :end]
-    input_ids = torch.cat([prompt_ids, completion_ids], dim=1)
-    attention = torch.cat([prompt_mask, completion_mask], dim=1).long()
-    position_ids = (attention.cumsum(-1) - 1).clamp(min=0)
-    out = model(input_ids=input_ids, attention_mask=attention, position_ids=position_ids, use_cache=False)
     p, c = prompt_ids.shape[1], completion_ids.shape[1]
-    logits = out.logits[:, p - 1:p + c - 1]  # [B, c, V], the model's dtype
+    input_ids = torch.cat([prompt_ids, completion_ids], dim=1)
+    head = output_head(model) if aligned else None
+    if head is not None:
+        # each row's left padding (a row without a prompt keeps one padding column to predict its first token)
+        pad = (p - prompt_mask.sum(1).long()).clamp(min=0, max=max(p - 1, 0))
+        cols = torch.arange(p + c, device=input_ids.device)
+        input_ids = input_ids.gather(1, (cols + pad[:, None]) % (p + c))
+        # the columns whose logits predict each row's completion tokens: its last prompt token's on
+        with head_rows(head, (p - 1 - pad)[:, None] + cols[:c]):
+            out = model(input_ids=input_ids, position_ids=cols.expand(input_ids.shape[0], -1), use_cache=False)
+        logits = out.logits
+        if logits.shape[:2] != completion_ids.shape:
+            raise RuntimeError(f"{type(model).__name__}'s logits have shape {tuple(logits.shape)}, not one row "
+                               f"per completion token {tuple(completion_ids.shape)}: its get_output_embeddings() "
+                               "is not what makes its logits; pass aligned=False")
+    else:
+        attention = torch.cat([prompt_mask, completion_mask], dim=1).long()
+        position_ids = (attention.cumsum(-1) - 1).clamp(min=0)
+        out = model(input_ids=input_ids, attention_mask=attention, position_ids=position_ids, use_cache=False)
+        logits = out.logits[:, p - 1:p + c - 1]
     res = token_logprobs(logits, completion_ids, temperature, with_entropy)
     logp, ent = res if with_entropy else (res, None)
     logp = logp * completion_mask.to(logp.dtype)

@@ -118,6 +118,59 @@ def test_trimmed_gradients_match_the_untrimmed_ones():
         torch.testing.assert_close(grads[1][name], grads[0][name], rtol=1e-4, atol=1e-6)
 
 
+def test_the_aligned_layout_gives_the_masked_layouts_log_probs_entropy_and_gradients():
+    """aligned (the default): rows moved to column 0, no mask, the head on completion positions only; the
+    padded, masked layout is the reference (rows of 5, 7, 3 and 6 prompt tokens: every row shifts)."""
+    from qerl_kit import logprobs
+    from tests.tiny_policy import tiny_policy
+
+    model = tiny_policy("nvfp4", seed=5)
+    rows = _padded_rows(seed=6)
+    head = logprobs.output_head(model)
+    shapes = []
+    head.register_forward_hook(lambda _m, _args, out: shapes.append(tuple(out.shape)))
+    got = {}
+    for aligned in (False, True):
+        model.zero_grad(set_to_none=True)
+        logp, ent = logprobs.completion_logprobs(model, *rows, temperature=0.8, with_entropy=True, aligned=aligned)
+        (logp * torch.linspace(0.5, 1.5, logp.shape[1])).sum().backward()
+        got[aligned] = logp.detach(), ent, {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    assert shapes == [(4, 13, 512), (4, 6, 512)]  # trimmed width 7 + 6; aligned: the 6 completion columns only
+    cm = rows[3].float()
+    torch.testing.assert_close(got[True][0], got[False][0], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got[True][1] * cm, got[False][1] * cm, rtol=1e-5, atol=1e-5)
+    assert (got[True][0] * cm).ne(0).sum() == cm.sum() and len(got[True][2]) > 0
+    for name, grad in got[False][2].items():
+        torch.testing.assert_close(got[True][2][name], grad, rtol=1e-4, atol=1e-6)
+
+
+def test_the_aligned_layout_needs_an_output_head_that_makes_the_logits():
+    import pytest
+
+    from qerl_kit import logprobs
+    from tests.tiny_policy import tiny_policy
+
+    model = tiny_policy("nvfp4")
+    rows = _padded_rows()
+    with torch.no_grad():
+        want = logprobs.completion_logprobs(model, *rows, aligned=False)
+
+    class Wrapped(torch.nn.Module):  # no get_output_embeddings: the masked layout
+        def __init__(self, inner):
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, **kw):
+            return self.inner(**kw)
+
+    with torch.no_grad():
+        torch.testing.assert_close(logprobs.completion_logprobs(Wrapped(model), *rows), want)
+    decoy = torch.nn.Linear(4, 4)  # an output head the forward never calls: refused, not wrong
+    model.get_output_embeddings = lambda: decoy
+    with torch.no_grad(), pytest.raises(RuntimeError, match="not one row per completion token"):
+        logprobs.completion_logprobs(model, *rows)
+
+
 def test_micro_batches_group_rows_by_length_and_keep_the_order_where_it_is_sorted():
     import pytest
 

@@ -1,6 +1,7 @@
 """bench.probe_engine_policy: the engine's log-probs of its own samples against a teacher-forced forward
 (the GPU probe that told hold 8's collapsing policy from an engine fault), on the CPU's tiny model."""
 
+import gzip
 import json
 
 import torch
@@ -46,7 +47,8 @@ def test_replay_saves_the_batch_and_names_the_micro_batch_whose_gradient_is_not_
     with torch.no_grad():
         emb[poisoned] = float("nan")
     found = probe.replay(peft, g, tmp_path, "none", micro=2)
-    assert len(found["default"]) == 1 and found["default"][0].startswith("rows 2-3: logp finite False")
+    assert len(found["default"]) == 1 and found["default"][0].startswith("rows [2, 3] ")
+    assert "logp finite False" in found["default"][0]
     assert all(p.grad is None for p in peft.parameters())  # it leaves no gradient behind
 
 
@@ -75,6 +77,21 @@ def test_the_cli_runs_the_variants_and_the_benchs_own_step_on_a_model_directory(
     assert [(r["variant"], r["call"]) for r in steps] == [("trainer -compact", 0), ("trainer -compact", 1)]
     assert all("error" not in r for r in steps)
     assert all(r["gap_max"] < 1e-4 and r["grad_norm"] is not None for r in steps)
+    # --batch: the step on a saved rollout (a file from before `stopped` was saved), no engine sampling;
+    # --layout padded: the training forward on the engine's masked layout
+    _, g = _rollout(n_new=5)
+    torch.save({k: getattr(g, k) for k in ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask",
+                                           "logprobs")}, tmp_path / "batch.pt")
+    assert torch.equal(probe.saved_generation(tmp_path / "batch.pt", [], "cpu").stopped,
+                       g.completion_mask.sum(1) < g.completion_mask.shape[1])
+    (tmp_path / "batch.pt.gz").write_bytes(gzip.compress((tmp_path / "batch.pt").read_bytes()))
+    assert torch.equal(probe.saved_generation(tmp_path / "batch.pt.gz", [], "cpu").completion_ids, g.completion_ids)
+    for lay in ("padded", "aligned"):
+        probe.main([*common, "--out", str(tmp_path / lay), "--trainer", "--steps", "1", "--batch",
+                    str(tmp_path / "batch.pt"), "--layout", lay])
+        fed = json.loads((tmp_path / lay / "policy.json").read_text())
+        assert len(fed) == 1 and "error" not in fed[0] and fed[0]["grad_norm"] == fed[0]["grad_norm"]  # finite
+        assert fed[0]["len_mean"] == float(g.completion_mask.sum(1).float().mean())
     probe.main([*common, "--out", str(tmp_path / "h"), "--hunt", "sdpa", "eager"])
     hunted = json.loads((tmp_path / "h" / "policy.json").read_text())
     assert [r["variant"] for r in hunted] == ["hunt-sdpa", "hunt-eager"]
