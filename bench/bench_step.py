@@ -54,7 +54,9 @@ engine's fused buffers, no second copy; off by default, as in every earlier run)
 each (the plan counts the dense copies whatever the setting: an upper bound when off).
 ``--engine-off cuda_graphs compact shared_prefix fused`` turns those StaticEngine features off for the
 run (recorded as ``engine_off``): with a real model's own lengths and the rollouts table, a same-call
-A/B that says which part of the engine changes what it samples.
+A/B that says which part of the engine changes what it samples. ``--layout padded`` runs the Trainer's
+training forward on the engine's left-padded rows under an attention mask (``completion_logprobs(aligned=
+False)``), the baseline of the aligned default (recorded as ``layout``; rows from before the column ran it).
 
 Each (model, format, engine) runs in a fresh process (``--isolate auto``: on a GPU, for honest peaks;
 always for vLLM, whose memory is not given back inside one); a run that fails, runs out of memory or
@@ -185,8 +187,8 @@ def run_settings(args) -> dict:
     """The call's settings every case reads (``step_group``'s ``a``), from the parsed ``run`` arguments."""
     return {k: getattr(args, k) for k in ("prompts", "group", "prompt_len", "lora_r", "steps", "max_new_tokens",
                                           "keep_cache", "max_rows", "vllm_memory", "length_seed", "dense_cache",
-                                          "dense_decode", "share_weights", "lora_tiling", "lora_forward", "profile",
-                                          "engine_off")}
+                                          "dense_decode", "share_weights", "lora_tiling", "lora_forward", "layout",
+                                          "profile", "engine_off")}
 
 
 def run(args) -> list[dict]:
@@ -278,6 +280,9 @@ def parser() -> argparse.ArgumentParser:
     r.add_argument("--lora-forward", default="fused", type=_choices("lora-forward", ("fused", "peft")),
                    help="the training pass's LoRA layers: fused (the default: the adapter added in the GEMM, "
                         "qerl_kit.lora_layer) or peft (peft's own forward, a multiply and an add over each output)")
+    r.add_argument("--layout", default="aligned", type=_choices("layout", ("aligned", "padded")),
+                   help="the training forward's layout: aligned (the default: each row from column 0, causal, no "
+                        "mask) or padded (the engine's left-padded rows under an attention mask, its baseline)")
     r.add_argument("--engine-off", nargs="+", default=[], type=_choices("engine-off", ENGINE_SWITCHES),
                    help="StaticEngine features turned off for the run (a same-call A/B that takes the engine apart: "
                         "cuda_graphs, compact (live-row compaction), shared_prefix (one prompt prefix per group), "

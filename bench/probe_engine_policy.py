@@ -23,8 +23,6 @@ with a finite check on every module's output (the hooks send the engine down its
 from __future__ import annotations
 
 import argparse
-import contextlib
-import functools
 import gzip
 import io
 import json
@@ -205,25 +203,6 @@ def bench_trainer(a, fmt: str, steps: int, aqn: bool, tag: str, engine_off=(), a
     return peft, engine, sg.trainer_for(peft, tok, task, engine, case, s, a.max_new, Path(a.out) / tag)
 
 
-@contextlib.contextmanager
-def layout(name: str):
-    """``padded``: every ``completion_logprobs`` call in the block runs the engine's layout (left-padded
-    prompt + right-padded completion, masked: ``aligned=False``), the A/B of the aligned default."""
-    from qerl_kit import logprobs, old_policy
-
-    if name == "aligned":
-        yield
-        return
-    plain = logprobs.completion_logprobs
-    for module in (logprobs, old_policy):  # the Trainer's forward imports the name
-        module.completion_logprobs = functools.partial(plain, aligned=False)
-    try:
-        yield
-    finally:
-        for module in (logprobs, old_policy):
-            module.completion_logprobs = plain
-
-
 def trainer_probe(a, fmt: str, results: list) -> None:
     """The bench's own step (``bench.step_group``: its policy, engine, GSM8K task and Trainer, mu 4, AQN
     as bench_step's auto) with the engine's output compared to a teacher-forced forward at each rollout."""
@@ -340,6 +319,7 @@ def main(argv=None) -> None:
                                     "instead of the engine's")
     a = ap.parse_args(argv)
 
+    from bench import step_group as sg
     from bench.common import with_lora
     from qerl_kit.aqn import AQN
     from qerl_kit.build import load_base, quantize_base
@@ -354,10 +334,10 @@ def main(argv=None) -> None:
     results = []
     for fmt in a.formats if a.hunt else ():
         for variant in a.hunt:
-            with layout(a.layout):
+            with sg.training_layout(a.layout):
                 nan_hunt(a, fmt, variant, results)
     for fmt in a.formats if a.trainer and not a.hunt else ():
-        with layout(a.layout):
+        with sg.training_layout(a.layout):
             trainer_probe(a, fmt, results)
         torch.cuda.empty_cache()
     for fmt in a.formats if not (a.trainer or a.hunt) else ():

@@ -6,6 +6,7 @@ a fresh process)."""
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import math
 import statistics
@@ -284,7 +285,8 @@ def case_row(case: dict, a: dict, meta: dict) -> dict:
             "aqn": case["aqn"], "keep_cache": a["keep_cache"], "max_rows": a["max_rows"] or rows,
             "dense_cache": a["dense_cache"], "dense_decode": a["dense_decode"],
             "share_weights": a["share_weights"], "lora_tiling": a["lora_tiling"],
-            "lora_forward": a["lora_forward"], "engine_off": " ".join(a["engine_off"]), "optimizer": "adamw",
+            "lora_forward": a["lora_forward"], "layout": a["layout"], "engine_off": " ".join(a["engine_off"]),
+            "optimizer": "adamw",
             "lr": OPTIM["lr"], "seed": case["seed"],
             "steps": a["steps"], "step_index": a["steps"] - 1, "status": "", "error": ""}
 
@@ -312,9 +314,9 @@ def vllm_for(peft, tok, fmt: str, a: dict, cases: list[dict], root: Path, dense_
 
 
 def run_group(cases: list[dict], a: dict, meta: dict, rows_path: Path) -> None:
-    """``_run_group`` with the call's grouped-LoRA tiling (``lora_tiling``) and training-pass LoRA forward
-    (``lora_forward``) for its duration."""
-    with lora_tiling(a["lora_tiling"]), lora_forward(a["lora_forward"]):
+    """``_run_group`` with the call's grouped-LoRA tiling (``lora_tiling``), training-pass LoRA forward
+    (``lora_forward``) and training-forward layout (``layout``) for its duration."""
+    with lora_tiling(a["lora_tiling"]), lora_forward(a["lora_forward"]), training_layout(a["layout"]):
         _run_group(cases, a, meta, rows_path)
 
 
@@ -335,6 +337,26 @@ def lora_forward(mode: str):
         yield
     finally:
         FusedLoraLinear.forward = fused
+
+
+@contextlib.contextmanager
+def training_layout(name: str):
+    """``padded``: every ``completion_logprobs`` call in the block (the Trainer's log-prob passes and update)
+    runs the engine's layout, left-padded prompt + right-padded completion under an attention mask
+    (``aligned=False``), the baseline of the aligned default; ``aligned``: as it is."""
+    if name == "aligned":
+        yield
+        return
+    from qerl_kit import logprobs, old_policy
+
+    plain = logprobs.completion_logprobs
+    for module in (logprobs, old_policy):  # old_policy imports the name
+        module.completion_logprobs = functools.partial(plain, aligned=False)
+    try:
+        yield
+    finally:
+        for module in (logprobs, old_policy):
+            module.completion_logprobs = plain
 
 
 @contextlib.contextmanager

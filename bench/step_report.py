@@ -20,7 +20,8 @@ from pathlib import Path
 SETTINGS = ["model", "format", "engine", "lengths", "length_params", "lengths_sha", "mean_length", "max_length",
             "max_new_tokens", "prompts", "group", "rows", "prompt_len", "lora_r", "mu", "micro_batch",
             "gradient_checkpointing", "aqn", "keep_cache", "max_rows", "dense_cache", "dense_cache_gib", "dense_decode",
-            "share_weights", "lora_tiling", "lora_forward", "engine_off", "optimizer", "lr", "seed", "steps", "step_index"]
+            "share_weights", "lora_tiling", "lora_forward", "layout", "engine_off", "optimizer", "lr", "seed", "steps",
+            "step_index"]
 RESULTS = ["status", "error", "time_step", "time_rollout", "time_sync", "time_wake", "time_upload", "time_sleep",
            "time_logprob", "time_update", "time_other", "measured_mean_length", "rollout_tokens_per_s", "aqn_sigma",
            "rollout_at_cap", "rollout_reward", "rollout_accuracy", "rollout_entropy", "rollout_logp_gap",
@@ -35,7 +36,7 @@ NUMERIC = {"dense_cache_gib", "lr", "max_rows", "mean_length", "max_length", "ma
 # what a setting is, without format and engine: rows that share it are compared
 KEY = ["model", "lengths", "lengths_sha", "prompts", "group", "prompt_len", "lora_r", "mu", "micro_batch",
        "gradient_checkpointing", "dense_cache", "dense_decode", "share_weights", "lora_tiling", "lora_forward",
-       "engine_off", "seed", "steps"]
+       "layout", "engine_off", "seed", "steps"]
 SUBJECT = ("nvfp4", "static")
 # (label, format, engine, the issue's target speed-up or None; "lengths" targets depend on the lengths)
 BASELINES = [("bf16 + LoRA, ours", "none", "static", "lengths"), ("NF4 + LoRA (QLoRA), ours", "nf4", "static", 1.5),
@@ -91,7 +92,8 @@ def _num(v) -> float:
 
 
 # a setting's value in rows written before its column existed (an older step.csv read back): what those runs did
-KEY_DEFAULTS = {"lora_tiling": "default", "lora_forward": "fused", "engine_off": ""}
+# (the training forward ran the padded, masked layout until 2026-12-06)
+KEY_DEFAULTS = {"lora_tiling": "default", "lora_forward": "fused", "layout": "padded", "engine_off": ""}
 
 
 def _key(r: dict) -> tuple:
@@ -176,12 +178,14 @@ def _spread(r: dict, phase: str) -> str:
 
 def _decode_note(r: dict) -> str:
     """The run's settings other than the defaults, in the label: the StaticEngine's dense decode copies
-    (on/off, not auto), shared weights, a LoRA tiling, peft's LoRA forward, engine features turned off."""
+    (on/off, not auto), shared weights, a LoRA tiling, peft's LoRA forward, the padded training layout, engine
+    features turned off."""
     mode = r.get("dense_decode")
     notes = [f"dense decode {mode}" if mode in ("on", "off") else "",
              "shared weights" if str(r.get("share_weights")) == "True" else "",  # a bool, or its text read back
              f"LoRA tiling {r['lora_tiling']}" if r.get("lora_tiling") not in (None, "", "default") else "",
              "peft's LoRA forward" if r.get("lora_forward") == "peft" else "",
+             "padded layout" if r.get("layout") == "padded" else "",
              f"without {r['engine_off']}" if r.get("engine_off") else ""]
     note = ", ".join(n for n in notes if n)
     return f" ({note})" if note else ""

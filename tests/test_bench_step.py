@@ -476,6 +476,9 @@ def test_engine_off_turns_staticengine_features_off_for_the_run_and_the_row_reco
     assert "engine_off" in step_report.KEY  # rows of two settings are not each other's baseline
     older = {k: v for k, v in rows[0].items() if k not in ("engine_off", "lora_forward")}  # a step.csv from before
     assert step_report._key(older) == step_report._key(rows[0])  # still the same setting as a default run
+    # before the layout column the training forward was the padded one: such rows are not a default run's baseline
+    assert step_report._key({k: v for k, v in rows[0].items() if k != "layout"}) \
+        == step_report._key({**rows[0], "layout": "padded"}) != step_report._key(rows[0])
     with pytest.raises(SystemExit):
         bench_step.main(["run", *TINY, "--engine-off", "graphs", "--out", str(tmp_path / "x")])
 
@@ -560,6 +563,27 @@ def test_lora_forward_peft_runs_peft_s_own_layer_for_the_run_only_and_the_row_re
     assert seen[-1] is fused and rows[0]["lora_forward"] == "fused" and "peft" not in step_report._label(rows[0])
     with pytest.raises(SystemExit):
         bench_step.main(["run", *TINY, "--lora-forward", "unfused", "--out", str(tmp_path / "x")])
+
+
+def test_layout_padded_runs_the_masked_training_forward_for_the_run_only_and_the_row_records_it(tmp_path, monkeypatch):
+    """--layout padded: the Trainer's log-prob forwards run completion_logprobs(aligned=False) while the run
+    trains (the aligned default's baseline), the default after it; the row, the key and the label record it."""
+    from qerl_kit import logprobs, old_policy
+
+    plain, seen = logprobs.completion_logprobs, []
+    real = step_group.timed_steps
+    monkeypatch.setattr(step_group, "timed_steps",
+                        lambda *a, **kw: seen.append(old_policy.completion_logprobs) or real(*a, **kw))
+    rows = _run(tmp_path / "p", "--formats", "nvfp4", "--isolate", "off", "--max-new-tokens", "8",
+                "--layout", "padded")
+    assert seen[0].func is plain and seen[0].keywords == {"aligned": False}
+    assert old_policy.completion_logprobs is plain and logprobs.completion_logprobs is plain
+    assert rows[0]["status"] == "ok" and rows[0]["layout"] == "padded" and "layout" in step_report.KEY
+    assert step_report._label(rows[0]).endswith("(padded layout)")
+    rows = _run(tmp_path / "a", "--formats", "nvfp4", "--isolate", "off", "--max-new-tokens", "8")
+    assert seen[-1] is plain and rows[0]["layout"] == "aligned" and "layout" not in step_report._label(rows[0])
+    with pytest.raises(SystemExit):
+        bench_step.main(["run", *TINY, "--layout", "packed", "--out", str(tmp_path / "x")])
 
 
 def test_a_run_that_fails_later_keeps_its_finished_steps_and_memory_figures(tmp_path, monkeypatch):
