@@ -223,9 +223,11 @@ def prefill_parts(s: dict, proj: dict, targets, a: dict) -> dict[str, int]:
 def training_parts(s: dict, proj: dict, targets, a: dict) -> dict[str, int]:
     """One micro-batch of the update (the log-prob pass is the same forward without gradients): the
     activations kept for backward (with checkpointing each layer's input, plus one layer recomputed),
-    one layer's gradients in backward, the logits in the model's dtype (every position) with the
-    completion positions' gradient and one chunk's zero-padded gradient (autograd's slice backward
-    allocates the full completion width), one float32 log-prob chunk forward and backward
+    one layer's gradients in backward, the logits in the model's dtype (every position: what the padded
+    layout makes; the aligned default's head computes the completion positions only, so this over-counts
+    it by the prompt's positions) with the completion positions' gradient and one chunk's zero-padded
+    gradient (autograd's slice backward allocates the full completion width), one float32 log-prob chunk
+    forward and backward
     (``qerl_kit.logprobs.CHUNK_ELEMS``), one dequantized weight, and the dense weight cache."""
     from qerl_kit.logprobs import CHUNK_ELEMS
 
