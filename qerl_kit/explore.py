@@ -9,8 +9,8 @@ notebook calls in a loop for a static sweep). One call:
 2. samples ``n`` completions of every prompt with ``HFEngine`` (same seed at every sigma, so
    the only thing that changes between calls is the noise);
 3. measures, still under the noise, the mean next-token entropy over the completion tokens: the
-   trainer's ``entropy`` metric (``qerl_kit.logprobs.batched_logprobs``, whose position ids
-   follow the attention mask, so left padding does not shift positions), and the sample diversity:
+   trainer's ``entropy`` metric (``qerl_kit.logprobs.batched_logprobs``, which moves each row to
+   column 0, so left padding does not shift positions), and the sample diversity:
    distinct completions per prompt divided by ``n``, averaged over prompts (1.0: all different);
 4. restores the exact clean weights (the ``noise`` context manager does, even on an error).
 

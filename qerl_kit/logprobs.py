@@ -3,15 +3,15 @@
 The rollout engine returns prompt ids left-padded and completion ids right-padded; the model sees
 each row's prompt and completion moved to its first column, the padding after them, causal with no
 attention mask (``completion_logprobs``): every real token at the position ``generate`` gave it, so
-training log-probs match sampling ones, and SDPA runs its flash kernel.
+training log-probs match sampling ones, and SDPA can take its flash kernel (there is no mask).
 Logits are divided by the sampling temperature, so the ratio in the loss compares like with like.
 
 Memory: the model's logits [B, C, V] (completion positions only) stay in its dtype; the float32
 log-softmax (and entropy) is taken over chunks of completion positions of about ``CHUNK_ELEMS``
-values, each chunk under activation checkpointing when gradients are on. So the float32 copies of the full-vocabulary
-logits, the largest tensors of a long-completion training step (about 40 GB at 8 x 4096 tokens
-over Qwen2.5's 152k vocabulary), never exist; backward recomputes one chunk at a time.
-The entropy (never with gradient) is taken from the same log-softmax where one is computed whole
+values, each chunk under activation checkpointing when gradients are on. So the float32 copies of
+the full-vocabulary logits, the largest tensors of a long-completion training step (about 40 GB at
+8 x 4096 tokens over Qwen2.5's 152k vocabulary), never exist; backward recomputes one chunk at a
+time. The entropy (never with gradient) is taken from the same log-softmax where one is computed whole
 (no gradient, or a single chunk kept for backward), else from its own per chunk: at most two
 float32 chunks at once, so a training forward can return both (``loss.old_logp: fold``).
 """
