@@ -125,16 +125,16 @@ def completion_logprobs(model: torch.nn.Module, prompt_ids: torch.Tensor, prompt
     ``bounds``: these rows' ``padding_bounds`` when the caller has them (``micro_batch_plan`` reads every
     micro-batch's at once), so the forward does not read back.
 
-    ``aligned`` (default): each row's tokens are moved to start at column 0 (its prompt's left padding
-    goes after its completion) and the model runs causal with no attention mask: a real token attends
-    only to earlier columns, all real tokens of its row, so it sees what the padded layout shows it, at
-    the positions it had there (0, 1, ...). The output head computes the completion positions only
-    (``head_rows``), not the prompt's. ``aligned=False`` (or a model without ``get_output_embeddings``):
+    ``aligned`` (default): each row's real tokens are moved to start at column 0, in order (its prompt's
+    left padding goes after its completion) and the model runs causal with no attention mask: a real
+    token attends only to earlier columns, all real tokens of its row, so it sees what the padded layout
+    shows it, at the positions it had there (the mask's count: 0, 1, ...). The output head computes the
+    completion positions only (``head_rows``). ``aligned=False`` (or a model without ``get_output_embeddings``):
     the engine's layout, left-padded prompt + right-padded completion under an attention mask. Why the
     default: with a mask PyTorch 2.11's SDPA picks cuDNN attention on an H100, whose backward gave NaN
     gradients from finite log-probs on one micro-batch of the real Qwen2.5-0.5B's GSM8K rollouts (the
     math and memory-efficient kernels did not: bench/results/step_h200.md, hold 10); without a mask
-    it runs causal flash attention. Needs left-padded prompts (every engine's ``Generation``)."""
+    it runs causal flash attention."""
     C = completion_ids.shape[1]
     if trim:
         first, end = padding_bounds(prompt_mask, completion_mask) if bounds is None else bounds
@@ -144,13 +144,15 @@ def completion_logprobs(model: torch.nn.Module, prompt_ids: torch.Tensor, prompt
     input_ids = torch.cat([prompt_ids, completion_ids], dim=1)
     head = output_head(model) if aligned else None
     if head is not None:
-        # each row's left padding (a row without a prompt keeps one padding column to predict its first token)
-        pad = (p - prompt_mask.sum(1).long()).clamp(min=0, max=max(p - 1, 0))
-        cols = torch.arange(p + c, device=input_ids.device)
-        input_ids = input_ids.gather(1, (cols + pad[:, None]) % (p + c))
-        # the columns whose logits predict each row's completion tokens: its last prompt token's on
-        with head_rows(head, (p - 1 - pad)[:, None] + cols[:c]):
-            out = model(input_ids=input_ids, position_ids=cols.expand(input_ids.shape[0], -1), use_cache=False)
+        # each row's real tokens first, in their order (a stable sort of the mask), its padding after them;
+        # `where`: each old column's new one. Any padding (left, right, holes) goes; no host read.
+        real = torch.cat([prompt_mask, completion_mask], dim=1).bool()
+        order = torch.sort((~real).to(torch.int8), dim=1, stable=True).indices
+        cols = torch.arange(p + c, device=input_ids.device).expand_as(order)
+        where = torch.empty_like(order).scatter_(1, order, cols)
+        # the logits that predict completion token j: the column before it (the previous real token's)
+        with head_rows(head, (where[:, p:] - 1).clamp(min=0)):
+            out = model(input_ids=input_ids.gather(1, order), position_ids=cols, use_cache=False)
         logits = out.logits
         if logits.shape[:2] != completion_ids.shape:
             raise RuntimeError(f"{type(model).__name__}'s logits have shape {tuple(logits.shape)}, not one row "

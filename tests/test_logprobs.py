@@ -144,6 +144,27 @@ def test_the_aligned_layout_gives_the_masked_layouts_log_probs_entropy_and_gradi
         torch.testing.assert_close(got[True][2][name], grad, rtol=1e-4, atol=1e-6)
 
 
+def test_the_aligned_layout_takes_any_prompt_padding_as_the_mask_does():
+    """Not only left padding: a right-padded prompt and one with a hole give what the same prompts
+    left-padded give (the masked layout's reference): the padding never attended, positions from the
+    mask's count. (The masked layout itself scores a right-padded prompt's first completion token from a
+    padding column: only left padding is right there.)"""
+    from qerl_kit import logprobs
+    from tests.tiny_policy import tiny_policy
+
+    model = tiny_policy("nvfp4", seed=2)
+    prompt_ids, _, completion_ids, cm = _padded_rows(seed=8)
+    pm = torch.tensor([[1] * 5 + [0] * 4, [0, 1, 1, 0, 0, 1, 1, 1, 1], [0] * 6 + [1] * 3, [1] * 9])
+    ids = prompt_ids * pm + 3 * (1 - pm)  # padding ids that are real tokens elsewhere
+    left = [torch.cat([torch.full((int((1 - m).sum()),), 3), row[m.bool()]]) for row, m in zip(ids, pm)]
+    left_pm = torch.stack([torch.sort(m, stable=True).values for m in pm])  # the same counts, left-padded
+    with torch.no_grad():
+        want = logprobs.completion_logprobs(model, torch.stack(left), left_pm, completion_ids, cm, aligned=False)
+        got = logprobs.completion_logprobs(model, ids, pm, completion_ids, cm)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert (got * cm).ne(0).sum() == cm.sum()
+
+
 def test_the_aligned_layout_needs_an_output_head_that_makes_the_logits():
     import pytest
 
