@@ -151,8 +151,10 @@ def completion_logprobs(model: torch.nn.Module, prompt_ids: torch.Tensor, prompt
         cols = torch.arange(p + c, device=input_ids.device).expand_as(order)
         where = torch.empty_like(order).scatter_(1, order, cols)
         # the logits that predict completion token j: the column before it (the previous real token's)
+        # no position ids: the model's own 0, 1, ... are these rows' (given ones with no mask would have
+        # transformers look for packed sequences in them, a read back per forward)
         with head_rows(head, (where[:, p:] - 1).clamp(min=0)):
-            out = model(input_ids=input_ids.gather(1, order), position_ids=cols, use_cache=False)
+            out = model(input_ids=input_ids.gather(1, order), use_cache=False)
         logits = out.logits
         if logits.shape[:2] != completion_ids.shape:
             raise RuntimeError(f"{type(model).__name__}'s logits have shape {tuple(logits.shape)}, not one row "
