@@ -125,6 +125,8 @@
 #   real-grpo [ARGS]          bench.real_grpo run, resumable: call again to continue
 #   engine-policy [ARGS]      bench.probe_engine_policy: StaticEngine's log-probs of its own samples against a
 #                             teacher-forced forward, per engine feature switched off; $OUT/policy/policy.{md,json}
+#                             (--trainer --batch FILE: the bench's step on a saved rollout, e.g. the carried
+#                             bench/results/engine_policy_h100/hold10/batch-none.pt.gz; --layout padded: the masked forward)
 set -uo pipefail
 cmd="${1:?command}"; shift
 OUT="${OUT:?set OUT}"
