@@ -110,6 +110,25 @@ def head_rows(head: torch.nn.Module, cols: torch.Tensor):
         handle.remove()
 
 
+def _aligned_logits(model, head: torch.nn.Module, input_ids: torch.Tensor, real: torch.Tensor, p: int):
+    """The logits [B, c, V] that predict the completion tokens (columns p on of ``input_ids``), from each
+    row's real tokens moved to column 0 in their order (a stable sort of ``real``; any padding, left,
+    right or holes, goes after them), the model causal with no mask, the head on those positions only."""
+    order = torch.sort((~real).to(torch.int8), dim=1, stable=True).indices
+    cols = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(order)
+    where = torch.empty_like(order).scatter_(1, order, cols)  # each old column's new one; no host read
+    # the logits that predict completion token j: the column before it (the previous real token's). No
+    # position ids: the model's own 0, 1, ... are these rows' (given ones with no mask would have
+    # transformers look for packed sequences in them, a read back per forward)
+    with head_rows(head, (where[:, p:] - 1).clamp(min=0)):
+        logits = model(input_ids=input_ids.gather(1, order), use_cache=False).logits
+    if logits.shape[:2] != (input_ids.shape[0], input_ids.shape[1] - p):
+        raise RuntimeError(f"{type(model).__name__}'s logits have shape {tuple(logits.shape)}, not one row "
+                           f"per completion token {(input_ids.shape[0], input_ids.shape[1] - p)}: its "
+                           "get_output_embeddings() is not what makes its logits; pass aligned=False")
+    return logits
+
+
 def completion_logprobs(model: torch.nn.Module, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
                         completion_ids: torch.Tensor, completion_mask: torch.Tensor,
                         temperature: float = 1.0, with_entropy: bool = False, trim: bool = True,
@@ -142,28 +161,13 @@ def completion_logprobs(model: torch.nn.Module, prompt_ids: torch.Tensor, prompt
         completion_ids, completion_mask = completion_ids[:, :end], completion_mask[:, :end]
     p, c = prompt_ids.shape[1], completion_ids.shape[1]
     input_ids = torch.cat([prompt_ids, completion_ids], dim=1)
+    real = torch.cat([prompt_mask, completion_mask], dim=1)
     head = output_head(model) if aligned else None
     if head is not None:
-        # each row's real tokens first, in their order (a stable sort of the mask), its padding after them;
-        # `where`: each old column's new one. Any padding (left, right, holes) goes; no host read.
-        real = torch.cat([prompt_mask, completion_mask], dim=1).bool()
-        order = torch.sort((~real).to(torch.int8), dim=1, stable=True).indices
-        cols = torch.arange(p + c, device=input_ids.device).expand_as(order)
-        where = torch.empty_like(order).scatter_(1, order, cols)
-        # the logits that predict completion token j: the column before it (the previous real token's)
-        # no position ids: the model's own 0, 1, ... are these rows' (given ones with no mask would have
-        # transformers look for packed sequences in them, a read back per forward)
-        with head_rows(head, (where[:, p:] - 1).clamp(min=0)):
-            out = model(input_ids=input_ids.gather(1, order), use_cache=False)
-        logits = out.logits
-        if logits.shape[:2] != completion_ids.shape:
-            raise RuntimeError(f"{type(model).__name__}'s logits have shape {tuple(logits.shape)}, not one row "
-                               f"per completion token {tuple(completion_ids.shape)}: its get_output_embeddings() "
-                               "is not what makes its logits; pass aligned=False")
+        logits = _aligned_logits(model, head, input_ids, real.bool(), p)
     else:
-        attention = torch.cat([prompt_mask, completion_mask], dim=1).long()
-        position_ids = (attention.cumsum(-1) - 1).clamp(min=0)
-        out = model(input_ids=input_ids, attention_mask=attention, position_ids=position_ids, use_cache=False)
+        position_ids = (real.long().cumsum(-1) - 1).clamp(min=0)
+        out = model(input_ids=input_ids, attention_mask=real.long(), position_ids=position_ids, use_cache=False)
         logits = out.logits[:, p - 1:p + c - 1]
     res = token_logprobs(logits, completion_ids, temperature, with_entropy)
     logp, ent = res if with_entropy else (res, None)
