@@ -147,6 +147,32 @@ def test_tiny_gguf_round_trips_logits_tokenizer_and_template(tiny_file, tiny_tok
     torch.testing.assert_close(logits(again, batch), logits(source, batch), rtol=1e-5, atol=1e-5)
 
 
+def test_a_load_parses_the_file_once_and_leaves_gguf_as_it_was(tiny_file, tmp_path, monkeypatch):
+    """transformers builds a GGUFReader for the tokenizer, the config and the weights; inside load_gguf
+    they share one parse per file (one_parse), and gguf.GGUFReader is the plain class again after it."""
+    from qerl_kit import gguf_model
+
+    plain, parsed = gguf.GGUFReader, []
+
+    class Counting(plain):
+        def __init__(self, path, mode="r"):
+            parsed.append(os.path.realpath(path))
+            super().__init__(path, mode)
+
+    monkeypatch.setattr(gguf, "GGUFReader", Counting)
+    _, path = tiny_file
+    model, _ = load_gguf(path, dtype=torch.float32)
+    assert parsed == [os.path.realpath(path)] and gguf.GGUFReader is Counting
+    assert model.gguf_info.path == path
+    other = tmp_path / "other.gguf"
+    other.write_bytes(path.read_bytes())
+    with gguf_model.one_parse():  # another file gets its own reader; the same file, the same one
+        a, b, c = gguf.GGUFReader(path), gguf.GGUFReader(str(path)), gguf.GGUFReader(other)
+        assert a is b and a is not c and isinstance(a, plain)
+        assert list(a.fields) == list(c.fields)
+    assert gguf.GGUFReader is Counting and parsed[1:] == [os.path.realpath(path), os.path.realpath(other)]
+
+
 def test_tiny_gguf_loads_through_qerl_kit_models(tiny_file, tiny_tok, batch):
     source, path = tiny_file
     assert check_model_source(str(path)) == "gguf"
