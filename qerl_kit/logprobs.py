@@ -166,8 +166,9 @@ def completion_logprobs(model: torch.nn.Module, prompt_ids: torch.Tensor, prompt
     if head is not None:
         logits = _aligned_logits(model, head, input_ids, real.bool(), p)
     else:
-        position_ids = (real.long().cumsum(-1) - 1).clamp(min=0)
-        out = model(input_ids=input_ids, attention_mask=real.long(), position_ids=position_ids, use_cache=False)
+        attention = real.long()
+        position_ids = (attention.cumsum(-1) - 1).clamp(min=0)
+        out = model(input_ids=input_ids, attention_mask=attention, position_ids=position_ids, use_cache=False)
         logits = out.logits[:, p - 1:p + c - 1]
     res = token_logprobs(logits, completion_ids, temperature, with_entropy)
     logp, ent = res if with_entropy else (res, None)

@@ -543,6 +543,21 @@ def test_lora_tiling_is_the_decode_steps_kernels_for_the_run_only_and_the_row_re
         bench_step.main(["run", *TINY, "--lora-tiling", "8,64", "--out", str(tmp_path / "x")])
 
 
+def _a_b(tmp_path, monkeypatch, read, flag: str, value: str, bad: str):
+    """A switch's same-call A/B: one NVFP4 run with ``flag value`` and one without, ``read()`` noted as
+    each run's timed steps start (what the switch replaced while the run trained); ``flag bad`` refused.
+    Returns (the notes, the switched run's rows, the default run's rows)."""
+    seen, real = [], step_group.timed_steps
+    monkeypatch.setattr(step_group, "timed_steps", lambda *a, **kw: seen.append(read()) or real(*a, **kw))
+    common = ("--formats", "nvfp4", "--isolate", "off", "--max-new-tokens", "8")
+    rows = _run(tmp_path / "switched", *common, flag, value)
+    assert len(seen) == 1
+    default = _run(tmp_path / "default", *common)
+    with pytest.raises(SystemExit):
+        bench_step.main(["run", *TINY, flag, bad, "--out", str(tmp_path / "x")])
+    return seen, rows, default
+
+
 def test_lora_forward_peft_runs_peft_s_own_layer_for_the_run_only_and_the_row_records_it(tmp_path, monkeypatch):
     """--lora-forward peft: the policy's LoRA layers run peft's forward while the run trains (the fused
     layer's baseline), the fused one after it; the row, the key and the label record it."""
@@ -550,19 +565,13 @@ def test_lora_forward_peft_runs_peft_s_own_layer_for_the_run_only_and_the_row_re
 
     from qerl_kit.lora_layer import FusedLoraLinear
 
-    fused, seen = FusedLoraLinear.forward, []
-    real = step_group.timed_steps
-    monkeypatch.setattr(step_group, "timed_steps",
-                        lambda *a, **kw: seen.append(FusedLoraLinear.forward) or real(*a, **kw))
-    rows = _run(tmp_path / "p", "--formats", "nvfp4", "--isolate", "off", "--max-new-tokens", "8",
-                "--lora-forward", "peft")
-    assert seen == [PeftLoraLinear.forward] and FusedLoraLinear.forward is fused
+    fused = FusedLoraLinear.forward
+    seen, rows, default = _a_b(tmp_path, monkeypatch, lambda: FusedLoraLinear.forward, "--lora-forward", "peft",
+                               "unfused")
+    assert seen[0] == PeftLoraLinear.forward and FusedLoraLinear.forward is fused
     assert rows[0]["status"] == "ok" and rows[0]["lora_forward"] == "peft" and "lora_forward" in step_report.KEY
     assert step_report._label(rows[0]).endswith("(peft's LoRA forward)")
-    rows = _run(tmp_path / "f", "--formats", "nvfp4", "--isolate", "off", "--max-new-tokens", "8")
-    assert seen[-1] is fused and rows[0]["lora_forward"] == "fused" and "peft" not in step_report._label(rows[0])
-    with pytest.raises(SystemExit):
-        bench_step.main(["run", *TINY, "--lora-forward", "unfused", "--out", str(tmp_path / "x")])
+    assert seen[-1] is fused and default[0]["lora_forward"] == "fused" and "peft" not in step_report._label(default[0])
 
 
 def test_layout_padded_runs_the_masked_training_forward_for_the_run_only_and_the_row_records_it(tmp_path, monkeypatch):
@@ -570,20 +579,14 @@ def test_layout_padded_runs_the_masked_training_forward_for_the_run_only_and_the
     trains (the aligned default's baseline), the default after it; the row, the key and the label record it."""
     from qerl_kit import logprobs, old_policy
 
-    plain, seen = logprobs.completion_logprobs, []
-    real = step_group.timed_steps
-    monkeypatch.setattr(step_group, "timed_steps",
-                        lambda *a, **kw: seen.append(old_policy.completion_logprobs) or real(*a, **kw))
-    rows = _run(tmp_path / "p", "--formats", "nvfp4", "--isolate", "off", "--max-new-tokens", "8",
-                "--layout", "padded")
+    plain = logprobs.completion_logprobs
+    seen, rows, default = _a_b(tmp_path, monkeypatch, lambda: old_policy.completion_logprobs, "--layout", "padded",
+                               "packed")
     assert seen[0].func is plain and seen[0].keywords == {"aligned": False}
     assert old_policy.completion_logprobs is plain and logprobs.completion_logprobs is plain
     assert rows[0]["status"] == "ok" and rows[0]["layout"] == "padded" and "layout" in step_report.KEY
     assert step_report._label(rows[0]).endswith("(padded layout)")
-    rows = _run(tmp_path / "a", "--formats", "nvfp4", "--isolate", "off", "--max-new-tokens", "8")
-    assert seen[-1] is plain and rows[0]["layout"] == "aligned" and "layout" not in step_report._label(rows[0])
-    with pytest.raises(SystemExit):
-        bench_step.main(["run", *TINY, "--layout", "packed", "--out", str(tmp_path / "x")])
+    assert seen[-1] is plain and default[0]["layout"] == "aligned" and "layout" not in step_report._label(default[0])
 
 
 def test_a_run_that_fails_later_keeps_its_finished_steps_and_memory_figures(tmp_path, monkeypatch):
