@@ -4,6 +4,7 @@
     python -m bench.real_model eval DIR --out OUT [--formats none nvfp4 mxfp4 nf4] [--tasks gsm8k math500]
                                         [--pass-k 8] [--limit N]
     python -m bench.real_model regress DIR --out OUT [--steps 14]
+    python -m bench.real_model load-time MODEL.gguf [--rounds 3]   # load_gguf with and without one_parse
 
 ``eval``: greedy pass@1 on every row of each task (GSM8K test 1319 at 512 new tokens, MATH-500 at
 1024), through the same path ``qerl eval`` takes (``evaluate_task`` on the StaticEngine, all rows
@@ -59,6 +60,34 @@ def convert(gguf: str, out: str) -> None:
                                                        "tensor_types": info.tensor_types,
                                                        "seconds": time.perf_counter() - t0}))
     print(f"converted {gguf} -> {out} in {time.perf_counter() - t0:.1f} s")
+
+
+def load_time(gguf: str, rounds: int) -> list[dict]:
+    """``load_gguf``'s wall time with ``one_parse`` (one GGUFReader per file) and without it (transformers'
+    own parses), alternated over ``rounds`` so a drift of the machine reaches both; prints a table."""
+    import contextlib
+
+    from qerl_kit import gguf_model
+
+    shared, rows = gguf_model.one_parse, []
+    try:
+        for r in range(rounds):
+            for mode in ("one parse", "a parse per reader") if r % 2 == 0 else ("a parse per reader", "one parse"):
+                gguf_model.one_parse = shared if mode == "one parse" else contextlib.nullcontext
+                t0 = time.perf_counter()
+                gguf_model.load_gguf(gguf)
+                rows.append({"round": r, "mode": mode, "seconds": round(time.perf_counter() - t0, 2)})
+                print(json.dumps(rows[-1]), flush=True)
+    finally:
+        gguf_model.one_parse = shared
+    env = _env()
+    print(f"\n{Path(gguf).name}, {env['date']}, torch {env['torch']}, transformers {env['transformers']}, "
+          f"{os.cpu_count()} CPUs, {torch.get_num_threads()} threads\n")
+    print("| mode | seconds per load (each round) | median |\n|---|---|---:|")
+    for mode in ("a parse per reader", "one parse"):
+        secs = sorted(x["seconds"] for x in rows if x["mode"] == mode)
+        print(f"| {mode} | {', '.join(str(x['seconds']) for x in rows if x['mode'] == mode)} | {secs[len(secs) // 2]} |")
+    return rows
 
 
 def _load(path: str, fmt: str, device: str):
@@ -221,8 +250,13 @@ def main(argv=None) -> int:
     r.add_argument("model")
     r.add_argument("--out", required=True)
     r.add_argument("--steps", type=int, default=14)
+    t = sub.add_parser("load-time")
+    t.add_argument("gguf")
+    t.add_argument("--rounds", type=int, default=3)
     a = p.parse_args(argv)
-    if a.cmd == "convert":
+    if a.cmd == "load-time":
+        load_time(a.gguf, a.rounds)
+    elif a.cmd == "convert":
         convert(a.gguf, a.out)
     elif a.cmd == "eval":
         if a.max_new_tokens:

@@ -173,6 +173,18 @@ def test_a_load_parses_the_file_once_and_leaves_gguf_as_it_was(tiny_file, tmp_pa
     assert gguf.GGUFReader is Counting and parsed[1:] == [os.path.realpath(path), os.path.realpath(other)]
 
 
+def test_load_time_times_both_modes_in_turns_and_restores_one_parse(tiny_file, capsys):
+    from bench import real_model
+    from qerl_kit import gguf_model
+
+    shared = gguf_model.one_parse
+    rows = real_model.load_time(str(tiny_file[1]), 2)
+    assert [(r["round"], r["mode"]) for r in rows] == [(0, "one parse"), (0, "a parse per reader"),
+                                                       (1, "a parse per reader"), (1, "one parse")]
+    assert all(r["seconds"] > 0 for r in rows) and gguf_model.one_parse is shared
+    assert "| one parse | " in capsys.readouterr().out
+
+
 def test_tiny_gguf_loads_through_qerl_kit_models(tiny_file, tiny_tok, batch):
     source, path = tiny_file
     assert check_model_source(str(path)) == "gguf"
