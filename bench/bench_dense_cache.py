@@ -103,16 +103,31 @@ def routed_function():
         QuantLinear._forward_held = held
 
 
-def one_pass(policy, batches, mu: int, gib: float | None, routed: bool) -> tuple[float, float]:
-    """(seconds, GiB the cache held) of one pass in its own ``update_cache`` block, as the trainer opens
-    one per step. ``routed``: every 4-bit call through the routed autograd Function (``routed_function``)."""
+def _device_allocs() -> int:
+    """cudaMalloc calls so far (PyTorch's allocator's segments); 0 without CUDA."""
+    return torch.cuda.memory_stats().get("segment.all.allocated", 0) if torch.cuda.is_available() else 0
+
+
+def one_pass(policy, batches, mu: int, gib: float | None, routed: bool,
+             filled: bool = False) -> tuple[float, float, int]:
+    """(seconds, GiB the cache held, cudaMalloc calls) of one pass in its own ``update_cache`` block, as the
+    trainer opens one per step. ``routed``: every 4-bit call through the routed autograd Function
+    (``routed_function``). ``filled``: the block's dense weights made before the clock starts (a no-grad
+    forward of the first micro-batch), so the time leaves out the block's fill (one dequantize per weight
+    and the allocations that hold them): what a pass costs once its weights are dense."""
     policy.zero_grad(set_to_none=True)
     sync()
-    t0 = time.perf_counter()
     with dense_update.update_cache(policy, gib) as block, (routed_function() if routed else contextlib.nullcontext()):
+        if filled:
+            with torch.no_grad():
+                prompt, completion = batches[0]
+                completion_logprobs(policy, prompt, torch.ones_like(prompt), completion, torch.ones_like(completion))
+            sync()
+        allocs, t0 = _device_allocs(), time.perf_counter()
         update_pass(policy, batches, mu)
         sync()
-    return time.perf_counter() - t0, block.peak_bytes / dense_update.GIB
+        seconds = time.perf_counter() - t0
+    return seconds, block.peak_bytes / dense_update.GIB, _device_allocs() - allocs
 
 
 def time_modes(policy, batches, mu: int, modes: dict[str, tuple[float | None, bool]], repeats: int) -> dict:
@@ -129,7 +144,7 @@ def time_modes(policy, batches, mu: int, modes: dict[str, tuple[float | None, bo
         out[name] = {"times": [], "peak": peak}
     for _ in range(repeats):
         for name, (gib, routed) in modes.items():
-            seconds, held = one_pass(policy, batches, mu, gib, routed)
+            seconds, held, _ = one_pass(policy, batches, mu, gib, routed)
             grads = {n: p.grad.detach().clone() for n, p in policy.named_parameters() if p.grad is not None}
             out[name].update(gib=held, grads=grads)
             out[name]["times"].append(seconds)
@@ -138,29 +153,40 @@ def time_modes(policy, batches, mu: int, modes: dict[str, tuple[float | None, bo
     return out
 
 
-def paired_passes(policies: dict, batches, mu: int, gib: float | None, repeats: int) -> dict[str, list[float]]:
-    """Seconds of each format's dense-cache pass, ``repeats`` rounds in which every format runs one pass,
-    the order rotated each round (after one warm-up round): the formats' passes alternate, so a drift of
-    the machine's speed (a host-bound small model's pass follows the host's) reaches all of them alike,
-    and each round's ratio compares passes a few seconds apart."""
-    names = list(policies)
-    for name in names:
-        one_pass(policies[name], batches, mu, gib, False)
-    times: dict[str, list[float]] = {name: [] for name in names}
+def paired_passes(policies: dict, batches, mu: int, gib: float | None,
+                  repeats: int) -> tuple[dict[str, list[float]], dict[str, list[int]]]:
+    """Seconds and cudaMalloc calls of each format's dense-cache pass, ``repeats`` rounds in which every
+    format runs one pass, the order rotated each round (after one warm-up round): the formats' passes
+    alternate, so a drift of the machine's speed (a host-bound small model's pass follows the host's)
+    reaches all of them alike, and each round's ratio compares passes a few seconds apart. Each 4-bit
+    format also runs as "<format> filled": its block's weights made before the clock starts
+    (``one_pass(filled=True)``), so the fill's share of the gap shows."""
+    runs = [(name, name, False) for name in policies]
+    runs += [(f"{name} filled", name, True) for name in policies if name != "none"]
+    for _, policy, filled in runs:
+        one_pass(policies[policy], batches, mu, gib, False, filled)
+    times: dict[str, list[float]] = {name: [] for name, _, _ in runs}
+    allocs: dict[str, list[int]] = {name: [] for name, _, _ in runs}
     for r in range(repeats):
-        for name in names[r % len(names):] + names[:r % len(names)]:
-            times[name].append(one_pass(policies[name], batches, mu, gib, False)[0])
-    return times
+        for name, policy, filled in runs[r % len(runs):] + runs[:r % len(runs)]:
+            seconds, _, n = one_pass(policies[policy], batches, mu, gib, False, filled)
+            times[name].append(seconds)
+            allocs[name].append(n)
+    return times, allocs
 
 
-def paired_markdown(times: dict[str, list[float]], base: str = "none") -> list[str]:
-    """Each format's median pass and its ratio to ``base``'s pass of the same round (median [min-max])."""
+def paired_markdown(times: dict[str, list[float]], allocs: dict[str, list[int]] | None = None,
+                    base: str = "none") -> list[str]:
+    """Each format's median pass, its ratio to ``base``'s pass of the same round (median [min-max]) and its
+    median cudaMalloc calls per pass."""
     lines = ["", f"## Paired: the formats' dense-cache passes in alternation ({len(times[base])} rounds)", "",
-             f"| format | dense cache s (median) | per round: {base} s / this s, median [min-max] |", "|---|---:|---|"]
+             f"| format | dense cache s (median) | per round: {base} s / this s, median [min-max] "
+             "| cudaMalloc calls per pass (median) |", "|---|---:|---|---:|"]
     for name, ts in times.items():
         ratios = sorted(b / t for b, t in zip(times[base], ts))
+        mallocs = statistics.median(allocs[name]) if allocs and allocs.get(name) else float("nan")
         lines.append(f"| {name} | {statistics.median(ts):.3f} | {statistics.median(ratios):.2f}x "
-                     f"[{ratios[0]:.2f}-{ratios[-1]:.2f}x] |")
+                     f"[{ratios[0]:.2f}-{ratios[-1]:.2f}x] | {mallocs:g} |")
     return lines
 
 
@@ -264,7 +290,7 @@ def main() -> None:
     if args.paired:
         policies = {fmt: make_policy(args.model, fmt, device, args.lora_r, args.checkpointing,
                                      **(NARROW if args.narrow else {})) for fmt in args.formats}
-        paired = paired_markdown(paired_passes(policies, batches, args.mu, args.gib, args.repeats))
+        paired = paired_markdown(*paired_passes(policies, batches, args.mu, args.gib, args.repeats))
         print("\n".join(paired), flush=True)
         lines += paired
         del policies

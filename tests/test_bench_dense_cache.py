@@ -39,15 +39,48 @@ def test_narrow_run_keeps_the_depth_and_compares_each_format_with_bf16(tmp_path,
 
 def test_paired_rounds_alternate_the_formats_and_divide_each_round_by_bf16s_pass(tmp_path, monkeypatch):
     order = []
-    monkeypatch.setattr(bench_dense_cache, "one_pass",
-                        lambda policy, *a: order.append(policy) or ({"none": 2.0, "nvfp4": 2.5, "nf4": 4.0}[policy], 0.0))
-    times = bench_dense_cache.paired_passes({f: f for f in ("none", "nvfp4", "nf4")}, None, 1, None, repeats=3)
-    # a warm-up round, then each round starts one format later: no format always runs first
-    assert order == ["none", "nvfp4", "nf4", "none", "nvfp4", "nf4", "nvfp4", "nf4", "none", "nf4", "none", "nvfp4"]
-    assert times == {"none": [2.0] * 3, "nvfp4": [2.5] * 3, "nf4": [4.0] * 3}
+    seconds = {"none": 2.0, "nvfp4": 2.5, "nf4": 4.0}
+
+    def one_pass(policy, batches, mu, gib, routed, filled=False):
+        order.append(policy + (" filled" if filled else ""))
+        return seconds[policy] - (0.25 if filled else 0.0), 0.0, 7 if filled else 3
+
+    monkeypatch.setattr(bench_dense_cache, "one_pass", one_pass)
+    times, allocs = bench_dense_cache.paired_passes({f: f for f in ("none", "nvfp4", "nf4")}, None, 1, None, repeats=3)
+    # a warm-up round, then each round starts one run later: no run always goes first; bf16 has no fill
+    runs = ["none", "nvfp4", "nf4", "nvfp4 filled", "nf4 filled"]
+    assert order == runs + runs + runs[1:] + runs[:1] + runs[2:] + runs[:2]
+    assert times == {"none": [2.0] * 3, "nvfp4": [2.5] * 3, "nf4": [4.0] * 3, "nvfp4 filled": [2.25] * 3,
+                     "nf4 filled": [3.75] * 3}
+    assert allocs["nvfp4"] == [3] * 3 and allocs["nvfp4 filled"] == [7] * 3
     times["nvfp4"] = [2.5, 2.0, 4.0]  # per-round ratios 0.8, 1.0, 0.5
-    rows = {line.split("|")[1].strip(): line for line in bench_dense_cache.paired_markdown(times) if line.startswith("| n")}
-    assert "| 2.500 | 0.80x [0.50-1.00x] |" in rows["nvfp4"] and "| 1.00x [1.00-1.00x] |" in rows["none"]
+    allocs["nvfp4"] = [3, 9, 5]
+    rows = {line.split("|")[1].strip(): line
+            for line in bench_dense_cache.paired_markdown(times, allocs) if line.startswith("| n")}
+    assert "| 2.500 | 0.80x [0.50-1.00x] | 5 |" in rows["nvfp4"] and "| 1.00x [1.00-1.00x] | 3 |" in rows["none"]
+    assert "| 2.250 | 0.89x [0.89-0.89x] | 7 |" in rows["nvfp4 filled"]
+    assert "| nan |" in bench_dense_cache.paired_markdown(times)[-1]  # no counts given
+
+
+def test_a_filled_pass_leaves_the_fill_out_of_its_time(monkeypatch):
+    """one_pass(filled=True) makes the block's dense weights before the clock starts: the timed part
+    dequantizes nothing (the cache's misses all happen before it) and gives the unfilled pass's grads."""
+    import torch
+    from qerl_kit import dense_cache
+
+    policy = bench_dense_cache.make_policy("qwen2-tiny", "nvfp4", "cpu", 4, False)
+    g = torch.Generator().manual_seed(3)
+    batches = [tuple(torch.randint(10, 200, (2, n), generator=g) for n in (8, 24))]
+    seen = []
+    real_update = bench_dense_cache.update_pass
+    monkeypatch.setattr(bench_dense_cache, "update_pass",
+                        lambda *a: seen.append(dense_cache.block_stats()["misses"]) or real_update(*a))
+    bench_dense_cache.one_pass(policy, batches, 1, None, False)
+    grads = {n: p.grad.clone() for n, p in policy.named_parameters() if p.grad is not None}
+    seconds, gib, allocs = bench_dense_cache.one_pass(policy, batches, 1, None, False, True)
+    assert seen[0] == 0 and seen[1] > 0 and seconds > 0 and gib > 0 and allocs == 0  # no CUDA here
+    assert all(torch.equal(p.grad, grads[n]) for n, p in policy.named_parameters() if p.grad is not None)
+
 
 def test_paired_without_bf16_is_refused_before_anything_runs(monkeypatch, capsys):
     monkeypatch.setattr(bench_dense_cache, "make_policy", lambda *a, **k: pytest.fail("a model was built"))
@@ -63,4 +96,5 @@ def test_a_paired_run_adds_the_alternating_table(tmp_path, monkeypatch):
                                       "--out", str(out)])
     bench_dense_cache.main()
     paired = out.read_text().split("## Paired")[1]
-    assert "| none |" in paired and "| nvfp4 |" in paired and "1.00x [1.00-1.00x]" in paired
+    assert "| none |" in paired and "| nvfp4 |" in paired and "| nvfp4 filled |" in paired
+    assert "1.00x [1.00-1.00x] | 0 |" in paired  # no cudaMalloc on the CPU
