@@ -152,7 +152,10 @@ class QuantLinear(nn.Module):
         w = self._held(x2)
         if w is None:
             return None
-        y = F.linear(x2, w, None if self.bias is None else self.bias.to(x.dtype))
+        bias = self._buffers["bias"]  # the buffers read from _buffers: no Module.__getattr__ per call
+        if bias is not None and bias.dtype != x.dtype:
+            bias = bias.to(x.dtype)
+        y = F.linear(x2, w, bias)
         return y if x.dim() == 2 else y.reshape(*x.shape[:-1], self.out_features)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -186,7 +189,8 @@ class NVFP4Linear(QuantLinear):
         return self._linear(x)
 
     def _held(self, x2: torch.Tensor) -> torch.Tensor | None:
-        return kernels.held_weight(x2, self.packed, self.scales, self.global_scale)
+        b = self._buffers  # once per call of every projection: no Module.__getattr__ for each buffer
+        return kernels.held_weight(x2, b["packed"], b["scales"], b["global_scale"])
 
     def _linear(self, x: torch.Tensor) -> torch.Tensor:
         return kernels.nvfp4_linear(x, self.packed, self.scales, self.global_scale, self.bias)
@@ -217,7 +221,8 @@ class _LUT4Linear(QuantLinear):
     def _held(self, x2: torch.Tensor) -> torch.Tensor | None:
         if self.fmt not in kernels.routes.LUT4:  # another format's subclass: the plain-PyTorch path's W
             return super()._held(x2)
-        return kernels.held_weight(x2, self.packed, self.block_scales, None, self.fmt)
+        b = self._buffers
+        return kernels.held_weight(x2, b["packed"], b[self._tensor_fields[1]], None, self.fmt)
 
     def _linear(self, x: torch.Tensor) -> torch.Tensor:
         return kernels.lut4_linear(x, self.packed, self.block_scales, self.fmt, self.bias)

@@ -74,6 +74,19 @@ def test_held_path_gives_the_routed_paths_bits_without_a_python_function(fmt, bi
 
 
 @pytest.mark.parametrize("fmt", list(LAYERS))
+def test_a_bias_of_another_dtype_than_the_input_is_cast_as_on_the_routed_path(fmt):
+    """A float32 layer (bias included) called with bfloat16 rows: the held W is the input's dtype and the
+    bias is cast to it, so the held call gives the routed path's bits (the bias is read once per call)."""
+    layer, x = _layer(fmt, True, 21), _input(22, (2, 5, 64), torch.bfloat16)
+    dy = _input(23, (2, 5, layer.out_features), torch.bfloat16).detach()
+    with dense_cache.dense_weight_cache():
+        y0, dx0, _ = _grads(_routed, layer, x, dy)
+        y1, dx1, fn1 = _grads(lambda m, v: m(v), layer, x, dy)
+    assert layer.bias.dtype == torch.float32 and y1.dtype == torch.bfloat16
+    assert torch.equal(y0, y1) and torch.equal(dx0, dx1) and "Matmul" not in type(fn1).__name__
+
+
+@pytest.mark.parametrize("fmt", list(LAYERS))
 def test_outside_a_block_or_over_its_budget_the_layer_takes_the_routed_path(fmt):
     layer, x = _layer(fmt, True, 5), _input(6, (4, 9, 64))
     x2 = x.reshape(-1, 64)
