@@ -83,6 +83,8 @@
 #                             micro-batch 8, mu default 1 (the preset's is 4)
 #   step-vllm FMT             7B, 512 tokens, the same step on StaticEngine and on vLLM 0.26 (FMT none|nvfp4|nf4;
 #                             vLLM installed as for `vllm`)
+#   layout-ab STEPCMD [ARGS]  STEPCMD (any command above) twice, with STEP_ARGS + --layout aligned, then padded (the
+#                             training forward's layouts, same machine); each table folder packed into <tag>.tgz
 #   step05b-real ["FORMATS"] ["LENGTHS"]  the real 0.5B converted by model-setup (/tmp/m05; REAL_MODEL=1.5b: /tmp/m15), GSM8K prompts,
 #                             16 x 8, mu 4, LoRA r16; FORMATS default "none nvfp4" (then "nf4 mxfp4"),
 #                             LENGTHS default "fixed:512 natural:512" (natural: its own completions); ENGINES="static vllm"
@@ -330,6 +332,14 @@ step7b|step-model|step-paper|step-vllm|step05b-real)
   # at most 8 files come back: step.csv, step.md and step.png loose; rows.jsonl and every log in one archive
   mkdir -p "$OUT/$tag" && mv "$OUT/${tag}_log.txt" "$OUT/$tag/"
   (cd "$OUT/$tag" && tar czf logs.tgz --remove-files $(ls rows.jsonl ./*log.txt ./profile_*.txt 2>/dev/null)) 2>/dev/null ;;
+layout-ab)
+  # the training forward's two layouts, one after the other on this machine (bench_step --layout): any step
+  # command and its arguments, e.g. `layout-ab step-model Qwen2.5-0.5B "none nvfp4" off`; each table's folder is
+  # packed into <tag>.tgz, so both tables' files fit the 8 a call returns
+  for layout in aligned padded; do
+    STEP_ARGS="${STEP_ARGS:-} --layout $layout" bash "$0" "$@"
+    (cd "$OUT" && for d in */; do [ -d "$d" ] && tar czf "${d%/}.tgz" "$d" && rm -rf "$d"; done)
+  done ;;
 step-trl)
   read -r -a stacks <<< "${1:-trl-nf4 trl-bf16 unsloth}"; model="${2:-Qwen2.5-7B}"; shift $(( $# < 2 ? $# : 2 ))
   tag=$(echo "$cmd" "${stacks[@]}" "$model" | tr -s ' :/' '---')
