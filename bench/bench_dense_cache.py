@@ -28,7 +28,9 @@ update pass through a 4-bit base spends the time a bf16 pass does not.
 ``--paired`` then runs every format's dense-cache pass again in alternation (all models in memory) and
 gives each round's ratio to bf16's pass of the same round: the table above times each format in its own
 period, and a small model's host-bound pass follows the machine's speed (the 0.5B's NVFP4 / bf16 ratio
-measured 0.78x to 1.18x in different holds).
+measured 0.78x to 1.18x in different holds). Each 4-bit format runs there twice per round: as the trainer
+runs it, and "filled" (its block's dense weights made before the clock starts), so the fill's share of a
+gap shows; every pass also counts its cudaMalloc calls (the allocator's new segments).
 """
 
 from __future__ import annotations
