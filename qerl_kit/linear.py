@@ -152,7 +152,8 @@ class QuantLinear(nn.Module):
         w = self._held(x2)
         if w is None:
             return None
-        bias = self._buffers["bias"]  # the buffers read from _buffers: no Module.__getattr__ per call
+        # read from _buffers (no Module.__getattr__ per call); a bias someone made a Parameter, the usual way
+        bias = self._buffers["bias"] if "bias" in self._buffers else self.bias
         if bias is not None and bias.dtype != x.dtype:
             bias = bias.to(x.dtype)
         y = F.linear(x2, w, bias)

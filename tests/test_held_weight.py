@@ -86,6 +86,16 @@ def test_a_bias_of_another_dtype_than_the_input_is_cast_as_on_the_routed_path(fm
     assert torch.equal(y0, y1) and torch.equal(dx0, dx1) and "Matmul" not in type(fn1).__name__
 
 
+def test_a_bias_made_a_parameter_is_still_added_on_the_held_path():
+    layer, x = _layer("nvfp4", True, 24), _input(25, (6, 64))
+    layer.bias = nn.Parameter(torch.randn(layer.out_features), requires_grad=False)  # no longer a buffer
+    with dense_cache.dense_weight_cache():
+        y0 = _routed(layer, x)
+        y1 = layer(x)
+    assert "bias" not in layer._buffers and torch.equal(y0, y1)
+    assert not torch.equal(y1, torch.nn.functional.linear(x, layer.dequantized_weight()))
+
+
 @pytest.mark.parametrize("fmt", list(LAYERS))
 def test_outside_a_block_or_over_its_budget_the_layer_takes_the_routed_path(fmt):
     layer, x = _layer(fmt, True, 5), _input(6, (4, 9, 64))
