@@ -152,7 +152,7 @@ class QuantLinear(nn.Module):
         w = self._held(x2)
         if w is None:
             return None
-        # read from _buffers (no Module.__getattr__ per call); a bias someone made a Parameter, the usual way
+        # from _buffers (no Module.__getattr__ per call); through the attribute where the bias is no buffer
         bias = self._buffers["bias"] if "bias" in self._buffers else self.bias
         if bias is not None and bias.dtype != x.dtype:
             bias = bias.to(x.dtype)
