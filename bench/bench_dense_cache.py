@@ -83,13 +83,16 @@ def make_policy(preset: str, fmt: str, device: str, lora_r: int, checkpointing: 
     return policy.train()
 
 
+def _logprobs(policy, prompt: torch.Tensor, completion: torch.Tensor) -> torch.Tensor:
+    """The completion log-probs of one micro-batch of unpadded rows, as the update pass computes them."""
+    return completion_logprobs(policy, prompt, torch.ones_like(prompt), completion, torch.ones_like(completion))
+
+
 def update_pass(policy, batches, mu: int) -> None:
     """``mu`` passes of forward + backward over ``batches`` (gradients accumulate, as between optimizer steps)."""
     for _ in range(mu):
         for prompt, completion in batches:
-            ones_p, ones_c = torch.ones_like(prompt), torch.ones_like(completion)
-            logp = completion_logprobs(policy, prompt, ones_p, completion, ones_c)
-            logp.mean().backward()
+            _logprobs(policy, prompt, completion).mean().backward()
 
 
 @contextlib.contextmanager
@@ -122,8 +125,7 @@ def one_pass(policy, batches, mu: int, gib: float | None, routed: bool,
     with dense_update.update_cache(policy, gib) as block, (routed_function() if routed else contextlib.nullcontext()):
         if filled:
             with torch.no_grad():
-                prompt, completion = batches[0]
-                completion_logprobs(policy, prompt, torch.ones_like(prompt), completion, torch.ones_like(completion))
+                _logprobs(policy, *batches[0])
             sync()
         allocs, t0 = _device_allocs(), time.perf_counter()
         update_pass(policy, batches, mu)
