@@ -245,6 +245,16 @@ def peak_gib() -> float:
     return torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else float("nan")
 
 
+def allocator_calls() -> tuple[int, int]:
+    """(cudaMalloc calls, allocation retries) PyTorch's caching allocator has made so far (its own
+    counters, read on the host without a synchronization; (0, 0) without a GPU). A retry frees every
+    cached block and calls cudaMalloc again: each synchronizes the device."""
+    if not torch.cuda.is_available():
+        return 0, 0
+    stats = torch.cuda.memory_stats()
+    return int(stats.get("segment.all.allocated", 0)), int(stats.get("num_alloc_retries", 0))
+
+
 # Profiler events that make the host wait for the device: a tensor read back (``.item()``, ``bool(t)``,
 # ``.tolist()``, ``nonzero``) and the runtime's explicit synchronizations. In a host-bound pass each one
 # drains the device's queue and then idles the device while the host launches again.
@@ -323,13 +333,16 @@ def timed_steps(trainer, steps: int, label: str, every: list | None = None) -> t
     allocated into the update), so a run that fails later keeps them."""
     held = 0.0
     for i in range(steps):
+        before = allocator_calls()
         m = {**trainer.train_step(), "bench/peak_gib": peak_gib()}
+        mallocs, retries = (b - a for a, b in zip(before, allocator_calls()))
+        m["bench/cuda_mallocs"], m["bench/alloc_retries"] = mallocs, retries
         if every is not None:
             every.append(m)
         held = max(held, m.get("memory/dense_cache_gib", 0.0))
         log(f"{label} step #{i}: {m['time/step']:.2f}s (" + ", ".join(
             f"{k[5:]} {m[k]:.2f}" for k in ("time/rollout", "time/sync", "time/sleep", "time/logprob", "time/update")
-            if k in m) + f"), peak {peak_gib():.1f} GiB")
+            if k in m) + f"), peak {peak_gib():.1f} GiB, {mallocs} cudaMalloc calls, {retries} retries")
     return m, peak_gib(), held
 
 

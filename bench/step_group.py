@@ -441,6 +441,9 @@ def _run_group(cases: list[dict], a: dict, meta: dict, rows_path: Path) -> None:
             row["steps_done"] = len(every)
             row["rollout_peak_gib"] = every[-1].get("memory/rollout_peak_gib", float("nan"))
             row["after_rollout_gib"] = every[-1].get("memory/after_rollout_gib", float("nan"))
+            timed = every[1:] or every  # after the warm-up: does a steady step still call cudaMalloc?
+            row["cuda_mallocs_max"] = max(m.get("bench/cuda_mallocs", 0) for m in timed)
+            row["alloc_retries"] = sum(m.get("bench/alloc_retries", 0) for m in timed)
         row["dense_cache_held_gib"] = held  # the most any step held: the plan counts it
         row.update(plan_row(peft, case, a, drawn["max_new_tokens"], held))
         emit(row)

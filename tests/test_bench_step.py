@@ -614,9 +614,15 @@ def test_a_run_that_fails_later_keeps_its_finished_steps_and_memory_figures(tmp_
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda: None)
     monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda: 3 << 30)
+    # the allocator's counters, read before and after each step: 2 cudaMalloc calls in the first, 3 and a retry in the second
+    reads = iter([(10, 0), (12, 0), (12, 0), (15, 1)])
+    monkeypatch.setattr(torch.cuda, "memory_stats", lambda: dict(zip(("segment.all.allocated", "num_alloc_retries"),
+                                                                     next(reads))))
     every = []
     common.timed_steps(Fake(), 2, "fake", every)
     assert [m["memory/rollout_peak_gib"] for m in every] == [1.0, 1.0] and every[-1]["bench/peak_gib"] == 3.0
+    assert [(m["bench/cuda_mallocs"], m["bench/alloc_retries"]) for m in every] == [(2, 0), (3, 1)]
+    assert "3 cudaMalloc calls, 1 retries" in common.LOG[-1]
 
 
 def test_the_plan_by_phase_adds_up_and_the_memory_table_sets_runs_against_it(tmp_path):
