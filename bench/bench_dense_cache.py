@@ -30,7 +30,10 @@ gives each round's ratio to bf16's pass of the same round: the table above times
 period, and a small model's host-bound pass follows the machine's speed (the 0.5B's NVFP4 / bf16 ratio
 measured 0.78x to 1.18x in different holds). Each 4-bit format runs there twice per round: as the trainer
 runs it, and "filled" (its block's dense weights made before the clock starts), so the fill's share of a
-gap shows; every pass also counts its cudaMalloc calls (the allocator's new segments).
+gap shows; every pass also counts its cudaMalloc calls (the allocator's new segments) and its host
+thread's CPU seconds (``time.thread_time``: a pass that spends them all is bound by the host's work, one
+whose seconds exceed them waited). ``--modes dense`` times the trainer's pass alone (one process per
+format under a sampling profiler: ``bench/device.sh pyspy-update``).
 """
 
 from __future__ import annotations
@@ -108,15 +111,21 @@ def routed_function():
         QuantLinear._forward_held = held
 
 
+# Each timed mode: the cache budget (the run's --gib) -> (budget, every call through the routed Function).
+MODES = {"packed": lambda gib: (0, False), "dense": lambda gib: (gib, False), "routed": lambda gib: (gib, True)}
+
+
 def _device_allocs() -> int:
     """cudaMalloc calls so far (PyTorch's allocator's segments); 0 without CUDA."""
     return torch.cuda.memory_stats().get("segment.all.allocated", 0) if torch.cuda.is_available() else 0
 
 
 def one_pass(policy, batches, mu: int, gib: float | None, routed: bool,
-             filled: bool = False) -> tuple[float, float, int]:
-    """(seconds, GiB the cache held, cudaMalloc calls) of one pass in its own ``update_cache`` block, as the
-    trainer opens one per step. ``routed``: every 4-bit call through the routed autograd Function
+             filled: bool = False) -> tuple[float, float, int, float]:
+    """(seconds, GiB the cache held, cudaMalloc calls, the host thread's CPU seconds) of one pass in its own
+    ``update_cache`` block, as the trainer opens one per step. The CPU seconds (``time.thread_time``) are
+    the work this thread did, launches and Python: a pass whose seconds exceed them waited (for the device
+    at a read back, or for the interpreter's lock); one that spends them all was bound by the host. ``routed``: every 4-bit call through the routed autograd Function
     (``routed_function``). ``filled``: the block's dense weights made before the clock starts (a no-grad
     forward of the first micro-batch), so the time leaves out the block's fill (one dequantize per weight
     and the allocations that hold them): what a pass costs once its weights are dense."""
@@ -127,11 +136,11 @@ def one_pass(policy, batches, mu: int, gib: float | None, routed: bool,
             with torch.no_grad():
                 _logprobs(policy, *batches[0])
             sync()
-        allocs, t0 = _device_allocs(), time.perf_counter()
+        allocs, t0, c0 = _device_allocs(), time.perf_counter(), time.thread_time()
         update_pass(policy, batches, mu)
         sync()
-        seconds = time.perf_counter() - t0
-    return seconds, block.peak_bytes / dense_update.GIB, _device_allocs() - allocs
+        seconds, host = time.perf_counter() - t0, time.thread_time() - c0
+    return seconds, block.peak_bytes / dense_update.GIB, _device_allocs() - allocs, host
 
 
 def time_modes(policy, batches, mu: int, modes: dict[str, tuple[float | None, bool]], repeats: int) -> dict:
@@ -148,7 +157,7 @@ def time_modes(policy, batches, mu: int, modes: dict[str, tuple[float | None, bo
         out[name] = {"times": [], "peak": peak}
     for _ in range(repeats):
         for name, (gib, routed) in modes.items():
-            seconds, held, _ = one_pass(policy, batches, mu, gib, routed)
+            seconds, held, _, _ = one_pass(policy, batches, mu, gib, routed)
             grads = {n: p.grad.detach().clone() for n, p in policy.named_parameters() if p.grad is not None}
             out[name].update(gib=held, grads=grads)
             out[name]["times"].append(seconds)
@@ -158,8 +167,8 @@ def time_modes(policy, batches, mu: int, modes: dict[str, tuple[float | None, bo
 
 
 def paired_passes(policies: dict, batches, mu: int, gib: float | None,
-                  repeats: int) -> tuple[dict[str, list[float]], dict[str, list[int]]]:
-    """Seconds and cudaMalloc calls of each format's dense-cache pass, ``repeats`` rounds in which every
+                  repeats: int) -> tuple[dict[str, list[float]], dict[str, list[int]], dict[str, list[float]]]:
+    """Seconds, cudaMalloc calls and host CPU seconds of each format's dense-cache pass, ``repeats`` rounds in which every
     format runs one pass, the order rotated each round (after one warm-up round): the formats' passes
     alternate, so a drift of the machine's speed (a host-bound small model's pass follows the host's)
     reaches all of them alike, and each round's ratio compares passes a few seconds apart. Each 4-bit
@@ -171,26 +180,33 @@ def paired_passes(policies: dict, batches, mu: int, gib: float | None,
         one_pass(policies[policy], batches, mu, gib, False, filled)
     times: dict[str, list[float]] = {name: [] for name, _, _ in runs}
     allocs: dict[str, list[int]] = {name: [] for name, _, _ in runs}
+    host: dict[str, list[float]] = {name: [] for name, _, _ in runs}
     for r in range(repeats):
         for name, policy, filled in runs[r % len(runs):] + runs[:r % len(runs)]:
-            seconds, _, n = one_pass(policies[policy], batches, mu, gib, False, filled)
+            seconds, _, n, cpu = one_pass(policies[policy], batches, mu, gib, False, filled)
             times[name].append(seconds)
             allocs[name].append(n)
-    return times, allocs
+            host[name].append(cpu)
+    return times, allocs, host
 
 
 def paired_markdown(times: dict[str, list[float]], allocs: dict[str, list[int]] | None = None,
-                    base: str = "none") -> list[str]:
-    """Each format's median pass, its ratio to ``base``'s pass of the same round (median [min-max]) and its
-    median cudaMalloc calls per pass."""
+                    host: dict[str, list[float]] | None = None, base: str = "none") -> list[str]:
+    """Each format's median pass, its ratio to ``base``'s pass of the same round (median [min-max]), its
+    median cudaMalloc calls per pass and its host thread's median CPU seconds per pass (as a share of
+    the pass's own seconds, the median over rounds)."""
     lines = ["", f"## Paired: the formats' dense-cache passes in alternation ({len(times[base])} rounds)", "",
              f"| format | dense cache s (median) | per round: {base} s / this s, median [min-max] "
-             "| cudaMalloc calls per pass (median) |", "|---|---:|---|---:|"]
+             "| cudaMalloc calls per pass (median) | host CPU s per pass (median; of the pass) |",
+             "|---|---:|---|---:|---|"]
     for name, ts in times.items():
         ratios = sorted(b / t for b, t in zip(times[base], ts))
         mallocs = statistics.median(allocs[name]) if allocs and allocs.get(name) else float("nan")
+        cpu = host.get(name) if host else None
+        busy = (f"{statistics.median(cpu):.3f} ({statistics.median(c / t for c, t in zip(cpu, ts)):.0%})"
+                if cpu else "–")
         lines.append(f"| {name} | {statistics.median(ts):.3f} | {statistics.median(ratios):.2f}x "
-                     f"[{ratios[0]:.2f}-{ratios[-1]:.2f}x] | {mallocs:g} |")
+                     f"[{ratios[0]:.2f}-{ratios[-1]:.2f}x] | {mallocs:g} | {busy} |")
     return lines
 
 
@@ -239,9 +255,13 @@ def main() -> None:
     ap.add_argument("--stacks", action="store_true", help="with --profile: name each synchronization's Python "
                     "call site and rank the Python frames' own time (about twice the profiler's cost)")
     ap.add_argument("--narrow", action="store_true", help="every width 64, the preset's depth: the host's work")
+    ap.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES),
+                    help="the passes timed per format (dense: the trainer's; one alone for a sampling profiler)")
     ap.add_argument("--paired", action="store_true", help="then every format's dense-cache pass again, in alternation "
                     "(paired_passes), each round's ratio to bf16's (needs none among --formats; all models in memory)")
     args = ap.parse_args()
+    if "dense" not in args.modes:
+        ap.error(f"--modes must include dense (the trainer's pass, the table's reference); got {' '.join(args.modes)}")
     if args.paired and "none" not in args.formats:
         ap.error(f"--paired compares each format with bf16: list none among --formats (got {' '.join(args.formats)})")
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -273,23 +293,18 @@ def main() -> None:
         g = torch.Generator().manual_seed(1)
         batches = [tuple(torch.randint(10, vocab - 10, (args.micro_batch, n), generator=g).to(device)
                          for n in (args.prompt, args.completion)) for _ in range(args.micro_batches)]
-        modes = {"packed": (0, False), "dense": (args.gib, False), "routed": (args.gib, True)}
+        modes = {m: MODES[m](args.gib) for m in args.modes}
         timed = time_modes(policy, batches, args.mu, modes, args.repeats)
-        packed, dense, routed = (timed[m] for m in modes)
-        same = [a["grads"].keys() == dense["grads"].keys() and all(torch.equal(a["grads"][k], dense["grads"][k])
-                                                                   for k in a["grads"]) for a in (packed, routed)]
+        dense = timed["dense"]
         bf16 = dense["s"] if fmt == "none" else bf16
-        versus = f"{dense['s'] / bf16:.2f}x" if bf16 else ""
-        row = (f"| {fmt} | {packed['s']:.3f} | {dense['s']:.3f} | {routed['s']:.3f} | {packed['s'] / dense['s']:.2f}x | "
-               f"{routed['s'] / dense['s']:.2f}x | {versus} | {dense['gib'] * 1024:.1f} | "
-               f"{packed['peak']:.2f} / {dense['peak']:.2f} | {', '.join('yes' if x else 'NO' for x in same)} |")
+        row = mode_row(fmt, timed, bf16)
         print(row, flush=True)
         lines.append(row)
         if args.profile:
             table, profiles[fmt] = profile_pass(policy, batches, args.mu, args.gib, stacks=args.stacks)
             Path(args.profile).mkdir(parents=True, exist_ok=True)
             (Path(args.profile) / f"profile_{fmt}.txt").write_text(table)
-        del policy, packed, dense, routed, timed  # batches: the same random ids for --paired
+        del policy, dense, timed  # batches: the same random ids for --paired
         free()
     if args.paired:
         policies = {fmt: make_policy(args.model, fmt, device, args.lora_r, args.checkpointing,
@@ -305,6 +320,30 @@ def main() -> None:
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text("\n".join(lines) + "\n")
+
+
+def mode_row(fmt: str, timed: dict, bf16: float | None) -> str:
+    """One format's row of the modes table (``time_modes``' results); a mode not run (``--modes``) reads "–"."""
+    dense, packed, routed = timed["dense"], timed.get("packed"), timed.get("routed")
+
+    def seconds(mode: dict | None) -> str:
+        return "–" if mode is None else f"{mode['s']:.3f}"
+
+    def speed_up(mode: dict | None) -> str:
+        return "–" if mode is None else f"{mode['s'] / dense['s']:.2f}x"
+
+    def same(mode: dict | None) -> str:  # its LoRA gradients equal the dense-cache pass's, bit for bit
+        if mode is None:
+            return "–"
+        equal = mode["grads"].keys() == dense["grads"].keys() and all(
+            torch.equal(mode["grads"][k], dense["grads"][k]) for k in mode["grads"])
+        return "yes" if equal else "NO"
+
+    versus = f"{dense['s'] / bf16:.2f}x" if bf16 else ""
+    packed_peak = "–" if packed is None else f"{packed['peak']:.2f}"
+    return (f"| {fmt} | {seconds(packed)} | {dense['s']:.3f} | {seconds(routed)} | {speed_up(packed)} | "
+            f"{speed_up(routed)} | {versus} | {dense['gib'] * 1024:.1f} | {packed_peak} / {dense['peak']:.2f} | "
+            f"{same(packed)}, {same(routed)} |")
 
 
 def _argv() -> list[str]:

@@ -34,6 +34,13 @@
 #                             sites of the synchronizations, --paired for the formats' passes in alternation, each
 #                             round divided by bf16's: the fair ratio for a host-bound small model); profile.md and each format's
 #                             profile_<fmt>.txt in $OUT/profile-update
+#   pyspy-update [MODEL] ["A B"]  the same update pass as profile-update, the dense-cache pass alone (--modes dense),
+#                             one process per format under py-spy (native frames, PYSPY_RATE samples/s, default 250;
+#                             py-spy's wheel in .whl/prof: python3 -m pip download --no-deps --only-binary=:all:
+#                             -d .whl/prof py-spy), then bench.pyspy_diff: the frames whose sampled seconds differ
+#                             most between A and B (default "none nvfp4"): where a host-bound pass's extra time
+#                             goes, without the torch.profiler's overhead; UPDATE_ARGS as for profile-update;
+#                             $OUT/pyspy/diff.md, each format's table and log, the raw samples in raw.tgz
 #   trim [MODEL] ["FORMATS"]  one update pass at the real 1.5B's GSM8K lengths (16 x 8 rows, checkpointing on): micro-
 #                             batches padded to the batch, trimmed to their own width, sorted by length first,
 #                             packed to the padded micro-batch's tokens (bench.bench_trim); MODEL default Qwen2.5-7B,
@@ -149,7 +156,7 @@ export PYTHONPATH="/tmp/site:${PYTHONPATH:-}:$PWD" HF_HUB_OFFLINE=1 PYTHONUNBUFF
 
 carried_wheels() {  # the pinned wheels this repository carries (humming-kernels, gguf, math-verify, ...)
   local wheels=()
-  for d in .whl/h19 .whl/common .whl/real .whl/test; do [ -d "$d" ] && wheels+=("$d"/*.whl); done
+  for d in .whl/h19 .whl/common .whl/real .whl/test .whl/prof; do [ -d "$d" ] && wheels+=("$d"/*.whl); done
   [ ${#wheels[@]} -eq 0 ] || python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
     --target /tmp/site "${wheels[@]}" 2>/dev/null
   # humming keys its compiled kernels (HUMMING_CACHE_DIR) on its headers' paths and mtimes; every call reinstalls
@@ -241,6 +248,19 @@ profile-update)
   timeout "${PROFILE_TIMEOUT:-400}" python3 -m bench.bench_dense_cache --model "${1:-Qwen2.5-7B}" --formats "${fmts[@]}" \
     "${shape[@]}" --profile "$OUT/profile-update" > "$OUT/profile-update/log.txt" 2>&1
   echo "profile rc=$?"; grep -E "^\| |Error" "$OUT/profile-update/log.txt" | head -12 ;;
+pyspy-update)
+  read -r -a fmts <<< "${2:-none nvfp4}"; mkdir -p "$OUT/pyspy"; rate="${PYSPY_RATE:-250}"
+  read -r -a shape <<< "${UPDATE_ARGS:---micro-batch 8 --micro-batches 8 --prompt 256 --completion 512 --repeats 6}"
+  pyspy="${PYSPY:-/tmp/site/bin/py-spy}"  # carried_wheels installs it from .whl/prof
+  [ -x "$pyspy" ] || { echo "py-spy is not installed ($pyspy): carry its wheel in .whl/prof"; exit 2; }
+  for f in "${fmts[@]}"; do
+    timeout "${PYSPY_TIMEOUT:-240}" "$pyspy" record -r "$rate" --native --format raw -o "/tmp/pyspy_$f.txt" -- \
+      python3 -m bench.bench_dense_cache --model "${1:-Qwen2.5-0.5B}" --formats "$f" --modes dense "${shape[@]}" \
+      --out "$OUT/pyspy/table_$f.md" > "$OUT/pyspy/log_$f.txt" 2>&1; echo "$f rc=$?"; grep "^| $f " "$OUT/pyspy/table_$f.md"
+  done
+  python3 -m bench.pyspy_diff "/tmp/pyspy_${fmts[0]}.txt" "/tmp/pyspy_${fmts[1]}.txt" --labels "${fmts[@]:0:2}" --rate "$rate" \
+    --out "$OUT/pyspy/diff.md" > /dev/null; head -30 "$OUT/pyspy/diff.md"
+  (cd /tmp && tar czf "$OUT/pyspy/raw.tgz" pyspy_*.txt) ;;
 trim)
   read -r -a fmts <<< "${2:-none nvfp4}"; mkdir -p "$OUT/trim"
   read -r -a modes <<< "${TRIM_MODES:-padded trimmed sorted packed}"

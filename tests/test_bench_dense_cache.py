@@ -43,23 +43,26 @@ def test_paired_rounds_alternate_the_formats_and_divide_each_round_by_bf16s_pass
 
     def one_pass(policy, batches, mu, gib, routed, filled=False):
         order.append(policy + (" filled" if filled else ""))
-        return seconds[policy] - (0.25 if filled else 0.0), 0.0, 7 if filled else 3
+        return seconds[policy] - (0.25 if filled else 0.0), 0.0, 7 if filled else 3, seconds[policy] / 2
 
     monkeypatch.setattr(bench_dense_cache, "one_pass", one_pass)
-    times, allocs = bench_dense_cache.paired_passes({f: f for f in ("none", "nvfp4", "nf4")}, None, 1, None, repeats=3)
+    times, allocs, host = bench_dense_cache.paired_passes({f: f for f in ("none", "nvfp4", "nf4")}, None, 1, None,
+                                                          repeats=3)
     # a warm-up round, then each round starts one run later: no run always goes first; bf16 has no fill
     runs = ["none", "nvfp4", "nf4", "nvfp4 filled", "nf4 filled"]
     assert order == runs + runs + runs[1:] + runs[:1] + runs[2:] + runs[:2]
     assert times == {"none": [2.0] * 3, "nvfp4": [2.5] * 3, "nf4": [4.0] * 3, "nvfp4 filled": [2.25] * 3,
                      "nf4 filled": [3.75] * 3}
-    assert allocs["nvfp4"] == [3] * 3 and allocs["nvfp4 filled"] == [7] * 3
+    assert allocs["nvfp4"] == [3] * 3 and allocs["nvfp4 filled"] == [7] * 3 and host["nf4"] == [2.0] * 3
     times["nvfp4"] = [2.5, 2.0, 4.0]  # per-round ratios 0.8, 1.0, 0.5
     allocs["nvfp4"] = [3, 9, 5]
+    host["nvfp4"] = [2.5, 1.0, 1.0]  # the host thread busy 100%, 50%, 25% of each pass
     rows = {line.split("|")[1].strip(): line
-            for line in bench_dense_cache.paired_markdown(times, allocs) if line.startswith("| n")}
-    assert "| 2.500 | 0.80x [0.50-1.00x] | 5 |" in rows["nvfp4"] and "| 1.00x [1.00-1.00x] | 3 |" in rows["none"]
-    assert "| 2.250 | 0.89x [0.89-0.89x] | 7 |" in rows["nvfp4 filled"]
-    assert "| nan |" in bench_dense_cache.paired_markdown(times)[-1]  # no counts given
+            for line in bench_dense_cache.paired_markdown(times, allocs, host) if line.startswith("| n")}
+    assert "| 2.500 | 0.80x [0.50-1.00x] | 5 | 1.000 (50%) |" in rows["nvfp4"]
+    assert "| 1.00x [1.00-1.00x] | 3 | 1.000 (50%) |" in rows["none"]
+    assert "| 2.250 | 0.89x [0.89-0.89x] | 7 | 1.250 (56%) |" in rows["nvfp4 filled"]
+    assert bench_dense_cache.paired_markdown(times)[-1].endswith("| nan | – |")  # no counts given
 
 
 def test_a_filled_pass_leaves_the_fill_out_of_its_time(monkeypatch):
@@ -77,8 +80,9 @@ def test_a_filled_pass_leaves_the_fill_out_of_its_time(monkeypatch):
                         lambda *a: seen.append(dense_cache.block_stats()["misses"]) or real_update(*a))
     bench_dense_cache.one_pass(policy, batches, 1, None, False)
     grads = {n: p.grad.clone() for n, p in policy.named_parameters() if p.grad is not None}
-    seconds, gib, allocs = bench_dense_cache.one_pass(policy, batches, 1, None, False, True)
+    seconds, gib, allocs, host = bench_dense_cache.one_pass(policy, batches, 1, None, False, True)
     assert seen[0] == 0 and seen[1] > 0 and seconds > 0 and gib > 0 and allocs == 0  # no CUDA here
+    assert 0 < host <= seconds * 1.05  # the thread's own CPU time: all of a CPU pass, never much more
     assert all(torch.equal(p.grad, grads[n]) for n, p in policy.named_parameters() if p.grad is not None)
 
 
@@ -98,3 +102,25 @@ def test_a_paired_run_adds_the_alternating_table(tmp_path, monkeypatch):
     paired = out.read_text().split("## Paired")[1]
     assert "| none |" in paired and "| nvfp4 |" in paired and "| nvfp4 filled |" in paired
     assert "1.00x [1.00-1.00x] | 0 |" in paired  # no cudaMalloc on the CPU
+
+
+def test_modes_time_only_the_passes_asked_for(tmp_path, monkeypatch):
+    """--modes dense times the trainer's pass alone (for a sampling profiler); the others read "–"."""
+    out, seen = tmp_path / "dense.md", []
+    real = bench_dense_cache.one_pass
+    monkeypatch.setattr(bench_dense_cache, "one_pass", lambda *a, **k: seen.append((a[3], a[4])) or real(*a, **k))
+    monkeypatch.setattr(sys, "argv", ["bench_dense_cache", "--smoke", "--formats", "nvfp4", "--modes", "dense",
+                                      "--out", str(out)])
+    bench_dense_cache.main()
+    assert seen and all(gib is None and not routed for gib, routed in seen)  # never packed (gib 0) or routed
+    row = [c.strip() for c in next(line for line in out.read_text().splitlines()
+                                   if line.startswith("| nvfp4 ")).split("|")[1:-1]]
+    assert row[1] == row[3] == row[4] == row[5] == "–" and float(row[2]) > 0 and row[-1] == "–, –"
+
+
+def test_modes_without_the_dense_pass_are_refused(monkeypatch, capsys):
+    monkeypatch.setattr(bench_dense_cache, "make_policy", lambda *a, **k: pytest.fail("a model was built"))
+    monkeypatch.setattr(sys, "argv", ["bench_dense_cache", "--smoke", "--modes", "packed"])
+    with pytest.raises(SystemExit):
+        bench_dense_cache.main()
+    assert "--modes must include dense" in capsys.readouterr().err

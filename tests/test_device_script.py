@@ -203,3 +203,36 @@ def test_profile_update_routes_and_trim_call_their_benches(tmp_path):
     assert calls[3].startswith("-m bench.bench_routes --models Qwen2.5-1.5B --ms 8 64 ")
     assert calls[4] == (f"-m bench.bench_trim --model Qwen2.5-7B --formats none nvfp4 --checkpointing --repeats 2 "
                         f"--modes padded trimmed sorted packed --out {out}/trim/trim.md")
+
+
+FAKE_PYSPY = r"""#!/bin/bash
+# a stand-in py-spy: records its own arguments, writes a raw sample file, runs the command after --
+echo "py-spy $*" >> "$OUT/calls.txt"
+o=""; prev=""
+while [ "$1" != "--" ]; do [ "$prev" = "-o" ] && o="$1"; prev="$1"; shift; done; shift
+echo "main (b.py:1);update_pass (b.py:2) 5" > "$o"
+exec "$@"
+"""
+
+
+def test_pyspy_update_samples_one_process_per_format_and_diffs_them(tmp_path):
+    out, env = _fake_env(tmp_path)
+    proc = subprocess.run(["bash", str(SCRIPT), "pyspy-update"], cwd=SCRIPT.parents[1], capture_output=True, text=True,
+                          env={**env, "PYSPY": str(tmp_path / "no-py-spy")}, timeout=60)
+    assert proc.returncode == 2 and "carry its wheel in .whl/prof" in proc.stdout
+    fake = tmp_path / "bin" / "py-spy"
+    fake.write_text(FAKE_PYSPY)
+    fake.chmod(0o755)
+    proc = subprocess.run(["bash", str(SCRIPT), "pyspy-update", "Qwen2.5-0.5B", "none nvfp4"], cwd=SCRIPT.parents[1],
+                          capture_output=True, text=True, env={**env, "PYSPY": str(fake), "PYSPY_RATE": "100"},
+                          timeout=60)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    calls = (out / "calls.txt").read_text().splitlines()
+    spied = [c for c in calls if c.startswith("py-spy record")]
+    assert spied == [f"py-spy record -r 100 --native --format raw -o /tmp/pyspy_{f}.txt -- python3 -m bench.bench_dense_cache "
+                     f"--model Qwen2.5-0.5B --formats {f} --modes dense --micro-batch 8 --micro-batches 8 --prompt 256 "
+                     f"--completion 512 --repeats 6 --out {out}/pyspy/table_{f}.md" for f in ("none", "nvfp4")]
+    assert calls[-1] == (f"-m bench.pyspy_diff /tmp/pyspy_none.txt /tmp/pyspy_nvfp4.txt --labels none nvfp4 --rate 100 "
+                         f"--out {out}/pyspy/diff.md")
+    files = {p.name for p in _files(out)}
+    assert {"raw.tgz", "log_none.txt", "log_nvfp4.txt"} <= files and len(files) <= 8
