@@ -125,7 +125,8 @@
 #     latex2sympy2_extended antlr4-python3-runtime==4.13.2
 # (.rm, .rdata and .whl ignored in .git/info/exclude), then one call each:
 #   (the 1.5B: REAL_MODEL=1.5b on every call below and on step05b-real / repro, the same steps with
-#   qwen2.5-coder-1.5b-instruct: 26 pieces of 42.5 MB, converted to /tmp/m15; results tagged step15b-real)
+#   qwen2.5-coder-1.5b-instruct cut into .rm15 (carry .rm15/pNN): 27 pieces of 42.5 MB, converted to
+#   /tmp/m15; results tagged step15b-real)
 #   model-piece NN            (carry .rm/pNN) for 01 ... 11 (a few seconds each)
 #   model-setup NN            (carry .rm/pNN .rdata .whl/real; .rdata: gsm8k_train and gsm8k_test only) the last piece, sha256 (then /tmp/model.sha256.ok, which
 #                             repro and step05b-real test), data, convert
@@ -146,6 +147,8 @@ case "${REAL_MODEL:-0.5b}" in
 1.5b) MODEL_SHA=cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046; MODEL_DIR=/tmp/m15 ;;
 *) echo "REAL_MODEL must be 0.5b or 1.5b; got ${REAL_MODEL}" >&2; exit 2 ;;
 esac
+# the model's pieces here: .rm/pNN (the 0.5B), .rm15/pNN (the 1.5B), so both can wait in one checkout
+PIECES=.rm; [ "${REAL_MODEL:-0.5b}" = 1.5b ] && PIECES=.rm15
 model_checked() {  # model-setup wrote the marker after this model's sha256 matched (not the other model's)
   [ -f /tmp/model.sha256.ok ] && [ "$(cat /tmp/model.sha256.ok)" = "$MODEL_SHA" ]
 }
@@ -435,11 +438,11 @@ model-piece)
   n="${1:?piece number}"
   [ "$n" = 01 ] && rm -f /tmp/model.gguf
   rm -f /tmp/model.sha256.ok  # the file changes: unchecked until model-setup
-  cat ".rm/p$n/part" >> /tmp/model.gguf && ls -l /tmp/model.gguf ;;
+  cat "$PIECES/p$n/part" >> /tmp/model.gguf && ls -l /tmp/model.gguf ;;
 model-setup)
   n="${1:?last piece number}"
   rm -f /tmp/model.sha256.ok
-  cat ".rm/p$n/part" >> /tmp/model.gguf
+  cat "$PIECES/p$n/part" >> /tmp/model.gguf
   echo "$MODEL_SHA  /tmp/model.gguf" | sha256sum -c - || exit 1
   echo "$MODEL_SHA" > /tmp/model.sha256.ok  # repro and step05b-real test this: the whole file, checked
   mkdir -p /tmp/data && cp .rdata/*.jsonl /tmp/data/

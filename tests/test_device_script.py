@@ -156,6 +156,10 @@ def test_the_real_model_switch(tmp_path):
     assert sums == {"0.5b": "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
                     "1.5b": "cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046"}  # fetch-real-model's
     assert "/tmp/m05" not in text[text.index("model-setup)"):]  # every real-* command reads $MODEL_DIR
+    # each model's pieces in their own folder (.rm, .rm15), read by model-piece and model-setup alike
+    assert 'PIECES=.rm; [ "${REAL_MODEL:-0.5b}" = 1.5b ] && PIECES=.rm15' in text
+    pieces = text[text.index("model-piece)"):text.index("real-eval)")]
+    assert pieces.count('cat "$PIECES/p$n/part" >> /tmp/model.gguf') == 2 and ".rm/" not in pieces
 
 
 def test_step_trl_runs_the_trl_bench_at_step7b_shapes_and_archives_its_logs(tmp_path):
