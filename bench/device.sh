@@ -34,6 +34,12 @@
 #                             sites of the synchronizations, --paired for the formats' passes in alternation, each
 #                             round divided by bf16's: the fair ratio for a host-bound small model); profile.md and each format's
 #                             profile_<fmt>.txt in $OUT/profile-update
+#   fair                      NF4 and MXFP4 on their routed kernels (lut4_triton) against bf16 and NVFP4 per 7B layer
+#                             (bench.bench_lut4; with bitsandbytes' matmul_4bit on the same NF4 bytes where
+#                             .vllm/uns/slim.tgz or .vllm/bnb carries it), then our engine decoding the 7B in each
+#                             format (bench.bench_rollout engine-nvfp4 engine-nf4 engine-mxfp4, and transformers +
+#                             bitsandbytes' hf-nf4 with it; BATCHES default "1 8 64"): the issue's fair-baseline
+#                             check; $OUT/fair/lut4, $OUT/fair/engine, the logs in logs.tgz
 #   pyspy-update [MODEL] ["A B"]  the same update pass as profile-update, the dense-cache pass alone (--modes dense),
 #                             one process per format under py-spy (native frames, PYSPY_RATE samples/s, default 250;
 #                             py-spy's wheel in .whl/prof: python3 -m pip download --no-deps --only-binary=:all:
@@ -251,6 +257,16 @@ profile-update)
   timeout "${PROFILE_TIMEOUT:-400}" python3 -m bench.bench_dense_cache --model "${1:-Qwen2.5-7B}" --formats "${fmts[@]}" \
     "${shape[@]}" --profile "$OUT/profile-update" > "$OUT/profile-update/log.txt" 2>&1
   echo "profile rc=$?"; grep -E "^\| |Error" "$OUT/profile-update/log.txt" | head -12 ;;
+fair)
+  mkdir -p "$OUT/fair"; bnb=(); variants=(engine-nvfp4 engine-nf4 engine-mxfp4)
+  if [ -f .vllm/uns/slim.tgz ] || ls .vllm/bnb/*.whl > /dev/null 2>&1; then bitsandbytes; bnb=(--bnb); variants+=(hf-nf4); fi
+  timeout "${FAIR_LUT4_TIMEOUT:-240}" python3 -m bench.bench_lut4 "${bnb[@]}" --out "$OUT/fair/lut4" > /tmp/fair_lut4_log.txt 2>&1
+  echo "lut4 rc=$?"; head -40 "$OUT/fair/lut4/lut4.md" 2>/dev/null
+  read -r -a batches <<< "${BATCHES:-1 8 64}"
+  timeout "${FAIR_ENGINE_TIMEOUT:-300}" python3 -m bench.bench_rollout --parts rollout --models Qwen2.5-7B \
+    --variants "${variants[@]}" --batches "${batches[@]}" --budget 240 --out "$OUT/fair/engine" > /tmp/fair_engine_log.txt 2>&1
+  echo "engine rc=$?"; grep -E "ms/step|failed|Error" /tmp/fair_engine_log.txt | tail -20
+  (cd /tmp && tar czf "$OUT/fair/logs.tgz" fair_lut4_log.txt fair_engine_log.txt) ;;
 pyspy-update)
   read -r -a fmts <<< "${2:-none nvfp4}"; mkdir -p "$OUT/pyspy"; rate="${PYSPY_RATE:-250}"
   read -r -a shape <<< "${UPDATE_ARGS:---micro-batch 8 --micro-batches 8 --prompt 256 --completion 512 --repeats 6}"

@@ -240,3 +240,19 @@ def test_pyspy_update_samples_one_process_per_format_and_diffs_them(tmp_path):
                          f"--out {out}/pyspy/diff.md")
     files = {p.name for p in _files(out)}
     assert {"raw.tgz", "log_none.txt", "log_nvfp4.txt"} <= files and len(files) <= 8
+
+
+def test_fair_times_the_lut4_kernels_then_the_engine_in_each_format(tmp_path):
+    """The fair-baseline call: bench_lut4 per layer, then our engine decoding NVFP4, NF4 and MXFP4 (bitsandbytes'
+    variants only where a carry holds it: none in this checkout's fake run unless .vllm carries one)."""
+    out, env = _fake_env(tmp_path)
+    proc = subprocess.run(["bash", str(SCRIPT), "fair"], cwd=SCRIPT.parents[1], capture_output=True, text=True,
+                          env={**env, "BATCHES": "8 64"}, timeout=60)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    calls = [c for c in (out / "calls.txt").read_text().splitlines() if c.startswith("-m bench.")]
+    carried = (SCRIPT.parents[1] / ".vllm" / "uns" / "slim.tgz").exists() or any(
+        (SCRIPT.parents[1] / ".vllm" / "bnb").glob("*.whl"))
+    assert calls[0] == f"-m bench.bench_lut4{' --bnb' if carried else ''} --out {out}/fair/lut4"
+    assert calls[1] == ("-m bench.bench_rollout --parts rollout --models Qwen2.5-7B --variants engine-nvfp4 engine-nf4 "
+                        f"engine-mxfp4{' hf-nf4' if carried else ''} --batches 8 64 --budget 240 --out {out}/fair/engine")
+    assert (out / "fair" / "logs.tgz").exists() and len(_files(out)) <= 8
