@@ -124,9 +124,10 @@ def one_pass(policy, batches, mu: int, gib: float | None, routed: bool,
              filled: bool = False) -> tuple[float, float, int, float]:
     """(seconds, GiB the cache held, cudaMalloc calls, the host thread's CPU seconds) of one pass in its own
     ``update_cache`` block, as the trainer opens one per step. The CPU seconds (``time.thread_time``) are
-    the work this thread did, launches and Python: a pass whose seconds exceed them waited (for the device
-    at a read back, or for the interpreter's lock); one that spends them all was bound by the host. ``routed``: every 4-bit call through the routed autograd Function
-    (``routed_function``). ``filled``: the block's dense weights made before the clock starts (a no-grad
+    the work this thread did, launches and Python: a pass whose seconds exceed them waited (for the
+    interpreter's lock, or at a read back where CUDA blocks rather than spins; a spinning wait counts as
+    CPU time); one that spends them all was bound by the host. ``routed``: every 4-bit call through the
+    routed autograd Function (``routed_function``). ``filled``: the block's dense weights made before the clock starts (a no-grad
     forward of the first micro-batch), so the time leaves out the block's fill (one dequantize per weight
     and the allocations that hold them): what a pass costs once its weights are dense."""
     policy.zero_grad(set_to_none=True)
@@ -168,8 +169,8 @@ def time_modes(policy, batches, mu: int, modes: dict[str, tuple[float | None, bo
 
 def paired_passes(policies: dict, batches, mu: int, gib: float | None,
                   repeats: int) -> tuple[dict[str, list[float]], dict[str, list[int]], dict[str, list[float]]]:
-    """Seconds, cudaMalloc calls and host CPU seconds of each format's dense-cache pass, ``repeats`` rounds in which every
-    format runs one pass, the order rotated each round (after one warm-up round): the formats' passes
+    """Seconds, cudaMalloc calls and host CPU seconds of each format's dense-cache pass, ``repeats`` rounds in
+    which every format runs one pass, the order rotated each round (after one warm-up round): the formats' passes
     alternate, so a drift of the machine's speed (a host-bound small model's pass follows the host's)
     reaches all of them alike, and each round's ratio compares passes a few seconds apart. Each 4-bit
     format also runs as "<format> filled": its block's weights made before the clock starts

@@ -95,7 +95,8 @@ def main(argv: list[str] | None = None) -> None:
     stacks = [read_raw(Path(p).read_text(errors="replace"), within) for p in (args.a, args.b)]
     for path, s in zip((args.a, args.b), stacks):
         if not s:
-            ap.error(f"{path}: no sample{' passes through ' + repr(within) if within else ''} (is it py-spy's raw format?)")
+            through = f" passes through {within!r}" if within else ""
+            ap.error(f"{path}: no sample{through} (is it py-spy's raw format?)")
     command = f"`python -m bench.pyspy_diff {args.a} {args.b} --labels {' '.join(args.labels)} --rate {args.rate:g}`"
     lines = [f"# py-spy: {args.labels[1]} against {args.labels[0]}", "",
              command + (f" (stacks through `{within}`)" if within else " (every stack)"), ""]
