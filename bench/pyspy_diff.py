@@ -8,8 +8,8 @@ dense``, the trainer's pass alone), then
 
     python -m bench.pyspy_diff none.txt nvfp4.txt --labels none nvfp4 --rate 250 --out diff.md
 
-keeps the samples whose stack passes through ``--within`` (default ``update_pass``: the timed passes,
-not the model's build), and lists the frames whose inclusive seconds (samples / rate, every sample
+keeps the samples whose stack passes through ``--within`` (default ``timed_pass``: bench_dense_cache's timed
+passes, not the model's build or the warm-up pass's compilation), and lists the frames whose inclusive seconds (samples / rate, every sample
 whose stack holds the frame) differ most between the two, with each one's own seconds (samples where
 it is the leaf). Frames are named ``function (file)`` without the line, so one function's call sites add up.
 """
@@ -33,7 +33,7 @@ def frame_name(frame: str) -> str:
     return _ADDRESS.sub("? ", _LINE.sub(")", frame.strip()))
 
 
-def read_raw(text: str, within: str | None = "update_pass") -> collections.Counter:
+def read_raw(text: str, within: str | None = "timed_pass") -> collections.Counter:
     """Samples per stack (a tuple of frame names, outermost first) of py-spy's raw format ("f1;f2;... N" per
     line); with ``within``, only stacks through a frame of that function name."""
     stacks: collections.Counter = collections.Counter()
@@ -85,7 +85,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("b", help="py-spy raw file of the second run")
     ap.add_argument("--labels", nargs=2, default=["a", "b"])
     ap.add_argument("--rate", type=float, default=250.0, help="py-spy's --rate (samples per second)")
-    ap.add_argument("--within", default="update_pass", help="keep stacks through this function ('' keeps all)")
+    ap.add_argument("--within", default="timed_pass", help="keep stacks through this function ('' keeps all)")
     ap.add_argument("--top", type=int, default=40)
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)

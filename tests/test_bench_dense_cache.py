@@ -124,3 +124,20 @@ def test_modes_without_the_dense_pass_are_refused(monkeypatch, capsys):
     with pytest.raises(SystemExit):
         bench_dense_cache.main()
     assert "--modes must include dense" in capsys.readouterr().err
+
+
+def test_only_the_timed_passes_run_under_timed_pass(monkeypatch):
+    """The warm-up pass per mode (compilation, first calls) runs outside ``timed_pass``, the frame a sampling
+    profiler keeps (bench.pyspy_diff's default --within); every timed pass runs inside it."""
+    seen = []
+    real = bench_dense_cache.timed_pass
+    monkeypatch.setattr(bench_dense_cache, "one_pass", lambda *a, **k: seen.append("pass") or (1.0, 0.0, 0, 1.0))
+    monkeypatch.setattr(bench_dense_cache, "timed_pass", lambda *a, **k: seen.append("timed") or real(*a, **k))
+    monkeypatch.setattr(bench_dense_cache.torch.cuda, "is_available", lambda: False)
+
+    class Policy:  # the parameters time_modes reads the LoRA gradients from
+        def named_parameters(self):
+            return iter(())
+
+    bench_dense_cache.time_modes(Policy(), None, 1, {"dense": (None, False), "packed": (0, False)}, repeats=3)
+    assert seen == ["pass", "pass"] + ["timed", "pass"] * 6  # a warm-up per mode, then 3 rounds of both, timed

@@ -214,7 +214,7 @@ FAKE_PYSPY = r"""#!/bin/bash
 echo "py-spy $*" >> "$OUT/calls.txt"
 o=""; prev=""
 while [ "$1" != "--" ]; do [ "$prev" = "-o" ] && o="$1"; prev="$1"; shift; done; shift
-echo "main (b.py:1);update_pass (b.py:2) 5" > "$o"
+echo "main (b.py:1);timed_pass (b.py:2) 5" > "$o"
 exec "$@"
 """
 
