@@ -47,7 +47,7 @@ from pathlib import Path
 
 import torch
 
-from bench.common import build, free, profiled, sync, with_lora
+from bench.common import allocator_calls, build, free, profiled, sync, with_lora
 from qerl_kit import dense_update
 from qerl_kit.logprobs import completion_logprobs
 
@@ -111,13 +111,7 @@ def routed_function():
         QuantLinear._forward_held = held
 
 
-# Each timed mode: the cache budget (the run's --gib) -> (budget, every call through the routed Function).
-MODES = {"packed": lambda gib: (0, False), "dense": lambda gib: (gib, False), "routed": lambda gib: (gib, True)}
-
-
-def _device_allocs() -> int:
-    """cudaMalloc calls so far (PyTorch's allocator's segments); 0 without CUDA."""
-    return torch.cuda.memory_stats().get("segment.all.allocated", 0) if torch.cuda.is_available() else 0
+MODES = ("packed", "dense", "routed")  # the passes a format can be timed in (``main``'s modes)
 
 
 def one_pass(policy, batches, mu: int, gib: float | None, routed: bool,
@@ -127,9 +121,9 @@ def one_pass(policy, batches, mu: int, gib: float | None, routed: bool,
     the work this thread did, launches and Python: a pass whose seconds exceed them waited (for the
     interpreter's lock, or at a read back where CUDA blocks rather than spins; a spinning wait counts as
     CPU time); one that spends them all was bound by the host. ``routed``: every 4-bit call through the
-    routed autograd Function (``routed_function``). ``filled``: the block's dense weights made before the clock starts (a no-grad
-    forward of the first micro-batch), so the time leaves out the block's fill (one dequantize per weight
-    and the allocations that hold them): what a pass costs once its weights are dense."""
+    routed autograd Function (``routed_function``). ``filled``: the block's dense weights made before the
+    clock starts (a no-grad forward of the first micro-batch), so the time leaves out the block's fill (one
+    dequantize per weight and the allocations that hold them): what a pass costs once its weights are dense."""
     policy.zero_grad(set_to_none=True)
     sync()
     with dense_update.update_cache(policy, gib) as block, (routed_function() if routed else contextlib.nullcontext()):
@@ -137,16 +131,16 @@ def one_pass(policy, batches, mu: int, gib: float | None, routed: bool,
             with torch.no_grad():
                 _logprobs(policy, *batches[0])
             sync()
-        allocs, t0, c0 = _device_allocs(), time.perf_counter(), time.thread_time()
+        allocs, t0, c0 = allocator_calls()[0], time.perf_counter(), time.thread_time()
         update_pass(policy, batches, mu)
         sync()
         seconds, host = time.perf_counter() - t0, time.thread_time() - c0
-    return seconds, block.peak_bytes / dense_update.GIB, _device_allocs() - allocs, host
+    return seconds, block.peak_bytes / dense_update.GIB, allocator_calls()[0] - allocs, host
 
 
 def timed_pass(*args, **kwargs) -> tuple[float, float, int, float]:
-    """``one_pass`` under a frame of its own name, for the timed passes only (not the warm-up's compilation and
-    first calls): what a sampling profiler keeps (``bench.pyspy_diff --within timed_pass``)."""
+    """``one_pass`` under a frame of its own name, for the timed passes only (not the warm-up's compilation
+    and first calls): what a sampling profiler keeps (``bench.pyspy_diff --within timed_pass``)."""
     return one_pass(*args, **kwargs)
 
 
@@ -175,9 +169,9 @@ def time_modes(policy, batches, mu: int, modes: dict[str, tuple[float | None, bo
 
 def paired_passes(policies: dict, batches, mu: int, gib: float | None,
                   repeats: int) -> tuple[dict[str, list[float]], dict[str, list[int]], dict[str, list[float]]]:
-    """Seconds, cudaMalloc calls and host CPU seconds of each format's dense-cache pass, ``repeats`` rounds in
-    which every format runs one pass, the order rotated each round (after one warm-up round): the formats' passes
-    alternate, so a drift of the machine's speed (a host-bound small model's pass follows the host's)
+    """Seconds, cudaMalloc calls and host CPU seconds of each format's dense-cache pass, ``repeats`` rounds
+    in which every format runs one pass, the order rotated each round (after one warm-up round): the
+    formats' passes alternate, so a drift of the machine's speed (a host-bound small model's pass follows the host's)
     reaches all of them alike, and each round's ratio compares passes a few seconds apart. Each 4-bit
     format also runs as "<format> filled": its block's weights made before the clock starts
     (``one_pass(filled=True)``), so the fill's share of the gap shows."""
@@ -300,7 +294,8 @@ def main() -> None:
         g = torch.Generator().manual_seed(1)
         batches = [tuple(torch.randint(10, vocab - 10, (args.micro_batch, n), generator=g).to(device)
                          for n in (args.prompt, args.completion)) for _ in range(args.micro_batches)]
-        modes = {m: MODES[m](args.gib) for m in args.modes}
+        modes = {"packed": (0, False), "dense": (args.gib, False), "routed": (args.gib, True)}  # (budget, routed)
+        modes = {m: modes[m] for m in args.modes}
         timed = time_modes(policy, batches, args.mu, modes, args.repeats)
         dense = timed["dense"]
         bf16 = dense["s"] if fmt == "none" else bf16

@@ -8,10 +8,11 @@ dense``, the trainer's pass alone), then
 
     python -m bench.pyspy_diff none.txt nvfp4.txt --labels none nvfp4 --rate 250 --out diff.md
 
-keeps the samples whose stack passes through ``--within`` (default ``timed_pass``: bench_dense_cache's timed
-passes, not the model's build or the warm-up pass's compilation), and lists the frames whose inclusive seconds (samples / rate, every sample
-whose stack holds the frame) differ most between the two, with each one's own seconds (samples where
-it is the leaf). Frames are named ``function (file)`` without the line, so one function's call sites add up.
+keeps the samples whose stack passes through ``--within`` (default ``timed_pass``: bench_dense_cache's
+timed passes, not the model's build or the warm-up pass's compilation), and lists the frames whose
+inclusive seconds (samples / rate, every sample whose stack holds the frame) differ most between the
+two, with each one's own seconds (samples where it is the leaf). Frames are named ``function (file)``
+without the line, so one function's call sites add up.
 """
 
 from __future__ import annotations
