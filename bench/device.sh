@@ -41,7 +41,10 @@
 #                             bitsandbytes' hf-nf4 with it; BATCHES default "1 8 64"): the issue's fair-baseline
 #                             check; $OUT/fair/lut4, $OUT/fair/engine, the logs in logs.tgz
 #   pyspy-update [MODEL] ["A B"]  the same update pass as profile-update, the dense-cache pass alone (--modes dense),
-#                             one process per format under py-spy (native frames, PYSPY_RATE samples/s, default 250;
+#                             one process per format under py-spy (native frames, PYSPY_RATE samples/s, default 50,
+#                             and OMP_NUM_THREADS=PYSPY_THREADS, default 1: py-spy stops every thread per sample, and
+#                             at 250/s with torch's 16 threads hold 12's bf16 pass ran 16x slower, NVFP4's past the
+#                             timeout; PYSPY_TIMEOUT per format, default 240;
 #                             py-spy's wheel in .whl/prof: python3 -m pip download --no-deps --only-binary=:all:
 #                             -d .whl/prof py-spy), then bench.pyspy_diff: the frames whose sampled seconds differ
 #                             most between A and B (default "none nvfp4"): where a host-bound pass's extra time
@@ -70,7 +73,8 @@
 #   repro-tests               NVFP4 bit-reproducibility, tests/test_tuning.py compiled: each kernel's bits in two
 #                             processes (humming a non-strict xfail: XPASS means the same bits)
 #   repro [ARGS]              bench.bench_repro (3 processes, one fixed-seed rollout + Trainer step each, sha256s
-#                             compared) on the tiny model and, after model-setup, the real 0.5B GGUF; ARGS go to
+#                             compared) on the tiny model and, after model-setup, the real GGUF (REPRO_NEW tokens,
+#                             default 384: at 128 every GSM8K reward was 0, so the step moved nothing); ARGS go to
 #                             both runs (e.g. --backend ours --torch-deterministic); each repro.md loose, logs,
 #                             repro.json and autotune.json in repro_logs.tgz
 #   nb05                      notebook 05 on the GPU with vLLM; the Jupyter wheels from
@@ -268,12 +272,12 @@ fair)
   echo "engine rc=$?"; grep -E "ms/step|failed|Error" /tmp/fair_engine_log.txt | tail -20
   (cd /tmp && tar czf "$OUT/fair/logs.tgz" fair_lut4_log.txt fair_engine_log.txt) ;;
 pyspy-update)
-  read -r -a fmts <<< "${2:-none nvfp4}"; mkdir -p "$OUT/pyspy"; rate="${PYSPY_RATE:-250}"
-  read -r -a shape <<< "${UPDATE_ARGS:---micro-batch 8 --micro-batches 8 --prompt 256 --completion 512 --repeats 6}"
+  read -r -a fmts <<< "${2:-none nvfp4}"; mkdir -p "$OUT/pyspy"; rate="${PYSPY_RATE:-50}"
+  read -r -a shape <<< "${UPDATE_ARGS:---micro-batch 8 --micro-batches 8 --prompt 256 --completion 512 --repeats 4}"
   pyspy="${PYSPY:-/tmp/site/bin/py-spy}"  # carried_wheels installs it from .whl/prof
   [ -x "$pyspy" ] || { echo "py-spy is not installed ($pyspy): carry its wheel in .whl/prof"; exit 2; }
   for f in "${fmts[@]}"; do
-    timeout "${PYSPY_TIMEOUT:-240}" "$pyspy" record -r "$rate" --native --format raw -o "/tmp/pyspy_$f.txt" -- \
+    OMP_NUM_THREADS="${PYSPY_THREADS:-1}" timeout "${PYSPY_TIMEOUT:-240}" "$pyspy" record -r "$rate" --native --format raw -o "/tmp/pyspy_$f.txt" -- \
       python3 -m bench.bench_dense_cache --model "${1:-Qwen2.5-0.5B}" --formats "$f" --modes dense "${shape[@]}" \
       --out "$OUT/pyspy/table_$f.md" > "$OUT/pyspy/log_$f.txt" 2>&1; echo "$f rc=$?"; grep "^| $f " "$OUT/pyspy/table_$f.md"
   done
@@ -302,7 +306,7 @@ repro)
   timeout 240 python3 -m bench.bench_repro --processes 3 --model tiny --new 64 --out "$OUT/repro_tiny" "$@" \
     > "$OUT/repro_tiny_log.txt" 2>&1; echo "tiny rc=$?"; tail -4 "$OUT/repro_tiny/repro.md"
   if model_checked; then  # written by model-setup only after the GGUF's sha256 matched
-    timeout 320 python3 -m bench.bench_repro --processes 3 --preset real-gsm8k --model /tmp/model.gguf --new 128 --temperature 1.0 \
+    timeout 320 python3 -m bench.bench_repro --processes 3 --preset real-gsm8k --model /tmp/model.gguf --new "${REPRO_NEW:-384}" --temperature 1.0 \
       --out "$OUT/repro_real" "$@" > "$OUT/repro_real_log.txt" 2>&1; echo "real ${REAL_MODEL:-0.5b} rc=$?"; tail -4 "$OUT/repro_real/repro.md"
   else
     echo "real ${REAL_MODEL:-0.5b}: skipped (no checked /tmp/model.gguf of it: run model-piece 01.. and model-setup first)"

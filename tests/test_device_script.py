@@ -212,6 +212,7 @@ def test_profile_update_routes_and_trim_call_their_benches(tmp_path):
 FAKE_PYSPY = r"""#!/bin/bash
 # a stand-in py-spy: records its own arguments, writes a raw sample file, runs the command after --
 echo "py-spy $*" >> "$OUT/calls.txt"
+echo "OMP_NUM_THREADS=$OMP_NUM_THREADS" >> "$OUT/calls.txt"
 o=""; prev=""
 while [ "$1" != "--" ]; do [ "$prev" = "-o" ] && o="$1"; prev="$1"; shift; done; shift
 echo "main (b.py:1);timed_pass (b.py:2) 5" > "$o"
@@ -235,7 +236,8 @@ def test_pyspy_update_samples_one_process_per_format_and_diffs_them(tmp_path):
     spied = [c for c in calls if c.startswith("py-spy record")]
     assert spied == [f"py-spy record -r 100 --native --format raw -o /tmp/pyspy_{f}.txt -- python3 -m bench.bench_dense_cache "
                      f"--model Qwen2.5-0.5B --formats {f} --modes dense --micro-batch 8 --micro-batches 8 --prompt 256 "
-                     f"--completion 512 --repeats 6 --out {out}/pyspy/table_{f}.md" for f in ("none", "nvfp4")]
+                     f"--completion 512 --repeats 4 --out {out}/pyspy/table_{f}.md" for f in ("none", "nvfp4")]
+    assert calls.count("OMP_NUM_THREADS=1") == 2  # one torch thread: py-spy stops each thread per sample
     assert calls[-1] == (f"-m bench.pyspy_diff /tmp/pyspy_none.txt /tmp/pyspy_nvfp4.txt --labels none nvfp4 --rate 100 "
                          f"--out {out}/pyspy/diff.md")
     files = {p.name for p in _files(out)}

@@ -448,8 +448,9 @@ def test_choices_are_stored_by_one_process_and_reused_by_the_next(tmp_path):
     assert all(first[name]["rel"] < 1e-2 for name in NAMES), first
     entries = json.loads(cache.read_text())["entries"]
     gemv_key = next(k for k in entries if k.startswith("nvfp4_gemv["))
-    foreign = {gemv_key.replace(" on cpu (Triton interpreter) ", " on NVIDIA H200 "): "gpu",
+    foreign = {_other_gpu(gemv_key): "gpu",
                gemv_key.replace(f" with triton {_triton_version(gemv_key)}", " with triton 0.0"): "triton"}
+    assert gemv_key not in foreign, foreign
     if not CUDA:
         assert " on cpu (Triton interpreter) " in gemv_key
         assert gemv_key.startswith("nvfp4_gemv[M_BUCKET=8,N=64,K=1024][torch.bfloat16,")
@@ -484,6 +485,14 @@ def test_choices_are_stored_by_one_process_and_reused_by_the_next(tmp_path):
 
 def _triton_version(key: str) -> str:
     return key.rsplit(" with triton ", 1)[1]
+
+
+def _other_gpu(key: str) -> str:
+    """The same key for another machine: the device between " on " and " with triton " replaced (this
+    one's, whether the CPU interpreter or a GPU, never the other's name)."""
+    head, tail = key.rsplit(" with triton ", 1)
+    head, gpu = head.rsplit(" on ", 1)
+    return f"{head} on {'NVIDIA B200' if gpu == 'NVIDIA H200' else 'NVIDIA H200'} with triton {tail}"
 
 
 def _gemv_candidates(m: int) -> list[dict]:
@@ -575,3 +584,13 @@ def test_bench_repro_runs_two_processes_on_the_tiny_model_and_writes_the_table(t
     assert "torch " + torch.__version__ in table and "triton " in table and "preset tiny-cpu" in table
     assert "torch deterministic algorithms on" in table and "torch ops without a deterministic kernel" in table
     assert not list(tmp_path.glob("process*.json"))  # the workers' rows are gathered into repro.json
+
+
+def test_other_gpu_key_names_another_device_on_any_machine():
+    """The foreign entries above must differ from this machine's key on a GPU too (hold 12: on the H100
+    the CPU-only replacement left the key unchanged and overwrote the process's own choice)."""
+    for gpu in ("cpu (Triton interpreter)", "NVIDIA H100 80GB HBM3", "NVIDIA H200"):
+        key = tuning.entry_key("nvfp4_gemv", {"M_BUCKET": 8}, ["torch.bfloat16"], gpu, "3.6.0")
+        other = _other_gpu(key)
+        assert other != key and other.startswith("nvfp4_gemv[M_BUCKET=8][torch.bfloat16] on NVIDIA ")
+        assert other.endswith(" with triton 3.6.0") and f" on {gpu} " not in other
