@@ -34,6 +34,12 @@ gap shows; every pass also counts its cudaMalloc calls (the allocator's new segm
 thread's CPU seconds (``time.thread_time``: a pass that spends them all is bound by the host's work, one
 whose seconds exceed them waited). ``--modes dense`` times the trainer's pass alone (one process per
 format under a sampling profiler: ``bench/device.sh pyspy-update``).
+
+``--after-engine NEW`` first has our StaticEngine (the Trainer's settings: CUDA graphs, the KV cache
+kept) generate NEW tokens for every prompt of the batches, and keeps it alive while the passes are timed:
+the process the Trainer's update runs in after our rollout. On the real 1.5B (hold 12) the update ran
+1.13x slower after our rollout than after vLLM's, in both formats; the same pass with and without this
+flag, one process each (``bench/device.sh engine-ab``), says whether the engine's state is the cause.
 """
 
 from __future__ import annotations
@@ -84,6 +90,22 @@ def make_policy(preset: str, fmt: str, device: str, lora_r: int, checkpointing: 
         policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         policy.enable_input_require_grads()
     return policy.train()
+
+
+def engine_rollout(policy, batches, new: int):
+    """A StaticEngine over ``policy`` (the Trainer's defaults) that has generated ``new`` tokens for
+    every prompt of ``batches``: its KV cache, CUDA graphs and fused decode copies held, as after the
+    Trainer's rollout. The caller keeps it alive while the passes run."""
+    from qerl_kit.rollout import StaticEngine
+    from qerl_kit.rollout.types import SamplingParams
+
+    engine = StaticEngine(policy, ignore_eos=True)
+    prompts = [row.tolist() for prompt, _ in batches for row in prompt]
+    with torch.no_grad():
+        out = engine.generate_ids(prompts, n=1, sampling=SamplingParams(max_new_tokens=new, seed=0))
+    assert len(out.completion_ids) == len(prompts), (len(out.completion_ids), len(prompts))
+    sync()
+    return engine
 
 
 def _logprobs(policy, prompt: torch.Tensor, completion: torch.Tensor) -> torch.Tensor:
@@ -260,7 +282,11 @@ def main() -> None:
                     help="the passes timed per format (dense: the trainer's; one alone for a sampling profiler)")
     ap.add_argument("--paired", action="store_true", help="then every format's dense-cache pass again, in alternation "
                     "(paired_passes), each round's ratio to bf16's (needs none among --formats; all models in memory)")
+    ap.add_argument("--after-engine", type=int, default=0, metavar="NEW",
+                    help="time the passes after our StaticEngine generated NEW tokens per prompt, the engine kept")
     args = ap.parse_args()
+    if args.after_engine < 0:
+        ap.error(f"--after-engine must be an int >= 0 (new tokens; 0: no engine); got {args.after_engine}")
     if "dense" not in args.modes:
         ap.error(f"--modes must include dense (the trainer's pass, the table's reference); got {' '.join(args.modes)}")
     if args.paired and "none" not in args.formats:
@@ -281,7 +307,9 @@ def main() -> None:
              f"{args.model}{' narrowed (every width 64, vocabulary 512)' if args.narrow else ''}, LoRA r "
              f"{args.lora_r}, {args.micro_batches} x {args.micro_batch} sequences of "
              f"{args.prompt} + {args.completion} tokens, mu {args.mu}, gradient checkpointing "
-             f"{'on' if args.checkpointing else 'off'}, {torch.get_num_threads()} CPU thread(s)", "",
+             f"{'on' if args.checkpointing else 'off'}, {torch.get_num_threads()} CPU thread(s)"
+             + (f", after our StaticEngine generated {args.after_engine} tokens per prompt (kept alive)"
+                if args.after_engine else ""), "",
              "| format | packed s | dense cache s | routed s | speed-up (packed / cache) | routed / cache "
              "| vs bf16 (cache) | cache MiB | peak GiB (packed / cache) | LoRA grads equal (packed, routed) |",
              "|---|---:|---:|---:|---:|---:|---:|---:|---|---|"]
@@ -296,6 +324,7 @@ def main() -> None:
                          for n in (args.prompt, args.completion)) for _ in range(args.micro_batches)]
         modes = {"packed": (0, False), "dense": (args.gib, False), "routed": (args.gib, True)}  # (budget, routed)
         modes = {m: modes[m] for m in args.modes}
+        engine = engine_rollout(policy, batches, args.after_engine) if args.after_engine else None
         timed = time_modes(policy, batches, args.mu, modes, args.repeats)
         dense = timed["dense"]
         bf16 = dense["s"] if fmt == "none" else bf16
@@ -306,7 +335,7 @@ def main() -> None:
             table, profiles[fmt] = profile_pass(policy, batches, args.mu, args.gib, stacks=args.stacks)
             Path(args.profile).mkdir(parents=True, exist_ok=True)
             (Path(args.profile) / f"profile_{fmt}.txt").write_text(table)
-        del policy, dense, timed  # batches: the same random ids for --paired
+        del policy, dense, timed, engine  # batches: the same random ids for --paired
         free()
     if args.paired:
         policies = {fmt: make_policy(args.model, fmt, device, args.lora_r, args.checkpointing,

@@ -41,15 +41,16 @@
 #                             bitsandbytes' hf-nf4 with it; BATCHES default "1 8 64"): the issue's fair-baseline
 #                             check; $OUT/fair/lut4, $OUT/fair/engine, the logs in logs.tgz
 #   pyspy-update [MODEL] ["A B"]  the same update pass as profile-update, the dense-cache pass alone (--modes dense),
-#                             one process per format under py-spy (native frames, PYSPY_RATE samples/s, default 50,
-#                             and OMP_NUM_THREADS=PYSPY_THREADS, default 1: py-spy stops every thread per sample, and
-#                             at 250/s with torch's 16 threads hold 12's bf16 pass ran 16x slower, NVFP4's past the
-#                             timeout; PYSPY_TIMEOUT per format, default 240;
+#                             one process per format under py-spy (native frames, PYSPY_RATE/s, default 50, with
+#                             PYSPY_THREADS (1) torch threads: py-spy stops each thread per sample; PYSPY_TIMEOUT 240;
 #                             py-spy's wheel in .whl/prof: python3 -m pip download --no-deps --only-binary=:all:
 #                             -d .whl/prof py-spy), then bench.pyspy_diff: the frames whose sampled seconds differ
 #                             most between A and B (default "none nvfp4"): where a host-bound pass's extra time
 #                             goes, without the torch.profiler's overhead; UPDATE_ARGS as for profile-update;
 #                             $OUT/pyspy/diff.md, each format's table and log, the raw samples in raw.tgz
+#   engine-ab [MODEL] ["FORMATS"]  the update pass (--modes dense) per format alone and after our engine generated
+#                             ENGINE_NEW (512) tokens per prompt (--after-engine), one process each; MODEL Qwen2.5-1.5B,
+#                             FORMATS "none nvfp4", UPDATE_ARGS as for profile-update; $OUT/engine-ab/<fmt>-<run>.md
 #   trim [MODEL] ["FORMATS"]  one update pass at the real 1.5B's GSM8K lengths (16 x 8 rows, checkpointing on): micro-
 #                             batches padded to the batch, trimmed to their own width, sorted by length first,
 #                             packed to the padded micro-batch's tokens (bench.bench_trim); MODEL default Qwen2.5-7B,
@@ -70,13 +71,11 @@
 #                             plan's parts (bench.probe_memory_census; MODELS default "Qwen2.5-32B Qwen2.5-7B", NVFP4);
 #                             $OUT/census-<model>/census.md; CENSUS_ARGS adds flags (--history: each live block's
 #                             allocating line, --dense-decode off)
-#   repro-tests               NVFP4 bit-reproducibility, tests/test_tuning.py compiled: each kernel's bits in two
-#                             processes (humming a non-strict xfail: XPASS means the same bits)
+#   repro-tests               tests/test_tuning.py compiled: each kernel's bits in two processes (humming: non-strict xfail)
 #   repro [ARGS]              bench.bench_repro (3 processes, one fixed-seed rollout + Trainer step each, sha256s
-#                             compared) on the tiny model and, after model-setup, the real GGUF (REPRO_NEW tokens,
-#                             default 384: at 128 every GSM8K reward was 0, so the step moved nothing); ARGS go to
-#                             both runs (e.g. --backend ours --torch-deterministic); each repro.md loose, logs,
-#                             repro.json and autotune.json in repro_logs.tgz
+#                             compared) on the tiny model and, after model-setup, the real GGUF (REPRO_NEW tokens, 384:
+#                             at 128 no reward, no update); ARGS go to both runs (e.g. --backend ours
+#                             --torch-deterministic); each repro.md loose, logs, repro.json, autotune.json in repro_logs.tgz
 #   nb05                      notebook 05 on the GPU with vLLM; the Jupyter wheels from
 #                             bench/make_notebook_carry.sh (.whl/nb, a call of its own)
 #   unsloth                   Unsloth's GRPO rollout path (bench/probe_unsloth.py); carry .vllm/uns
@@ -134,19 +133,17 @@
 #     --platform manylinux_2_28_x86_64 --platform any -d .whl/real gguf humming-kernels==0.1.19 math-verify \
 #     latex2sympy2_extended antlr4-python3-runtime==4.13.2
 # (.rm, .rdata and .whl ignored in .git/info/exclude), then one call each:
-#   (the 1.5B: REAL_MODEL=1.5b on every call below and on step05b-real / repro, the same steps with
-#   qwen2.5-coder-1.5b-instruct cut into .rm15 (carry .rm15/pNN): 27 pieces of 42.5 MB, converted to
-#   /tmp/m15; results tagged step15b-real)
+#   (the 1.5B: REAL_MODEL=1.5b on every call below and on step05b-real / repro, qwen2.5-coder-1.5b-instruct
+#   (cut into .rm15, carry .rm15/pNN): 27 pieces of 42.5 MB, converted to /tmp/m15; results tagged step15b-real)
 #   model-piece NN            (carry .rm/pNN) for 01 ... 11 (a few seconds each)
 #   model-setup NN            (carry .rm/pNN .rdata .whl/real; .rdata: gsm8k_train and gsm8k_test only) the last piece, sha256 (then /tmp/model.sha256.ok, which
 #                             repro and step05b-real test), data, convert
 #   real-eval [ARGS]          bench.real_model eval (EVAL_TAG names the output; ARGS e.g. --pass-k 8)
 #   real-regress [ARGS]       bench.real_model regress
 #   real-grpo [ARGS]          bench.real_grpo run, resumable: call again to continue
-#   engine-policy [ARGS]      bench.probe_engine_policy: StaticEngine's log-probs of its own samples against a
-#                             teacher-forced forward, per engine feature switched off; $OUT/policy/policy.{md,json}
-#                             (--trainer --batch FILE: the bench's step on a saved rollout, e.g. the carried
-#                             bench/results/engine_policy_h100/hold10/batch-none.pt.gz; --layout padded: the masked forward)
+#   engine-policy [ARGS]      bench.probe_engine_policy: StaticEngine's log-probs of its own samples against a teacher-
+#                             forced forward, per engine feature switched off; $OUT/policy/policy.{md,json} (--trainer --batch
+#                             FILE: the step on a saved rollout, e.g. engine_policy_h100/hold10/batch-none.pt.gz; --layout padded)
 set -uo pipefail
 cmd="${1:?command}"; shift
 OUT="${OUT:?set OUT}"
@@ -284,6 +281,18 @@ pyspy-update)
   python3 -m bench.pyspy_diff "/tmp/pyspy_${fmts[0]}.txt" "/tmp/pyspy_${fmts[1]}.txt" --labels "${fmts[@]:0:2}" --rate "$rate" \
     --out "$OUT/pyspy/diff.md" > /dev/null; head -30 "$OUT/pyspy/diff.md"
   (cd /tmp && tar czf "$OUT/pyspy/raw.tgz" pyspy_*.txt) ;;
+engine-ab)
+  read -r -a fmts <<< "${2:-none nvfp4}"; mkdir -p "$OUT/engine-ab"
+  read -r -a shape <<< "${UPDATE_ARGS:---micro-batch 8 --micro-batches 8 --prompt 256 --completion 512 --repeats 4}"
+  for f in "${fmts[@]}"; do
+    for run in alone after-engine; do
+      extra=(); [ "$run" = after-engine ] && extra=(--after-engine "${ENGINE_NEW:-512}")
+      timeout "${AB_TIMEOUT:-240}" python3 -m bench.bench_dense_cache --model "${1:-Qwen2.5-1.5B}" --formats "$f" --modes dense \
+        "${shape[@]}" "${extra[@]}" --out "$OUT/engine-ab/$f-$run.md" > "$OUT/engine-ab/log_$f-$run.txt" 2>&1
+      echo "$f $run rc=$?: $(grep "^| $f " "$OUT/engine-ab/$f-$run.md" 2>/dev/null)"
+    done
+  done
+  (cd "$OUT/engine-ab" && tar czf logs.tgz --remove-files log_*.txt) ;;
 trim)
   read -r -a fmts <<< "${2:-none nvfp4}"; mkdir -p "$OUT/trim"
   read -r -a modes <<< "${TRIM_MODES:-padded trimmed sorted packed}"

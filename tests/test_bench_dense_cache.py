@@ -141,3 +141,35 @@ def test_only_the_timed_passes_run_under_timed_pass(monkeypatch):
 
     bench_dense_cache.time_modes(Policy(), None, 1, {"dense": (None, False), "packed": (0, False)}, repeats=3)
     assert seen == ["pass", "pass"] + ["timed", "pass"] * 6  # a warm-up per mode, then 3 rounds of both, timed
+
+
+def test_after_engine_rolls_out_first_and_keeps_the_engine_while_the_passes_run(tmp_path, monkeypatch):
+    """--after-engine: our StaticEngine generates for every prompt of the batches first (its cache held),
+    the passes then train through the same policy (LoRA gradients flow), and the table says so."""
+    import torch
+
+    policy = bench_dense_cache.make_policy("qwen2-tiny", "nvfp4", "cpu", 4, False)
+    g = torch.Generator().manual_seed(3)
+    batches = [tuple(torch.randint(10, 200, (2, n), generator=g) for n in (6, 5)) for _ in range(2)]
+    engine = bench_dense_cache.engine_rollout(policy, batches, 4)
+    assert engine._state is not None  # the KV cache and its state kept, as with the Trainer's keep_cache
+    assert policy.training
+    bench_dense_cache.update_pass(policy, batches, 1)
+    grads = [p.grad for n, p in policy.named_parameters() if "lora_" in n]
+    assert grads and all(g is not None and g.abs().sum() > 0 for g in grads)
+    out = tmp_path / "t.md"
+    seen = []
+    real = bench_dense_cache.engine_rollout
+    monkeypatch.setattr(bench_dense_cache, "engine_rollout", lambda *a: seen.append(a[2]) or real(*a))
+    monkeypatch.setattr(sys, "argv", ["bench_dense_cache", "--smoke", "--formats", "none", "--modes", "dense",
+                                      "--after-engine", "3", "--out", str(out)])
+    bench_dense_cache.main()
+    assert seen == [3] and "after our StaticEngine generated 3 tokens per prompt" in out.read_text()
+    assert any(line.startswith("| none ") for line in out.read_text().splitlines())
+
+
+def test_a_negative_after_engine_is_refused(monkeypatch, capsys):
+    monkeypatch.setattr(sys, "argv", ["bench_dense_cache", "--smoke", "--after-engine", "-1"])
+    with pytest.raises(SystemExit):
+        bench_dense_cache.main()
+    assert "--after-engine must be an int >= 0" in capsys.readouterr().err

@@ -258,3 +258,20 @@ def test_fair_times_the_lut4_kernels_then_the_engine_in_each_format(tmp_path):
     assert calls[1] == ("-m bench.bench_rollout --parts rollout --models Qwen2.5-7B --variants engine-nvfp4 engine-nf4 "
                         f"engine-mxfp4{' hf-nf4' if carried else ''} --batches 8 64 --budget 240 --out {out}/fair/engine")
     assert (out / "fair" / "logs.tgz").exists() and len(_files(out)) <= 8
+
+
+def test_engine_ab_runs_the_update_pass_alone_and_after_our_engine_one_process_each(tmp_path):
+    """engine-ab: per format, the dense-cache pass in a process of its own, then the same pass after our
+    StaticEngine's rollout (--after-engine, ENGINE_NEW tokens); logs archived, the tables loose."""
+    out, env = _fake_env(tmp_path)
+    proc = subprocess.run(["bash", str(SCRIPT), "engine-ab"], cwd=SCRIPT.parents[1], capture_output=True, text=True,
+                          env={**env, "ENGINE_NEW": "64"}, timeout=60)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    calls = [c for c in (out / "calls.txt").read_text().splitlines() if c.startswith("-m bench.")]
+    shape = "--micro-batch 8 --micro-batches 8 --prompt 256 --completion 512 --repeats 4"
+    assert calls == [f"-m bench.bench_dense_cache --model Qwen2.5-1.5B --formats {f} --modes dense {shape}{extra} "
+                     f"--out {out}/engine-ab/{f}-{run}.md"
+                     for f in ("none", "nvfp4") for run, extra in (("alone", ""), ("after-engine", " --after-engine 64"))]
+    assert [line.split(" rc=")[0] for line in proc.stdout.splitlines() if " rc=" in line] == \
+        ["none alone", "none after-engine", "nvfp4 alone", "nvfp4 after-engine"]
+    assert {p.name for p in _files(out)} == {"logs.tgz"}  # the fake wrote no tables; the four logs archived
