@@ -40,6 +40,8 @@ kept) generate NEW tokens for every prompt of the batches, and keeps it alive wh
 the process the Trainer's update runs in after our rollout. On the real 1.5B (hold 12) the update ran
 1.13x slower after our rollout than after vLLM's, in both formats; the same pass with and without this
 flag, one process each (``bench/device.sh engine-ab``), says whether the engine's state is the cause.
+Below the table each format's dense-cache pass has its cudaMalloc calls and host-thread CPU seconds
+(medians): a pass that waits on new device memory or on the host shows it there.
 """
 
 from __future__ import annotations
@@ -177,15 +179,16 @@ def time_modes(policy, batches, mu: int, modes: dict[str, tuple[float | None, bo
             torch.cuda.reset_peak_memory_stats()
         one_pass(policy, batches, mu, gib, routed)
         peak = torch.cuda.max_memory_allocated() / dense_update.GIB if torch.cuda.is_available() else float("nan")
-        out[name] = {"times": [], "peak": peak}
+        out[name] = {"times": [], "allocs": [], "host": [], "peak": peak}
     for _ in range(repeats):
         for name, (gib, routed) in modes.items():
-            seconds, held, _, _ = timed_pass(policy, batches, mu, gib, routed)
+            seconds, held, allocs, host = timed_pass(policy, batches, mu, gib, routed)
             grads = {n: p.grad.detach().clone() for n, p in policy.named_parameters() if p.grad is not None}
             out[name].update(gib=held, grads=grads)
-            out[name]["times"].append(seconds)
-    for r in out.values():
-        r["s"] = statistics.median(r.pop("times"))
+            for key, value in (("times", seconds), ("allocs", allocs), ("host", host)):
+                out[name][key].append(value)
+    for r in out.values():  # medians: seconds, cudaMalloc calls and host-thread CPU seconds per pass
+        r["s"], r["allocs"], r["host"] = (statistics.median(r.pop(key)) for key in ("times", "allocs", "host"))
     return out
 
 
@@ -315,6 +318,7 @@ def main() -> None:
              "|---|---:|---:|---:|---:|---:|---:|---:|---|---|"]
     print("\n".join(lines), flush=True)
     profiles: dict[str, list] = {}
+    notes: list[str] = []  # per format, below the table: the dense pass's cudaMalloc calls and host CPU time
     bf16 = None  # the bf16 row's dense-cache seconds, once measured (list "none" first to compare each row)
     for fmt in args.formats:
         policy = make_policy(args.model, fmt, device, args.lora_r, args.checkpointing, **(NARROW if args.narrow else {}))
@@ -331,12 +335,16 @@ def main() -> None:
         row = mode_row(fmt, timed, bf16)
         print(row, flush=True)
         lines.append(row)
+        notes.append(f"- {fmt}, the dense-cache pass (median of {args.repeats}): {dense['s']:.3f} s, "
+                     f"{dense['allocs']:g} cudaMalloc calls, {dense['host']:.3f} s of host-thread CPU time")
         if args.profile:
             table, profiles[fmt] = profile_pass(policy, batches, args.mu, args.gib, stacks=args.stacks)
             Path(args.profile).mkdir(parents=True, exist_ok=True)
             (Path(args.profile) / f"profile_{fmt}.txt").write_text(table)
         del policy, dense, timed, engine  # batches: the same random ids for --paired
         free()
+    lines += [""] + notes
+    print("\n".join(notes), flush=True)
     if args.paired:
         policies = {fmt: make_policy(args.model, fmt, device, args.lora_r, args.checkpointing,
                                      **(NARROW if args.narrow else {})) for fmt in args.formats}

@@ -166,6 +166,8 @@ def test_after_engine_rolls_out_first_and_keeps_the_engine_while_the_passes_run(
     bench_dense_cache.main()
     assert seen == [3] and "after our StaticEngine generated 3 tokens per prompt" in out.read_text()
     assert any(line.startswith("| none ") for line in out.read_text().splitlines())
+    note = next(line for line in out.read_text().splitlines() if line.startswith("- none, the dense-cache pass"))
+    assert "(median of 1)" in note and " 0 cudaMalloc calls" in note and "host-thread CPU time" in note  # CPU: none
 
 
 def test_a_negative_after_engine_is_refused(monkeypatch, capsys):
