@@ -35,7 +35,7 @@
 #                             round divided by bf16's: the fair ratio for a host-bound small model); profile.md and each format's
 #                             profile_<fmt>.txt in $OUT/profile-update
 #   fair                      NF4 and MXFP4 on their routed kernels (lut4_triton) against bf16 and NVFP4 per 7B layer
-#                             (bench.bench_lut4; with bitsandbytes' matmul_4bit on the same NF4 bytes where
+#                             (bench.bench_lut4, NF4's GEMV candidates and the forced dense path too; bitsandbytes' matmul_4bit where
 #                             .vllm/uns/slim.tgz or .vllm/bnb carries it), then our engine decoding the 7B in each
 #                             format (bench.bench_rollout engine-nvfp4 engine-nf4 engine-mxfp4, and transformers +
 #                             bitsandbytes' hf-nf4 with it; BATCHES default "1 8 64"): the issue's fair-baseline

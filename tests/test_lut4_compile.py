@@ -59,11 +59,16 @@ for fmt in ("nf4", "mxfp4"):
                          stride_pn="i32", stride_sn="i32", stride_ym="i32", stride_yn="i32")
             consts = dict(FMT=L.FORMAT_IDS[fmt], BS=L.BLOCK_SIZES[fmt], HAS_BIAS=True, INTERPRET=False,
                           IEEE=dt == "fp32", EVEN_K=k % cfg["BLOCK_K"] == 0, USE_DOT=cfg["USE_DOT"],
-                          SPLIT_K=cfg["SPLIT_K"], BLOCK_M=L.gemv_block_m(m, cfg["USE_DOT"]),
+                          SPLIT_K=cfg["SPLIT_K"], BLOCK_M=L.gemv_block_m(m, cfg["USE_DOT"]), NF4_TREE=False,
                           BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"])
             regs, stack, vec = compiled(L._lut4_gemv_kernel, types, consts, num_warps=cfg["num_warps"],
                                         num_stages=cfg["num_stages"])
             print("gemv", fmt, dt, m, k, consts["EVEN_K"], regs, vec, stack)
+            if fmt == "nf4" and cfg["USE_DOT"] and k == 3584:  # the candidates bench_lut4 times (NF4_TREE, one stage)
+                for tree, stages in ((True, cfg["num_stages"]), (False, 1)):
+                    regs, stack, vec = compiled(L._lut4_gemv_kernel, types, dict(consts, NF4_TREE=tree),
+                                                num_warps=cfg["num_warps"], num_stages=stages)
+                    print("variant", fmt, dt, m, k, "tree" if tree else "stages1", regs, vec, stack)
         types = dict(p_ptr="*u8", s_ptr=scales, lut_ptr=lut, w_ptr=PTR[dt], N="i32", K="i32", stride_pn="i32",
                      stride_sn="i32", stride_wn="i32")
         for k in (3584, 896):
@@ -88,6 +93,9 @@ def test_kernels_compile_for_sm90_without_spilling():
     assert proc.returncode == 0, proc.stderr[-4000:]
     rows = [line.split() for line in proc.stdout.splitlines() if line.startswith(("gemv", "dequant"))]
     assert len(rows) == 2 * 3 * (6 + 4)
+    variants = [line.split() for line in proc.stdout.splitlines() if line.startswith("variant")]
+    assert len(variants) == 3 * 3 * 2  # NF4, three dtypes, the three MMA row counts at K = 3584, two candidates
+    assert not [v for v in variants if int(v[-1]) != 0], f"register spills in NF4's candidates: {variants}"
     # BLOCK_K divides K at every shape here (3584, 896): whole tiles, no masks along K
     assert all(r[5] == "True" for r in rows), [r for r in rows if r[5] != "True"]
     spilled = [r for r in rows if int(r[-1]) != 0]

@@ -103,6 +103,23 @@ def test_gemv_matches_the_reference(fmt, dtype):
             _assert_within_fp32_accumulation(y, x, w, bias if m != 3 else None)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+def test_nf4_select_tree_gives_the_tables_bits(dtype):
+    """NF4_TREE (the levels from a tree of selects, no table read) computes the same float32 products as the
+    table's gather: the GEMV's outputs are equal bit for bit, at one row (FMA path) and on the MMA path,
+    with every one of the 16 codes present in the weight (so each tree constant is checked)."""
+    n, k = SHAPES["nf4"][1]
+    q = _weight("nf4", n, k, seed=41)
+    codes = torch.cat([q.packed >> 4, q.packed & 15]).unique()
+    assert codes.numel() == 16
+    for m in (1, 3, 17):
+        x = _randn(m, k, dtype=dtype, seed=50 + m)
+        table = lut4_triton.lut4_gemv(x, q.packed, q.scales, "nf4")
+        tree = lut4_triton.lut4_gemv(x, q.packed, q.scales, "nf4", config={"NF4_TREE": True})
+        assert torch.equal(tree.view(BITS[dtype]), table.view(BITS[dtype])), m
+    assert lut4_triton.gemv_config(8, 4608, 3584, "nf4", interpret=False)["NF4_TREE"] is False  # until timed
+
+
 def test_gemv_refuses_what_it_does_not_take():
     q = _weight("nf4", 32, 128, seed=1)
     with pytest.raises(ValueError, match="at most 64 rows"):
@@ -245,6 +262,16 @@ def test_bench_runs_its_smoke_shape_in_the_interpreter(tmp_path):
     bench_lut4.main(["--smoke", "--out", str(tmp_path)])
     table = (tmp_path / "lut4.md").read_text()
     assert "| tiny | 1 | 64 | 128 |" in table and "lut4_gemv" in table and "lut4_dense" in table
+    header = table.splitlines()[2]
+    for side in ("nf4_tree_us", "nf4_stages1_us", "nf4_dense_us", "mxfp4_dense_us"):  # the GEMV's alternatives
+        assert f" {side} " in header, header
+    cells = {line.split("|")[2].strip(): line for line in table.splitlines() if line.startswith("| tiny |")}
+    assert set(cells) == {"1", "3", "65"}
+    cols = [c.strip() for c in header.split("|")[1:-1]]
+    row3 = [c.strip() for c in cells["3"].split("|")[1:-1]]
+    assert all(float(row3[cols.index(c)]) > 0 for c in ("nf4_tree_us", "nf4_stages1_us", "nf4_dense_us"))
+    row1 = [c.strip() for c in cells["1"].split("|")[1:-1]]
+    assert row1[cols.index("nf4_stages1_us")] == ""  # one row has no pipeline to drop
     assert kernels.get_backend() is before  # the run's backend switch is restored
 
 
