@@ -332,17 +332,34 @@ def timed_steps(trainer, steps: int, label: str, every: list | None = None) -> t
     (``bench/peak_gib``; the Trainer's own ``memory/*`` figures on CUDA: the rollout's peak, what stays
     allocated into the update), so a run that fails later keeps them."""
     held = 0.0
-    for i in range(steps):
-        before = allocator_calls()
-        m = {**trainer.train_step(), "bench/peak_gib": peak_gib()}
-        mallocs, retries = (b - a for a, b in zip(before, allocator_calls()))
-        m["bench/cuda_mallocs"], m["bench/alloc_retries"] = mallocs, retries
-        if every is not None:
-            every.append(m)
-        held = max(held, m.get("memory/dense_cache_gib", 0.0))
-        log(f"{label} step #{i}: {m['time/step']:.2f}s (" + ", ".join(
-            f"{k[5:]} {m[k]:.2f}" for k in ("time/rollout", "time/sync", "time/sleep", "time/logprob", "time/update")
-            if k in m) + f"), peak {peak_gib():.1f} GiB, {mallocs} cudaMalloc calls, {retries} retries")
+    prepare, marks, own = getattr(trainer, "_prepare", None), [], "_prepare" in vars(trainer)
+
+    def marked(*args, **kwargs):  # the update's start (after the rollout, rewards, old policy): the cudaMalloc count then
+        out = prepare(*args, **kwargs)
+        marks.append(allocator_calls()[0])
+        return out
+    if prepare is not None:  # a Trainer (a test's stand-in may have no phases)
+        trainer._prepare = marked
+    try:
+        for i in range(steps):
+            before = allocator_calls()
+            marks.clear()
+            m = {**trainer.train_step(), "bench/peak_gib": peak_gib()}
+            mallocs, retries = (b - a for a, b in zip(before, allocator_calls()))
+            m["bench/cuda_mallocs"], m["bench/alloc_retries"] = mallocs, retries
+            m["bench/cuda_mallocs_before_update"] = marks[0] - before[0] if marks else None
+            if every is not None:
+                every.append(m)
+            held = max(held, m.get("memory/dense_cache_gib", 0.0))
+            split = f" ({m['bench/cuda_mallocs_before_update']} before the update)" if marks else ""
+            log(f"{label} step #{i}: {m['time/step']:.2f}s (" + ", ".join(
+                f"{k[5:]} {m[k]:.2f}" for k in ("time/rollout", "time/sync", "time/sleep", "time/logprob", "time/update")
+                if k in m) + f"), peak {peak_gib():.1f} GiB, {mallocs} cudaMalloc calls{split}, {retries} retries")
+    finally:  # the trainer as it was (its class's method again, unless it had its own)
+        if own:
+            trainer._prepare = prepare
+        elif prepare is not None:
+            del trainer._prepare
     return m, peak_gib(), held
 
 

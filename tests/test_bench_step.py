@@ -310,6 +310,7 @@ def test_the_vllm_driven_step_sends_each_row_at_its_drawn_length_through_the_tra
     monkeypatch.setattr(trainer, "train_step", lambda: order.append("step") or step())
     m, _, _ = timed_steps(trainer, 2, "fake vllm")
     assert order == ["step", "step"]  # the peak's restart at each step is the Trainer's (tests/test_trainer.py)
+    assert m["bench/cuda_mallocs_before_update"] == 0 and "_prepare" not in vars(trainer)  # counted, then unwrapped
     generate = [c for c in engine.llm.calls if c[0] == "generate"][-1]
     assert [p.kwargs["max_tokens"] for p in generate[2]] == drawn["lengths"]
     assert [p.kwargs["min_tokens"] for p in generate[2]] == drawn["lengths"]
