@@ -25,29 +25,24 @@
 #                             default list (tests/test_bench_trl_step.py, a call of its own: carry .vllm/uns)
 #                             (pytest travels as wheels: python3 -m pip download -d .whl/test pytest; carry .whl)
 #   profile-update [MODEL] ["FORMATS"]  one update pass (forward + backward, checkpointing on, 2 micro-batches of 8 x
-#                             256 + 512 tokens, LoRA r32) per format, timed packed, with the dense cache (the held
-#                             path) and with the cache through the routed autograd Function, then profiled
-#                             (bench.bench_dense_cache --profile); MODEL default Qwen2.5-7B, FORMATS "nvfp4 none"
-#                             (list none first for the "vs bf16" column); UPDATE_ARGS replaces the shape flags
-#                             (e.g. "--micro-batch 8 --micro-batches 8 --prompt 256 --completion 512 --repeats 3":
-#                             the 0.5B step's update, checkpointing off; add --stacks for the Python call
-#                             sites of the synchronizations, --paired for the formats' passes in alternation, each
-#                             round divided by bf16's: the fair ratio for a host-bound small model); profile.md and each format's
-#                             profile_<fmt>.txt in $OUT/profile-update
+#                             256 + 512 tokens, LoRA r32) per format: packed, dense cache (held path), cache through the
+#                             routed Function, then profiled (bench.bench_dense_cache --profile); MODEL Qwen2.5-7B, FORMATS
+#                             "nvfp4 none" (none first: the "vs bf16" column); UPDATE_ARGS replaces the shape flags (e.g.
+#                             "--micro-batch 8 --micro-batches 8 --prompt 256 --completion 512 --repeats 3", + --stacks,
+#                             --paired: the formats alternated); profile.md, profile_<fmt>.txt in $OUT/profile-update
 #   fair                      NF4 and MXFP4 on their routed kernels (lut4_triton) against bf16 and NVFP4 per 7B layer
 #                             (bench.bench_lut4, NF4's GEMV candidates and the forced dense path too; bitsandbytes' matmul_4bit where
 #                             .vllm/uns/slim.tgz or .vllm/bnb carries it), then our engine decoding the 7B in each
 #                             format (bench.bench_rollout engine-nvfp4 engine-nf4 engine-mxfp4, and transformers +
 #                             bitsandbytes' hf-nf4 with it; BATCHES default "1 8 64"): the issue's fair-baseline
 #                             check; $OUT/fair/lut4, $OUT/fair/engine, the logs in logs.tgz
-#   pyspy-update [MODEL] ["A B"]  the same update pass as profile-update, the dense-cache pass alone (--modes dense),
-#                             one process per format under py-spy (native frames, PYSPY_RATE/s, default 50, with
-#                             PYSPY_THREADS (1) torch threads: py-spy stops each thread per sample; PYSPY_TIMEOUT 240;
-#                             py-spy's wheel in .whl/prof: python3 -m pip download --no-deps --only-binary=:all:
-#                             -d .whl/prof py-spy), then bench.pyspy_diff: the frames whose sampled seconds differ
-#                             most between A and B (default "none nvfp4"): where a host-bound pass's extra time
-#                             goes, without the torch.profiler's overhead; UPDATE_ARGS as for profile-update;
-#                             $OUT/pyspy/diff.md, each format's table and log, the raw samples in raw.tgz
+#   lut4-sweep                lut4_gemv's MMA-path configs (BLOCK_K, stages, NF4_TREE) against the dense path per 7B
+#                             layer at 8 / 16 / 64 rows (bench.bench_lut4_sweep); $OUT/lut4-sweep/sweep.{md,csv}
+#   pyspy-update [MODEL] ["A B"]  profile-update's dense-cache pass (--modes dense), one process per format under py-spy
+#                             (native frames, PYSPY_RATE/s (50), PYSPY_THREADS (1) torch threads, PYSPY_TIMEOUT 240; the
+#                             wheel in .whl/prof: pip download --no-deps --only-binary=:all: -d .whl/prof py-spy), then
+#                             bench.pyspy_diff: the frames whose sampled seconds differ most between A and B ("none
+#                             nvfp4"); UPDATE_ARGS as above; $OUT/pyspy/diff.md, tables, logs, raw samples in raw.tgz
 #   engine-ab [MODEL] ["FORMATS"]  the update pass (--modes dense) per format alone and after our engine generated
 #                             ENGINE_NEW (512) tokens per prompt (--after-engine), one process each; MODEL Qwen2.5-1.5B,
 #                             FORMATS "none nvfp4", UPDATE_ARGS as for profile-update; $OUT/engine-ab/<fmt>-<run>.md
@@ -268,6 +263,9 @@ fair)
     --variants "${variants[@]}" --batches "${batches[@]}" --budget 240 --out "$OUT/fair/engine" > /tmp/fair_engine_log.txt 2>&1
   echo "engine rc=$?"; grep -E "ms/step|failed|Error" /tmp/fair_engine_log.txt | tail -20
   (cd /tmp && tar czf "$OUT/fair/logs.tgz" fair_lut4_log.txt fair_engine_log.txt) ;;
+lut4-sweep)
+  mkdir -p "$OUT/lut4-sweep"; timeout "${SWEEP_TIMEOUT:-540}" python3 -m bench.bench_lut4_sweep --out "$OUT/lut4-sweep" > /tmp/sweep_log.txt 2>&1
+  echo "sweep rc=$?"; cut -d'|' -f2-4,7,15- "$OUT/lut4-sweep/sweep.md" 2>/dev/null | head -40; cp /tmp/sweep_log.txt "$OUT/lut4-sweep/" ;;
 pyspy-update)
   read -r -a fmts <<< "${2:-none nvfp4}"; mkdir -p "$OUT/pyspy"; rate="${PYSPY_RATE:-50}"
   read -r -a shape <<< "${UPDATE_ARGS:---micro-batch 8 --micro-batches 8 --prompt 256 --completion 512 --repeats 4}"

@@ -275,3 +275,13 @@ def test_engine_ab_runs_the_update_pass_alone_and_after_our_engine_one_process_e
     assert [line.split(" rc=")[0] for line in proc.stdout.splitlines() if " rc=" in line] == \
         ["none alone", "none after-engine", "nvfp4 alone", "nvfp4 after-engine"]
     assert {p.name for p in _files(out)} == {"logs.tgz"}  # the fake wrote no tables; the four logs archived
+
+
+def test_lut4_sweep_calls_the_sweep_and_keeps_its_log(tmp_path):
+    out, env = _fake_env(tmp_path)
+    proc = subprocess.run(["bash", str(SCRIPT), "lut4-sweep"], cwd=SCRIPT.parents[1], capture_output=True, text=True,
+                          env=env, timeout=60)
+    assert proc.returncode == 0 and "sweep rc=0" in proc.stdout, proc.stdout + proc.stderr
+    calls = [c for c in (out / "calls.txt").read_text().splitlines() if c.startswith("-m bench.")]
+    assert calls == [f"-m bench.bench_lut4_sweep --out {out}/lut4-sweep"]
+    assert (out / "lut4-sweep" / "sweep_log.txt").exists()

@@ -275,6 +275,29 @@ def test_bench_runs_its_smoke_shape_in_the_interpreter(tmp_path):
     assert kernels.get_backend() is before  # the run's backend switch is restored
 
 
+@pytest.mark.skipif(CUDA, reason="the CPU smoke run; on a GPU: python -m bench.bench_lut4_sweep")
+def test_sweep_times_every_candidate_and_the_dense_path_and_checks_them(tmp_path):
+    """bench_lut4_sweep: today's config, the BLOCK_K / stage / NF4_TREE variants and the dense path, per
+    format; every candidate's error bounded, the fastest named."""
+    from bench import bench_lut4_sweep as sweep
+
+    nf4_names, mx_names = sweep.candidates("nf4", 8), sweep.candidates("mxfp4", 8)
+    assert nf4_names["default"] == {} and len(nf4_names) == 8 and len(mx_names) == 4
+    assert all(not cfg["NF4_TREE"] for name, cfg in mx_names.items() if name != "default")
+    assert sweep.candidates("nf4", 64)["k64-s1"]["num_warps"] == 8  # gemv_config's 8 warps above 32 rows
+    sweep.main(["--smoke", "--out", str(tmp_path)])
+    lines = (tmp_path / "sweep.md").read_text().splitlines()
+    cols = [c.strip() for c in lines[2].split("|")[1:-1]]
+    rows = {r[0]: r for r in ([c.strip() for c in line.split("|")[1:-1]] for line in lines[4:])}
+    assert set(rows) == {"nf4", "mxfp4"}
+    assert rows["nf4"][cols.index("k128-s3-tree_us")] and not rows["mxfp4"][cols.index("k128-s3-tree_us")]
+    for r in rows.values():
+        assert float(r[cols.index("dense_us")]) > 0 and float(r[cols.index("worst_rel_err")]) < 1e-2
+        assert f"{r[cols.index('best')]}_us" in cols  # one of the timed candidates
+    with pytest.raises(SystemExit):
+        sweep.main(["--smoke", "--ms", "1", "--out", str(tmp_path)])  # one row is the FMA path, not swept
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
 @pytest.mark.parametrize("fmt", ["nf4", "mxfp4"])
