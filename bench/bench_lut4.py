@@ -143,24 +143,31 @@ def run(shapes, ms, device: str, with_bnb: bool, smoke: bool) -> list[dict]:
     return rows
 
 
-def write(out: Path, rows: list[dict], info: dict) -> None:
+def write_table(out: Path, stem: str, rows: list[dict], cols: list[str], head: list[str], fmt) -> None:
+    """``out/<stem>.csv`` (every key of the rows) and ``out/<stem>.md`` (``head`` lines, then ``cols`` of
+    the rows, each cell ``fmt(column, value)``)."""
     out.mkdir(parents=True, exist_ok=True)
     keys = list(dict.fromkeys(key for r in rows for key in r))
-    with open(out / "lut4.csv", "w", newline="") as f:
+    with open(out / f"{stem}.csv", "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=keys)
         w.writeheader()
         w.writerows(rows)
+    lines = head + ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    lines += ["| " + " | ".join(fmt(c, r.get(c, "")) for c in cols) + " |" for r in rows]
+    (out / f"{stem}.md").write_text("\n".join(lines) + "\n")
+
+
+def write(out: Path, rows: list[dict], info: dict) -> None:
+    keys = {key for r in rows for key in r}
     cols = ["proj", "M", "N", "K"] + [f"{s}_us" for s in SIDES] + ["nf4_path", "nf4_vs_nvfp4", "nf4_vs_generic",
                                                                   "triton_us", "torch_us"]
-    cols = [c for c in cols if c in keys]
+
     def fmt(c, v):
         return (f"{v:.2f}" if "_vs_" in c else f"{v:.1f}") if isinstance(v, float) else str(v)
 
-    lines = [f"# NF4 / MXFP4 kernels against bf16 and NVFP4 ({info['device']}, {info['date']}, torch "
-             f"{info['torch']}, triton {info['triton']})", ""] + ([info["note"], ""] if info.get("note") else []) + [
-             "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
-    lines += ["| " + " | ".join(fmt(c, r.get(c, "")) for c in cols) + " |" for r in rows]
-    (out / "lut4.md").write_text("\n".join(lines) + "\n")
+    head = [f"# NF4 / MXFP4 kernels against bf16 and NVFP4 ({info['device']}, {info['date']}, torch "
+            f"{info['torch']}, triton {info['triton']})", ""] + ([info["note"], ""] if info.get("note") else [])
+    write_table(out, "lut4", rows, [c for c in cols if c in keys], head, fmt)
 
 
 def main(argv=None) -> None:

@@ -17,14 +17,13 @@ rows change from these numbers, not before::
 from __future__ import annotations
 
 import argparse
-import csv
 import datetime
 import itertools
 from pathlib import Path
 
 import torch
 
-from bench.bench_lut4 import random_lut4, time_cpu
+from bench.bench_lut4 import random_lut4, time_cpu, write_table
 from bench.bench_nvfp4_gemm import copies_for, layer_shapes, time_alternating
 from qerl_kit.kernels import lut4_triton
 from qerl_kit.kernels.reference import lut4_linear_ref
@@ -78,19 +77,12 @@ def sweep(shapes, ms, formats, device: str, smoke: bool) -> list[dict]:
     return rows
 
 
-def write(out: Path, rows: list[dict], head: str) -> None:
-    out.mkdir(parents=True, exist_ok=True)
-    keys = list(dict.fromkeys(key for r in rows for key in r))
-    with open(out / "sweep.csv", "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=keys)
-        w.writeheader()
-        w.writerows(rows)
-    lines = [head, "", "| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)]
-    lines += ["| " + " | ".join((f"{r[c]:.2f}" if c == "best_vs_default" else f"{r[c]:.1e}" if c == "worst_rel_err"
-                                 else f"{r[c]:.1f}")
-                                if isinstance(r.get(c), float) else str(r.get(c, "")) for c in keys) + " |"
-              for r in rows]
-    (out / "sweep.md").write_text("\n".join(lines) + "\n")
+def cell(column: str, value) -> str:
+    """A table cell: ratios to two decimals, errors in exponent form, microseconds to one decimal."""
+    if not isinstance(value, float):
+        return str(value)
+    return f"{value:.2f}" if column == "best_vs_default" else f"{value:.1e}" if column == "worst_rel_err" \
+        else f"{value:.1f}"
 
 
 def main(argv=None) -> None:
@@ -113,7 +105,8 @@ def main(argv=None) -> None:
     head = (f"# lut4_gemv's MMA-path configs against the dense path ({gpu}, {datetime.date.today()}, torch "
             f"{torch.__version__}, triton {triton.__version__}), microseconds per call")
     print(head, flush=True)
-    write(Path(args.out), sweep(shapes, ms, args.formats, device, smoke), head)
+    rows = sweep(shapes, ms, args.formats, device, smoke)
+    write_table(Path(args.out), "sweep", rows, list(dict.fromkeys(key for r in rows for key in r)), [head, ""], cell)
 
 
 if __name__ == "__main__":
