@@ -22,6 +22,7 @@ import os, re, subprocess, triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from qerl_kit.kernels import lut4_triton as L
+from bench.bench_lut4_sweep import candidates
 
 TARGET = GPUTarget("cuda", 90, 32)
 CUOBJDUMP = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
@@ -64,11 +65,15 @@ for fmt in ("nf4", "mxfp4"):
             regs, stack, vec = compiled(L._lut4_gemv_kernel, types, consts, num_warps=cfg["num_warps"],
                                         num_stages=cfg["num_stages"])
             print("gemv", fmt, dt, m, k, consts["EVEN_K"], regs, vec, stack)
-            if fmt == "nf4" and cfg["USE_DOT"] and k == 3584:  # the candidates bench_lut4 times (NF4_TREE, one stage)
-                for tree, stages in ((True, cfg["num_stages"]), (False, 1)):
-                    regs, stack, vec = compiled(L._lut4_gemv_kernel, types, dict(consts, NF4_TREE=tree),
-                                                num_warps=cfg["num_warps"], num_stages=stages)
-                    print("variant", fmt, dt, m, k, "tree" if tree else "stages1", regs, vec, stack)
+            if dt == "bf16" and cfg["USE_DOT"] and k == 3584:  # every candidate bench_lut4_sweep times
+                for name, over in candidates(fmt, m).items():
+                    c = {**cfg, **over}
+                    split = L.choose_split_k(4608, k, c["BLOCK_N"], c["BLOCK_K"], 2)  # as lut4_gemv picks it
+                    regs, stack, vec = compiled(
+                        L._lut4_gemv_kernel, types,
+                        dict(consts, BLOCK_K=c["BLOCK_K"], NF4_TREE=c["NF4_TREE"], SPLIT_K=split),
+                        num_warps=c["num_warps"], num_stages=c["num_stages"])
+                    print("variant", fmt, dt, m, k, name, regs, vec, stack)
         types = dict(p_ptr="*u8", s_ptr=scales, lut_ptr=lut, w_ptr=PTR[dt], N="i32", K="i32", stride_pn="i32",
                      stride_sn="i32", stride_wn="i32")
         for k in (3584, 896):
@@ -94,8 +99,10 @@ def test_kernels_compile_for_sm90_without_spilling():
     rows = [line.split() for line in proc.stdout.splitlines() if line.startswith(("gemv", "dequant"))]
     assert len(rows) == 2 * 3 * (6 + 4)
     variants = [line.split() for line in proc.stdout.splitlines() if line.startswith("variant")]
-    assert len(variants) == 3 * 3 * 2  # NF4, three dtypes, the three MMA row counts at K = 3584, two candidates
-    assert not [v for v in variants if int(v[-1]) != 0], f"register spills in NF4's candidates: {variants}"
+    # bench_lut4_sweep's candidates at the MMA row counts of K = 3584 (8, 32, 64 rows), bf16: NF4 12 + 8 + 8,
+    # MXFP4 6 + 4 + 4 (BLOCK_K 256 only up to 16 rows)
+    assert len(variants) == (12 + 8 + 8) + (6 + 4 + 4), len(variants)
+    assert not [v for v in variants if int(v[-1]) != 0], f"register spills in the sweep's candidates: {variants}"
     # BLOCK_K divides K at every shape here (3584, 896): whole tiles, no masks along K
     assert all(r[5] == "True" for r in rows), [r for r in rows if r[5] != "True"]
     spilled = [r for r in rows if int(r[-1]) != 0]

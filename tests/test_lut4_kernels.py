@@ -282,7 +282,8 @@ def test_sweep_times_every_candidate_and_the_dense_path_and_checks_them(tmp_path
     from bench import bench_lut4_sweep as sweep
 
     nf4_names, mx_names = sweep.candidates("nf4", 8), sweep.candidates("mxfp4", 8)
-    assert nf4_names["default"] == {} and len(nf4_names) == 8 and len(mx_names) == 4
+    assert nf4_names["default"] == {} and len(nf4_names) == 12 and len(mx_names) == 6  # BLOCK_K 256 to 16 rows
+    assert len(sweep.candidates("nf4", 64)) == 8 and len(sweep.candidates("mxfp4", 64)) == 4
     assert all(not cfg["NF4_TREE"] for name, cfg in mx_names.items() if name != "default")
     assert sweep.candidates("nf4", 64)["k64-s1"]["num_warps"] == 8  # gemv_config's 8 warps above 32 rows
     sweep.main(["--smoke", "--out", str(tmp_path)])

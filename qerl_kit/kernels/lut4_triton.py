@@ -372,7 +372,8 @@ def gemv_config(m: int, n: int, k: int, fmt: str, interpret: bool) -> dict:
 
 def lut4_gemv(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, fmt: str,
               bias: torch.Tensor | None = None, config: dict | None = None) -> torch.Tensor:
-    """y = x @ W^T + bias for x [M, K] with M <= ``DECODE_MAX_M`` (``config`` overrides ``gemv_config``'s keys)."""
+    """y = x @ W^T + bias for x [M, K] with M <= ``DECODE_MAX_M`` (``config`` overrides ``gemv_config``'s keys;
+    a tile given without SPLIT_K gets the split ``gemv_config``'s rule picks for it)."""
     if not HAS_TRITON:
         raise ImportError("the LUT4 Triton kernels need triton (pip install triton)")
     n, k = packed.shape[0], packed.shape[1] * 2
@@ -385,6 +386,8 @@ def lut4_gemv(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, fmt: 
     if m == 0:
         return y.to(x.dtype)
     cfg = {**gemv_config(m, n, k, fmt, interpret), **(config or {})}
+    if config and "SPLIT_K" not in config and {"BLOCK_N", "BLOCK_K"} & set(config):  # the split follows the tile
+        cfg["SPLIT_K"] = choose_split_k(n, k, cfg["BLOCK_N"], cfg["BLOCK_K"], 2)
     if not cfg["USE_DOT"] and m != 1:
         raise ValueError(f"USE_DOT=False (the FMA path) takes M == 1; got M={m}")
     if cfg["BLOCK_K"] % BLOCK_SIZES[fmt]:
