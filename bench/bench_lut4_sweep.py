@@ -28,7 +28,7 @@ from bench.bench_nvfp4_gemm import copies_for, layer_shapes, time_alternating
 from qerl_kit.kernels import lut4_triton
 from qerl_kit.kernels.reference import lut4_linear_ref
 
-MS = [8, 16, 64]  # the MMA path's row counts (BLOCK_M 16 and 64); one row takes the FMA path
+MS = [8, 64]  # the MMA path's two tile heights' row counts (BLOCK_M 16: 2-16 rows, 64: 33-64); one row is the FMA path
 
 
 def candidates(fmt: str, m: int) -> dict[str, dict]:
@@ -68,7 +68,8 @@ def worst_rel_err(fmt: str, m: int, n: int, k: int, device: str) -> float:
     return max(((y.float() - ref).abs().max() / ref.abs().max()).item() for y in outs)
 
 
-def sweep(shapes, ms, formats, device: str, smoke: bool) -> list[dict]:
+def sweep(shapes, ms, formats, device: str, smoke: bool, done=lambda rows: None) -> list[dict]:
+    """One row per (format, layer, rows); ``done(rows)`` after each, so a run cut short keeps what it timed."""
     rows = []
     for fmt, (proj, n, k), m in itertools.product(formats, shapes, ms):
         sides = sides_for(fmt, m, n, k, device, 1 if smoke else None)
@@ -77,6 +78,7 @@ def sweep(shapes, ms, formats, device: str, smoke: bool) -> list[dict]:
         row = dict(fmt=fmt, proj=proj, M=m, N=n, K=k, **{f"{s}_us": v * 1e6 for s, v in t.items()},
                    best=best, best_vs_default=t["default"] / t[best], worst_rel_err=worst_rel_err(fmt, m, n, k, device))
         rows.append(row)
+        done(rows)
         print(" ".join(f"{key}={v:.4g}" if isinstance(v, float) else f"{key}={v}" for key, v in row.items()), flush=True)
     return rows
 
@@ -109,8 +111,9 @@ def main(argv=None) -> None:
     head = (f"# lut4_gemv's MMA-path configs against the dense path ({gpu}, {datetime.date.today()}, torch "
             f"{torch.__version__}, triton {triton.__version__}), microseconds per call")
     print(head, flush=True)
-    rows = sweep(shapes, ms, args.formats, device, smoke)
-    write_table(Path(args.out), "sweep", rows, list(dict.fromkeys(key for r in rows for key in r)), [head, ""], cell)
+    def done(rows):  # the table so far, rewritten after every cell
+        write_table(Path(args.out), "sweep", rows, list(dict.fromkeys(key for r in rows for key in r)), [head, ""], cell)
+    sweep(shapes, ms, args.formats, device, smoke, done)
 
 
 if __name__ == "__main__":

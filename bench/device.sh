@@ -37,7 +37,7 @@
 #                             bitsandbytes' hf-nf4 with it; BATCHES default "1 8 64"): the issue's fair-baseline
 #                             check; $OUT/fair/lut4, $OUT/fair/engine, the logs in logs.tgz
 #   lut4-sweep                lut4_gemv's MMA-path configs (BLOCK_K, stages, NF4_TREE) against the dense path per 7B
-#                             layer at 8 / 16 / 64 rows (bench.bench_lut4_sweep); $OUT/lut4-sweep/sweep.{md,csv}
+#                             layer at 8 and 64 rows (bench.bench_lut4_sweep); $OUT/lut4-sweep/sweep.{md,csv}
 #   pyspy-update [MODEL] ["A B"]  profile-update's dense-cache pass (--modes dense), one process per format under py-spy
 #                             (native frames, PYSPY_RATE/s (50), PYSPY_THREADS (1) torch threads, PYSPY_TIMEOUT 240; the
 #                             wheel in .whl/prof: pip download --no-deps --only-binary=:all: -d .whl/prof py-spy), then
