@@ -46,11 +46,16 @@ def build_policy(cfg: ModelConfig, *, device: str | torch.device | None = None, 
                  seed: int = 0):
     """(peft model, tokenizer, quantization report or None): load on ``device``, quantize, attach LoRA.
 
-    ``seed`` seeds LoRA's initialization, so runs with the same seed start from the same adapter."""
+    ``seed`` seeds LoRA's initialization, so runs with the same seed start from the same adapter.
+    ``cfg.kernels``, when set, becomes the process's kernel backend (``kernels.set_backend``: every
+    4-bit matmul of the process, this policy's and any other's)."""
     from qerl_kit.config_types import check_seed
+    from qerl_kit.kernels import set_backend
     from qerl_kit.lora import attach_lora
 
     seed = check_seed("seed", seed)  # LoRA's init generator: refused before the model loads
+    if cfg.kernels is not None:
+        set_backend(cfg.kernels)
     model, tokenizer = load_base(cfg, device=device, dtype=dtype)
     report = quantize_base(model, cfg.format, name=f"model {cfg.name}")
     policy = attach_lora(model, r=cfg.lora_r, alpha=cfg.lora_alpha, train_norms=cfg.train_norms, seed=seed)

@@ -169,10 +169,11 @@ def load_state(checkpoint: str | Path) -> dict:
 # on CUDA expected so and checked within tolerance); model.dense_cache_gib: the dense cache changes
 # where the base weights are dequantized, not the results (bit-equal, tests/test_dense_update.py);
 # rollout.keep_cache: a freed KV cache is allocated again, the rollouts are the same (tests/test_engine_memory.py);
-# rollout.share_weights: where the fused projections are stored, not their values (tests/test_shared_weights.py).
+# rollout.share_weights: where the fused projections are stored, not their values (tests/test_shared_weights.py);
+# model.kernels: which kernels compute the same products (their rounding may differ, as on another GPU).
 RESUME_NEUTRAL = frozenset({"output_dir", "save_every", "keep_checkpoints", "eval_every", "log_tensorboard",
-                            "data.eval_size", "loss.old_logp", "model.dense_cache_gib", "rollout.keep_cache",
-                            "rollout.share_weights"})
+                            "data.eval_size", "loss.old_logp", "model.dense_cache_gib", "model.kernels",
+                            "rollout.keep_cache", "rollout.share_weights"})
 
 
 def config_changes(saved: dict, current: dict, defaults: dict | None = None, prefix: str = "") -> dict[str, tuple]:

@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from qerl_kit.config_types import (EVAL_SIZE_RULE, LR_RULE, NEW_TOKENS_RULE, OLD_LOGP_MODES, OPTIMIZERS,  # noqa: F401
-                                   DENSE_CACHE_GIB_WHY, MICRO_BATCH_ORDERS, RESAMPLE, SCHEDULES,
+                                   DENSE_CACHE_GIB_WHY, KERNELS_WHY, MICRO_BATCH_ORDERS, RESAMPLE, SCHEDULES,
                                    SEED_RULE, STEPS_RULE, TEMPERATURE_RULE, TOP_K_RULE, TOP_P_RULE,
                                    TRAIN_SIZE_RULE, _SIGMA, ConfigError, _bad, _check, _check_keys, _rule, _section,
                                    _validate, check_aqn_sigmas, check_lora_alpha, check_lr, check_seed, check_sigma,
@@ -55,6 +55,12 @@ def _formats() -> tuple[str, ...]:
     from qerl_kit.formats import format_names
 
     return format_names()
+
+
+def _kernel_backends() -> tuple[str, ...]:
+    from qerl_kit.kernels.backend import Backend
+
+    return tuple(b.value for b in Backend)
 
 
 def _engines() -> tuple[str, ...]:
@@ -104,6 +110,10 @@ class ModelConfig:
     # None = auto (CUDA: free memory minus the measured working set per token x the longest completion;
     # CPU: all if <= 1/4 of free RAM), 0 = off; resume-neutral (the same results either way)
     dense_cache_gib: float | None = _rule(None, ge=0, why=DENSE_CACHE_GIB_WHY)
+    # the kernels the 4-bit matmuls may take, for the whole process (qerl_kit.kernels.set_backend, set when
+    # the policy is built): null keeps the process's (QERL_KERNEL_BACKEND, else auto); "ours" leaves humming
+    # out, for bit-identical runs across processes (docs/reliability.md); resume-neutral
+    kernels: str | None = _rule(None, choices=_kernel_backends, why=KERNELS_WHY)
     trust_remote_code: bool = False
 
     def __post_init__(self):

@@ -250,6 +250,8 @@ OLD_LOGP_MODES = ("fold", "pass")  # qerl_kit.old_policy: where a step's old log
 MICRO_BATCH_ORDERS = ("length", "batch", "packed")  # qerl_kit.logprobs.micro_batches: which rows share a micro-batch
 # model.dense_cache_gib (qerl_kit.dense_update): what the key means, in its errors
 DENSE_CACHE_GIB_WHY = "GiB of dense base weights kept for the log-prob pass + update; 0 = off, null = auto"
+# model.kernels (qerl_kit.kernels.set_backend): what the key means, in its errors
+KERNELS_WHY = "the kernels 4-bit matmuls may take; null = the process's (QERL_KERNEL_BACKEND, else auto)"
 SEED_MAX = 2**32 - 1
 
 

@@ -519,3 +519,28 @@ def test_nearest_names_the_closest_option_or_nothing():
     assert nearest("zzzz", ("nvfp4", "mxfp4")) is None  # nothing close: no hint
     assert nearest("nvfp4" * 40, ("nvfp4",)) is None  # 200 characters: not compared (difflib is quadratic)
     assert nearest(3, ("3",)) is None  # not a string
+
+
+def test_model_kernels_names_a_backend_is_resume_neutral_and_sets_the_process_backend_at_build(monkeypatch):
+    """model.kernels: null (the process's backend kept) or a kernels.Backend value, refused otherwise with the
+    key, the value and the choices; build_policy makes it the process's backend (set_backend); a resume may
+    change it (the same products, other rounding)."""
+    from qerl_kit import build, kernels
+    from qerl_kit.checkpoint import config_changes
+
+    assert ModelConfig().kernels is None and ModelConfig(kernels="ours").kernels == "ours"
+    with pytest.raises(ConfigError, match=r"model\.kernels must be null or one of 'auto', 'ours', .*got 'fast'"):
+        ModelConfig(kernels="fast")
+    a, b = preset("tiny-cpu").to_dict(), preset("tiny-cpu", model=dict(kernels="ours")).to_dict()
+    assert config_changes(a, b) == {}
+    def stop(cfg, **kw):  # the model never loads: the backend is set before it would
+        raise RuntimeError("stop")
+    monkeypatch.setattr(build, "load_base", stop)
+    before = kernels.get_backend()
+    try:
+        for value, expect in ((None, before), ("reference", kernels.Backend.REFERENCE)):
+            with pytest.raises(RuntimeError, match="stop"):
+                build.build_policy(ModelConfig(kernels=value))
+            assert kernels.get_backend() is expect
+    finally:
+        kernels.set_backend(before)
