@@ -42,6 +42,23 @@ def quantize_base(model, fmt: str, key: str = "model.format", name: str = "the m
     return None if fmt == DENSE or have is not None else quantize_model(model, fmt=fmt)
 
 
+def check_kernels(value: str, device: str | torch.device | None) -> None:
+    """Refuse, before anything loads, a ``model.kernels`` that forces kernels the policy's device cannot
+    run (each 4-bit matmul would raise at its first call): GPU kernels on the CPU (outside Triton's
+    interpreter), humming where humming-kernels is not installed."""
+    import importlib.util
+
+    from qerl_kit.config_types import _bad
+    from qerl_kit.kernels.backend import interpreting
+
+    if value in ("ours", "triton", "humming") and torch.device(device or "cpu").type != "cuda" and not interpreting():
+        raise _bad("model.kernels", value, "null, 'auto' or 'reference' on the CPU",
+                   f"{value!r} forces GPU kernels; the CPU runs the plain-PyTorch path, bit-reproducible already")
+    if value == "humming" and importlib.util.find_spec("humming") is None:
+        raise _bad("model.kernels", value, "null, 'auto', 'ours', 'triton' or 'reference' here",
+                   "humming-kernels is not installed")
+
+
 def build_policy(cfg: ModelConfig, *, device: str | torch.device | None = None, dtype: torch.dtype | None = None,
                  seed: int = 0):
     """(peft model, tokenizer, quantization report or None): load on ``device``, quantize, attach LoRA.
@@ -55,6 +72,7 @@ def build_policy(cfg: ModelConfig, *, device: str | torch.device | None = None, 
 
     seed = check_seed("seed", seed)  # LoRA's init generator: refused before the model loads
     if cfg.kernels is not None:
+        check_kernels(cfg.kernels, device)
         set_backend(cfg.kernels)
     model, tokenizer = load_base(cfg, device=device, dtype=dtype)
     report = quantize_base(model, cfg.format, name=f"model {cfg.name}")

@@ -544,3 +544,9 @@ def test_model_kernels_names_a_backend_is_resume_neutral_and_sets_the_process_ba
             assert kernels.get_backend() is expect
     finally:
         kernels.set_backend(before)
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # on the CPU, outside the interpreter
+    for value in ("ours", "triton", "humming"):  # GPU kernels forced on the CPU: refused at build, the backend kept
+        with pytest.raises(ConfigError, match=rf"model\.kernels must be null, 'auto' or 'reference' on the CPU .*"
+                                              rf"got '{value}'"):
+            build.build_policy(ModelConfig(kernels=value), device="cpu")
+        assert kernels.get_backend() is before
