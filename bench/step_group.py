@@ -249,12 +249,18 @@ def gpu_state() -> str:
 SPREAD = ("step", "rollout", "update")
 
 
+def after_warm_up(steps: list) -> list:
+    """The steps a run's figures come from: all but the first (a warm-up: compilation, graph capture, the
+    dense cache's first measurement) when there are more, else the one there is."""
+    return steps[1:] if len(steps) > 1 else steps
+
+
 def steady_times(steps: list[dict]) -> dict:
     """A run's phase times from every step's metrics: the first step is a warm-up (compilation, graph
     capture, the dense cache's first measurement) and left out when there are more; each phase is the
     median over the rest, with ``timed_steps`` (how many) and the fastest and slowest step of
     ``SPREAD``'s phases (``time_step_min``, ``time_step_max``, ...). Two steps: the last step's times."""
-    timed = [phase_times(m) for m in (steps[1:] if len(steps) > 1 else steps)]
+    timed = [phase_times(m) for m in after_warm_up(steps)]
     quality = {f"rollout_{k}" for k in ROLLOUT_QUALITY} | {"measured_mean_length"}
     row = {k: statistics.median(r[k] for r in timed) if k.startswith("time_")
            else statistics.fmean(r[k] for r in timed) if k in quality else timed[-1][k] for k in timed[-1]}
@@ -441,7 +447,7 @@ def _run_group(cases: list[dict], a: dict, meta: dict, rows_path: Path) -> None:
             row["steps_done"] = len(every)
             row["rollout_peak_gib"] = every[-1].get("memory/rollout_peak_gib", float("nan"))
             row["after_rollout_gib"] = every[-1].get("memory/after_rollout_gib", float("nan"))
-            timed = every[1:] or every  # after the warm-up: does a steady step still call cudaMalloc?
+            timed = after_warm_up(every)  # does a steady step still call cudaMalloc?
             row["cuda_mallocs_max"] = max(m.get("bench/cuda_mallocs", 0) for m in timed)
             row["alloc_retries"] = sum(m.get("bench/alloc_retries", 0) for m in timed)
         row["dense_cache_held_gib"] = held  # the most any step held: the plan counts it
