@@ -6,7 +6,7 @@ profiler with native frames (``py-spy record --native``) sees both at its own, s
 process per format on the same work (``bench/device.sh pyspy-update``: ``bench_dense_cache --modes
 dense``, the trainer's pass alone), then
 
-    python -m bench.pyspy_diff none.txt nvfp4.txt --labels none nvfp4 --rate 250 --out diff.md
+    python -m bench.pyspy_diff none.txt nvfp4.txt --labels none nvfp4 --rate 50 --out diff.md
 
 keeps the samples whose stack passes through ``--within`` (default ``timed_pass``: bench_dense_cache's
 timed passes, not the model's build or the warm-up pass's compilation), and lists the frames whose
@@ -85,7 +85,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("a", help="py-spy raw file of the first run (the baseline)")
     ap.add_argument("b", help="py-spy raw file of the second run")
     ap.add_argument("--labels", nargs=2, default=["a", "b"])
-    ap.add_argument("--rate", type=float, default=250.0, help="py-spy's --rate (samples per second)")
+    ap.add_argument("--rate", type=float, default=50.0,
+                    help="py-spy's --rate (samples per second; device.sh pyspy-update records at 50)")
     ap.add_argument("--within", default="timed_pass", help="keep stacks through this function ('' keeps all)")
     ap.add_argument("--top", type=int, default=40)
     ap.add_argument("--out", default=None)
