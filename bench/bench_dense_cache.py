@@ -39,7 +39,9 @@ format under a sampling profiler: ``bench/device.sh pyspy-update``).
 kept) generate NEW tokens for every prompt of the batches, and keeps it alive while the passes are timed:
 the process the Trainer's update runs in after our rollout. On the real 1.5B (hold 12) the update ran
 1.13x slower after our rollout than after vLLM's, in both formats; the same pass with and without this
-flag, one process each (``bench/device.sh engine-ab``), says whether the engine's state is the cause.
+flag, one process each (``bench/device.sh engine-ab``), says whether the engine's state is the cause;
+``--free-engine`` drops the engine before the passes: slow with it kept and not once freed points at what
+the engine holds (memory, graphs), slow either way at what a rollout leaves in the process.
 Below the table each format's dense-cache pass has its cudaMalloc calls and host-thread CPU seconds
 (medians): a pass that waits on new device memory or on the host shows it there.
 """
@@ -287,9 +289,13 @@ def main() -> None:
                     "(paired_passes), each round's ratio to bf16's (needs none among --formats; all models in memory)")
     ap.add_argument("--after-engine", type=int, default=0, metavar="NEW",
                     help="time the passes after our StaticEngine generated NEW tokens per prompt, the engine kept")
+    ap.add_argument("--free-engine", action="store_true",
+                    help="with --after-engine: drop the engine (its cache, graphs and copies freed) before the passes")
     args = ap.parse_args()
     if args.after_engine < 0:
         ap.error(f"--after-engine must be an int >= 0 (new tokens; 0: no engine); got {args.after_engine}")
+    if args.free_engine and not args.after_engine:
+        ap.error("--free-engine drops the engine --after-engine NEW made: give --after-engine too")
     if "dense" not in args.modes:
         ap.error(f"--modes must include dense (the trainer's pass, the table's reference); got {' '.join(args.modes)}")
     if args.paired and "none" not in args.formats:
@@ -311,8 +317,8 @@ def main() -> None:
              f"{args.lora_r}, {args.micro_batches} x {args.micro_batch} sequences of "
              f"{args.prompt} + {args.completion} tokens, mu {args.mu}, gradient checkpointing "
              f"{'on' if args.checkpointing else 'off'}, {torch.get_num_threads()} CPU thread(s)"
-             + (f", after our StaticEngine generated {args.after_engine} tokens per prompt (kept alive)"
-                if args.after_engine else ""), "",
+             + (f", after our StaticEngine generated {args.after_engine} tokens per prompt "
+                f"({'then freed' if args.free_engine else 'kept alive'})" if args.after_engine else ""), "",
              "| format | packed s | dense cache s | routed s | speed-up (packed / cache) | routed / cache "
              "| vs bf16 (cache) | cache MiB | peak GiB (packed / cache) | LoRA grads equal (packed, routed) |",
              "|---|---:|---:|---:|---:|---:|---:|---:|---|---|"]
@@ -329,6 +335,9 @@ def main() -> None:
         modes = {"packed": (0, False), "dense": (args.gib, False), "routed": (args.gib, True)}  # (budget, routed)
         modes = {m: modes[m] for m in args.modes}
         engine = engine_rollout(policy, batches, args.after_engine) if args.after_engine else None
+        if args.free_engine:  # the process after a rollout, less the engine's own state
+            engine = None
+            free()
         timed = time_modes(policy, batches, args.mu, modes, args.repeats)
         dense = timed["dense"]
         bf16 = dense["s"] if fmt == "none" else bf16
