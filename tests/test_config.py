@@ -550,3 +550,11 @@ def test_model_kernels_names_a_backend_is_resume_neutral_and_sets_the_process_ba
                                               rf"got '{value}'"):
             build.build_policy(ModelConfig(kernels=value), device="cpu")
         assert kernels.get_backend() is before
+    import importlib.util
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "humming" else real_find_spec(name, *a))
+    with pytest.raises(ConfigError, match=r"model\.kernels must be null, 'auto', 'ours', 'triton' or 'reference' here "
+                                          r".*humming-kernels is not installed.*got 'humming'"):
+        build.check_kernels("humming", "cuda")  # a GPU without humming-kernels: refused before the model loads
+    build.check_kernels("ours", "cuda")  # what the GPU takes without it
