@@ -43,7 +43,9 @@ flag, one process each (``bench/device.sh engine-ab``), says whether the engine'
 ``--free-engine`` drops the engine before the passes: slow with it kept and not once freed points at what
 the engine holds (memory, graphs), slow either way at what a rollout leaves in the process.
 Below the table each format's dense-cache pass has its cudaMalloc calls and host-thread CPU seconds
-(medians): a pass that waits on new device memory or on the host shows it there.
+(medians), and the objects Python's GC tracked before the passes with its collections during them (a
+process holding more objects pays more per full collection): a pass that waits on new device memory, on
+the host or on the GC shows it there.
 """
 
 from __future__ import annotations
@@ -51,6 +53,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime
+import gc
 import statistics
 import time
 from pathlib import Path
@@ -338,14 +341,18 @@ def main() -> None:
         if args.free_engine:  # the process after a rollout, less the engine's own state
             engine = None
             free()
+        tracked, collected = len(gc.get_objects()), [g["collections"] for g in gc.get_stats()]
         timed = time_modes(policy, batches, args.mu, modes, args.repeats)
+        collected = [g["collections"] - c for g, c in zip(gc.get_stats(), collected)]
         dense = timed["dense"]
         bf16 = dense["s"] if fmt == "none" else bf16
         row = mode_row(fmt, timed, bf16)
         print(row, flush=True)
         lines.append(row)
         notes.append(f"- {fmt}, the dense-cache pass (median of {args.repeats}): {dense['s']:.3f} s, "
-                     f"{dense['allocs']:g} cudaMalloc calls, {dense['host']:.3f} s of host-thread CPU time")
+                     f"{dense['allocs']:g} cudaMalloc calls, {dense['host']:.3f} s of host-thread CPU time; "
+                     f"{tracked} objects tracked by Python's GC before the passes, collections of generations "
+                     f"0/1/2 during them {'/'.join(map(str, collected))}")
         if args.profile:
             table, profiles[fmt] = profile_pass(policy, batches, args.mu, args.gib, stacks=args.stacks)
             Path(args.profile).mkdir(parents=True, exist_ok=True)
