@@ -292,6 +292,8 @@ def main() -> None:
                     "(paired_passes), each round's ratio to bf16's (needs none among --formats; all models in memory)")
     ap.add_argument("--after-engine", type=int, default=0, metavar="NEW",
                     help="time the passes after our StaticEngine generated NEW tokens per prompt, the engine kept")
+    ap.add_argument("--gc-freeze", action="store_true", help="gc.collect() then gc.freeze() before the passes, as "
+                    "vLLM does after its warm-up: the objects alive then leave the GC's full collections")
     ap.add_argument("--free-engine", action="store_true",
                     help="with --after-engine: drop the engine (its cache, graphs and copies freed) before the passes")
     args = ap.parse_args()
@@ -321,7 +323,8 @@ def main() -> None:
              f"{args.prompt} + {args.completion} tokens, mu {args.mu}, gradient checkpointing "
              f"{'on' if args.checkpointing else 'off'}, {torch.get_num_threads()} CPU thread(s)"
              + (f", after our StaticEngine generated {args.after_engine} tokens per prompt "
-                f"({'then freed' if args.free_engine else 'kept alive'})" if args.after_engine else ""), "",
+                f"({'then freed' if args.free_engine else 'kept alive'})" if args.after_engine else "")
+             + (", the GC's heap frozen before the passes (gc.freeze)" if args.gc_freeze else ""), "",
              "| format | packed s | dense cache s | routed s | speed-up (packed / cache) | routed / cache "
              "| vs bf16 (cache) | cache MiB | peak GiB (packed / cache) | LoRA grads equal (packed, routed) |",
              "|---|---:|---:|---:|---:|---:|---:|---:|---|---|"]
@@ -341,6 +344,9 @@ def main() -> None:
         if args.free_engine:  # the process after a rollout, less the engine's own state
             engine = None
             free()
+        if args.gc_freeze:
+            gc.collect()
+            gc.freeze()
         tracked, collected = len(gc.get_objects()), [g["collections"] for g in gc.get_stats()]
         timed = time_modes(policy, batches, args.mu, modes, args.repeats)
         collected = [g["collections"] - c for g, c in zip(gc.get_stats(), collected)]
