@@ -255,6 +255,32 @@ def allocator_calls() -> tuple[int, int]:
     return int(stats.get("segment.all.allocated", 0)), int(stats.get("num_alloc_retries", 0))
 
 
+class GCClock:
+    """Python's cyclic-GC collections per generation and the seconds they took, while entered (a
+    ``gc.callbacks`` hook): in a host-bound step a full (generation 2) collection over a large heap stops
+    the host for tenths of a second, and vLLM, run in the process, freezes the heap it finds
+    (``gc.freeze``) so its collections skip it."""
+
+    def __init__(self):
+        self.counts, self.seconds, self._t0 = [0, 0, 0], [0.0, 0.0, 0.0], None
+
+    def _hook(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._t0 = time.perf_counter()
+        elif self._t0 is not None:
+            g = info["generation"]
+            self.counts[g] += 1
+            self.seconds[g] += time.perf_counter() - self._t0
+            self._t0 = None
+
+    def __enter__(self) -> "GCClock":
+        gc.callbacks.append(self._hook)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        gc.callbacks.remove(self._hook)
+
+
 # Profiler events that make the host wait for the device: a tensor read back (``.item()``, ``bool(t)``,
 # ``.tolist()``, ``nonzero``) and the runtime's explicit synchronizations. In a host-bound pass each one
 # drains the device's queue and then idles the device while the host launches again.
@@ -336,7 +362,7 @@ def timed_steps(trainer, steps: int, label: str, every: list | None = None) -> t
 
     def marked(*args, **kwargs):  # the update's start (after the rollout, rewards, old policy): the cudaMalloc count then
         out = prepare(*args, **kwargs)
-        marks.append(allocator_calls()[0])
+        marks.append((allocator_calls()[0], sum(clock.seconds)))
         return out
     if prepare is not None:  # a Trainer (a test's stand-in may have no phases)
         trainer._prepare = marked
@@ -344,17 +370,22 @@ def timed_steps(trainer, steps: int, label: str, every: list | None = None) -> t
         for i in range(steps):
             before = allocator_calls()
             marks.clear()
-            m = {**trainer.train_step(), "bench/peak_gib": peak_gib()}
+            with GCClock() as clock:
+                m = {**trainer.train_step(), "bench/peak_gib": peak_gib()}
             mallocs, retries = (b - a for a, b in zip(before, allocator_calls()))
             m["bench/cuda_mallocs"], m["bench/alloc_retries"] = mallocs, retries
-            m["bench/cuda_mallocs_before_update"] = marks[0] - before[0] if marks else None
+            m["bench/cuda_mallocs_before_update"] = marks[0][0] - before[0] if marks else None
+            m["bench/gc_s"], m["bench/gc_collections"] = sum(clock.seconds), "/".join(map(str, clock.counts))
+            m["bench/gc_s_update"] = sum(clock.seconds) - marks[0][1] if marks else None
             if every is not None:
                 every.append(m)
             held = max(held, m.get("memory/dense_cache_gib", 0.0))
             split = f" ({m['bench/cuda_mallocs_before_update']} before the update)" if marks else ""
             log(f"{label} step #{i}: {m['time/step']:.2f}s (" + ", ".join(
                 f"{k[5:]} {m[k]:.2f}" for k in ("time/rollout", "time/sync", "time/sleep", "time/logprob", "time/update")
-                if k in m) + f"), peak {peak_gib():.1f} GiB, {mallocs} cudaMalloc calls{split}, {retries} retries")
+                if k in m) + f"), peak {peak_gib():.1f} GiB, {mallocs} cudaMalloc calls{split}, {retries} retries, "
+                f"GC {m['bench/gc_s']:.2f} s (collections {m['bench/gc_collections']} of generations 0/1/2"
+                + (f"; {m['bench/gc_s_update']:.2f} s in the update)" if marks else ")"))
     finally:  # the trainer as it was (its class's method again, unless it had its own)
         if own:
             trainer._prepare = prepare

@@ -311,6 +311,8 @@ def test_the_vllm_driven_step_sends_each_row_at_its_drawn_length_through_the_tra
     m, _, _ = timed_steps(trainer, 2, "fake vllm")
     assert order == ["step", "step"]  # the peak's restart at each step is the Trainer's (tests/test_trainer.py)
     assert m["bench/cuda_mallocs_before_update"] == 0 and "_prepare" not in vars(trainer)  # counted, then unwrapped
+    counts = [int(c) for c in m["bench/gc_collections"].split("/")]  # the step's GC: per generation, its seconds
+    assert len(counts) == 3 and m["bench/gc_s"] >= m["bench/gc_s_update"] >= 0 and (m["bench/gc_s"] > 0) == any(counts)
     generate = [c for c in engine.llm.calls if c[0] == "generate"][-1]
     assert [p.kwargs["max_tokens"] for p in generate[2]] == drawn["lengths"]
     assert [p.kwargs["min_tokens"] for p in generate[2]] == drawn["lengths"]
@@ -639,3 +641,17 @@ def test_the_plan_by_phase_adds_up_and_the_memory_table_sets_runs_against_it(tmp
                 "gradient_checkpointing": True}
     table = step_report.memory_table([measured])
     assert "| 9.50 (" in table[-1] and "| 60.25 (57.90) | 15.50 (16.40) | 75.75 (74.30) | 1 |" in table[-1]
+
+
+def test_gc_clock_counts_each_generations_collections_and_their_seconds_while_entered():
+    import gc
+
+    from bench.common import GCClock
+
+    with GCClock() as clock:
+        gc.collect(1)
+        gc.collect(2)
+        gc.collect(2)
+    assert clock.counts == [0, 1, 2] and clock.seconds[0] == 0 and min(clock.seconds[1:]) > 0
+    gc.collect(2)  # after the block: the hook is gone
+    assert clock.counts == [0, 1, 2] and clock._hook not in gc.callbacks
