@@ -44,8 +44,8 @@
 #                             bench.pyspy_diff: the frames whose sampled seconds differ most between A and B ("none
 #                             nvfp4"); UPDATE_ARGS as above; $OUT/pyspy/diff.md, tables, logs, raw samples in raw.tgz
 #   engine-ab [MODEL] ["FORMATS"]  the update pass (--modes dense) per format alone, after our engine generated ENGINE_NEW
-#                             (512) tokens per prompt and kept, after it was dropped, and alone with the GC's heap frozen
-#                             (AB_RUNS "alone after-engine after-freed frozen"), one process each; MODEL Qwen2.5-1.5B,
+#                             (512) tokens per prompt and kept, and after it was dropped (AB_RUNS "alone after-engine after-
+#                             freed"; "frozen": the GC's heap frozen), one process each; MODEL Qwen2.5-1.5B,
 #                             FORMATS "none nvfp4", UPDATE_ARGS as for profile-update; $OUT/engine-ab/<fmt>-<run>.md
 #   trim [MODEL] ["FORMATS"]  one update pass at the real 1.5B's GSM8K lengths (16 x 8 rows, checkpointing on): micro-
 #                             batches padded to the batch, trimmed to their own width, sorted by length first,
@@ -284,7 +284,7 @@ engine-ab)
   read -r -a fmts <<< "${2:-none nvfp4}"; mkdir -p "$OUT/engine-ab"
   read -r -a shape <<< "${UPDATE_ARGS:---micro-batch 8 --micro-batches 8 --prompt 256 --completion 512 --repeats 4}"
   for f in "${fmts[@]}"; do
-    for run in ${AB_RUNS:-alone after-engine after-freed frozen}; do  # a name's parts: after, freed, frozen
+    for run in ${AB_RUNS:-alone after-engine after-freed}; do  # a name's parts: after, freed, frozen
       extra=(); [[ $run == *after* ]] && extra=(--after-engine "${ENGINE_NEW:-512}"); [[ $run == *freed* ]] && extra+=(--free-engine)
       [[ $run == *frozen* ]] && extra+=(--gc-freeze)
       timeout "${AB_TIMEOUT:-240}" python3 -m bench.bench_dense_cache --model "${1:-Qwen2.5-1.5B}" --formats "$f" --modes dense \

@@ -262,22 +262,21 @@ def test_fair_times_the_lut4_kernels_then_the_engine_in_each_format(tmp_path):
 
 def test_engine_ab_runs_the_update_pass_alone_and_after_our_engine_one_process_each(tmp_path):
     """engine-ab: per format, the dense-cache pass in a process of its own, then the same pass after our
-    StaticEngine's rollout (--after-engine, ENGINE_NEW tokens), kept and then dropped (--free-engine), and
-    alone with the GC's heap frozen (--gc-freeze); logs archived, the tables loose; AB_RUNS picks the runs,
-    a name's parts (after, freed, frozen) their flags."""
+    StaticEngine's rollout (--after-engine, ENGINE_NEW tokens), kept and then dropped (--free-engine); logs
+    archived, the tables loose; AB_RUNS picks the runs, a name's parts (after, freed, frozen: --gc-freeze)
+    their flags."""
     out, env = _fake_env(tmp_path)
     proc = subprocess.run(["bash", str(SCRIPT), "engine-ab"], cwd=SCRIPT.parents[1], capture_output=True, text=True,
                           env={**env, "ENGINE_NEW": "64"}, timeout=60)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     calls = [c for c in (out / "calls.txt").read_text().splitlines() if c.startswith("-m bench.")]
     shape = "--micro-batch 8 --micro-batches 8 --prompt 256 --completion 512 --repeats 4"
-    runs = (("alone", ""), ("after-engine", " --after-engine 64"), ("after-freed", " --after-engine 64 --free-engine"),
-            ("frozen", " --gc-freeze"))
+    runs = (("alone", ""), ("after-engine", " --after-engine 64"), ("after-freed", " --after-engine 64 --free-engine"))
     assert calls == [f"-m bench.bench_dense_cache --model Qwen2.5-1.5B --formats {f} --modes dense {shape}{extra} "
                      f"--out {out}/engine-ab/{f}-{run}.md" for f in ("none", "nvfp4") for run, extra in runs]
     assert [line.split(" rc=")[0] for line in proc.stdout.splitlines() if " rc=" in line] == \
         [f"{f} {run}" for f in ("none", "nvfp4") for run, _ in runs]
-    assert {p.name for p in _files(out)} == {"logs.tgz"}  # the fake wrote no tables; the eight logs archived
+    assert {p.name for p in _files(out)} == {"logs.tgz"}  # the fake wrote no tables; the six logs archived
     out2, env2 = _fake_env(tmp_path / "two")
     proc = subprocess.run(["bash", str(SCRIPT), "engine-ab", "Qwen2.5-0.5B", "nvfp4"], cwd=SCRIPT.parents[1],
                           capture_output=True, text=True, env={**env2, "AB_RUNS": "after-freed-frozen"}, timeout=60)
