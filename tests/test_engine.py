@@ -206,6 +206,34 @@ def test_sample_draws_from_the_processed_distribution():
     assert greedy.tolist() == [0, 0] and torch.allclose(glp, torch.log_softmax(logits[:2], -1)[:, 0])
 
 
+def test_a_narrower_call_reuses_the_held_cache_up_to_reuse_pad_with_the_same_outputs():
+    """A call whose prompt bucket is at most reuse_pad narrower than the held cache's pads its prompts to
+    the cache's width and decodes on the same state (no new cache, its graphs kept): the same tokens
+    and log-probs as an engine that never held the wider cache; a wider gap re-allocates."""
+    gen = torch.Generator().manual_seed(11)
+    model = _model("qwen2-tiny", "nvfp4")
+    wide, narrow = _prompts(gen, [11, 4]), _prompts(gen, [5, 3])  # buckets of 4: widths 12 and 8
+    sp = SamplingParams(max_new_tokens=6, temperature=0)
+    fresh = StaticEngine(model, prompt_bucket=4, length_bucket=8).generate_ids(narrow, 2, sp)
+    engine = StaticEngine(model, prompt_bucket=4, length_bucket=8, reuse_pad=4)
+    engine.generate_ids(wide, 2, sp)
+    held = engine._state[1]
+    out = engine.generate_ids(narrow, 2, sp)
+    assert engine._state[1] is held and engine._state[0] == (4, 2, 12, 6)  # the wide cache took the call
+    assert torch.equal(out.completion_ids, fresh.completion_ids) and torch.equal(out.prompt_ids, fresh.prompt_ids)
+    torch.testing.assert_close(out.logprobs, fresh.logprobs, atol=1e-5, rtol=1e-5)
+    for reuse_pad, width in ((3, 8), (0, 8)):  # 4 tokens wider than the call's bucket: more than reuse_pad
+        engine = StaticEngine(model, prompt_bucket=4, length_bucket=8, reuse_pad=reuse_pad)
+        engine.generate_ids(wide, 2, sp)
+        out = engine.generate_ids(narrow, 2, sp)
+        assert engine._state[0] == (4, 2, width, 6) and torch.equal(out.completion_ids, fresh.completion_ids)
+    engine.generate_ids(narrow, 1, sp)  # another group size: another cache, whatever the width
+    assert engine._state[0] == (2, 1, 8, 6)
+    for bad in (-1, 2.0, True):
+        with pytest.raises(ValueError, match=rf"reuse_pad must be an int >= 0 \(tokens\); got {bad!r}"):
+            StaticEngine(model, reuse_pad=bad)
+
+
 def test_errors_name_the_problem(tiny):
     model, tok = tiny
     with pytest.raises(TypeError, match="not a Qwen2/Qwen3/Llama"):

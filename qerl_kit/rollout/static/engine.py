@@ -7,8 +7,9 @@ in place between calls.
 
 How one call runs:
 
-1. Prompt ids are left-padded to a width P rounded up to ``prompt_bucket`` (so calls of
-   similar prompt lengths reuse one cache and its graphs), and prefilled once per unique prompt,
+1. Prompt ids are left-padded to a width P rounded up to ``prompt_bucket``, or to the held
+   cache's wider width when that is at most ``reuse_pad`` tokens more (so calls of similar prompt
+   lengths reuse one cache and its graphs), and prefilled once per unique prompt,
    in chunks of at most ``max_prefill_tokens``; keys/values are written once per prompt, to the
    cache's shared prefix that the prompt's n rows all read (``shared_prefix=False``: copied to
    each of the n rows). The first completion token of every row is sampled from the prefill's logits.
@@ -87,6 +88,11 @@ class StaticEngine(ModelEngine):
     where the memory plan needs it (``rollout.share_weights``, ``qerl_kit.engine_memory``).
     ``keep_cache``: keep the KV cache and graphs between calls (fast); False frees them after each
     call, so a training step that follows has the cache's memory back (graphs are re-captured).
+    ``reuse_pad``: how many tokens wider than a call's own prompt bucket the held cache may be and
+    still take the call (its prompts padded to the cache's width; 0: only the same bucket). A new width
+    re-allocates the cache and re-captures every graph: GSM8K's batches of 16 prompts have their
+    longest prompt in the 128, 192 or 256 bucket, a different one at a third of the steps, so without
+    it a run re-captures that often; the cost is attention over up to ``reuse_pad`` more masked slots.
     ``compact``: decode live rows only (step 4 of the module docstring); False runs every row until
     the longest stops (the A/B baseline).
     ``shared_prefix``: store each prompt's keys/values once for its n rows (``KVCache``'s prefix);
@@ -107,7 +113,7 @@ class StaticEngine(ModelEngine):
 
     def __init__(self, model: torch.nn.Module, tokenizer: Any = None, *, cuda_graphs: bool = True,
                  max_rows: int | None = None, length_bucket: int = 128, prompt_bucket: int = 64,
-                 max_prefill_tokens: int = 16384, check_every: int = 32,
+                 reuse_pad: int = 128, max_prefill_tokens: int = 16384, check_every: int = 32,
                  stop_token_ids: Sequence[int] | None = None, add_special_tokens: bool = False,
                  ignore_eos: bool = False, keep_cache: bool = True, fused: bool = True, compact: bool = True,
                  shared_prefix: bool = True, attention: str = "auto", dense_decode: str = "auto",
@@ -117,6 +123,8 @@ class StaticEngine(ModelEngine):
                             ("max_prefill_tokens", max_prefill_tokens), ("check_every", check_every)):
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an int >= 1; got {value!r}")
+        if not isinstance(reuse_pad, int) or isinstance(reuse_pad, bool) or reuse_pad < 0:
+            raise ValueError(f"reuse_pad must be an int >= 0 (tokens); got {reuse_pad!r}")
         if max_rows is not None and (not isinstance(max_rows, int) or max_rows < 1):
             raise ValueError(f"max_rows must be None or an int >= 1; got {max_rows!r}")
         self.model, self.tokenizer = model, tokenizer
@@ -131,7 +139,7 @@ class StaticEngine(ModelEngine):
         self.decoder.set_attention(attention)
         self.shared_prefix = shared_prefix
         self.cuda_graphs, self.max_rows = cuda_graphs, max_rows
-        self.length_bucket, self.prompt_bucket = length_bucket, prompt_bucket
+        self.length_bucket, self.prompt_bucket, self.reuse_pad = length_bucket, prompt_bucket, reuse_pad
         self.max_prefill_tokens, self.check_every = max_prefill_tokens, check_every
         self.add_special_tokens, self.ignore_eos, self.keep_cache = add_special_tokens, ignore_eos, keep_cache
         self.compact = compact
@@ -291,8 +299,8 @@ class StaticEngine(ModelEngine):
     def _generate_batch(self, prompt_ids: list[list[int]], n: int, sampling: SamplingParams,
                         ignore_eos: bool, stop_after: list[int] | None = None) -> Generation:
         """One batch: prefill, decode, and the completions cut at their stops (module docstring)."""
-        ids, mask, width = self._pad_prompts(prompt_ids)
         B, new, rows = len(prompt_ids), sampling.max_new_tokens, len(prompt_ids) * n
+        ids, mask, width = self._pad_prompts(prompt_ids, lambda own: self._held_width(rows, n, own, new))
         st = self._state_for(rows, n, width, new)
         if st.cache.prompt_row is not None:  # an earlier call's compaction moved rows
             st.cache.prompt_row.copy_(torch.arange(B, device=self.device).repeat_interleave(n))
@@ -316,11 +324,21 @@ class StaticEngine(ModelEngine):
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
-    def _pad_prompts(self, prompt_ids: list[list[int]]) -> tuple[Tensor, Tensor, int]:
+    def _held_width(self, rows: int, n: int, width: int, new: int) -> int:
+        """The held cache's prompt width where it can take a call of this shape whose prompts need
+        ``width`` (same rows, group size and new tokens; at most ``reuse_pad`` wider), else ``width``."""
+        if self._state is None:
+            return width
+        held_rows, held_n, held_width, held_new = self._state[0]
+        fits = (held_rows, held_n, held_new) == (rows, n, new) and width <= held_width <= width + self.reuse_pad
+        return held_width if fits else width
+
+    def _pad_prompts(self, prompt_ids: list[list[int]], widen=None) -> tuple[Tensor, Tensor, int]:
         """(ids [B, P], attention mask [B, P], P): the prompts left-padded to P, the longest rounded up
-        to ``prompt_bucket``, on the engine's device."""
+        to ``prompt_bucket`` (then ``widen(P)``, when given), on the engine's device."""
         B, longest = len(prompt_ids), max(len(p) for p in prompt_ids)
         width = -(-longest // self.prompt_bucket) * self.prompt_bucket
+        width = widen(width) if widen is not None else width
         ids = pad_rows([torch.tensor(p, dtype=torch.long) for p in prompt_ids], self.pad_token_id, left=True)
         mask = pad_rows([torch.ones(len(p), dtype=torch.long) for p in prompt_ids], 0, left=True)
         ids = torch.cat([ids.new_full((B, width - longest), self.pad_token_id), ids], 1).to(self.device)
