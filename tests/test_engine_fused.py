@@ -137,8 +137,8 @@ def test_fused_step_matches_generic_step_and_leaves_the_model_unchanged(preset, 
 
 def test_fused_nf4_step_runs_the_lut4_kernels_and_matches_the_generic_reference(monkeypatch):
     """The fused step's NF4 q/k/v and gate/up groups go through the routed kernels (forced here, the
-    interpreter on the CPU): decode takes lut4_gemv, and the tokens and log-probs are the generic
-    path's on the plain-PyTorch reference. float32 on the GPU too (the kernels take it, IEEE products,
+    interpreter on the CPU): decode takes the table's rows (4 rows: NF4's dense path, lut4_dense), and
+    the tokens and log-probs are the generic path's on the plain-PyTorch reference. float32 on the GPU too (the kernels take it, IEEE products,
     no TF32), so no near tie can flip a sample and the comparison holds everywhere."""
     from qerl_kit import kernels
 
@@ -148,14 +148,15 @@ def test_fused_nf4_step_runs_the_lut4_kernels_and_matches_the_generic_reference(
     with kernels.set_backend("reference"):
         a = StaticEngine(model, fused=False).generate_ids(prompts, 2, sp, ignore_eos=True)
     calls = []
-    gemv = kernels._LUT4_FORWARD["lut4_gemv"]
-    monkeypatch.setitem(kernels._LUT4_FORWARD, "lut4_gemv", lambda *args: calls.append(args[3]) or gemv(*args))
+    dense = kernels._LUT4_FORWARD["lut4_dense"]
+    monkeypatch.setitem(kernels._LUT4_FORWARD, "lut4_dense",
+                        lambda *args: calls.append((args[0].shape[0], args[3])) or dense(*args))
     kernels._forget_routes()
     with kernels.set_backend("triton"):
         engine = StaticEngine(model)
         b = engine.generate_ids(prompts, 2, sp, ignore_eos=True)
     assert engine.decoder.path == "fused" and engine.decoder.plan.layers[0].gate_up.kind == "nf4"
-    assert calls and set(calls) == {"nf4"}
+    assert (4, "nf4") in calls and {fmt for _, fmt in calls} == {"nf4"}  # a decode step's 2 x 2 rows
     assert torch.equal(a.completion_ids, b.completion_ids)
     torch.testing.assert_close(a.logprobs, b.logprobs, atol=1e-4, rtol=0)
 

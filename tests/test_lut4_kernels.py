@@ -137,7 +137,8 @@ def test_gemv_refuses_what_it_does_not_take():
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
 @pytest.mark.parametrize("fmt", ["nf4", "mxfp4"])
 def test_routed_layer_forward_and_backward_match_the_reference_path(fmt, dtype):
-    """3 x 7 = 21 rows take the GEMV (and the dense input gradient), 5 x 13 = 65 rows the dense path both ways."""
+    """The GEMV's rows (one row for NF4, 2 x 7 = 14 for MXFP4) take the GEMV (and the dense input gradient),
+    5 x 13 = 65 rows the dense path both ways."""
     n, k = SHAPES[fmt][0]
     g = torch.Generator().manual_seed(5)
     dense = torch.nn.Linear(k, n)
@@ -146,7 +147,8 @@ def test_routed_layer_forward_and_backward_match_the_reference_path(fmt, dtype):
         dense.bias.copy_(torch.randn(n, generator=g))
     layer = LAYERS[fmt].from_linear(dense).to(DEVICE)
     w = layer.dequantized_weight(dtype)
-    for shape, kernel in (((3, 7, k), "lut4_gemv"), ((5, 13, k), "lut4_dense")):
+    gemv_shape = (1, 1, k) if fmt == "nf4" else (2, 7, k)  # routes.ROUTES: NF4's GEMV at one row, MXFP4's to 16
+    for shape, kernel in ((gemv_shape, "lut4_gemv"), ((5, 13, k), "lut4_dense")):
         x = _randn(*shape, dtype=dtype, seed=6).requires_grad_()
         up = _randn(*shape[:-1], n, dtype=dtype, seed=7)
         with kernels.set_backend("reference"):
@@ -303,11 +305,12 @@ def test_sweep_times_every_candidate_and_the_dense_path_and_checks_them(tmp_path
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
 @pytest.mark.parametrize("fmt", ["nf4", "mxfp4"])
 def test_gpu_auto_backend_routes_layers_to_the_kernels(fmt):
-    """On CUDA the default backend sends NF4/MXFP4 layers to lut4_gemv (<= 64 rows) and the dense
-    path, in bf16 and fp32, and the layer's output is the routed kernel's."""
+    """On CUDA the default backend sends NF4/MXFP4 layers to lut4_gemv (one row; MXFP4 up to 16) and
+    the dense path, in bf16 and fp32, and the layer's output is the routed kernel's."""
     layer = LAYERS[fmt].from_linear(torch.nn.Linear(3584, 512)).cuda()
     for dtype in (torch.bfloat16, torch.float32):
-        for m, kernel in ((1, "lut4_gemv"), (17, "lut4_gemv"), (64, "lut4_gemv"), (65, "lut4_dense"),
+        gemv = "lut4_gemv" if fmt == "mxfp4" else "lut4_dense"  # at 2-16 rows
+        for m, kernel in ((1, "lut4_gemv"), (8, gemv), (16, gemv), (17, "lut4_dense"), (64, "lut4_dense"),
                           (2048, "lut4_dense")):
             x = _randn(m, 3584, dtype=dtype, seed=m)
             assert kernels.route("forward", x, layer.packed, layer.block_scales, fmt=fmt) == kernel

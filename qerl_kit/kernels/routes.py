@@ -122,6 +122,9 @@ LUT4_DECODE_MAX_M = 64  # the most rows lut4_gemv takes (its largest tl.dot tile
 _RUN = "bench/results/routes_h200.md"   # humming, our kernels and bf16 per layer and M, in one run
 _DECODE = "lab/results/cuda_decode_h200.md, against the Triton decode kernel (the rule without humming)"
 
+_FAIR = ("bench/results/fair_h100/hold12/lut4.md (H100 80GB, 2026-12-06: lut4_gemv against lut4_dequantize + "
+         "cuBLAS bf16 per 7B layer, CUDA graphs, one run)")
+
 ROUTES: tuple[Route, ...] = (
     # -- humming-kernels where it beat our kernels (skipped where it is not installed) ------------
     # One row: our CUDA decode kernel under 20M weights and from 72M with K < 5120 (7B gate_up:
@@ -162,12 +165,20 @@ ROUTES: tuple[Route, ...] = (
     Route("dense", op="dgrad", why="bench/results/nvfp4_gemm_h200.md"),
     Route("triton_dgrad", op="dgrad", why="Triton's CPU interpreter, where the dense path does not run"),
     Route("reference", op="dgrad", why="no kernel can take the call here"),
-    # -- NF4 and MXFP4 (lut4_triton): decode GEMV up to 64 rows, else dequantize + cuBLAS ----------
-    Route("lut4_gemv", rows=(1, LUT4_DECODE_MAX_M + 1), dtypes=LUT4_DTYPES, formats=LUT4, why="lut4_gemv's row "
-          "limit (DECODE_MAX_M = 64, tl.dot tiles of 16, 32 or 64 rows), the same limit as nvfp4_gemv's; no "
-          "crossover to the dense path measured on a GPU for NF4/MXFP4"),
-    Route("lut4_dense", dtypes=LUT4_DTYPES, formats=LUT4, why="every row count above lut4_gemv's 64 (NVFP4's dense "
-          "path wins from 128 rows, bench/results/nvfp4_gemm_h200.md; 65-127 rows not measured for NF4/MXFP4)"),
+    # -- NF4 and MXFP4 (lut4_triton): the decode GEMV where it beat dequantize + cuBLAS, else the dense path --
+    # Per 7B layer, H100, one run (_FAIR): the GEMV against the same run's dequantization plus cuBLAS bf16
+    # at the same rows (what lut4_dense runs). One row (the FMA path): the GEMV for both formats (NF4
+    # gate/up 48.1 against 117.9 us, q/o 12.1 against 21.0; MXFP4 60.8 against 118.3, 14.1 against 21.9).
+    Route("lut4_gemv", rows=(1, 2), dtypes=LUT4_DTYPES, formats=LUT4, why=_FAIR + ": one row"),
+    # MXFP4 up to 16 rows (the MMA path's 16-row tile): gate/up 73.0 against 116.6 us, q/o 16.3 against
+    # 23.5, k/v 9.7 against 11.2 at 16 rows; at 64 the dense path (gate/up 199.9 against 115.8 us, q/o
+    # 40.9 against 22.3); 17-63 rows not measured, the dense path taken
+    Route("lut4_gemv", rows=(2, 17), dtypes=LUT4_DTYPES, formats=("mxfp4",), why=_FAIR + ": 8 and 16 rows"),
+    # NF4 from 2 rows the dense path: the GEMV's MMA path gathers its table through shared memory
+    # (docs/kernels.md): at 8 rows gate/up 170.1 against 118.2 us, down 150.6 against 118.1, q/o 33.7
+    # against 21.2, k/v 12.9 against 10.8; at 64 rows 2.0-3.0x. Above 64 rows the GEMV takes no call.
+    Route("lut4_dense", dtypes=LUT4_DTYPES, formats=LUT4, why=_FAIR + "; NVFP4's dense path wins from 128 rows "
+          "too (bench/results/nvfp4_gemm_h200.md)"),
     Route("reference", dtypes=LUT4_DTYPES, formats=LUT4, why="no kernel can take the call here"),
     Route("lut4_dense", op="dgrad", dtypes=LUT4_DTYPES, formats=LUT4, why="the dense path: NF4/MXFP4 have no fused "
           "input-gradient kernel"),
