@@ -11,10 +11,10 @@ For the linear layers of Qwen2.5-7B (``bench_nvfp4_gemm.layer_shapes``) and M ro
 * ``nf4_bnb``:     bitsandbytes' own ``matmul_4bit`` on the same NF4 bytes (``--bnb``, where
                    bitsandbytes is installed: our layout is its layout, docs/kernels.md)
 
-and, at the GEMV's row counts (up to 64), the candidates the routing table and ``gemv_config`` could
-take instead: ``nf4_tree`` (NF4's levels from a select tree, ``NF4_TREE``), ``nf4_stages1`` (the
-table's gather without the software pipeline, ``num_stages=1``; more than one row), ``nf4_dense`` and
-``mxfp4_dense`` (``lut4_dense_linear``: dequantize + cuBLAS, the dense path forced)
+and, at the GEMV's row counts (up to 64), both of the routing table's choices forced whichever it takes:
+``nf4_gemv`` / ``mxfp4_gemv`` (``lut4_gemv`` at ``gemv_config``'s tile) and ``nf4_dense`` /
+``mxfp4_dense`` (``lut4_dense_linear``: dequantize + cuBLAS), so the crossover the table's rows encode
+shows at every row count (``bench.bench_lut4_sweep`` times the GEMV's other tile configs)
 
 plus the dense path's dequantization alone (``lut4_dequantize`` against the PyTorch reference).
 GPU timing is ``bench_nvfp4_gemm.time_alternating``: CUDA-graph replays of back-to-back calls
@@ -46,7 +46,7 @@ from qerl_kit.kernels import lut4_triton
 from qerl_kit.kernels.reference import lut4_linear_ref
 
 MS = [1, 8, 16, 64, 2048]
-SIDES = ("bf16", "nvfp4", "nf4", "mxfp4", "nf4_tree", "nf4_stages1", "nf4_dense", "mxfp4_dense", "nf4_generic",
+SIDES = ("bf16", "nvfp4", "nf4", "mxfp4", "nf4_gemv", "mxfp4_gemv", "nf4_dense", "mxfp4_dense", "nf4_generic",
          "nf4_bnb")
 
 
@@ -78,13 +78,10 @@ def cell_calls(m: int, n: int, k: int, device: str, with_bnb: bool, copies: int 
              "nvfp4": [lambda w=random_nvfp4(n, k, device): kernels.nvfp4_linear(x, *w) for _ in range(c)]}
     for fmt in ("nf4", "mxfp4"):
         sides[fmt] = [lambda w=random_lut4(fmt, n, k, device), f=fmt: kernels.lut4_linear(x, *w, f) for _ in range(c)]
-    if m <= lut4_triton.DECODE_MAX_M:  # the GEMV's alternatives at its own row counts
-        sides["nf4_tree"] = [lambda w=random_lut4("nf4", n, k, device): lut4_triton.lut4_gemv(
-            x, *w, "nf4", config={"NF4_TREE": True}) for _ in range(c)]
-        if m > 1:  # the MMA path's software pipeline (the one-row path has none to drop)
-            sides["nf4_stages1"] = [lambda w=random_lut4("nf4", n, k, device): lut4_triton.lut4_gemv(
-                x, *w, "nf4", config={"num_stages": 1}) for _ in range(c)]
+    if m <= lut4_triton.DECODE_MAX_M:  # the table's two choices forced, at the GEMV's own row counts
         for fmt in ("nf4", "mxfp4"):
+            sides[f"{fmt}_gemv"] = [lambda w=random_lut4(fmt, n, k, device), f=fmt: lut4_triton.lut4_gemv(x, *w, f)
+                                    for _ in range(c)]
             sides[f"{fmt}_dense"] = [lambda w=random_lut4(fmt, n, k, device), f=fmt: lut4_triton.lut4_dense_linear(
                 x, *w, f) for _ in range(c)]
     sides["nf4_generic"] = [lambda w=random_lut4("nf4", n, k, device): lut4_linear_ref(x, *w, "nf4") for _ in range(c)]

@@ -1,14 +1,13 @@
 """Which ``lut4_gemv`` config decodes NF4 / MXFP4 fastest, per 7B layer and row count, against the dense path.
 
-``gemv_config`` fixes one MMA-path config for 2-64 rows (64 x 64 tiles, three pipeline stages), chosen by
-compiling, not by timing, and hold 12 (H100) timed it slow: NF4 at 8 rows 3.5x its own one-row time, MXFP4
-3x NVFP4's. This sweep times, per (format, layer, rows), every candidate that compiles for sm_90 without
-spilling (tests/test_lut4_compile.py): BLOCK_K 64 or 128 with one or three pipeline stages, 256 with one
-or two up to 16 rows, and for NF4 the levels from the table or from the select tree (``NF4_TREE``), with
-``lut4_dense_linear`` (dequantize + cuBLAS) as the alternative the routing table could take instead. Timing is ``bench_lut4``'s: CUDA-graph
-replays over weight copies past L2, the candidates alternated, each one's best. The table gives each
-candidate's microseconds, the fastest and its ratio to today's config; ``gemv_config`` and the table's
-rows change from these numbers, not before::
+``gemv_config`` fixes one MMA-path config for 2-64 rows (64 x 64 tiles; NF4 one pipeline stage, MXFP4
+three: hold 13's run of this sweep, H200, chose NF4's). This sweep times, per (format, layer, rows),
+every candidate that compiles for sm_90 without spilling (tests/test_lut4_compile.py): BLOCK_K 64 or 128
+with one or three pipeline stages, 256 with one or two up to 16 rows, with ``lut4_dense_linear``
+(dequantize + cuBLAS) as the alternative the routing table takes instead. Timing is ``bench_lut4``'s:
+CUDA-graph replays over weight copies past L2, the candidates alternated, each one's best. The table
+gives each candidate's microseconds, the fastest and its ratio to today's config; ``gemv_config`` and
+the routing table's rows change from these numbers::
 
     python -m bench.bench_lut4_sweep --out $OUT/lut4-sweep          # GPU: sweep.md + sweep.csv
     TRITON_INTERPRET=1 python -m bench.bench_lut4_sweep --smoke --out /tmp/sweep   # CPU: the script works
@@ -35,15 +34,14 @@ def candidates(fmt: str, m: int) -> dict[str, dict]:
     """{name: config overrides}: today's config ("default") and the variants worth timing, each compiled
     for sm_90 without spilling by tests/test_lut4_compile.py: BLOCK_K 64 and 128 with one or three stages,
     and 256 (8 warps, one or two stages) up to 16 rows, where its tile fits the registers (at 64 rows it
-    spills); NF4 with the table's gather or the select tree."""
+    spills)."""
+    today = lut4_triton.gemv_config(m, 4608, 3584, fmt, interpret=False)
     out = {"default": {}}
-    tiles = [(64, 1), (64, 3), (128, 1), (128, 3)] + ([(256, 1), (256, 2)] if m <= 16 else [])
-    for (bk, stages), tree in itertools.product(tiles, (False, True) if fmt == "nf4" else (False,)):
-        if (bk, stages, tree) == (64, 3, False):
+    for bk, stages in [(64, 1), (64, 3), (128, 1), (128, 3)] + ([(256, 1), (256, 2)] if m <= 16 else []):
+        if (bk, stages) == (today["BLOCK_K"], today["num_stages"]):
             continue  # today's
         warps = 8 if bk > 64 or m > 32 else 4  # 4 warps at BLOCK_K 128 hold 156-254 registers (no spill, but few warps)
-        name = f"k{bk}-s{stages}" + ("-tree" if tree else "")
-        out[name] = dict(BLOCK_K=bk, num_stages=stages, num_warps=warps, NF4_TREE=tree)
+        out[f"k{bk}-s{stages}"] = dict(BLOCK_K=bk, num_stages=stages, num_warps=warps)
     return out
 
 

@@ -31,12 +31,12 @@
 #                             "--micro-batch 8 --micro-batches 8 --prompt 256 --completion 512 --repeats 3", + --stacks,
 #                             --paired: the formats alternated); profile.md, profile_<fmt>.txt in $OUT/profile-update
 #   fair                      NF4 and MXFP4 on their routed kernels (lut4_triton) against bf16 and NVFP4 per 7B layer
-#                             (bench.bench_lut4, NF4's GEMV candidates and the forced dense path too; bitsandbytes' matmul_4bit where
+#                             (bench.bench_lut4, the GEMV and the dense path each forced; bitsandbytes' matmul_4bit where
 #                             .vllm/uns/slim.tgz or .vllm/bnb carries it), then our engine decoding the 7B in each
 #                             format (bench.bench_rollout engine-nvfp4 engine-nf4 engine-mxfp4, and transformers +
 #                             bitsandbytes' hf-nf4 with it; BATCHES default "1 8 64"): the issue's fair-baseline
 #                             check; $OUT/fair/lut4, $OUT/fair/engine, the logs in logs.tgz
-#   lut4-sweep                lut4_gemv's MMA-path configs (BLOCK_K, stages, NF4_TREE) against the dense path per 7B
+#   lut4-sweep                lut4_gemv's MMA-path configs (BLOCK_K, stages) against the dense path per 7B
 #                             layer at 8 and 64 rows (bench.bench_lut4_sweep); $OUT/lut4-sweep/sweep.{md,csv}
 #   pyspy-update [MODEL] ["A B"]  profile-update's dense-cache pass (--modes dense), one process per format under py-spy
 #                             (native frames, PYSPY_RATE/s (50), PYSPY_THREADS (1) torch threads, PYSPY_TIMEOUT 240; the

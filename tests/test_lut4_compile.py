@@ -60,7 +60,7 @@ for fmt in ("nf4", "mxfp4"):
                          stride_pn="i32", stride_sn="i32", stride_ym="i32", stride_yn="i32")
             consts = dict(FMT=L.FORMAT_IDS[fmt], BS=L.BLOCK_SIZES[fmt], HAS_BIAS=True, INTERPRET=False,
                           IEEE=dt == "fp32", EVEN_K=k % cfg["BLOCK_K"] == 0, USE_DOT=cfg["USE_DOT"],
-                          SPLIT_K=cfg["SPLIT_K"], BLOCK_M=L.gemv_block_m(m, cfg["USE_DOT"]), NF4_TREE=False,
+                          SPLIT_K=cfg["SPLIT_K"], BLOCK_M=L.gemv_block_m(m, cfg["USE_DOT"]),
                           BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"])
             regs, stack, vec = compiled(L._lut4_gemv_kernel, types, consts, num_warps=cfg["num_warps"],
                                         num_stages=cfg["num_stages"])
@@ -71,7 +71,7 @@ for fmt in ("nf4", "mxfp4"):
                     split = L.choose_split_k(4608, k, c["BLOCK_N"], c["BLOCK_K"], 2)  # as lut4_gemv picks it
                     regs, stack, vec = compiled(
                         L._lut4_gemv_kernel, types,
-                        dict(consts, BLOCK_K=c["BLOCK_K"], NF4_TREE=c["NF4_TREE"], SPLIT_K=split),
+                        dict(consts, BLOCK_K=c["BLOCK_K"], SPLIT_K=split),
                         num_warps=c["num_warps"], num_stages=c["num_stages"])
                     print("variant", fmt, dt, m, k, name, regs, vec, stack)
         types = dict(p_ptr="*u8", s_ptr=scales, lut_ptr=lut, w_ptr=PTR[dt], N="i32", K="i32", stride_pn="i32",
@@ -99,9 +99,9 @@ def test_kernels_compile_for_sm90_without_spilling():
     rows = [line.split() for line in proc.stdout.splitlines() if line.startswith(("gemv", "dequant"))]
     assert len(rows) == 2 * 3 * (6 + 4)
     variants = [line.split() for line in proc.stdout.splitlines() if line.startswith("variant")]
-    # bench_lut4_sweep's candidates at the MMA row counts of K = 3584 (8, 32, 64 rows), bf16: NF4 12 + 8 + 8,
-    # MXFP4 6 + 4 + 4 (BLOCK_K 256 only up to 16 rows)
-    assert len(variants) == (12 + 8 + 8) + (6 + 4 + 4), len(variants)
+    # bench_lut4_sweep's candidates at the MMA row counts of K = 3584 (8, 32, 64 rows), bf16: each format's
+    # 6 + 4 + 4 (BLOCK_K 256 only up to 16 rows)
+    assert len(variants) == 2 * (6 + 4 + 4), len(variants)
     assert not [v for v in variants if int(v[-1]) != 0], f"register spills in the sweep's candidates: {variants}"
     # BLOCK_K divides K at every shape here (3584, 896): whole tiles, no masks along K
     assert all(r[5] == "True" for r in rows), [r for r in rows if r[5] != "True"]

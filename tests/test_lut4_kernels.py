@@ -103,23 +103,6 @@ def test_gemv_matches_the_reference(fmt, dtype):
             _assert_within_fp32_accumulation(y, x, w, bias if m != 3 else None)
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
-def test_nf4_select_tree_gives_the_tables_bits(dtype):
-    """NF4_TREE (the levels from a tree of selects, no table read) computes the same float32 products as the
-    table's gather: the GEMV's outputs are equal bit for bit, at one row (FMA path) and on the MMA path,
-    with every one of the 16 codes present in the weight (so each tree constant is checked)."""
-    n, k = SHAPES["nf4"][1]
-    q = _weight("nf4", n, k, seed=41)
-    codes = torch.cat([q.packed >> 4, q.packed & 15]).unique()
-    assert codes.numel() == 16
-    for m in (1, 3, 17):
-        x = _randn(m, k, dtype=dtype, seed=50 + m)
-        table = lut4_triton.lut4_gemv(x, q.packed, q.scales, "nf4")
-        tree = lut4_triton.lut4_gemv(x, q.packed, q.scales, "nf4", config={"NF4_TREE": True})
-        assert torch.equal(tree.view(BITS[dtype]), table.view(BITS[dtype])), m
-    assert lut4_triton.gemv_config(8, 4608, 3584, "nf4", interpret=False)["NF4_TREE"] is False  # until timed
-
-
 def test_gemv_refuses_what_it_does_not_take():
     q = _weight("nf4", 32, 128, seed=1)
     with pytest.raises(ValueError, match="at most 64 rows"):
@@ -265,35 +248,38 @@ def test_bench_runs_its_smoke_shape_in_the_interpreter(tmp_path):
     table = (tmp_path / "lut4.md").read_text()
     assert "| tiny | 1 | 64 | 128 |" in table and "lut4_gemv" in table and "lut4_dense" in table
     header = table.splitlines()[2]
-    for side in ("nf4_tree_us", "nf4_stages1_us", "nf4_dense_us", "mxfp4_dense_us"):  # the GEMV's alternatives
+    forced = ("nf4_gemv_us", "mxfp4_gemv_us", "nf4_dense_us", "mxfp4_dense_us")  # the table's two choices
+    for side in forced:
         assert f" {side} " in header, header
     cells = {line.split("|")[2].strip(): line for line in table.splitlines() if line.startswith("| tiny |")}
     assert set(cells) == {"1", "3", "65"}
     cols = [c.strip() for c in header.split("|")[1:-1]]
-    row3 = [c.strip() for c in cells["3"].split("|")[1:-1]]
-    assert all(float(row3[cols.index(c)]) > 0 for c in ("nf4_tree_us", "nf4_stages1_us", "nf4_dense_us"))
-    row1 = [c.strip() for c in cells["1"].split("|")[1:-1]]
-    assert row1[cols.index("nf4_stages1_us")] == ""  # one row has no pipeline to drop
+    for m in ("1", "3"):  # at the GEMV's row counts both choices are timed, above them neither
+        row = [c.strip() for c in cells[m].split("|")[1:-1]]
+        assert all(float(row[cols.index(c)]) > 0 for c in forced)
+    row65 = [c.strip() for c in cells["65"].split("|")[1:-1]]
+    assert all(row65[cols.index(c)] == "" for c in forced)
     assert kernels.get_backend() is before  # the run's backend switch is restored
 
 
 @pytest.mark.skipif(CUDA, reason="the CPU smoke run; on a GPU: python -m bench.bench_lut4_sweep")
 def test_sweep_times_every_candidate_and_the_dense_path_and_checks_them(tmp_path):
-    """bench_lut4_sweep: today's config, the BLOCK_K / stage / NF4_TREE variants and the dense path, per
-    format; every candidate's error bounded, the fastest named."""
+    """bench_lut4_sweep: today's config, the BLOCK_K / stage variants and the dense path, per format;
+    every candidate's error bounded, the fastest named."""
     from bench import bench_lut4_sweep as sweep
 
     nf4_names, mx_names = sweep.candidates("nf4", 8), sweep.candidates("mxfp4", 8)
-    assert nf4_names["default"] == {} and len(nf4_names) == 12 and len(mx_names) == 6  # BLOCK_K 256 to 16 rows
-    assert len(sweep.candidates("nf4", 64)) == 8 and len(sweep.candidates("mxfp4", 64)) == 4
-    assert all(not cfg["NF4_TREE"] for name, cfg in mx_names.items() if name != "default")
-    assert sweep.candidates("nf4", 64)["k64-s1"]["num_warps"] == 8  # gemv_config's 8 warps above 32 rows
+    assert nf4_names["default"] == {} and len(nf4_names) == len(mx_names) == 6  # BLOCK_K 256 to 16 rows
+    assert len(sweep.candidates("nf4", 64)) == len(sweep.candidates("mxfp4", 64)) == 4
+    assert "k64-s1" not in nf4_names and "k64-s3" in nf4_names  # today's NF4 config (one stage) is "default"
+    assert "k64-s3" not in mx_names and "k64-s1" in mx_names  # MXFP4's (three stages)
+    assert sweep.candidates("nf4", 64)["k64-s3"]["num_warps"] == 8  # gemv_config's 8 warps above 32 rows
     sweep.main(["--smoke", "--out", str(tmp_path)])
     lines = (tmp_path / "sweep.md").read_text().splitlines()
     cols = [c.strip() for c in lines[2].split("|")[1:-1]]
     rows = {r[0]: r for r in ([c.strip() for c in line.split("|")[1:-1]] for line in lines[4:])}
     assert set(rows) == {"nf4", "mxfp4"}
-    assert rows["nf4"][cols.index("k128-s3-tree_us")] and not rows["mxfp4"][cols.index("k128-s3-tree_us")]
+    assert rows["nf4"][cols.index("k64-s3_us")] and not rows["mxfp4"][cols.index("k64-s3_us")]
     for r in rows.values():
         assert float(r[cols.index("dense_us")]) > 0 and float(r[cols.index("worst_rel_err")]) < 1e-2
         assert f"{r[cols.index('best')]}_us" in cols  # one of the timed candidates
@@ -305,8 +291,9 @@ def test_sweep_times_every_candidate_and_the_dense_path_and_checks_them(tmp_path
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
 @pytest.mark.parametrize("fmt", ["nf4", "mxfp4"])
 def test_gpu_auto_backend_routes_layers_to_the_kernels(fmt):
-    """On CUDA the default backend sends NF4/MXFP4 layers to lut4_gemv (one row; MXFP4 up to 16) and
-    the dense path, in bf16 and fp32, and the layer's output is the routed kernel's."""
+    """On CUDA the default backend sends NF4/MXFP4 layers to lut4_gemv (one row; MXFP4 up to 16, NF4 too
+    from 64M weights, not this layer's 1.8M) and the dense path, in bf16 and fp32, and the layer's output
+    is the routed kernel's."""
     layer = LAYERS[fmt].from_linear(torch.nn.Linear(3584, 512)).cuda()
     for dtype in (torch.bfloat16, torch.float32):
         gemv = "lut4_gemv" if fmt == "mxfp4" else "lut4_dense"  # at 2-16 rows

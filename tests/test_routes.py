@@ -109,16 +109,20 @@ def test_forced_backends_skip_kernels_they_exclude(monkeypatch):
 
 @pytest.mark.parametrize("fmt", routes.LUT4)
 def test_nf4_and_mxfp4_take_the_lut4_rows(fmt):
-    """The decode GEMV where it beat the dense path on the H100 (one row; MXFP4 up to 16 rows), the dense
-    path beyond, the input gradient always dense; fp32 activations too; never an NVFP4 kernel, and the
-    NVFP4 rows never take an NF4/MXFP4 weight."""
-    last_gemv = 16 if fmt == "mxfp4" else 1
+    """The decode GEMV where it beat the dense path (one row; MXFP4 up to 16 rows, NF4 up to 16 from 64M
+    weights), the dense path beyond, the input gradient always dense; fp32 activations too; never an
+    NVFP4 kernel, and the NVFP4 rows never take an NF4/MXFP4 weight."""
     for dtype in (BF, FP, torch.float32):
-        kinds = lambda op, m: [r.kernel for r in candidates(op, m, 4608, 3584, dtype, fmt=fmt)]  # noqa: E731
-        assert kinds("forward", 1) == kinds("forward", last_gemv) == ["lut4_gemv", "lut4_dense", "reference"]
-        assert kinds("forward", last_gemv + 1) == kinds("forward", 64) == kinds("forward", 8192) == [
-            "lut4_dense", "reference"]
-        assert kinds("dgrad", 1) == kinds("dgrad", 4096) == ["lut4_dense", "reference"]
+        for n, k in ((4608, 3584), (37888, 3584)):  # a 7B's fused q/k/v (16.5M weights) and gate/up (136M)
+            # NF4's GEMV at 2-16 rows from 64M weights only; MXFP4's at every size
+            last_gemv = 16 if fmt == "mxfp4" or n * k >= 64 * 2**20 else 1
+            kinds = lambda op, m: [r.kernel for r in candidates(op, m, n, k, dtype, fmt=fmt)]  # noqa: E731
+            assert kinds("forward", 1) == kinds("forward", last_gemv) == ["lut4_gemv", "lut4_dense", "reference"]
+            assert kinds("forward", last_gemv + 1) == kinds("forward", 64) == kinds("forward", 8192) == [
+                "lut4_dense", "reference"]
+            assert kinds("dgrad", 1) == kinds("dgrad", 4096) == ["lut4_dense", "reference"]
+    assert [r.kernel for r in candidates("forward", 8, 4608, 3584, BF, fmt=fmt)][0] == (
+        "lut4_gemv" if fmt == "mxfp4" else "lut4_dense")
     assert candidates("forward", 8, 4608, 3584, torch.float64, fmt=fmt) == []
     assert all(set(r.formats) <= set(routes.LUT4) if r.kernel.startswith("lut4_") else fmt not in r.formats or
                r.kernel == "reference" for r in ROUTES)

@@ -30,9 +30,7 @@ as ``mxfp4.e8m0_scales`` builds the reference's, so the product is the reference
   slices park float32 partial tiles and the last to arrive sums them in slice order
   (deterministic; the atomics touch only ``splitk``'s counters, never y).
 
-NF4's levels come from the table (a gather) or, with ``NF4_TREE`` (``gemv_config``'s key, off by
-default until a GPU run times it: ``bench.bench_lut4``'s ``nf4_tree``), from a tree of selects on the
-code's bits, bit-identical.
+NF4's levels come from its 16-entry table (a gather; NF4 has no closed form), MXFP4's from the bits.
 
 Tile configs are fixed, chosen by shape (``gemv_config``), not autotuned. Under the interpreter
 (CPU, ``TRITON_INTERPRET=1``) the kernels compute and store float32 and the launcher rounds with
@@ -73,31 +71,10 @@ if HAS_TRITON:
         return tl.where(b == 0, 0x00400000, b << 23).to(tl.float32, bitcast=True)
 
     @triton.jit
-    def _nf4_tree(c):
-        """NF4's level of each 4-bit code from a tree of selects on its bits, no memory read: the
-        levels are ``nf4.NF4_CODEBOOK``'s, rounded to float32 as the table is (a test keeps them
-        equal). In the MMA path Triton's software pipeliner turns a gather from the table into one
-        4-byte async copy per weight through shared memory (sm_90 SASS: 69 LDGSTS, 93 LDS per loop
-        at 8 rows, against MXFP4's 6 and 30); the tree is ALU work, as MXFP4's E2M1 decode."""
-        b0 = (c & 1) != 0
-        b1 = (c & 2) != 0
-        b2 = (c & 4) != 0
-        neg = tl.where(b2, tl.where(b1, tl.where(b0, 0.0, -0.09105003625154495),
-                                    tl.where(b0, -0.18477343022823334, -0.28444138169288635)),
-                       tl.where(b1, tl.where(b0, -0.39491748809814453, -0.5250730514526367),
-                                tl.where(b0, -0.6961928009986877, -1.0)))
-        pos = tl.where(b2, tl.where(b1, tl.where(b0, 1.0, 0.7229568362236023),
-                                    tl.where(b0, 0.5626170039176941, 0.44070982933044434)),
-                       tl.where(b1, tl.where(b0, 0.33791524171829224, 0.24611230194568634),
-                                tl.where(b0, 0.16093020141124725, 0.07958029955625534)))
-        return tl.where((c & 8) != 0, pos, neg)
-
-    @triton.jit
     def dequant_lut4(p, s, lut_ptr, FMT: tl.constexpr, BS: tl.constexpr, BLOCK_N: tl.constexpr,
-                     BLOCK_K: tl.constexpr, NF4_TREE: tl.constexpr):
+                     BLOCK_K: tl.constexpr):
         """packed [BN, BK/2] + scales [BN, BK/BS] -> (W[:, 0::2], W[:, 1::2]) float32 [BN, BK/2],
-        each the reference's exact float32 product lut[code] * scale (NF4_TREE: the levels from
-        ``_nf4_tree``, else gathered from the table at ``lut_ptr``)."""
+        each the reference's exact float32 product lut[code] * scale."""
         c = p.to(tl.int32)
         if FMT == 0:  # NF4: the first weight of a pair in the high nibble
             c_even, c_odd = c >> 4, c & 15
@@ -105,8 +82,6 @@ if HAS_TRITON:
             c_even, c_odd = c & 15, c >> 4
         sc = _scale_f32(s, FMT)
         sc = tl.reshape(tl.broadcast_to(sc[:, :, None], (BLOCK_N, BLOCK_K // BS, BS // 2)), (BLOCK_N, BLOCK_K // 2))
-        if FMT == 0 and NF4_TREE:
-            return _nf4_tree(c_even) * sc, _nf4_tree(c_odd) * sc
         if FMT == 0:  # NF4's codebook has no closed form: a gather from the 16-entry table (L1-resident)
             return tl.load(lut_ptr + c_even) * sc, tl.load(lut_ptr + c_odd) * sc
         return _e2m1_to_f32(c_even) * sc, _e2m1_to_f32(c_odd) * sc  # E2M1 from the bits, as NVFP4's kernels
@@ -126,7 +101,7 @@ if HAS_TRITON:
         s_ptrs = s_ptr + offs_n[:, None] * stride_sn + (k0 // BS + offs_g)[None, :]
         w_ptrs = w_ptr + offs_n[:, None] * stride_wn + offs_k[None, :]
         if EVEN_N and EVEN_K:
-            even, odd = dequant_lut4(tl.load(p_ptrs), tl.load(s_ptrs), lut_ptr, FMT, BS, BLOCK_N, BLOCK_K, False)
+            even, odd = dequant_lut4(tl.load(p_ptrs), tl.load(s_ptrs), lut_ptr, FMT, BS, BLOCK_N, BLOCK_K)
             tl.store(w_ptrs, tl.interleave(even, odd).to(w_ptr.dtype.element_ty))  # rounded once, to nearest even
         else:
             rows = offs_n[:, None] < N
@@ -138,7 +113,7 @@ if HAS_TRITON:
                 p = tl.load(p_ptrs, mask=rows & (offs_j[None, :] < (K - k0) // 2), other=0)
                 s = tl.load(s_ptrs, mask=rows & (offs_g[None, :] < (K - k0) // BS), other=0)
                 w_mask = rows & (offs_k[None, :] < K)
-            even, odd = dequant_lut4(p, s, lut_ptr, FMT, BS, BLOCK_N, BLOCK_K, False)
+            even, odd = dequant_lut4(p, s, lut_ptr, FMT, BS, BLOCK_N, BLOCK_K)
             tl.store(w_ptrs, tl.interleave(even, odd).to(w_ptr.dtype.element_ty), mask=w_mask)
 
     @triton.jit
@@ -155,7 +130,7 @@ if HAS_TRITON:
         stride_xm, stride_xk, stride_pn, stride_sn, stride_ym, stride_yn,
         FMT: tl.constexpr, BS: tl.constexpr, HAS_BIAS: tl.constexpr, INTERPRET: tl.constexpr,
         IEEE: tl.constexpr, EVEN_K: tl.constexpr, USE_DOT: tl.constexpr, SPLIT_K: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NF4_TREE: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     ):
         """y[M, N] = x[M, K] @ W[N, K]^T (+ bias); program (i, s) owns columns [i*BN, (i+1)*BN)
         and the s-th of SPLIT_K slices of K.
@@ -189,7 +164,7 @@ if HAS_TRITON:
                 x = tl.load(x_ptrs, mask=offs_k[None, :] < K - k0, other=0.0)
                 p = tl.load(p_ptrs, mask=offs_j[None, :] < (K - k0) // 2, other=0)
                 s = tl.load(s_ptrs, mask=offs_g[None, :] < (K - k0) // BS, other=0)
-            w_even, w_odd = dequant_lut4(p, s, lut_ptr, FMT, BS, BLOCK_N, BLOCK_K, NF4_TREE)
+            w_even, w_odd = dequant_lut4(p, s, lut_ptr, FMT, BS, BLOCK_N, BLOCK_K)
             if INTERPRET:  # float32 holding the activation dtype's rounding (the interpreter's cast truncates)
                 w_even = _round_f32_to(w_even, x_ptr.dtype.element_ty)
                 w_odd = _round_f32_to(w_odd, x_ptr.dtype.element_ty)
@@ -348,25 +323,26 @@ def gemv_config(m: int, n: int, k: int, fmt: str, interpret: bool) -> dict:
     """The fixed tile config of ``lut4_gemv`` for this shape (no autotuning: reproducible runs).
 
     One row: float32 FMAs over [32, BLOCK_K / 2] weight pairs per step, BLOCK_K = ``k_tile(K)``;
-    2..64 rows: ``tl.dot`` tiles of 64 weight rows x BLOCK_K 64 x BLOCK_M (``gemv_block_m``). Chosen
-    by compiling for sm_90 (``tests/test_lut4_compile.py``), not by timing: NVFP4's measured decode
-    shapes (64 x 256 FMA, 64 x 128 x 4 stages dot) spill registers here (NF4's gather and the float32
-    products: 255 registers and 232 bytes of stack at M = 1), these do not (the test checks every
-    BLOCK_M at K = 3584 and 896); one row loads packed rows as 16-byte vectors when K is a whole
-    number of tiles (the test checks that too), more rows stream them through shared memory with
-    cp.async. Timed on an H100 in hold 12 (docs/kernels.md): NF4 on the MMA path is slow, its gather
-    pipelined through shared memory (``NF4_TREE`` below). K is split until the grid has two programs
-    per SM (``splitk.choose_split_k``)."""
+    2..64 rows: ``tl.dot`` tiles of 64 weight rows x BLOCK_K 64 x BLOCK_M (``gemv_block_m``), three
+    pipeline stages for MXFP4 and one for NF4. The tiles were chosen by compiling for sm_90
+    (``tests/test_lut4_compile.py``: NVFP4's decode shapes, 64 x 256 FMA and 64 x 128 x 4 stages dot,
+    spill registers here; these do not), the stages by timing (H200, hold 13,
+    bench/results/fair_h200/hold13/sweep.md, every config that compiles without spilling, per 7B
+    layer): with three stages Triton's pipeliner turns NF4's table gather into one 4-byte async copy
+    per weight through shared memory (sm_90 SASS: 69 LDGSTS per loop at 8 rows against MXFP4's 6), and
+    one stage halves NF4's time at 8 rows (gate/up 95.1 against 172.8 us; 1.2-1.8x on every layer, and
+    at 64 rows); MXFP4 keeps three (gate/up 73.7 against 79.6 us with one). One row loads packed rows
+    as 16-byte vectors when K is a whole number of tiles (the compile test checks that too), more rows
+    stream them through shared memory with cp.async. K is split until the grid has two programs per
+    SM (``splitk.choose_split_k``)."""
     if interpret:
         cfg = dict(BLOCK_N=16, BLOCK_K=64, USE_DOT=m > 1, num_warps=4, num_stages=1)
     elif m == 1:
         cfg = dict(BLOCK_N=32, BLOCK_K=k_tile(k), USE_DOT=False, num_warps=4, num_stages=2)
     else:  # 64 rows: 8 warps (at 4, NF4's fp32 tile spills 8 bytes at 168 registers)
-        cfg = dict(BLOCK_N=64, BLOCK_K=64, USE_DOT=True, num_warps=8 if m > 32 else 4, num_stages=3)
+        cfg = dict(BLOCK_N=64, BLOCK_K=64, USE_DOT=True, num_warps=8 if m > 32 else 4,
+                   num_stages=1 if fmt == "nf4" else 3)
     cfg["SPLIT_K"] = choose_split_k(n, k, cfg["BLOCK_N"], cfg["BLOCK_K"], 2)
-    # NF4's levels from the select tree (``_nf4_tree``) instead of the table's gather: off until a GPU
-    # measurement says (bench.bench_lut4 times both; hold 12's NF4 took 3.5x its one-row time at 8 rows)
-    cfg["NF4_TREE"] = False
     return cfg
 
 
@@ -403,5 +379,5 @@ def lut4_gemv(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, fmt: 
         FMT=FORMAT_IDS[fmt], BS=BLOCK_SIZES[fmt], HAS_BIAS=bias is not None, INTERPRET=interpret,
         IEEE=interpret or x.dtype == torch.float32, EVEN_K=k % cfg["BLOCK_K"] == 0,
         USE_DOT=cfg["USE_DOT"], SPLIT_K=split, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=cfg["BLOCK_K"],
-        NF4_TREE=bool(cfg["NF4_TREE"]) and fmt == "nf4", num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     return y.to(x.dtype)

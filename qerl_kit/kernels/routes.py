@@ -122,6 +122,8 @@ LUT4_DECODE_MAX_M = 64  # the most rows lut4_gemv takes (its largest tl.dot tile
 _RUN = "bench/results/routes_h200.md"   # humming, our kernels and bf16 per layer and M, in one run
 _DECODE = "lab/results/cuda_decode_h200.md, against the Triton decode kernel (the rule without humming)"
 
+_SWEEP = ("bench/results/fair_h200/hold13/sweep.md (H200, 2026-12-06: every lut4_gemv config that compiles "
+          "without spilling against lut4_dense per 7B layer at 8 and 64 rows, CUDA graphs, one run)")
 _FAIR = ("bench/results/fair_h100/hold12/lut4.md (H100 80GB, 2026-12-06: lut4_gemv against lut4_dequantize + "
          "cuBLAS bf16 per 7B layer, CUDA graphs, one run)")
 
@@ -166,19 +168,22 @@ ROUTES: tuple[Route, ...] = (
     Route("triton_dgrad", op="dgrad", why="Triton's CPU interpreter, where the dense path does not run"),
     Route("reference", op="dgrad", why="no kernel can take the call here"),
     # -- NF4 and MXFP4 (lut4_triton): the decode GEMV where it beat dequantize + cuBLAS, else the dense path --
-    # Per 7B layer, H100, one run (_FAIR): the GEMV against the same run's dequantization plus cuBLAS bf16
-    # at the same rows (what lut4_dense runs). One row (the FMA path): the GEMV for both formats (NF4
-    # gate/up 48.1 against 117.9 us, q/o 12.1 against 21.0; MXFP4 60.8 against 118.3, 14.1 against 21.9).
+    # Per 7B layer: H100 hold 12 (_FAIR: the GEMV against the same run's dequantization plus cuBLAS bf16)
+    # and H200 hold 13 (_SWEEP: every GEMV config against lut4_dense itself). One row (the FMA path): the
+    # GEMV for both formats (H100: NF4 gate/up 48.1 against 117.9 us, q/o 12.1 against 21.0; MXFP4 60.8
+    # against 118.3, 14.1 against 21.9).
     Route("lut4_gemv", rows=(1, 2), dtypes=LUT4_DTYPES, formats=LUT4, why=_FAIR + ": one row"),
-    # MXFP4 up to 16 rows (the MMA path's 16-row tile): gate/up 73.0 against 116.6 us, q/o 16.3 against
-    # 23.5, k/v 9.7 against 11.2 at 16 rows; at 64 the dense path (gate/up 199.9 against 115.8 us, q/o
-    # 40.9 against 22.3); 17-63 rows not measured, the dense path taken
-    Route("lut4_gemv", rows=(2, 17), dtypes=LUT4_DTYPES, formats=("mxfp4",), why=_FAIR + ": 8 and 16 rows"),
-    # NF4 from 2 rows the dense path: the GEMV's MMA path gathers its table through shared memory
-    # (docs/kernels.md): at 8 rows gate/up 170.1 against 118.2 us, down 150.6 against 118.1, q/o 33.7
-    # against 21.2, k/v 12.9 against 10.8; at 64 rows 2.0-3.0x. Above 64 rows the GEMV takes no call.
-    Route("lut4_dense", dtypes=LUT4_DTYPES, formats=LUT4, why=_FAIR + "; NVFP4's dense path wins from 128 rows "
-          "too (bench/results/nvfp4_gemm_h200.md)"),
+    # MXFP4 up to 16 rows (the MMA path's 16-row tile): H200 at 8 rows gate/up 73.7 against 96.3 us,
+    # down 64.3 against 96.1, q/o 16.3 against 19.4, qkv 22.5 against 22.4 (H100 at 16: gate/up 73.0
+    # against 116.6); at 64 rows the dense path (H200 gate/up 203.7 against 95.7); 17-63 not measured
+    Route("lut4_gemv", rows=(2, 17), dtypes=LUT4_DTYPES, formats=("mxfp4",), why=_SWEEP + "; " + _FAIR),
+    # NF4 up to 16 rows from 64M weights, on its one-stage MMA config (gemv_config): H200 at 8 rows
+    # gate_up (fused) 143.5 against 179.8 us, down 81.1 against 91.7, gate/up 95.1 against 92.8 (a tie);
+    # below 64M the dense path (qkv 20.8 against 27.3, k/v 10.9 against 12.1, q/o 18.6 both)
+    Route("lut4_gemv", rows=(2, 17), weights=(64 * M, BIG), dtypes=LUT4_DTYPES, formats=("nf4",), why=_SWEEP),
+    # Everything else the dense path: at 64 rows it beats every GEMV config on every 7B layer (H200: NF4
+    # 1.5-4.1x, MXFP4 1.3-2.5x); NVFP4's dense path wins from 128 rows too (nvfp4_gemm_h200.md)
+    Route("lut4_dense", dtypes=LUT4_DTYPES, formats=LUT4, why=_SWEEP + "; " + _FAIR),
     Route("reference", dtypes=LUT4_DTYPES, formats=LUT4, why="no kernel can take the call here"),
     Route("lut4_dense", op="dgrad", dtypes=LUT4_DTYPES, formats=LUT4, why="the dense path: NF4/MXFP4 have no fused "
           "input-gradient kernel"),
