@@ -181,8 +181,8 @@ ROUTES: tuple[Route, ...] = (
     # gate_up (fused) 143.5 against 179.8 us, down 81.1 against 91.7, gate/up 95.1 against 92.8 (a tie);
     # below 64M the dense path (qkv 20.8 against 27.3, k/v 10.9 against 12.1, q/o 18.6 both)
     Route("lut4_gemv", rows=(2, 17), weights=(64 * M, BIG), dtypes=LUT4_DTYPES, formats=("nf4",), why=_SWEEP),
-    # Everything else the dense path: at 64 rows it beats every GEMV config on every 7B layer (H200: NF4
-    # 1.5-4.1x, MXFP4 1.3-2.5x); NVFP4's dense path wins from 128 rows too (nvfp4_gemm_h200.md)
+    # Everything else the dense path: at 64 rows it beats every GEMV config on every 7B layer (H200: each
+    # layer's best config by 1.5-3.1x for NF4, 1.3-2.3x for MXFP4); NVFP4's dense path wins from 128 rows too
     Route("lut4_dense", dtypes=LUT4_DTYPES, formats=LUT4, why=_SWEEP + "; " + _FAIR),
     Route("reference", dtypes=LUT4_DTYPES, formats=LUT4, why="no kernel can take the call here"),
     Route("lut4_dense", op="dgrad", dtypes=LUT4_DTYPES, formats=LUT4, why="the dense path: NF4/MXFP4 have no fused "
