@@ -350,6 +350,8 @@ def main() -> None:
         tracked, collected = len(gc.get_objects()), [g["collections"] for g in gc.get_stats()]
         timed = time_modes(policy, batches, args.mu, modes, args.repeats)
         collected = [g["collections"] - c for g, c in zip(gc.get_stats(), collected)]
+        if args.gc_freeze:  # back to collectable: this format's model must go before the next one's loads
+            gc.unfreeze()
         dense = timed["dense"]
         bf16 = dense["s"] if fmt == "none" else bf16
         row = mode_row(fmt, timed, bf16)
