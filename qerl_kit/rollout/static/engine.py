@@ -300,7 +300,9 @@ class StaticEngine(ModelEngine):
                         ignore_eos: bool, stop_after: list[int] | None = None) -> Generation:
         """One batch: prefill, decode, and the completions cut at their stops (module docstring)."""
         B, new, rows = len(prompt_ids), sampling.max_new_tokens, len(prompt_ids) * n
-        ids, mask, width = self._pad_prompts(prompt_ids, lambda own: self._held_width(rows, n, own, new))
+        longest = max(len(p) for p in prompt_ids)
+        width = self._held_width(rows, n, -(-longest // self.prompt_bucket) * self.prompt_bucket, new)
+        ids, mask = self._pad_prompts(prompt_ids, longest, width)
         st = self._state_for(rows, n, width, new)
         if st.cache.prompt_row is not None:  # an earlier call's compaction moved rows
             st.cache.prompt_row.copy_(torch.arange(B, device=self.device).repeat_interleave(n))
@@ -313,7 +315,6 @@ class StaticEngine(ModelEngine):
         self._wait()
         t2 = time.perf_counter()
         c_ids, cmask, logprobs, stopped = self._completions(out_tok, out_lp, steps, ignore_eos, forced_len)
-        longest = max(len(p) for p in prompt_ids)
         stats.update({"rollout/prefill_seconds": t1 - t0, "rollout/decode_seconds": t2 - t1,
                       "rollout/dense_row_steps": rows * (steps - 1)})
         return Generation(ids[:, width - longest:].repeat_interleave(n, 0),
@@ -325,25 +326,24 @@ class StaticEngine(ModelEngine):
             torch.cuda.synchronize(self.device)
 
     def _held_width(self, rows: int, n: int, width: int, new: int) -> int:
-        """The held cache's prompt width where it can take a call of this shape whose prompts need
-        ``width`` (same rows, group size and new tokens; at most ``reuse_pad`` wider), else ``width``."""
+        """The prompt width of this call: the held cache's where it can take a call of this shape whose
+        longest prompt rounds up to ``width`` (same rows, group size and new tokens; at most
+        ``reuse_pad`` wider), else ``width``."""
         if self._state is None:
             return width
         held_rows, held_n, held_width, held_new = self._state[0]
         fits = (held_rows, held_n, held_new) == (rows, n, new) and width <= held_width <= width + self.reuse_pad
         return held_width if fits else width
 
-    def _pad_prompts(self, prompt_ids: list[list[int]], widen=None) -> tuple[Tensor, Tensor, int]:
-        """(ids [B, P], attention mask [B, P], P): the prompts left-padded to P, the longest rounded up
-        to ``prompt_bucket`` (then ``widen(P)``, when given), on the engine's device."""
-        B, longest = len(prompt_ids), max(len(p) for p in prompt_ids)
-        width = -(-longest // self.prompt_bucket) * self.prompt_bucket
-        width = widen(width) if widen is not None else width
+    def _pad_prompts(self, prompt_ids: list[list[int]], longest: int, width: int) -> tuple[Tensor, Tensor]:
+        """(ids [B, width], attention mask [B, width]): the prompts (the longest ``longest`` tokens)
+        left-padded to ``width``, on the engine's device."""
+        B = len(prompt_ids)
         ids = pad_rows([torch.tensor(p, dtype=torch.long) for p in prompt_ids], self.pad_token_id, left=True)
         mask = pad_rows([torch.ones(len(p), dtype=torch.long) for p in prompt_ids], 0, left=True)
         ids = torch.cat([ids.new_full((B, width - longest), self.pad_token_id), ids], 1).to(self.device)
         mask = torch.cat([mask.new_zeros((B, width - longest)), mask], 1).to(self.device)
-        return ids, mask, width
+        return ids, mask
 
     def _prefill(self, st: DecodeState, ids: Tensor, mask: Tensor, n: int,
                  sampling: SamplingParams) -> tuple[Tensor, Tensor]:
